@@ -1,0 +1,122 @@
+"""Capture per-layer attention activations with a registered attention function, and measure
+how much a KV quantization scheme perturbs each layer's attention output.
+
+The capture function sees post-RoPE (and post-QK-norm) queries and keys, raw values and the
+attention output, exactly as the model's attention computes them, then delegates to SDPA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+CAPTURE_KEY = "oscar_kv_capture"
+_active: list = []  # the observer of the forward in flight (a stack, so captures can nest)
+
+
+class NonFiniteActivations(ValueError):
+    pass
+
+
+def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                          dropout=dropout, **kwargs)
+    if _active:
+        for name, t in (("queries", query), ("keys", key), ("values", value), ("attention outputs", out)):
+            if not torch.isfinite(t).all():
+                raise NonFiniteActivations(f"layer {module.layer_idx}: the model produced NaN/Inf {name}; "
+                                           "check the model weights and the dtype (try float32)")
+        _active[-1](module.layer_idx, query, key, value, out.transpose(1, 2))
+    return out, weights
+
+
+def register_capture() -> None:
+    AttentionInterface.register(CAPTURE_KEY, _capture_attention)
+    AttentionMaskInterface.register(CAPTURE_KEY, sdpa_mask)
+
+
+@contextlib.contextmanager
+def observing(model, observer):
+    """Within the block, every attention call of ``model`` reports (layer, q, k, v, out) to ``observer``.
+
+    q/out are [B, Hq, T, D], k/v [B, Hkv, T, D]; q and k post-RoPE, v as projected.
+    """
+    register_capture()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE_KEY)
+    _active.append(observer)
+    try:
+        yield
+    finally:
+        _active.pop()
+        model.set_attn_implementation(previous)
+
+
+@dataclass
+class LayerSample:
+    """Activations of one sequence at one layer (batch 1), float32 on the CPU."""
+
+    q: torch.Tensor  # [Hq, T, D]
+    k: torch.Tensor  # [Hkv, T, D]
+    v: torch.Tensor  # [Hkv, T, D]
+
+
+@torch.no_grad()
+def capture_samples(model, input_ids: torch.Tensor) -> list[LayerSample]:
+    """Run one sequence and keep every layer's q, k, v."""
+    samples: dict[int, LayerSample] = {}
+
+    def keep(layer, q, k, v, out):
+        samples[layer] = LayerSample(q[0].float().cpu(), k[0].float().cpu(), v[0].float().cpu())
+
+    with observing(model, keep):
+        model(input_ids.to(model.device), use_cache=False)
+    return [samples[i] for i in range(len(samples))]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Exact causal attention, q [Hq, T, D], k/v [Hkv, T, D] (GQA) -> [Hq, T, D], float32."""
+    hq, hkv = q.shape[0], k.shape[0]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(hq // hkv, 0), v.float().repeat_interleave(hq // hkv, 0), is_causal=True)
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx - exact).norm() / exact.norm().clamp_min(1e-12))
+
+
+def _per_head(r: torch.Tensor, heads: int) -> torch.Tensor:
+    return r.expand(heads, *r.shape[1:]) if r.shape[0] == 1 else r
+
+
+def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mean, v_mean, k_clip, v_clip,
+                              bits: int = 2, group_size: int | None = None,
+                              quantize_keys: bool = True, quantize_values: bool = True, sink_size: int = 64) -> float:
+    """Relative error of one layer's causal attention output when its K/V are stored quantized.
+
+    The first ``sink_size`` tokens stay exact (as the cache's sink does); every later token is
+    quantized (no recent window), so this isolates the quantizer + rotation quality.
+    Rotations [H|1, D, D], means [Hkv, D], clips [Hkv].
+    """
+    from .quant import fake_quantize  # local: quant is the lower layer
+
+    hq, hkv = sample.q.shape[0], sample.k.shape[0]
+    rk, rv = _per_head(k_rotation.float(), hkv), _per_head(v_rotation.float(), hkv)
+    exact = causal_attention(sample.q, sample.k, sample.v)
+    k_rot = torch.einsum("htd,hde->hte", sample.k - k_mean[:, None], rk)
+    v_rot = torch.einsum("htd,hde->hte", sample.v - v_mean[:, None], rv)
+    q_rot = torch.einsum("hgtd,hde->hgte", sample.q.reshape(hkv, hq // hkv, *sample.q.shape[1:]), rk).reshape_as(sample.q)
+    s = sink_size
+    if quantize_keys:
+        k_rot = torch.cat([k_rot[:, :s], fake_quantize(k_rot[:, s:], bits, group_size, k_clip[:, None].float())], 1)
+    if quantize_values:
+        v_rot = torch.cat([v_rot[:, :s], fake_quantize(v_rot[:, s:], bits, group_size, v_clip[:, None].float())], 1)
+    out_rot = causal_attention(q_rot, k_rot, v_rot)  # [Hq, T, D] in value-rotated space
+    head_of = torch.arange(hq) // (hq // hkv)
+    out = torch.einsum("hte,hde->htd", out_rot, rv[head_of]) + v_mean[head_of][:, None]
+    return relative_error(out, exact)

@@ -1,0 +1,216 @@
+"""The rotation artifact: a directory with ``rotations.safetensors`` and ``manifest.json``.
+
+Tensors (float32 unless noted; H = KV heads, or 1 when one rotation is shared per layer):
+  k_rotation [L, H, D, D], v_rotation [L, H, D, D]   orthogonal, applied as ``x @ R``
+  k_eigenvalues [L, H, D], v_eigenvalues [L, H, D]   descending, of the covariances R was built from
+  k_mean [L, Hkv, D], v_mean [L, Hkv, D]             centering offsets (zeros when centering is off)
+  k_clip [L, Hkv], v_clip [L, Hkv]                   clip ratios used for INT2 rows
+  layer_bits [L] int32                               storage precision of the quantized history per layer
+
+The manifest holds the format version, the model's attention geometry and fingerprint, the
+calibration settings, validation results and a sha256 of the tensor file.  Loading checks all of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .models import AttentionGeometry
+from .rotation import ORTHOGONALITY_TOLERANCE, compose, orthogonality_error
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+TENSOR_FILE = "rotations.safetensors"
+MANIFEST_FILE = "manifest.json"
+DEFAULT_K_CLIP = 0.96
+DEFAULT_V_CLIP = 0.92
+
+
+class ArtifactError(ValueError):
+    """A rotation artifact is missing, corrupt, or made for another model."""
+
+
+@dataclass
+class Rotations:
+    k_rotation: torch.Tensor
+    v_rotation: torch.Tensor
+    k_eigenvalues: torch.Tensor
+    v_eigenvalues: torch.Tensor
+    k_mean: torch.Tensor
+    v_mean: torch.Tensor
+    k_clip: torch.Tensor
+    v_clip: torch.Tensor
+    layer_bits: torch.Tensor
+    geometry: AttentionGeometry
+    group_size: int
+    manifest: dict = field(default_factory=dict)
+
+    TENSORS = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_mean", "v_mean",
+               "k_clip", "v_clip", "layer_bits")
+
+    @property
+    def scope(self) -> str:
+        return "per-layer" if self.k_rotation.shape[1] == 1 else "per-head"
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name).contiguous() for name in self.TENSORS}
+
+    def rotation_for_head(self, which: str, layer: int, kv_head: int) -> torch.Tensor:
+        r = getattr(self, f"{which}_rotation")[layer]
+        return r[0] if r.shape[0] == 1 else r[kv_head]
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def data_free(cls, geometry: AttentionGeometry, composition: str, group_size: int | None = None,
+                  k_clip: float = 1.0, v_clip: float = 1.0) -> "Rotations":
+        """Rotations that need no calibration: ``identity`` (naive INT2) or ``hadamard`` (QuaRot-style)."""
+        g = geometry
+        group_size = group_size or min(g.head_dim, 128)
+        r, _ = compose(None, g.head_dim, group_size, composition)
+        rot = r.float().expand(g.num_layers, 1, g.head_dim, g.head_dim).clone()
+        zeros = torch.zeros(g.num_layers, g.num_kv_heads, g.head_dim)
+        return cls(rot, rot.clone(), torch.zeros(g.num_layers, 1, g.head_dim), torch.zeros(g.num_layers, 1, g.head_dim),
+                   zeros, zeros.clone(), torch.full((g.num_layers, g.num_kv_heads), k_clip),
+                   torch.full((g.num_layers, g.num_kv_heads), v_clip),
+                   torch.full((g.num_layers,), 2, dtype=torch.int32), g, group_size,
+                   {"calibration": {"composition": composition}})
+
+    # ---- validation ---------------------------------------------------------------------
+    def validate(self, geometry: AttentionGeometry | None = None) -> None:
+        g = self.geometry
+        if geometry is not None:
+            mine, theirs = g.as_dict(), geometry.as_dict()
+            diff = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
+            if diff:
+                raise ArtifactError("rotation artifact was calibrated for another model: "
+                                    + ", ".join(f"{k} is {a} in the artifact but {b} in the model" for k, (a, b) in diff.items()))
+        L, Hkv, D = g.num_layers, g.num_kv_heads, g.head_dim
+        for which in ("k", "v"):
+            r = getattr(self, f"{which}_rotation")
+            if r.dim() != 4 or r.shape[0] != L or r.shape[1] not in (1, Hkv) or r.shape[2:] != (D, D):
+                raise ArtifactError(f"{which}_rotation has shape {tuple(r.shape)}; expected [{L}, 1 or {Hkv}, {D}, {D}]")
+            for name, shape in ((f"{which}_mean", (L, Hkv, D)), (f"{which}_clip", (L, Hkv))):
+                if tuple(getattr(self, name).shape) != shape:
+                    raise ArtifactError(f"{name} has shape {tuple(getattr(self, name).shape)}; expected {list(shape)}")
+            if not torch.isfinite(r).all():
+                raise ArtifactError(f"{which}_rotation contains NaN or Inf")
+            err = orthogonality_error(r)
+            if err > ORTHOGONALITY_TOLERANCE:
+                raise ArtifactError(f"{which}_rotation is not orthogonal: max |R R^T - I| = {err:.2e} > {ORTHOGONALITY_TOLERANCE}")
+            clip = getattr(self, f"{which}_clip")
+            if not ((clip > 0) & (clip <= 1)).all():
+                raise ArtifactError(f"{which}_clip ratios must lie in (0, 1]")
+            if not torch.isfinite(getattr(self, f"{which}_mean")).all():
+                raise ArtifactError(f"{which}_mean contains NaN or Inf")
+        if tuple(self.layer_bits.shape) != (L,) or not set(self.layer_bits.tolist()) <= {2, 4, 8, 16}:
+            raise ArtifactError("layer_bits must hold one of 2, 4, 8, 16 per layer")
+        if self.group_size <= 0 or D % self.group_size:
+            raise ArtifactError(f"group size {self.group_size} does not divide the head dim {D}")
+
+    # ---- persistence --------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.validate()
+        path = directory / TENSOR_FILE
+        save_file(self.tensors(), str(path))
+        manifest = dict(self.manifest)
+        manifest.update(format_version=FORMAT_VERSION, geometry=self.geometry.as_dict(), group_size=self.group_size,
+                        rotation_scope=self.scope, sha256=_sha256(path))
+        (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        self.manifest = manifest
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, geometry: AttentionGeometry | None = None,
+             fingerprint: str | None = None) -> "Rotations":
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise ArtifactError(f"rotation artifact {directory} does not exist (run `oscar-kv calibrate` first)")
+        manifest_path, tensor_path = directory / MANIFEST_FILE, directory / TENSOR_FILE
+        for p in (manifest_path, tensor_path):
+            if not p.is_file():
+                raise ArtifactError(f"{directory} is not a rotation artifact: {p.name} is missing")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(f"{manifest_path} is not valid JSON: {exc}") from exc
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(f"unsupported artifact format version {manifest.get('format_version')!r} (expected {FORMAT_VERSION})")
+        if manifest.get("sha256") != _sha256(tensor_path):
+            raise ArtifactError(f"{tensor_path} does not match its checksum: the file is truncated or modified")
+        try:
+            tensors = load_file(str(tensor_path))
+        except (SafetensorError, OSError) as exc:
+            raise ArtifactError(f"cannot read {tensor_path}: {exc}") from exc
+        missing = [t for t in cls.TENSORS if t not in tensors]
+        if missing:
+            raise ArtifactError(f"{tensor_path} lacks tensors {missing}")
+        try:
+            art_geometry = AttentionGeometry(**manifest["geometry"])
+            group_size = int(manifest["group_size"])
+        except (KeyError, TypeError) as exc:
+            raise ArtifactError(f"{manifest_path} lacks the model geometry or group size") from exc
+        art = cls(**{t: tensors[t] for t in cls.TENSORS}, geometry=art_geometry, group_size=group_size, manifest=manifest)
+        art.validate(geometry)
+        stored = manifest.get("fingerprint")
+        if fingerprint and stored and stored != fingerprint:
+            log.warning("the artifact was calibrated on a model with the same geometry but other weights "
+                        "(fingerprint %s, model %s); accuracy may suffer - recalibrate for this model", stored, fingerprint)
+        return art
+
+
+def model_fingerprint(model) -> str:
+    """A short hash of the attention geometry and the first layer's key projection weights."""
+    geometry = json.dumps(AttentionGeometry.of(model.config).as_dict(), sort_keys=True)
+    k_proj = model.model.layers[0].self_attn.k_proj.weight.detach().to(torch.bfloat16).float().cpu()
+    h = hashlib.sha256(geometry.encode())
+    h.update(k_proj.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def import_reference_checkpoint(k_path: str | Path, v_path: str | Path, geometry: AttentionGeometry,
+                                group_size: int | None = None, k_clip: float = DEFAULT_K_CLIP,
+                                v_clip: float = DEFAULT_V_CLIP) -> Rotations:
+    """Import the authors' per-layer ``{k,v}_rotation_*.pt`` checkpoints (no centering, fixed clips)."""
+    per_layer = {}
+    for which, path in (("k", k_path), ("v", v_path)):
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises several types for bad pickles
+            raise ArtifactError(f"cannot read the reference checkpoint {path}: {exc}") from exc
+        layers = ckpt.get("layers") if isinstance(ckpt, dict) else None
+        if not isinstance(layers, dict):
+            raise ArtifactError(f"{path} is not an OSCAR reference checkpoint (no 'layers' dict)")
+        layers = {int(k): v for k, v in layers.items()}
+        missing = [i for i in range(geometry.num_layers) if i not in layers]
+        if missing:
+            raise ArtifactError(f"{path} lacks layers {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        rot = torch.stack([layers[i]["rotation"].float() for i in range(geometry.num_layers)]).unsqueeze(1)
+        lam = torch.stack([layers[i]["eigenvalues"].float().flip(-1) for i in range(geometry.num_layers)]).unsqueeze(1)
+        per_layer[which] = (rot, lam)
+    g = geometry
+    zeros = torch.zeros(g.num_layers, g.num_kv_heads, g.head_dim)
+    art = Rotations(per_layer["k"][0], per_layer["v"][0], per_layer["k"][1], per_layer["v"][1], zeros, zeros.clone(),
+                    torch.full((g.num_layers, g.num_kv_heads), k_clip), torch.full((g.num_layers, g.num_kv_heads), v_clip),
+                    torch.full((g.num_layers,), 2, dtype=torch.int32), g, group_size or min(g.head_dim, 128),
+                    {"calibration": {"source": "reference-checkpoint", "k_path": str(k_path), "v_path": str(v_path)}})
+    art.validate()
+    return art

@@ -1,0 +1,253 @@
+"""OSCAR calibration: stream attention statistics from real text, fit rotations, write an artifact.
+
+Per layer and KV head h (GQA group of g query heads), accumulated in float64 without storing
+activations:
+  C_Q  = mean q q^T over the group's post-RoPE queries     -> key rotation (logit error weight)
+  mu_K = mean post-RoPE key                                  -> key centering
+  C_S  = mean O O^T over the group's attention outputs       -> value rotation; O = S V, so
+         O^T O = V^T S^T S V exactly (centered by mu_V when values are centered)
+  mu_V = mean value                                          -> value centering
+Then R = U . P_br . H_G per head (or per layer, covariances averaged over heads), optional
+clip-ratio fitting on a held-back sequence, and a validation table of per-layer attention error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .activations import LayerSample, capture_samples, observing, quantized_attention_error
+from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
+from .corpus import load_calibration_text
+from .models import AttentionGeometry
+from .rotation import compose
+
+log = logging.getLogger(__name__)
+
+CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80)
+SCOPES = ("per-head", "per-layer")
+
+
+@dataclass
+class CalibrationSettings:
+    calib_tokens: int = 8192
+    seq_len: int = 1024
+    group_size: int | None = None
+    rotation_scope: str = "per-head"
+    composition: str = "oscar"
+    center_keys: bool = True
+    center_values: bool = True
+    clip: str = "fixed"  # "fixed" uses k_clip/v_clip; "fit" picks per layer/head from CLIP_CANDIDATES
+    k_clip: float = DEFAULT_K_CLIP
+    v_clip: float = DEFAULT_V_CLIP
+    layer_policy: str = "off"  # "auto" stores layers whose INT2 error is an outlier at INT4
+    probe_tokens: int = 512
+
+    def __post_init__(self):
+        if self.rotation_scope not in SCOPES:
+            raise ValueError(f"rotation scope must be one of {SCOPES}")
+        if self.clip not in ("fixed", "fit"):
+            raise ValueError("clip must be 'fixed' or 'fit'")
+        if self.layer_policy not in ("off", "auto"):
+            raise ValueError("layer policy must be 'off' or 'auto'")
+        if self.calib_tokens < 16 or self.seq_len < 16:
+            raise ValueError("calibration needs at least 16 tokens")
+        for c in (self.k_clip, self.v_clip):
+            if not 0 < c <= 1:
+                raise ValueError("clip ratios must lie in (0, 1]")
+
+
+class Statistics:
+    """Float64 running sums per layer and KV head."""
+
+    def __init__(self, geometry: AttentionGeometry):
+        g = geometry
+        shape_dd = (g.num_layers, g.num_kv_heads, g.head_dim, g.head_dim)
+        shape_d = (g.num_layers, g.num_kv_heads, g.head_dim)
+        self.geometry = g
+        self.qq = torch.zeros(shape_dd, dtype=torch.float64)
+        self.oo = torch.zeros(shape_dd, dtype=torch.float64)
+        self.o_sum = torch.zeros(shape_d, dtype=torch.float64)
+        self.k_sum = torch.zeros(shape_d, dtype=torch.float64)
+        self.v_sum = torch.zeros(shape_d, dtype=torch.float64)
+        self.rows = torch.zeros(g.num_layers, dtype=torch.float64)  # query rows per KV head
+        self.tokens = torch.zeros(g.num_layers, dtype=torch.float64)
+
+    @torch.no_grad()
+    def add(self, layer: int, q, k, v, out) -> None:
+        b, hq, t, d = q.shape
+        hkv = k.shape[1]
+        grouped_q = q.to(torch.float64).reshape(b, hkv, hq // hkv, t, d).transpose(0, 1).reshape(hkv, -1, d)
+        grouped_o = out.to(torch.float64).reshape(b, hkv, hq // hkv, t, d).transpose(0, 1).reshape(hkv, -1, d)
+        self.qq[layer] += (grouped_q.transpose(1, 2) @ grouped_q).cpu()
+        self.oo[layer] += (grouped_o.transpose(1, 2) @ grouped_o).cpu()
+        self.o_sum[layer] += grouped_o.sum(1).cpu()
+        self.k_sum[layer] += k.to(torch.float64).sum((0, 2)).cpu()
+        self.v_sum[layer] += v.to(torch.float64).sum((0, 2)).cpu()
+        self.rows[layer] += grouped_q.shape[1]
+        self.tokens[layer] += b * t
+
+    def moments(self, center_keys: bool, center_values: bool):
+        """(C_Q, C_S, mu_K, mu_V) per layer and KV head."""
+        rows = self.rows[:, None, None, None]
+        toks = self.tokens[:, None, None]
+        c_q = self.qq / rows
+        mu_k = self.k_sum / toks if center_keys else torch.zeros_like(self.k_sum)
+        mu_v = self.v_sum / toks if center_values else torch.zeros_like(self.v_sum)
+        mean_o = self.o_sum / self.rows[:, None, None]
+        # E[(O - mu)(O - mu)^T] = E[O O^T] - mu E[O]^T - E[O] mu^T + mu mu^T
+        c_s = (self.oo / rows - mu_v[..., :, None] * mean_o[..., None, :] - mean_o[..., :, None] * mu_v[..., None, :]
+               + mu_v[..., :, None] * mu_v[..., None, :])
+        return c_q, c_s, mu_k, mu_v
+
+
+def token_sequences(tokenizer, texts: list[str], seq_len: int, count: int) -> list[torch.Tensor]:
+    """Concatenate documents (EOS-separated) and cut ``count`` sequences of ``seq_len`` tokens."""
+    sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False).input_ids + sep)
+        if len(ids) >= seq_len * count:
+            break
+    available = len(ids) // seq_len
+    if available == 0:
+        raise ValueError(f"the calibration text has only {len(ids)} tokens; need at least {seq_len}")
+    if available < count:
+        log.warning("calibration text yields %d sequences of %d tokens, fewer than the %d asked for",
+                    available, seq_len, count)
+    return [torch.tensor(ids[i * seq_len:(i + 1) * seq_len]).unsqueeze(0) for i in range(min(count, available))]
+
+
+def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, calib_data: list[str] | None = None,
+              progress: bool = True) -> Rotations:
+    """Fit the OSCAR rotations for ``model`` and return them (not yet saved)."""
+    settings = settings or CalibrationSettings()
+    geometry = AttentionGeometry.of(model.config)
+    group_size = settings.group_size or min(geometry.head_dim, 128)
+    texts, source = load_calibration_text(calib_data)
+    max_len = getattr(model.config, "max_position_embeddings", None) or settings.seq_len
+    seq_len = min(settings.seq_len, max_len, settings.calib_tokens)
+    count = math.ceil(settings.calib_tokens / seq_len)
+    # One extra sequence is held back: clip fitting and validation must not see the fitting data.
+    sequences = token_sequences(tokenizer, texts, seq_len, count + 1)
+    if len(sequences) < 2:
+        raise ValueError("the calibration text is too short to hold back a validation sequence")
+    probe_ids, sequences = sequences[-1][:, :settings.probe_tokens], sequences[:-1]
+
+    started = time.perf_counter()
+    stats = Statistics(geometry)
+    with torch.no_grad(), observing(model, stats.add):
+        for ids in tqdm(sequences, desc="calibrating", unit="seq", disable=not progress):
+            model(ids.to(model.device), use_cache=False)
+    rotations = fit_rotations(stats, settings, group_size)
+    probe = capture_samples(model, probe_ids)
+    if settings.clip == "fit":
+        fit_clip_ratios(rotations, probe, progress)
+    table = error_table(rotations, probe)
+    proposed = propose_layer_bits(table["oscar"])
+    if settings.layer_policy == "auto":
+        rotations.layer_bits = torch.tensor(proposed, dtype=torch.int32)
+    rotations.manifest = {
+        "model": getattr(model, "oscar_model_name", getattr(model.config, "_name_or_path", "")),
+        "fingerprint": model_fingerprint(model),
+        "calibration": {**asdict(settings), "group_size": group_size, "seq_len": seq_len,
+                        "sequences": len(sequences), "tokens": int(stats.tokens[0]), "data": source,
+                        "seconds": round(time.perf_counter() - started, 1)},
+        "validation": {"probe_tokens": int(probe_ids.shape[1]), "attention_relative_error": table,
+                       "proposed_layer_bits": proposed},
+    }
+    return rotations
+
+
+def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: int) -> Rotations:
+    g = stats.geometry
+    c_q, c_s, mu_k, mu_v = stats.moments(settings.center_keys, settings.center_values)
+    if settings.rotation_scope == "per-layer":
+        c_q, c_s = c_q.mean(1, keepdim=True), c_s.mean(1, keepdim=True)
+    heads = c_q.shape[1]
+    out = {}
+    for which, cov in (("k", c_q), ("v", c_s)):
+        rot = torch.empty(g.num_layers, heads, g.head_dim, g.head_dim)
+        lam = torch.empty(g.num_layers, heads, g.head_dim)
+        for layer in range(g.num_layers):
+            for h in range(heads):
+                r, e = compose(cov[layer, h], g.head_dim, group_size, settings.composition)
+                rot[layer, h], lam[layer, h] = r.float(), e.float()
+        out[which] = (rot, lam)
+    clips = lambda c: torch.full((g.num_layers, g.num_kv_heads), c)  # noqa: E731
+    return Rotations(out["k"][0], out["v"][0], out["k"][1], out["v"][1], mu_k.float(), mu_v.float(),
+                     clips(settings.k_clip), clips(settings.v_clip),
+                     torch.full((g.num_layers,), 2, dtype=torch.int32), g, group_size)
+
+
+def _layer_error(rot: Rotations, sample: LayerSample, layer: int, k_clip=None, v_clip=None, **kwargs) -> float:
+    return quantized_attention_error(
+        sample, rot.k_rotation[layer], rot.v_rotation[layer], rot.k_mean[layer], rot.v_mean[layer],
+        rot.k_clip[layer] if k_clip is None else k_clip, rot.v_clip[layer] if v_clip is None else v_clip,
+        bits=2, group_size=rot.group_size, **kwargs)
+
+
+def fit_clip_ratios(rot: Rotations, probe: list[LayerSample], progress: bool = True) -> None:
+    """Pick, per layer (and KV head when rotations are per head), the clip ratio that minimizes the
+    attention output error on the held-back sequence, keys and values separately."""
+    hkv = rot.geometry.num_kv_heads
+    per_head = rot.scope == "per-head"
+    for layer in tqdm(range(rot.geometry.num_layers), desc="fitting clip ratios", disable=not progress):
+        for which in ("k", "v"):
+            heads = range(hkv) if per_head else [None]
+            for h in heads:
+                best, best_err = None, math.inf
+                for c in CLIP_CANDIDATES:
+                    ratios = getattr(rot, f"{which}_clip")[layer].clone()
+                    if h is None:
+                        ratios[:] = c
+                    else:
+                        ratios[h] = c
+                    err = _layer_error(rot, probe[layer], layer, **{f"{which}_clip": ratios},
+                                       quantize_keys=which == "k", quantize_values=which == "v")
+                    if err < best_err:
+                        best, best_err = c, err
+                if h is None:
+                    getattr(rot, f"{which}_clip")[layer, :] = best
+                else:
+                    getattr(rot, f"{which}_clip")[layer, h] = best
+
+
+def error_table(rot: Rotations, probe: list[LayerSample]) -> dict[str, list[float]]:
+    """Per-layer relative attention error at INT2 for identity, Hadamard-only and this artifact."""
+    g = rot.geometry
+    baselines = {
+        "identity": Rotations.data_free(g, "identity", rot.group_size, DEFAULT_K_CLIP, DEFAULT_V_CLIP),
+        "hadamard": Rotations.data_free(g, "hadamard", rot.group_size, DEFAULT_K_CLIP, DEFAULT_V_CLIP),
+        "oscar": rot,
+    }
+    return {name: [round(_layer_error(r, probe[i], i), 5) for i in range(g.num_layers)]
+            for name, r in baselines.items()}
+
+
+def propose_layer_bits(errors: list[float], ratio: float = 3.0) -> list[int]:
+    """INT4 for layers whose INT2 error is more than ``ratio`` times the median layer's."""
+    median = sorted(errors)[len(errors) // 2]
+    return [4 if e > ratio * median else 2 for e in errors]
+
+
+def format_error_table(table: dict[str, list[float]]) -> str:
+    names = list(table)
+    lines = ["layer  " + "  ".join(f"{n:>9}" for n in names)]
+    for i in range(len(table[names[0]])):
+        lines.append(f"{i:5d}  " + "  ".join(f"{table[n][i]:9.4f}" for n in names))
+    lines.append(" mean  " + "  ".join(f"{sum(table[n]) / len(table[n]):9.4f}" for n in names))
+    return "\n".join(lines)
+
+
+def write_summary(rot: Rotations, directory: Path) -> None:
+    (directory / "validation.txt").write_text(
+        format_error_table(rot.manifest["validation"]["attention_relative_error"]) + "\n")
+    log.info("artifact written to %s: %s", directory, json.dumps(rot.manifest["calibration"]))

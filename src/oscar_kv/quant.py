@@ -1,0 +1,144 @@
+"""Reference (torch) quantizer for KV rows: clip, asymmetric INT2/INT4/INT8, packing.
+
+This module is the specification the Triton kernels are tested against.
+
+Layout of one quantized row (one token x one KV head, D channels, group size G):
+  * codes: ``D * bits / 8`` uint8 bytes, **stride-packed**: with ``n = 8 // bits`` codes per byte,
+    byte ``j`` (0 <= j < D/n) holds channel ``j + k * D/n`` in bits ``[k*bits, (k+1)*bits)`` for
+    k = 0..n-1.  For INT2 and D=128: byte j holds channels j, j+32, j+64, j+96 in bit pairs
+    0-1, 2-3, 4-5, 6-7.  Unpacking yields n contiguous channel slices, which lets a kernel
+    dot each slice with a contiguous slice of the query instead of interleaving lanes.
+  * scale and minimum: one float16 each per group of G contiguous channels
+    (``D // G`` of each per row).  x_hat = code * scale + minimum.
+
+Codes are computed against the *stored* (float16-rounded) scale and minimum, so dequantization
+with the stored metadata is the nearest-level reconstruction of the clipped row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+METADATA_DTYPE = torch.float16
+SUPPORTED_BITS = (2, 4, 8)
+_F16_MAX = 65504.0
+
+
+@dataclass
+class QuantizedRows:
+    """Packed codes plus per-group float16 scale/minimum for a batch of rows (leading dims free)."""
+
+    codes: torch.Tensor  # uint8 [..., D * bits / 8]
+    scale: torch.Tensor  # float16 [..., D // G]
+    minimum: torch.Tensor  # float16 [..., D // G]
+    bits: int
+    group_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.codes.shape[-1] * 8 // self.bits
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum))
+
+    def select(self, index) -> "QuantizedRows":
+        """Index the leading dimensions of all three tensors alike (e.g. a token range)."""
+        return QuantizedRows(self.codes[index], self.scale[index], self.minimum[index], self.bits, self.group_size)
+
+
+def check_geometry(head_dim: int, group_size: int, bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if group_size <= 0 or head_dim % group_size != 0:
+        raise ValueError(f"group size {group_size} must divide the head dim {head_dim}")
+    if head_dim % (8 // bits) != 0:
+        raise ValueError(f"head dim {head_dim} must be a multiple of {8 // bits} for {bits}-bit packing")
+
+
+def clip_index(head_dim: int, ratio: float) -> int:
+    """Index into the ascending |x| of a row whose value is the clip threshold."""
+    return min(max(int(ratio * head_dim), 0), head_dim - 1)
+
+
+def clip_rows(x: torch.Tensor, ratio: float | torch.Tensor) -> torch.Tensor:
+    """Symmetrically clamp every row (last dim) at its ``ratio`` quantile of |x|.
+
+    ``ratio`` is a float, or a tensor broadcastable to ``x.shape[:-1]`` (per layer/head ratios).
+    A ratio of 1.0 leaves rows unchanged.  The threshold is the (floor(ratio*D))-th smallest |x|.
+    """
+    d = x.shape[-1]
+    sorted_abs = x.abs().sort(dim=-1).values
+    if isinstance(ratio, torch.Tensor):
+        idx = (ratio.to(torch.float64) * d).floor().clamp(0, d - 1).long()
+        idx = idx.expand(x.shape[:-1]).unsqueeze(-1)
+        tau = sorted_abs.gather(-1, idx)
+    else:
+        tau = sorted_abs[..., clip_index(d, ratio) : clip_index(d, ratio) + 1]
+    return torch.maximum(torch.minimum(x, tau), -tau)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Stride-pack integer codes (last dim D) into uint8, ``8 // bits`` codes per byte."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes.to(torch.uint8)
+    d = codes.shape[-1]
+    slices = codes.to(torch.uint8).reshape(*codes.shape[:-1], per_byte, d // per_byte)
+    packed = torch.zeros_like(slices[..., 0, :])
+    for k in range(per_byte):
+        packed |= slices[..., k, :] << (k * bits)
+    return packed
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: uint8 [..., D*bits/8] -> uint8 codes [..., D]."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed
+    mask = (1 << bits) - 1
+    parts = [(packed >> (k * bits)) & mask for k in range(per_byte)]
+    return torch.cat(parts, dim=-1)
+
+
+def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
+                  clip_ratio: float | torch.Tensor = 1.0) -> QuantizedRows:
+    """Clip then asymmetrically quantize each row of ``x`` (last dim D) per group of channels."""
+    d = x.shape[-1]
+    group_size = group_size or d
+    check_geometry(d, group_size, bits)
+    if not torch.isfinite(x).all():
+        raise ValueError("cannot quantize non-finite KV values (NaN or Inf in the activations)")
+    xf = clip_rows(x.float(), clip_ratio) if _clips(clip_ratio) else x.float()
+    groups = xf.reshape(*xf.shape[:-1], d // group_size, group_size)
+    lo = groups.amin(dim=-1).clamp(-_F16_MAX, _F16_MAX)
+    hi = groups.amax(dim=-1).clamp(-_F16_MAX, _F16_MAX)
+    levels = (1 << bits) - 1
+    minimum = lo.to(METADATA_DTYPE)
+    scale = ((hi - minimum.float()) / levels).to(METADATA_DTYPE)
+    # A constant group has scale 0: every code is 0 and x_hat = minimum.
+    safe = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
+    codes = ((groups - minimum.float().unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, levels)
+    codes = codes.reshape(xf.shape).to(torch.uint8)
+    return QuantizedRows(pack_codes(codes, bits), scale, minimum, bits, group_size)
+
+
+def dequantize_rows(q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    codes = unpack_codes(q.codes, q.bits).float()
+    d = codes.shape[-1]
+    groups = codes.reshape(*codes.shape[:-1], d // q.group_size, q.group_size)
+    out = groups * q.scale.float().unsqueeze(-1) + q.minimum.float().unsqueeze(-1)
+    return out.reshape(codes.shape).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
+                  clip_ratio: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Quantize and dequantize in one go (for simulation and error probes)."""
+    return dequantize_rows(quantize_rows(x, bits, group_size, clip_ratio), x.dtype)
+
+
+def _clips(ratio: float | torch.Tensor) -> bool:
+    if isinstance(ratio, torch.Tensor):
+        return bool((ratio < 1.0).any())
+    return ratio < 1.0

@@ -1,0 +1,52 @@
+"""Shared fixtures: the embedded SmolLM2 model (loaded once) and a small calibrated artifact."""
+
+import pytest
+import torch
+
+torch.set_num_threads(max(torch.get_num_threads(), 1))
+
+
+@pytest.fixture(scope="session")
+def smol():
+    from oscar_kv.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture
+def model(smol):
+    """The session model, restored to its original weights and SDPA attention after each test."""
+    from oscar_kv.cache import unprepare_model
+
+    lm, _ = smol
+    yield lm
+    unprepare_model(lm)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smol):
+    return smol[1]
+
+
+@pytest.fixture(scope="session")
+def rotations(smol, tmp_path_factory):
+    """OSCAR rotations calibrated on 2048 tokens of the shipped corpus, saved and reloaded."""
+    from oscar_kv.artifacts import Rotations
+    from oscar_kv.cache import unprepare_model
+    from oscar_kv.calibrate import CalibrationSettings, calibrate
+
+    lm, tok = smol
+    rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=2048), progress=False)
+    unprepare_model(lm)
+    directory = tmp_path_factory.mktemp("artifact")
+    rot.save(directory)
+    return Rotations.load(directory)
+
+
+@pytest.fixture(scope="session")
+def held_out_ids(tokenizer):
+    """1088 tokens of real text that calibration (which reads the corpus from its start) never sees."""
+    from oscar_kv.corpus import DEFAULT_CORPUS
+
+    text = DEFAULT_CORPUS.read_text()[200_000:260_000]
+    return tokenizer(text, return_tensors="pt").input_ids[:, :1088]

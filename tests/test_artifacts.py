@@ -1,0 +1,114 @@
+import json
+
+import pytest
+import torch
+
+from oscar_kv.artifacts import ArtifactError, Rotations, import_reference_checkpoint
+from oscar_kv.models import AttentionGeometry
+from oscar_kv.rotation import compose
+
+GEOM = AttentionGeometry("llama", num_layers=3, num_attention_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def per_head_artifact(geometry=GEOM):
+    rot = Rotations.data_free(geometry, "hadamard", 16)
+    g = torch.Generator().manual_seed(0)
+    rs = []
+    for _ in range(geometry.num_layers * geometry.num_kv_heads):
+        a = torch.randn(16, 16, generator=g, dtype=torch.float64)
+        rs.append(compose(a @ a.T, 16, 8, "oscar")[0].float())
+    rot.k_rotation = torch.stack(rs).reshape(3, 2, 16, 16)
+    rot.k_mean = torch.randn(3, 2, 16, generator=g)
+    rot.manifest = {"model": "test", "calibration": {"note": "synthetic"}}
+    return rot
+
+
+def test_save_load_round_trip(tmp_path):
+    rot = per_head_artifact()
+    rot.save(tmp_path)
+    back = Rotations.load(tmp_path, GEOM)
+    for name in Rotations.TENSORS:
+        assert torch.equal(getattr(back, name), getattr(rot, name)), name
+    assert back.scope == "per-head" and back.group_size == 16
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["geometry"]["num_kv_heads"] == 2 and len(manifest["sha256"]) == 64
+
+
+def test_truncated_tensor_file_is_rejected(tmp_path):
+    per_head_artifact().save(tmp_path)
+    path = tmp_path / "rotations.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ArtifactError, match="truncated or modified"):
+        Rotations.load(tmp_path)
+
+
+def test_artifact_for_another_model_is_rejected(tmp_path):
+    per_head_artifact().save(tmp_path)
+    other = AttentionGeometry("llama", num_layers=3, num_attention_heads=4, num_kv_heads=2, head_dim=32)
+    with pytest.raises(ArtifactError, match="another model.*head_dim is 16 in the artifact but 32"):
+        Rotations.load(tmp_path, other)
+
+
+def test_missing_files_and_bad_manifest(tmp_path):
+    with pytest.raises(ArtifactError, match="does not exist"):
+        Rotations.load(tmp_path / "nope")
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(ArtifactError, match="rotations.safetensors is missing"):
+        Rotations.load(tmp_path)
+    per_head_artifact().save(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        Rotations.load(tmp_path)
+
+
+def test_non_orthogonal_rotation_is_rejected():
+    rot = per_head_artifact()
+    rot.k_rotation[1, 0, 2, 3] += 1e-3
+    with pytest.raises(ArtifactError, match="not orthogonal"):
+        rot.validate()
+
+
+def test_wrong_group_size_is_rejected(tmp_path):
+    rot = per_head_artifact()
+    rot.group_size = 12
+    with pytest.raises(ArtifactError, match="group size 12"):
+        rot.validate()
+    rot.group_size = 16
+    rot.save(tmp_path)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["group_size"] = 5
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="group size 5"):
+        Rotations.load(tmp_path)
+
+
+def test_nan_in_means_is_rejected():
+    rot = per_head_artifact()
+    rot.k_mean[0, 0, 0] = float("nan")
+    with pytest.raises(ArtifactError, match="NaN"):
+        rot.validate()
+
+
+def test_import_of_the_authors_checkpoint(tmp_path):
+    def write(name, seed):
+        g = torch.Generator().manual_seed(seed)
+        layers = {}
+        for i in range(GEOM.num_layers):
+            a = torch.randn(16, 16, generator=g, dtype=torch.float64)
+            lam, u = torch.linalg.eigh(a @ a.T)  # ascending, as the authors store them
+            layers[str(i)] = {"layer_id": i, "rotation": u.float(), "eigenvalues": lam.float()}
+        torch.save({"format_version": 1, "objective": "qqt_r_h_pbr", "source_grouping": "layer", "layers": layers},
+                   tmp_path / name)
+        return tmp_path / name
+
+    rot = import_reference_checkpoint(write("k.pt", 1), write("v.pt", 2), GEOM)
+    assert rot.k_rotation.shape == (3, 1, 16, 16) and rot.scope == "per-layer"
+    assert torch.all(rot.k_eigenvalues[:, 0, :-1] >= rot.k_eigenvalues[:, 0, 1:])
+    rot.save(tmp_path / "art")
+    assert Rotations.load(tmp_path / "art", GEOM).k_clip.unique().tolist() == [pytest.approx(0.96)]
+    (tmp_path / "bad.pt").write_bytes(b"not a pickle")
+    with pytest.raises(ArtifactError, match="cannot read"):
+        import_reference_checkpoint(tmp_path / "bad.pt", tmp_path / "v.pt", GEOM)
+    torch.save({"layers": {"0": {}}}, tmp_path / "short.pt")
+    with pytest.raises(ArtifactError, match="lacks layers"):
+        import_reference_checkpoint(tmp_path / "short.pt", tmp_path / "v.pt", GEOM)

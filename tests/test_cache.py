@@ -1,0 +1,139 @@
+"""The INT2 cache on the real SmolLM2 model: equivalences, storage, accuracy against baselines."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from oscar_kv.artifacts import ArtifactError, Rotations
+from oscar_kv.cache import CacheSettings, OscarCache, unprepare_model
+from oscar_kv.calibrate import error_table, format_error_table
+from oscar_kv.activations import capture_samples
+from oscar_kv.folding import fold_values
+from oscar_kv.memory import bits_per_element
+from oscar_kv.models import AttentionGeometry
+
+FP32 = dict(window_dtype=torch.float32)
+
+
+def chunked_logits(model, cache, ids, prefill, step=1):
+    """Prefill ``prefill`` tokens, then feed the rest ``step`` tokens at a time (decode semantics)."""
+    outs = [model(ids[:, :prefill], past_key_values=cache).logits]
+    for i in range(prefill, ids.shape[1], step):
+        outs.append(model(ids[:, i:i + step], past_key_values=cache).logits)
+    return torch.cat(outs, 1)
+
+
+def kl_and_top1(ref, out):
+    lp, lq = torch.log_softmax(ref.float(), -1), torch.log_softmax(out.float(), -1)
+    kl = float((lp.exp() * (lp - lq)).sum(-1).mean())
+    return kl, float((ref.argmax(-1) == out.argmax(-1)).float().mean())
+
+
+@torch.no_grad()
+def test_bf16_mode_reproduces_dynamic_cache(model, held_out_ids):
+    ids = held_out_ids[:, :400]
+    ref = chunked_logits(model, DynamicCache(config=model.config), ids, 380)
+    out = chunked_logits(model, OscarCache(model, None, CacheSettings("bf16", **FP32)), ids, 380)
+    assert (out - ref).abs().max() < 1e-3
+    assert torch.allclose(torch.softmax(out, -1), torch.softmax(ref, -1), atol=1e-4)
+
+
+@torch.no_grad()
+def test_int2_with_windows_covering_everything_equals_bf16(model, rotations, held_out_ids):
+    ids = held_out_ids[:, :300]
+    ref = chunked_logits(model, OscarCache(model, None, CacheSettings("bf16", **FP32)), ids, 280)
+    unprepare_model(model)
+    cache = OscarCache(model, rotations, CacheSettings("int2", sink_size=64, recent_size=512, **FP32))
+    out = chunked_logits(model, cache, ids, 280)
+    assert cache.layers[0].history_len == 0
+    assert torch.allclose(torch.softmax(out, -1), torch.softmax(ref, -1), atol=1e-4)
+
+
+@torch.no_grad()
+def test_folding_the_value_rotation_leaves_logits_unchanged(model, rotations, held_out_ids):
+    ids = held_out_ids[:, :64]
+    before = model(ids).logits
+    fold_values(model, rotations.v_rotation, rotations.v_mean)
+    assert not torch.allclose(model.model.layers[0].self_attn.v_proj.weight, model._oscar_original_weights[0][0])
+    after = model(ids).logits  # plain SDPA over the folded model
+    assert (after - before).abs().max() < 1e-3
+    unprepare_model(model)
+    assert torch.equal(model(ids).logits, before)
+
+
+@torch.no_grad()
+def test_int2_storage_holds_codes_not_a_hidden_copy(model, rotations, held_out_ids):
+    ids = held_out_ids[:, :700]
+    cache = OscarCache(model, rotations)  # BF16 windows, INT2 history
+    model(ids, past_key_values=cache)
+    for _ in range(20):
+        model(ids[:, :1], past_key_values=cache)
+    layer = cache.layers[5]
+    s = cache.settings
+    assert layer.sink_k.shape[2] == s.sink_size and layer.sink_k.dtype == torch.bfloat16
+    assert s.recent_size <= layer.recent_k.shape[2] < s.recent_size + s.page_size
+    assert layer.history_len + layer.sink_k.shape[2] + layer.recent_k.shape[2] == 720
+    assert layer.history_len % s.page_size == 0
+    assert layer.hist_k.codes.dtype == torch.uint8 and layer.hist_k.codes.shape[-1] == 64 // 4
+    assert layer.chunk is None  # the forward's exact K/V are dropped after attention
+    g = AttentionGeometry.of(model.config)
+    expected = bits_per_element(720, g.head_dim, rotations.group_size, recent_size=layer.recent_k.shape[2])
+    assert cache.footprint().bits_per_element == pytest.approx(expected, rel=1e-6)
+
+
+@torch.no_grad()
+def test_oscar_cache_beats_hadamard_and_naive_int2(model, rotations, held_out_ids):
+    """Teacher-forced next-token KL vs BF16 over positions 512..1087, real cache, 16-token steps."""
+    ids = held_out_ids
+    ref = model(ids).logits[:, 511:]
+    g = AttentionGeometry.of(model.config)
+    schemes = {"naive": Rotations.data_free(g, "identity"), "quarot": Rotations.data_free(g, "hadamard"),
+               "oscar": rotations}
+    results = {}
+    for name, rot in schemes.items():
+        out = chunked_logits(model, OscarCache(model, rot), ids, 512, step=16)[:, 511:]
+        results[name] = kl_and_top1(ref, out)
+        unprepare_model(model)
+    print("\nKL / top-1 vs BF16 at 1088 tokens:", {k: (round(a, 4), round(b, 3)) for k, (a, b) in results.items()})
+    kl = {k: v[0] for k, v in results.items()}
+    assert kl["oscar"] * 3 < kl["quarot"]
+    assert kl["oscar"] * 20 < kl["naive"]
+    assert results["oscar"][1] >= 0.9
+
+
+@torch.no_grad()
+def test_per_layer_attention_error_is_lowest_with_oscar(model, rotations, held_out_ids):
+    probe = capture_samples(model, held_out_ids[:, :1024])
+    table = error_table(rotations, probe)
+    print("\nINT2 attention relative error per layer (held-out 1024 tokens):\n" + format_error_table(table))
+    mean = {k: sum(v) / len(v) for k, v in table.items()}
+    assert mean["oscar"] < mean["hadamard"] < mean["identity"]
+    wins = sum(o < h for o, h in zip(table["oscar"], table["hadamard"]))
+    assert wins >= 0.9 * len(table["oscar"])
+
+
+@torch.no_grad()
+def test_generate_through_the_cache(model, tokenizer, rotations):
+    from oscar_kv.generation import build_prompt
+
+    ids = build_prompt(tokenizer, "What is the capital of France?")
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    mine = model.generate(ids, past_key_values=OscarCache(model, None, CacheSettings("bf16", **FP32)),
+                          max_new_tokens=12, do_sample=False)
+    assert torch.equal(plain, mine)
+    unprepare_model(model)
+    out = model.generate(ids, past_key_values=OscarCache(model, rotations), max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+
+
+def test_artifact_for_another_model_is_refused(model):
+    other = AttentionGeometry("llama", num_layers=30, num_attention_heads=9, num_kv_heads=3, head_dim=128)
+    with pytest.raises(ArtifactError, match="another model"):
+        OscarCache(model, Rotations.data_free(other, "hadamard"))
+
+
+def test_bad_settings_are_refused(model):
+    with pytest.raises(ValueError, match="kv cache dtype"):
+        CacheSettings("int3")
+    with pytest.raises(ValueError, match="page size"):
+        CacheSettings(page_size=0)

@@ -1,0 +1,99 @@
+import json
+
+import pytest
+import torch
+
+from oscar_kv.activations import NonFiniteActivations
+from oscar_kv.artifacts import Rotations
+from oscar_kv.calibrate import CalibrationSettings, calibrate, propose_layer_bits
+from oscar_kv.corpus import read_text_file
+from oscar_kv.rotation import orthogonality_error
+
+SMALL = dict(calib_tokens=512, seq_len=256, probe_tokens=128)
+
+
+def test_artifact_is_valid_and_describes_itself(rotations, model):
+    g = rotations.geometry
+    assert (g.num_layers, g.num_kv_heads, g.head_dim) == (30, 3, 64)
+    assert rotations.k_rotation.shape == (30, 3, 64, 64) and rotations.scope == "per-head"
+    assert orthogonality_error(rotations.k_rotation) < 1e-5 and orthogonality_error(rotations.v_rotation) < 1e-5
+    assert torch.all(rotations.k_eigenvalues[..., :-1] >= rotations.k_eigenvalues[..., 1:])
+    assert rotations.k_mean.norm(dim=-1).mean() > 1.0, "post-RoPE keys of SmolLM2 have a clear offset"
+    m = rotations.manifest
+    assert m["calibration"]["tokens"] == 2048 and m["calibration"]["data"] == "builtin:python_docs.txt"
+    assert set(m["validation"]["attention_relative_error"]) == {"identity", "hadamard", "oscar"}
+    assert len(m["fingerprint"]) == 16
+
+
+def test_calibration_is_deterministic(model, tokenizer, tmp_path):
+    a = calibrate(model, tokenizer, CalibrationSettings(**SMALL), progress=False)
+    b = calibrate(model, tokenizer, CalibrationSettings(**SMALL), progress=False)
+    for name in Rotations.TENSORS:
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_per_layer_scope_and_clip_fitting(model, tokenizer):
+    rot = calibrate(model, tokenizer, CalibrationSettings(rotation_scope="per-layer", clip="fit", **SMALL),
+                    progress=False)
+    assert rot.k_rotation.shape == (30, 1, 64, 64) and rot.scope == "per-layer"
+    assert rot.k_clip.shape == (30, 3)
+    assert torch.all(rot.k_clip == rot.k_clip[:, :1]), "per-layer scope fits one ratio per layer"
+    assert rot.k_clip.min() >= 0.8 and rot.k_clip.max() <= 1.0
+    rot.validate()
+
+
+def test_user_calibration_data(model, tokenizer, tmp_path):
+    from oscar_kv.corpus import DEFAULT_CORPUS
+
+    text = DEFAULT_CORPUS.read_text()[100_000:110_000]
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": p}) for p in text.split("\n\n") if p.strip()) + "\n")
+    rot = calibrate(model, tokenizer, CalibrationSettings(**SMALL), [str(jsonl)], progress=False)
+    assert rot.manifest["calibration"]["data"] == str(jsonl)
+
+
+def test_bad_calibration_data(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{oops\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2 is not valid JSON"):
+        read_text_file(bad)
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(ValueError, match=".txt or .jsonl"):
+        read_text_file(tmp_path / "x.csv")
+    with pytest.raises(FileNotFoundError):
+        read_text_file(tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="empty"):
+        read_text_file(tmp_path / "empty.txt")
+
+
+def test_too_little_text_is_a_clear_error(model, tokenizer, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Only a few words here.")
+    with pytest.raises(ValueError, match="only .* tokens"):
+        calibrate(model, tokenizer, CalibrationSettings(**SMALL), [str(short)], progress=False)
+
+
+def test_nan_activations_are_reported_with_the_layer(model, tokenizer):
+    w = model.model.layers[4].self_attn.k_proj.weight
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w[0, 0] = float("nan")
+        with pytest.raises(NonFiniteActivations, match="layer 4"):
+            calibrate(model, tokenizer, CalibrationSettings(**SMALL), progress=False)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+
+
+def test_layer_policy_flags_only_outliers():
+    assert propose_layer_bits([0.4, 0.5, 0.45, 2.0, 0.5]) == [2, 2, 2, 4, 2]
+    assert propose_layer_bits([0.4] * 6) == [2] * 6
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="rotation scope"):
+        CalibrationSettings(rotation_scope="per-token")
+    with pytest.raises(ValueError, match="clip ratios"):
+        CalibrationSettings(k_clip=1.5)

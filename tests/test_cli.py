@@ -1,0 +1,69 @@
+"""The command line, run in-process through typer's runner (the model loads from the local cache)."""
+
+import pytest
+from typer.testing import CliRunner
+
+from oscar_kv.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "rot"
+    result = runner.invoke(app, ["calibrate", "--model", "smollm2-135m", "--calib-tokens", "512", "--seq-len", "256",
+                                 "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "calibrated on 512 tokens" in result.output
+    return out
+
+
+def test_calibrate_writes_an_artifact(artifact_dir):
+    assert (artifact_dir / "rotations.safetensors").is_file() and (artifact_dir / "manifest.json").is_file()
+    assert "oscar" in (artifact_dir / "validation.txt").read_text()
+
+
+def test_inspect_prints_geometry_and_validation(artifact_dir):
+    result = runner.invoke(app, ["inspect", str(artifact_dir)])
+    assert result.exit_code == 0, result.output
+    assert "30 layers, 9 query heads, 3 KV heads, head dim 64" in result.output
+    assert "eigen-spectrum" in result.output and "validation" in result.output
+
+
+def test_inspect_rejects_a_truncated_artifact(artifact_dir, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(artifact_dir, bad)
+    data = (bad / "rotations.safetensors").read_bytes()
+    (bad / "rotations.safetensors").write_bytes(data[: len(data) // 2])
+    result = runner.invoke(app, ["inspect", str(bad)])
+    assert result.exit_code == 2
+    assert "truncated or modified" in result.output
+
+
+def test_generate_int2_prints_answer_and_memory(artifact_dir):
+    result = runner.invoke(app, ["generate", "--rotations", str(artifact_dir), "--prompt", "Name a primary color.",
+                                 "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert "bits/element" in result.output and result.output.strip().splitlines()[0]
+
+
+def test_generate_int2_without_rotations_says_how_to_calibrate():
+    result = runner.invoke(app, ["generate", "--prompt", "hi", "--kv-cache-dtype", "int2"])
+    assert result.exit_code == 2
+    assert "oscar-kv calibrate" in result.output
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path):
+    result = runner.invoke(app, ["generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "hi",
+                                 "--kv-cache-dtype", "bf16"])
+    assert result.exit_code == 2
+    assert "GGUF file not found" in result.output
+
+
+def test_prompt_longer_than_the_model_is_refused(artifact_dir):
+    result = runner.invoke(app, ["generate", "--rotations", str(artifact_dir), "--prompt", "word " * 9000,
+                                 "--max-new-tokens", "4", "--no-chat"])
+    assert result.exit_code == 2
+    assert "exceeds the model's context of 8192" in result.output

@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from oscar_kv.quant import (clip_rows, dequantize_rows, fake_quantize, pack_codes, quantize_rows, unpack_codes)
+
+
+def outlier_rows(n=256, d=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    x[:, 3] *= 40  # a massive outlier channel, as keys have
+    x[:, 77] += 25
+    return x
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_round_trip(bits):
+    codes = torch.randint(0, 1 << bits, (5, 7, 128), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape[-1] == 128 * bits // 8 and packed.dtype == torch.uint8
+    assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+def test_int2_bit_layout_is_stride_packed():
+    codes = torch.tensor([[0, 1, 2, 3, 3, 2, 1, 0]], dtype=torch.uint8)
+    # byte 0 holds channels 0, 2, 4, 6 (codes 0, 2, 3, 1) in bit pairs 0-1, 2-3, 4-5, 6-7
+    assert pack_codes(codes, 2).tolist() == [[0 | 2 << 2 | 3 << 4 | 1 << 6, 1 | 3 << 2 | 2 << 4 | 0 << 6]]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [32, 128])
+def test_reconstruction_error_is_within_half_a_step(bits, group):
+    x = outlier_rows()
+    q = quantize_rows(x, bits, group)
+    assert q.scale.dtype == torch.float16 and q.minimum.dtype == torch.float16
+    assert q.scale.shape == (256, 128 // group)
+    xh = dequantize_rows(q)
+    step = q.scale.float().repeat_interleave(group, -1)
+    assert ((x - xh).abs() <= step / 2 + 1e-2 * step + 1e-3).all()
+    assert q.nbytes() == 256 * (128 * bits // 8 + 2 * 2 * 128 // group)
+
+
+def test_more_bits_less_error():
+    x = outlier_rows()
+    errs = [float((fake_quantize(x, b, 128) - x).norm()) for b in (2, 4, 8)]
+    assert errs[0] > 3 * errs[1] > 9 * errs[2]
+
+
+def test_clip_clamps_the_largest_magnitudes_symmetrically():
+    x = outlier_rows(n=16, d=128)
+    c = clip_rows(x, 0.96)  # index floor(0.96 * 128) = 122: the 5 largest |x| are clamped to the 6th
+    tau = x.abs().sort(-1).values[:, 122:123]
+    assert torch.equal(c, torch.clamp(x, -tau, tau))
+    assert torch.equal(clip_rows(x, 1.0), x)
+    per_row = clip_rows(x, torch.full((16,), 0.96))
+    assert torch.equal(per_row, c)
+
+
+def test_clipping_helps_outlier_rows_at_int2():
+    x = torch.randn(512, 128, generator=torch.Generator().manual_seed(1))
+    x[torch.arange(512), torch.randint(0, 128, (512,))] *= 12  # one random spike per row
+    plain = (fake_quantize(x, 2, 128) - x).norm()
+    clipped = (fake_quantize(x, 2, 128, clip_ratio=0.96) - x).norm()
+    assert clipped < 0.8 * plain
+
+
+def test_constant_rows_are_exact():
+    x = torch.full((4, 64), 1.5)
+    assert torch.equal(fake_quantize(x, 2, 64), x)
+
+
+def test_non_finite_input_is_rejected():
+    x = outlier_rows(n=4)
+    x[1, 5] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_rows(x, 2, 128)
+
+
+def test_group_must_divide_head_dim():
+    with pytest.raises(ValueError, match="divide"):
+        quantize_rows(torch.randn(2, 128), 2, 48)
+    with pytest.raises(ValueError, match="bits"):
+        quantize_rows(torch.randn(2, 128), 3, 128)
