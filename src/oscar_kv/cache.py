@@ -43,10 +43,15 @@ class CacheSettings:
     recent_size: int = 256
     page_size: int = 16
     window_dtype: torch.dtype = torch.bfloat16
+    # "token": one scale/min per token x head x channel group (OSCAR).  "channel": KIVI-style keys,
+    # one scale/min per channel over each page of tokens (values stay per token).
+    key_axis: str = "token"
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.key_axis not in ("token", "channel"):
+            raise ValueError("key axis must be 'token' or 'channel'")
         if self.sink_size < 0 or self.recent_size < 0 or self.page_size < 1:
             raise ValueError("sink and recent sizes must be >= 0 and the page size >= 1")
 
@@ -114,9 +119,11 @@ class OscarCacheLayer(CacheLayerMixin):
         return self.bits < 16
 
     def rotate_keys(self, k: torch.Tensor) -> torch.Tensor:
-        """(k - mu_K) @ R_K per KV head, computed in float32."""
-        centered = k.float() - self.k_mean[None, :, None, :]
-        return torch.einsum("bhtd,hde->bhte", centered, self._per_head(self.k_rotation, k.shape[1]))
+        """(k - mu_K) @ R_K per KV head.  Float64 makes each token's result independent of how many
+        tokens are rotated together, so the stored codes do not depend on chunking."""
+        centered = k.double() - self.k_mean[None, :, None, :].double()
+        rot = self._per_head(self.k_rotation, k.shape[1]).double()
+        return torch.einsum("bhtd,hde->bhte", centered, rot).float()
 
     def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q @ R_K of each query head's KV head; q is [B, Hq, T, D]."""
@@ -151,15 +158,31 @@ class OscarCacheLayer(CacheLayerMixin):
             return
         clip_k = self.k_clip[None, :, None]
         clip_v = self.v_clip[None, :, None]
-        new_k = quantize_rows(self.recent_k[:, :, :n].float(), self.bits, self.group_size, clip_k)
+        new_k = self._quantize_keys(self.recent_k[:, :, :n].float(), clip_k)
         new_v = quantize_rows(self.recent_v[:, :, :n].float(), self.bits, self.group_size, clip_v)
         self.hist_k = new_k if self.hist_k is None else _cat_rows(self.hist_k, new_k)
         self.hist_v = new_v if self.hist_v is None else _cat_rows(self.hist_v, new_v)
         self.recent_k, self.recent_v = self.recent_k[:, :, n:].contiguous(), self.recent_v[:, :, n:].contiguous()
 
+    def _quantize_keys(self, keys: torch.Tensor, clip: torch.Tensor) -> QuantizedRows:
+        if self.settings.key_axis == "token":
+            return quantize_rows(keys, self.bits, self.group_size, clip)
+        # per channel over each page: rows are (page, channel) of length page_size; no clipping
+        b, h, n, d = keys.shape
+        p = self.settings.page_size
+        pages = keys.reshape(b, h, n // p, p, d).transpose(-1, -2)  # [B, H, pages, D, P]
+        return quantize_rows(pages, self.bits, p)
+
+    def _dequantize_keys(self, q: QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
+        x = dequantize_rows(q, dtype)
+        if self.settings.key_axis == "token":
+            return x
+        b, h, pages, d, p = x.shape
+        return x.transpose(-1, -2).reshape(b, h, pages * p, d)
+
     @property
     def history_len(self) -> int:
-        return 0 if self.hist_k is None else self.hist_k.codes.shape[2]
+        return 0 if self.hist_v is None else self.hist_v.codes.shape[2]
 
     def segments_before(self, end: int, dtype: torch.dtype = torch.float32):
         """Keys and values of positions [0, end) as stored (history dequantized), concatenated in order."""
@@ -169,12 +192,12 @@ class OscarCacheLayer(CacheLayerMixin):
             parts.append((self.hist_k, self.hist_v, "q"))
         parts.append((self.recent_k, self.recent_v, None))
         for k, v, kind in parts:
-            length = k.codes.shape[2] if kind else k.shape[2]
+            length = v.codes.shape[2] if kind else k.shape[2]
             take = min(max(end - start, 0), length)
             if take:
                 sl = (slice(None), slice(None), slice(0, take))
                 if kind:
-                    ks.append(dequantize_rows(k.select(sl), dtype))
+                    ks.append(self._dequantize_keys(k, dtype)[:, :, :take])
                     vs.append(dequantize_rows(v.select(sl), dtype))
                 else:
                     ks.append(k[:, :, :take].to(dtype))

@@ -1,4 +1,4 @@
-"""Command line: ``oscar-kv calibrate | inspect | generate | import-reference | demo``."""
+"""Command line: ``oscar-kv calibrate | inspect | generate | eval | import-reference | demo``."""
 
 from __future__ import annotations
 
@@ -210,6 +210,64 @@ def import_reference(
     except ArtifactError as exc:
         _fail(str(exc))
     typer.echo(f"wrote {output_dir}")
+
+
+def _csv(value: str, cast=str) -> list:
+    try:
+        return [cast(v.strip()) for v in value.split(",") if v.strip()]
+    except ValueError:
+        _fail(f"cannot parse {value!r} as a comma-separated list")
+
+
+@app.command("eval")
+def evaluate(
+    rotations: Path = typer.Option(..., "--rotations", "-r", help="The OSCAR artifact to evaluate (from `oscar-kv calibrate`)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Directory for results.json, results.md and plots."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    methods: str = typer.Option("bf16,int4,naive-int2,quarot-int2,kivi-2,oscar", help="Comma-separated schemes."),
+    tasks: str = typer.Option("kl,ppl,niah,attn", help="Comma-separated tasks: kl, ppl, niah, attn."),
+    context_lengths: str = typer.Option("1024,2048,4096", help="Comma-separated context lengths in tokens."),
+    text: Optional[Path] = typer.Option(None, help="Evaluation text (.txt/.jsonl). Default: held-out part of the shipped corpus."),
+    niah_samples: int = typer.Option(20, help="Needle-in-a-haystack samples per context length."),
+    kl_docs: int = typer.Option(1, help="Text windows per context length for KL/perplexity."),
+    ablations: bool = typer.Option(True, help="Also run the OSCAR ablations (fitted from the same calibration statistics)."),
+    quick: bool = typer.Option(False, help="bf16/naive/quarot/oscar at 1024 tokens, 2 NIAH samples, no ablations (CI)."),
+):
+    """Compare KV schemes on real text: KL and top-1 vs BF16, perplexity, NIAH, per-layer attention error."""
+    _quiet_transformers()
+    from .evaluate.harness import EvalConfig, run_eval
+    from .evaluate.report import markdown_table
+
+    try:
+        if quick:
+            config = EvalConfig.quick(tasks=_csv(tasks), text=str(text) if text else None)
+        else:
+            config = EvalConfig(methods=_csv(methods), tasks=_csv(tasks), context_lengths=_csv(context_lengths, int),
+                                text=str(text) if text else None, niah_samples=niah_samples, kl_docs=kl_docs,
+                                ablations=ablations)
+    except ValueError as exc:
+        _fail(str(exc))
+    lm, tokenizer = _load(model, "cpu")
+    rot = _load_rotations(rotations, lm, "int2")
+    try:
+        results = run_eval(lm, tokenizer, rot, config, output)
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    typer.echo(markdown_table(results))
+    typer.echo(f"wrote {output}/results.json, results.md and plots")
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks (need CUDA).")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("attention", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_attention(ctx: typer.Context):
+    """INT2 vs BF16 paged decode attention (Qwen3-8B geometry); pass --help-bench for its options."""
+    from .bench.attention import main as bench_main
+
+    args = ["--help" if a == "--help-bench" else a for a in ctx.args]
+    raise typer.Exit(bench_main(args) or 0)
 
 
 DEMO_QUESTION = "\n\nWhich Python module does the text above document, and what is it for? Answer in two sentences."

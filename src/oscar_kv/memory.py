@@ -36,11 +36,16 @@ class KVFootprint:
 
 def bits_per_element(seq_len: int, head_dim: int, group_size: int | None = None, bits: int = 2,
                      sink_size: int = 64, recent_size: int = 256, window_bits: int = 16, meta_bits: int = 16,
-                     layer_bits: list[int] | None = None) -> float:
-    """Average stored bits per KV element at ``seq_len`` tokens (see the module docstring)."""
+                     layer_bits: list[int] | None = None, key_group_size: int | None = None) -> float:
+    """Average stored bits per KV element at ``seq_len`` tokens (see the module docstring).
+
+    ``key_group_size`` is the number of key elements sharing one scale/min pair when it differs
+    from the values' (KIVI's per-channel keys: one pair per channel per page of tokens).
+    """
     if seq_len <= 0:
         raise ValueError("sequence length must be positive")
     group_size = group_size or min(head_dim, 128)
+    meta = (meta_bits / (key_group_size or group_size) + meta_bits / group_size)  # K and V averaged: 2*m/G each
     per_layer = layer_bits or [bits]
     total = 0.0
     for b in per_layer:
@@ -50,7 +55,7 @@ def bits_per_element(seq_len: int, head_dim: int, group_size: int | None = None,
             continue
         windowed = min(seq_len, sink_size + recent_size)
         quantized = seq_len - windowed
-        total += (windowed * window_bits + quantized * (b + 2 * meta_bits / group_size)) / seq_len
+        total += (windowed * window_bits + quantized * (b + meta)) / seq_len
     return total / len(per_layer)
 
 

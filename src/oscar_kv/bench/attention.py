@@ -1,0 +1,353 @@
+"""Decode-attention benchmark: INT2 paged kernel vs BF16 baselines, Qwen3-8B attention geometry.
+
+    python -m oscar_kv.bench.attention --contexts 8192,32768,65536,131072 --batch-sizes 1,8,32 --output DIR
+
+Baselines measured in the same run: torch SDPA on a contiguous BF16 cache (flash, cuDNN and efficient
+backends, GQA without expanding K/V) and our BF16 paged kernel (kernels/decode.py).  Reported per
+(context, batch): time per call (median, L2 flushed between calls), speedup vs the best BF16, bytes the
+INT2 call must read (codes + metadata + BF16 windows) over time as a fraction of the device-to-device copy
+bandwidth measured in the same run, plus write-path and migration throughput.  Writes
+``DIR/attention.json`` and ``DIR/attention.png`` (when matplotlib is importable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+GEOMETRY = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, group_size=128, page_size=16, sink_size=64,
+                recent_size=256, num_layers=36)
+
+
+def _ints(s: str) -> list[int]:
+    out = []
+    for part in s.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1024 if part.endswith("k") else 1
+        out.append(int(part.rstrip("k")) * mult)
+    return out
+
+
+def _bench(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds per call; triton's do_bench flushes L2 between calls."""
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def _orthogonal(h: int, d: int, device) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(h, d, d, dtype=torch.float64))
+    return q.float().to(device)
+
+
+def _mixed_batch(geom, bs: int, ctx: int, device, gen: torch.Generator):
+    """Uniform-length batch with shuffled physical pages; returns (PagedBatch, int2 pages, window pages)."""
+    from ..kernels.layout import PagedBatch
+
+    p, sp = geom.page_size, geom.sink_pages
+    npages = -(-ctx // p)
+    nq = geom.int2_pages_for(ctx)
+    nw = npages - nq
+    q_ids = torch.randperm(bs * nq, generator=gen).view(bs, nq).int() if nq else torch.zeros(bs, 0, dtype=torch.int32)
+    w_ids = torch.randperm(bs * nw, generator=gen).view(bs, nw).int()
+    table = torch.cat([w_ids[:, :sp], q_ids, w_ids[:, sp:]], 1)
+    batch = PagedBatch(table, torch.full((bs,), ctx, dtype=torch.int32), torch.full((bs,), nq, dtype=torch.int32))
+    return batch.to(device), bs * nq, bs * nw
+
+
+def _fill_pool(pool, gen_device_seed: int = 0):
+    torch.manual_seed(gen_device_seed)
+    for c in (pool.k_codes, pool.v_codes):
+        c.random_(0, 256)
+    for m in (pool.k_meta, pool.v_meta):
+        ng = m.shape[-1] // 2
+        m[..., :ng].uniform_(0.01, 0.1)
+        m[..., ng:].uniform_(-0.2, 0.0)
+    for w in (pool.k_win, pool.v_win):
+        w.normal_()
+
+
+def int2_bytes(geom, bs: int, ctx: int) -> int:
+    """Bytes an INT2 decode call must read: codes + scale/min of history, BF16 sink/recent, q, out."""
+    nq_tok = geom.int2_pages_for(ctx) * geom.page_size
+    win = ctx - nq_tok
+    h = geom.num_kv_heads
+    qo = 2 * bs * GEOMETRY["num_q_heads"] * geom.head_dim * 2
+    return bs * h * (nq_tok * geom.int2_bytes_per_token() + win * geom.window_bytes_per_token()) + qo
+
+
+def bf16_bytes(geom, bs: int, ctx: int) -> int:
+    return bs * geom.num_kv_heads * ctx * geom.window_bytes_per_token() + 2 * bs * GEOMETRY["num_q_heads"] * geom.head_dim * 2
+
+
+def _free_bytes(device) -> int:
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
+VARIANTS = [dict(halves=hv, block_n=bn, num_warps=w, num_stages=3)
+            for hv in (True, False) for bn in (64, 128, 256) for w in (4, 8)]
+
+
+def sweep_int2(geom, ctx: int, bs: int, device, gen) -> list[dict]:
+    """Time INT2 kernel variants (code conversion path, tile, warps, stages) at one point."""
+    from ..kernels.decode import int2_decode
+    from ..kernels.layout import PagedKVPool
+
+    batch, nq, nw = _mixed_batch(geom, bs, ctx, device, gen)
+    pool = PagedKVPool.allocate(geom, nq, nw, device=device)
+    _fill_pool(pool)
+    q = torch.randn(bs, GEOMETRY["num_q_heads"], geom.head_dim, device=device, dtype=torch.bfloat16)
+    rot = _orthogonal(geom.num_kv_heads, geom.head_dim, device)
+    mp = geom.int2_pages_for(ctx)
+    rows = []
+    for v in VARIANTS:
+        try:
+            ms = _bench(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, **v))
+        except Exception as e:  # a variant that does not compile is reported, not fatal
+            rows.append(dict(v, ms=None, error=repr(e)[:200]))
+            continue
+        rows.append(dict(v, ms=ms))
+    del pool
+    torch.cuda.empty_cache()
+    return rows
+
+
+def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, sweep: bool = True,
+        write_path: bool = True) -> dict:
+    import triton  # noqa: F401  (GPU only)
+
+    from ..kernels.decode import bf16_decode, int2_decode
+    from ..kernels.layout import PagedKVPool, PoolGeometry
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the attention benchmark needs a CUDA GPU")
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    geom = PoolGeometry(num_layers=1, num_kv_heads=GEOMETRY["num_kv_heads"], head_dim=GEOMETRY["head_dim"],
+                        group_size=GEOMETRY["group_size"], page_size=GEOMETRY["page_size"],
+                        sink_size=GEOMETRY["sink_size"], recent_size=GEOMETRY["recent_size"])
+    gen = torch.Generator().manual_seed(0)
+    props = torch.cuda.get_device_properties(device)
+    result = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+                  triton=__import__("triton").__version__, python=platform.python_version(),
+                  geometry=GEOMETRY, date=time.strftime("%Y-%m-%d %H:%M:%S"), skipped=[], rows=[])
+    bw = copy_bandwidth(device)
+    result["copy_bandwidth_GBps"] = bw / 1e9
+    print(f"device {props.name}: device-to-device copy {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+
+    best = {}
+    if sweep:
+        for sctx, sbs in ((max(contexts), 1), (max(contexts), 8)):
+            rows = sweep_int2(geom, sctx, sbs, device, gen)
+            result.setdefault("sweep", []).append(dict(context=sctx, batch=sbs, variants=rows))
+            ok = [r for r in rows if r.get("ms")]
+            if ok:
+                b = min(ok, key=lambda r: r["ms"])
+                best[sbs] = {k: b[k] for k in ("halves", "block_n", "num_warps", "num_stages")}
+                print(f"sweep ctx={sctx} bs={sbs}: best {best[sbs]} {b['ms'] * 1e3:.1f} us "
+                      f"(worst {max(r['ms'] for r in ok) * 1e3:.1f} us)", flush=True)
+
+    sdpa_backends = {}
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa_backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                         "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+    except Exception as e:  # pragma: no cover
+        result["skipped"].append(f"sdpa backends unavailable: {e!r}")
+
+    hq, hkv, d = GEOMETRY["num_q_heads"], geom.num_kv_heads, geom.head_dim
+    for ctx in contexts:
+        for bs in batch_sizes:
+            need = bf16_bytes(geom, bs, ctx) + int2_bytes(geom, bs, ctx)
+            if need > 0.85 * (_free_bytes(device)):
+                msg = f"ctx={ctx} bs={bs}: needs {need / 2**30:.1f} GiB (BF16 cache + INT2 pool), does not fit"
+                result["skipped"].append(msg)
+                print("skip", msg, flush=True)
+                continue
+            row = dict(context=ctx, batch=bs)
+            q = torch.randn(bs, hq, d, device=device, dtype=torch.bfloat16)
+            rot = _orthogonal(hkv, d, device)
+            # ---- INT2 mixed pool
+            batch, nq, nw = _mixed_batch(geom, bs, ctx, device, gen)
+            pool = PagedKVPool.allocate(geom, nq, nw, device=device)
+            _fill_pool(pool)
+            mp = geom.int2_pages_for(ctx)
+            var = best.get(1 if bs == 1 else 8, {})
+            row["int2_variant"] = var
+            row["int2_ms"] = _bench(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, **var))
+            row["int2_prerotated_ms"] = _bench(lambda: int2_decode(q, pool, 0, batch, None, max_int2_pages=mp,
+                                                                   **var))
+            del pool, batch
+            torch.cuda.empty_cache()
+            # ---- BF16 paged (all pages BF16)
+            npages = -(-ctx // geom.page_size)
+            table = torch.randperm(bs * npages, generator=gen).view(bs, npages).int().to(device)
+            lens = torch.full((bs,), ctx, dtype=torch.int32, device=device)
+            kw = torch.randn(bs * npages, hkv, geom.page_size, d, device=device, dtype=torch.bfloat16)
+            vw = torch.randn_like(kw)
+            row["bf16_paged_ms"] = _bench(lambda: bf16_decode(q, kw, vw, table, lens, None, page_size=geom.page_size,
+                                                              max_seq_len=ctx))
+            del kw, vw, table
+            torch.cuda.empty_cache()
+            # ---- SDPA on a contiguous BF16 cache
+            kc = torch.randn(bs, hkv, ctx, d, device=device, dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            q4 = q.view(bs, hq, 1, d)
+            for name, backend in sdpa_backends.items():
+                try:
+                    with sdpa_kernel([backend]):
+                        fn = lambda: torch.nn.functional.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True)  # noqa: E731
+                        fn()
+                        row[name + "_ms"] = _bench(fn)
+                except Exception as e:
+                    row[name + "_ms"] = None
+                    row[name + "_error"] = repr(e)[:160]
+            del kc, vc
+            torch.cuda.empty_cache()
+            bf16_times = [row[k] for k in ("sdpa_flash_ms", "sdpa_cudnn_ms", "sdpa_efficient_ms", "bf16_paged_ms")
+                          if row.get(k)]
+            row["best_bf16_ms"] = min(bf16_times)
+            row["speedup"] = row["best_bf16_ms"] / row["int2_ms"]
+            row["int2_bytes"] = int2_bytes(geom, bs, ctx)
+            row["int2_bw_fraction"] = row["int2_bytes"] / (row["int2_ms"] * 1e-3) / bw
+            row["bf16_bytes"] = bf16_bytes(geom, bs, ctx)
+            row["bf16_best_bw_fraction"] = row["bf16_bytes"] / (row["best_bf16_ms"] * 1e-3) / bw
+            row["int2_floor_ms"] = row["int2_bytes"] / bw * 1e3
+            result["rows"].append(row)
+            print(_fmt_row(row), flush=True)
+    if write_path:
+        try:
+            result["write_path"] = bench_write_path(geom, device, batch_sizes)
+        except ImportError as e:
+            result["skipped"].append(f"write path not benchmarked: {e!r}")
+    if output:
+        os.makedirs(output, exist_ok=True)
+        with open(os.path.join(output, "attention.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        _plot(result, os.path.join(output, "attention.png"))
+    print_table(result)
+    return result
+
+
+def bench_write_path(geom, device, batch_sizes: list[int]) -> dict:
+    """Write-path throughput: decode-step writes (one token per sequence), a prefill chunk, migration."""
+    from ..kernels.layout import PagedKVPool, PoolGeometry, clip_indices
+    from ..kernels.write import migrate_pages, write_kv
+
+    out = {}
+    h, d, p = geom.num_kv_heads, geom.head_dim, geom.page_size
+    layers = GEOMETRY["num_layers"]
+    g36 = PoolGeometry(num_layers=layers, num_kv_heads=h, head_dim=d, group_size=geom.group_size, page_size=p,
+                       sink_size=geom.sink_size, recent_size=geom.recent_size)
+    pool = PagedKVPool.allocate(g36, 4096, 4096, device=device)
+    _fill_pool(pool)
+    rot = _orthogonal(h, d, device)
+    mean = torch.randn(h, d, device=device)
+    ck = clip_indices(0.96, d, (layers, h)).to(device)
+    cv = clip_indices(0.92, d, (layers, h)).to(device)
+    for t in sorted(set(batch_sizes) | {8192}):
+        k = torch.randn(t, h, d, device=device, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        slots = torch.randperm(4096 * p, device=device)[:t].int()
+        half = torch.rand(t, device=device) < 0.5
+        win = torch.where(half, slots, -1).int()
+        q2 = torch.where(half, -1, slots).int()
+        ms = _bench(lambda: write_kv(pool, 0, k, v, win, q2, rot, mean, ck[0], cv[0]))
+        out[f"write_{t}_tokens_ms"] = ms
+        out[f"write_{t}_tokens_per_s"] = t / (ms * 1e-3)
+    for m in sorted(set(batch_sizes)):
+        src = torch.randperm(4096, device=device)[:m].int()
+        dst = torch.randperm(4096, device=device)[:m].int()
+        ms = _bench(lambda: migrate_pages(pool, src, dst, ck, cv))
+        out[f"migrate_{m}_pages_{layers}_layers_ms"] = ms
+    del pool
+    torch.cuda.empty_cache()
+    return out
+
+
+def _fmt_row(r: dict) -> str:
+    def f(k):
+        v = r.get(k)
+        return f"{v * 1e3:9.1f}" if v else "        -"
+    return (f"{r['context']:>7} {r['batch']:>4} {f('sdpa_flash_ms')} {f('sdpa_cudnn_ms')} {f('sdpa_efficient_ms')} "
+            f"{f('bf16_paged_ms')} {f('int2_ms')} {r['speedup']:7.2f}x {100 * r['int2_bw_fraction']:6.1f}% "
+            f"{100 * r['bf16_best_bw_fraction']:6.1f}%")
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['device']}  copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s; times in us per call "
+          "(median, L2 flushed); speedup = best BF16 / INT2")
+    print(f"{'ctx':>7} {'bs':>4} {'sdpa-fa':>9} {'sdpa-cudnn':>9} {'sdpa-eff':>9} {'bf16-pg':>9} {'int2':>9} "
+          f"{'speedup':>8} {'int2-bw':>7} {'bf16-bw':>7}")
+    for r in result["rows"]:
+        print(_fmt_row(r))
+    for s in result["skipped"]:
+        print("skipped:", s)
+    for k, v in result.get("write_path", {}).items():
+        print(f"{k}: {v:.4g}")
+
+
+def _plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        print("matplotlib is not importable: no PNG written")
+        return
+    rows = result["rows"]
+    bss = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(bss), figsize=(5 * len(bss), 4), squeeze=False)
+    for ax, bs in zip(axes[0], bss):
+        rr = sorted((r for r in rows if r["batch"] == bs), key=lambda r: r["context"])
+        x = [r["context"] // 1024 for r in rr]
+        for key, label in (("best_bf16_ms", "best BF16"), ("bf16_paged_ms", "BF16 paged (ours)"),
+                           ("int2_ms", "INT2 paged (ours)"), ("int2_floor_ms", "INT2 bandwidth floor")):
+            ax.plot(x, [r.get(key) or math.nan for r in rr], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (K tokens)")
+        ax.set_ylabel("ms per decode call (one layer)")
+        ax.set_title(f"batch {bs}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Decode attention, Qwen3-8B geometry, {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="oscar-kv bench attention", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="8192,32768,65536,131072", help="comma list; 8k style allowed")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--output", default=None, help="directory for attention.json / attention.png")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the INT2 kernel variant sweep")
+    ap.add_argument("--no-write-path", action="store_true")
+    a = ap.parse_args(argv)
+    run(_ints(a.contexts), _ints(a.batch_sizes), a.output, sweep=not a.no_sweep, write_path=not a.no_write_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

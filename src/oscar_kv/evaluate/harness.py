@@ -1,0 +1,171 @@
+"""``oscar-kv eval``: run the schemes over the tasks and context lengths, write results.json/.md and plots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..activations import capture_samples
+from ..artifacts import Rotations
+from ..cache import CacheSettings, unprepare_model
+from ..calibrate import CalibrationSettings, Statistics, token_sequences
+from ..activations import observing
+from ..corpus import DEFAULT_CORPUS, load_calibration_text, read_text_file
+from ..models import AttentionGeometry
+from . import tasks
+from .report import write_report
+from .schemes import STANDARD, Scheme, ablation_schemes, standard_scheme
+
+log = logging.getLogger(__name__)
+
+TASKS = ("kl", "ppl", "niah", "attn")
+# Calibration reads the shipped corpus from its start; evaluation text starts far past that.
+EVAL_TEXT_OFFSET = 150_000
+
+
+@dataclass
+class EvalConfig:
+    methods: list[str] = field(default_factory=lambda: list(STANDARD))
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    text: str | None = None
+    niah_samples: int = 20
+    kl_docs: int = 1
+    ablations: bool = True
+    sink_size: int = 64
+    recent_size: int = 256
+    page_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad:
+            raise ValueError(f"unknown tasks {bad}; choose from {', '.join(TASKS)}")
+        if "bf16" not in self.methods:
+            self.methods = ["bf16"] + list(self.methods)
+        if any(c < 64 for c in self.context_lengths):
+            raise ValueError("context lengths must be at least 64 tokens")
+
+    @classmethod
+    def quick(cls, **overrides) -> "EvalConfig":
+        base = dict(methods=["bf16", "naive-int2", "quarot-int2", "oscar"], context_lengths=[1024], niah_samples=2,
+                    ablations=False)
+        base.update(overrides)
+        return cls(**base)
+
+
+def evaluation_text(path: str | None) -> str:
+    if path:
+        return "\n\n".join(read_text_file(path))
+    return DEFAULT_CORPUS.read_text()[EVAL_TEXT_OFFSET:]
+
+
+def _calibration_statistics(model, tokenizer, oscar: Rotations) -> tuple[Statistics, CalibrationSettings]:
+    """Re-stream the artifact's calibration data to fit ablations from the same statistics."""
+    cal = dict(oscar.manifest.get("calibration", {}))
+    known = CalibrationSettings.__dataclass_fields__
+    settings = CalibrationSettings(**{k: v for k, v in cal.items() if k in known})
+    data = cal.get("data", "")
+    texts, _ = load_calibration_text(None if str(data).startswith("builtin:") or not data else str(data).split(","))
+    seq_len = int(cal.get("seq_len", settings.seq_len))
+    count = int(cal.get("sequences", 8))
+    stats = Statistics(AttentionGeometry.of(model.config))
+    unprepare_model(model)
+    with torch.no_grad(), observing(model, stats.add):
+        for ids in tqdm(token_sequences(tokenizer, texts, seq_len, count), desc="calibration statistics", leave=False):
+            model(ids, use_cache=False)
+    return stats, settings
+
+
+def build_schemes(model, tokenizer, oscar: Rotations, config: EvalConfig) -> list[Scheme]:
+    geometry = AttentionGeometry.of(model.config)
+    base = CacheSettings("int2", config.sink_size, config.recent_size, config.page_size)
+    schemes = [standard_scheme(name, geometry, oscar, base) for name in config.methods]
+    if config.ablations:
+        stats, settings = _calibration_statistics(model, tokenizer, oscar)
+        schemes += ablation_schemes(stats, settings, oscar, base)
+    return schemes
+
+
+def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str | Path, progress: bool = True) -> dict:
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    geometry = AttentionGeometry.of(model.config)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and max(config.context_lengths) > limit:
+        raise ValueError(f"context length {max(config.context_lengths)} exceeds the model's context of {limit}")
+    started = time.perf_counter()
+    schemes = build_schemes(model, tokenizer, oscar, config)
+    text = evaluation_text(config.text)
+    all_ids = tokenizer(text, return_tensors="pt").input_ids
+    results = {"model": getattr(model, "oscar_model_name", ""), "context_lengths": config.context_lengths,
+               "methods": {s.name: {"description": s.description, "bits_per_element": {}} for s in schemes}}
+    timings = {}
+    steps = len(config.context_lengths) * len(schemes)
+    bar = tqdm(total=steps, desc="evaluating", disable=not progress)
+    for ctx in config.context_lengths:
+        key = str(ctx)
+        docs = _documents(all_ids, ctx, config.kl_docs)
+        t0 = time.perf_counter()
+        refs = [tasks.reference_logits(model, d) for d in docs] if {"kl", "ppl"} & set(config.tasks) else []
+        samples = capture_samples(model, docs[0]) if "attn" in config.tasks else None
+        niah = _niah_inputs(model, tokenizer, text, ctx, config) if "niah" in config.tasks else []
+        timings[f"reference@{ctx}"] = round(time.perf_counter() - t0, 1)
+        for scheme in schemes:
+            t0 = time.perf_counter()
+            row = results["methods"][scheme.name]
+            row["bits_per_element"][key] = round(scheme.bits_per_element(ctx, geometry), 4)
+            if refs:
+                scores = [tasks.kl_and_ppl(model, scheme, d, r) for d, r in zip(docs, refs)]
+                mean = {m: sum(s[m] for s in scores) / len(scores) for m in scores[0]}
+                if "kl" in config.tasks:
+                    row.setdefault("kl", {})[key] = mean["kl"]
+                    row.setdefault("top1_agreement", {})[key] = mean["top1_agreement"]
+                if "ppl" in config.tasks:
+                    row.setdefault("ppl", {})[key] = mean["ppl"]
+            if samples is not None:
+                cache = tasks.prepare(model, scheme)
+                errs = tasks.layer_attention_errors(scheme, cache, samples)
+                row.setdefault("attn_error", {})[key] = errs
+                row.setdefault("attn_error_mean", {})[key] = sum(errs) / len(errs)
+            if niah:
+                hits = [number in tasks.niah_answer(model, tokenizer, scheme, kv, question)
+                        for kv, question, number in niah]
+                row.setdefault("niah", {})[key] = sum(hits) / len(hits)
+            timings[f"{scheme.name}@{ctx}"] = round(time.perf_counter() - t0, 1)
+            bar.update()
+            bar.set_postfix_str(f"{scheme.name}@{ctx}")
+    bar.close()
+    unprepare_model(model)
+    results["config"] = {k: v for k, v in config.__dict__.items()}
+    results["seconds"] = round(time.perf_counter() - started, 1)
+    results["timings"] = timings
+    (output / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_report(results, output)
+    return results
+
+
+def _documents(all_ids: torch.Tensor, length: int, count: int) -> list[torch.Tensor]:
+    total = all_ids.shape[1]
+    if total < length:
+        raise ValueError(f"the evaluation text has {total} tokens, fewer than the context length {length}")
+    stride = max((total - length) // max(count, 1), 1)
+    return [all_ids[:, i * stride:i * stride + length] for i in range(count) if i * stride + length <= total]
+
+
+def _niah_inputs(model, tokenizer, text: str, ctx: int, config: EvalConfig):
+    numbers = tasks.needle_numbers(config.niah_samples, config.seed + ctx)
+    out = []
+    chars = len(text)
+    for i, number in enumerate(numbers):
+        start = (i * 7919 * 13) % max(chars - ctx * 8, 1)  # a different stretch of filler per sample
+        haystack, question = tasks.niah_prompt(tokenizer, text[start:start + ctx * 8], ctx,
+                                               tasks.DEPTHS[i % len(tasks.DEPTHS)], number)
+        out.append((tasks.haystack_kv(model, haystack), question, number))
+    return out

@@ -1,0 +1,75 @@
+"""results.md (a table a person can read) and PNG plots from a results dict."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+COLUMNS = (("bits_per_element", "bits/elem", "{:.3f}"), ("kl", "KL vs bf16", "{:.4f}"),
+           ("top1_agreement", "top-1", "{:.3f}"), ("ppl", "ppl", "{:.3f}"), ("niah", "NIAH", "{:.2f}"),
+           ("attn_error_mean", "attn err", "{:.4f}"))
+
+
+def markdown_table(results: dict) -> str:
+    lines = [f"# KV scheme evaluation: {results['model']}", ""]
+    for ctx in results["context_lengths"]:
+        key = str(ctx)
+        present = [c for c in COLUMNS if any(key in m.get(c[0], {}) for m in results["methods"].values())]
+        lines += [f"## context {ctx} tokens", "", "| method | " + " | ".join(c[1] for c in present) + " |",
+                  "|---|" + "---|" * len(present)]
+        for name, m in results["methods"].items():
+            cells = [c[2].format(m[c[0]][key]) if key in m.get(c[0], {}) else "–" for c in present]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["Methods:", ""] + [f"- `{n}`: {m.get('description', '')}" for n, m in results["methods"].items()]
+    lines += ["", f"Wall time: {results.get('seconds', '?')} s."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results: dict, output: Path) -> None:
+    (output / "results.md").write_text(markdown_table(results))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plots are optional where matplotlib is absent
+        log.warning("matplotlib is not installed: no plots written")
+        return
+    ctxs = results["context_lengths"]
+    for metric, ylabel, fname, logy in (("kl", "mean KL vs bf16", "kl_vs_context.png", True),
+                                        ("niah", "NIAH accuracy", "niah_vs_context.png", False)):
+        rows = {n: m[metric] for n, m in results["methods"].items() if metric in m}
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, values in rows.items():
+            if metric == "kl" and name == "bf16":
+                continue
+            ax.plot(ctxs, [values.get(str(c)) for c in ctxs], marker="o", label=name)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(ylabel)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(output / fname, dpi=120)
+        plt.close(fig)
+    rows = {n: m["attn_error"] for n, m in results["methods"].items() if "attn_error" in m and n != "bf16"}
+    if rows:
+        ctx = str(ctxs[-1])
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, values in rows.items():
+            ax.plot(values[ctx], marker=".", label=name)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(f"relative attention error @ {ctx} tokens")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(output / "attention_error_per_layer.png", dpi=120)
+        plt.close(fig)

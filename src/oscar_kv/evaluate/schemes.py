@@ -1,0 +1,91 @@
+"""The KV schemes the harness compares, all at the same windows unless an ablation says otherwise.
+
+Standard names (DESIGN.md): bf16, int4, naive-int2, quarot-int2, kivi-2, oscar.  Ablations are
+OSCAR variants fitted from the same calibration statistics (one pass over the model), so only the
+ablated choice differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
+from ..cache import CacheSettings
+from ..calibrate import CalibrationSettings, Statistics, fit_rotations
+from ..memory import bits_per_element
+from ..models import AttentionGeometry
+
+STANDARD = ("bf16", "int4", "naive-int2", "quarot-int2", "kivi-2", "oscar")
+KIVI_GROUP = 32  # KIVI: keys per channel over groups of 32 tokens
+KIVI_RESIDUAL = 128  # KIVI: full-precision residual of the most recent tokens
+
+
+@dataclass
+class Scheme:
+    name: str
+    rotations: Rotations | None  # None: unrotated, uncentered
+    settings: CacheSettings = field(default_factory=CacheSettings)
+    description: str = ""
+
+    def bits_per_element(self, seq_len: int, geometry: AttentionGeometry) -> float:
+        s = self.settings
+        group = self.rotations.group_size if self.rotations else min(geometry.head_dim, 128)
+        layer_bits = self.rotations.layer_bits.tolist() if self.rotations is not None else None
+        return bits_per_element(seq_len, geometry.head_dim, group, s.bits, s.sink_size, s.recent_size,
+                                layer_bits=layer_bits,
+                                key_group_size=s.page_size if s.key_axis == "channel" else None)
+
+
+def standard_scheme(name: str, geometry: AttentionGeometry, oscar: Rotations, base: CacheSettings) -> Scheme:
+    group = oscar.group_size
+    if name == "bf16":
+        return Scheme(name, None, replace(base, kv_cache_dtype="bf16"), "every token at 16 bits (reference)")
+    if name == "int4":
+        return Scheme(name, Rotations.data_free(geometry, "identity", group), replace(base, kv_cache_dtype="int4"),
+                      "per-token asymmetric INT4, no rotation")
+    if name == "naive-int2":
+        return Scheme(name, Rotations.data_free(geometry, "identity", group), base, "per-token INT2, no rotation")
+    if name == "quarot-int2":
+        return Scheme(name, Rotations.data_free(geometry, "hadamard", group, DEFAULT_K_CLIP, DEFAULT_V_CLIP), base,
+                      "Hadamard rotation, same clipping as OSCAR")
+    if name == "kivi-2":
+        return Scheme(name, Rotations.data_free(geometry, "identity", group),
+                      replace(base, sink_size=0, recent_size=KIVI_RESIDUAL, page_size=KIVI_GROUP, key_axis="channel"),
+                      f"per-channel keys over {KIVI_GROUP}-token groups, per-token values, {KIVI_RESIDUAL}-token FP16 residual")
+    if name == "oscar":
+        return Scheme(name, oscar, base, "the shipped artifact")
+    raise ValueError(f"unknown method {name!r}; standard methods are {', '.join(STANDARD)}")
+
+
+def ablation_schemes(stats: Statistics, calibration: CalibrationSettings, oscar: Rotations,
+                     base: CacheSettings) -> list[Scheme]:
+    """OSCAR variants that each change one choice, fitted from the same statistics."""
+
+    def fitted(name, description, settings_change=None, group=None, cache=base, layer_bits=None):
+        settings = replace(calibration, **(settings_change or {}))
+        rot = fit_rotations(stats, settings, group or oscar.group_size)
+        if settings.clip == "fixed" and oscar.manifest.get("calibration", {}).get("clip") == "fit" and not settings_change:
+            rot.k_clip, rot.v_clip = oscar.k_clip.clone(), oscar.v_clip.clone()
+        if layer_bits is not None:
+            rot.layer_bits = layer_bits
+        return Scheme(name, rot, cache, description)
+
+    half = max(oscar.group_size // 2, 8)
+    proposed = oscar.manifest.get("validation", {}).get("proposed_layer_bits")
+    out = [
+        Scheme("oscar-no-windows", oscar, replace(base, sink_size=0, recent_size=0), "no BF16 sink or recent window"),
+        fitted("oscar-no-key-centering", "keys not centered", {"center_keys": False}),
+        fitted("oscar-no-centering", "neither keys nor values centered", {"center_keys": False, "center_values": False}),
+        fitted("oscar-u-only", "eigenbasis U alone, no Hadamard", {"composition": "u"}),
+        fitted("oscar-per-layer", "one rotation per layer (covariances averaged over heads)", {"rotation_scope": "per-layer"}),
+        fitted("oscar-no-clip", "no clipping", {"k_clip": 1.0, "v_clip": 1.0}),
+        fitted(f"oscar-g{half}", f"group size {half} (U.P_br.H_G)", group=half),
+        fitted(f"oscar-g{half}-no-pbr", f"group size {half} without bit-reversal placement (U.H_G)",
+               {"composition": "u_h"}, group=half),
+    ]
+    if proposed and any(b != 2 for b in proposed):
+        import torch
+
+        out.append(fitted("oscar-layer-policy", "layers with outlying INT2 error stored at INT4",
+                          layer_bits=torch.tensor(proposed, dtype=torch.int32)))
+    return out

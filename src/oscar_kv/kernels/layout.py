@@ -1,0 +1,201 @@
+"""The paged KV pool: BF16 window pages + INT2 history pages, addressed through one block table.
+
+Why this layout
+---------------
+The serving engine batches requests continuously and shares prompt prefixes between them.  What a
+prefix hit can share is the *settled* part of a sequence: the BF16 sink (first S0 tokens) and the
+INT2 history.  The recent window (last W .. W+P-1 tokens, BF16) keeps changing and belongs to one
+request.  Everything is therefore stored in fixed-size **pages of P tokens** (P = 16, 32 or 64; S0 and
+W must be multiples of P), in two pools:
+
+* **window pool** (BF16, rotated/centered keys, rotated values) for sink pages and recent pages::
+
+      k_win, v_win   bfloat16 [L, NW, H, P, D]        (L layers, NW pages, H KV heads, D head dim)
+
+* **INT2 pool** for history pages, codes and 16-bit metadata in separate tensors::
+
+      k_codes, v_codes  uint8   [L, NQ, H, P, D/4]    stride-packed as in quant.py (byte j holds
+                                                      channels j, j+D/4, j+D/2, j+3D/4)
+      k_meta,  v_meta   float16 [L, NQ, H, P, 2*NG]   NG = D/G groups; [..., :NG] = scale,
+                                                      [..., NG:] = minimum; x_hat = code*scale + min
+
+  One (page, head) tile is contiguous: P*D/4 code bytes (512 B at P=16, D=128) and P*4*NG bytes of
+  metadata, so a decode program streams whole pages with 16-byte loads.  The layer dimension leads
+  so that one launch can address every layer (migration) while a per-layer view is a plain slice.
+
+A sequence is described by three small tensors (the engine's scheduler owns them):
+
+* ``block_table`` int32 [B, max_pages]: logical page i of sequence b -> physical page id.  The pool
+  the id points into follows from i:
+    - i <  S0/P                                  sink page    -> window pool
+    - S0/P <= i < S0/P + int2_pages[b]           INT2 page    -> INT2 pool
+    - otherwise                                  recent page  -> window pool
+* ``seq_lens`` int32 [B]: tokens in the cache (the last page may be partly filled).
+* ``int2_pages`` int32 [B]: INT2 pages of the sequence (explicit, not derived from the length, so a
+  prefix-cache hit may bring in more INT2 pages than the steady-state rule and a short recent window).
+
+Token position t lives in logical page t // P at offset t % P.  The recent window starts on a page
+boundary at S0 + P*int2_pages[b].  Steady state (``int2_pages_for``): int2_pages = (T - S0 - W) // P
+when T >= S0 + W, so the recent window holds W .. W+P-1 tokens; when it reaches W+P the oldest recent
+page (full) is quantized into a fresh INT2 page (``write.migrate_pages``, one launch for all layers and
+requests), the block-table entry is swapped and the window page is freed.
+
+Prefix sharing: sink pages and INT2 pages are immutable once full and can be shared by refcount
+(a cached prefix ends on an INT2 page boundary); recent pages are never shared.  Padding rows of a
+batch simply have seq_len 0.  Page ids are int32 (2^31 pages is far beyond any pool).
+
+Rotations: ``k_rotation`` float32/bfloat16 [Hr, D, D] with Hr = H (per KV head) or 1 (shared per
+layer).  Keys are stored as (k - mu_K) @ R_K, queries are rotated q @ R_K[kv_head(q)]; values arrive
+rotated.  Sink/recent rows are stored rotated too, so the whole cache lives in one space.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int = 128
+    group_size: int = 128
+    page_size: int = 16
+    sink_size: int = 64
+    recent_size: int = 256
+
+    def __post_init__(self):
+        d, g, p = self.head_dim, self.group_size, self.page_size
+        if d % 4 or d % g or g < d // 4:
+            raise ValueError(f"group size {g} must divide head dim {d} and be >= D/4 = {d // 4}")
+        if d & (d - 1) or d < 32:
+            raise ValueError(f"head dim must be a power of two >= 32, got {d}")
+        if p not in (16, 32, 64):
+            raise ValueError(f"page size must be 16, 32 or 64, got {p}")
+        if self.sink_size % p or self.recent_size % p:
+            raise ValueError("sink and recent sizes must be multiples of the page size")
+
+    @property
+    def num_groups(self) -> int:
+        return self.head_dim // self.group_size
+
+    @property
+    def sink_pages(self) -> int:
+        return self.sink_size // self.page_size
+
+    def int2_pages_for(self, seq_len: int) -> int:
+        """Steady-state INT2 page count for a sequence of ``seq_len`` tokens."""
+        return max(0, (seq_len - self.sink_size - self.recent_size) // self.page_size)
+
+    def int2_bytes_per_token(self) -> int:
+        """Bytes read per token and KV head from the INT2 pool, K and V: codes + scale/min."""
+        return 2 * (self.head_dim // 4 + 4 * self.num_groups)
+
+    def window_bytes_per_token(self) -> int:
+        return 2 * 2 * self.head_dim
+
+
+@dataclass
+class PagedKVPool:
+    geometry: PoolGeometry
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    k_meta: torch.Tensor
+    v_meta: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+
+    @classmethod
+    def allocate(cls, geom: PoolGeometry, num_int2_pages: int, num_window_pages: int,
+                 device: torch.device | str = "cpu", fill_nan: bool = False) -> "PagedKVPool":
+        l, h, p, d, ng = geom.num_layers, geom.num_kv_heads, geom.page_size, geom.head_dim, geom.num_groups
+        nq, nw = max(num_int2_pages, 1), max(num_window_pages, 1)
+        codes = lambda: torch.zeros(l, nq, h, p, d // 4, dtype=torch.uint8, device=device)  # noqa: E731
+        fill = float("nan") if fill_nan else 0.0
+        meta = lambda: torch.full((l, nq, h, p, 2 * ng), fill, dtype=torch.float16, device=device)  # noqa: E731
+        win = lambda: torch.full((l, nw, h, p, d), fill, dtype=torch.bfloat16, device=device)  # noqa: E731
+        return cls(geom, codes(), codes(), meta(), meta(), win(), win())
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name)[i] for name in
+                ("k_codes", "v_codes", "k_meta", "v_meta", "k_win", "v_win")}
+
+
+@dataclass
+class PagedBatch:
+    """Block tables and lengths of a batch of sequences (see the module docstring)."""
+
+    block_table: torch.Tensor  # int32 [B, max_pages]
+    seq_lens: torch.Tensor  # int32 [B]
+    int2_pages: torch.Tensor  # int32 [B]
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_table.shape[0]
+
+    def to(self, device) -> "PagedBatch":
+        return PagedBatch(self.block_table.to(device), self.seq_lens.to(device), self.int2_pages.to(device))
+
+
+def plan_batch(geom: PoolGeometry, seq_lens: list[int], int2_pages: list[int] | None = None,
+               generator: torch.Generator | None = None, spare_int2: int = 0,
+               spare_window: int = 0) -> tuple[PagedBatch, int, int]:
+    """Assign physical pages for a batch (shuffled when ``generator`` is given, to exercise indirection).
+
+    Returns the batch and the numbers of INT2 and window pages a pool needs (plus the spares asked for).
+    """
+    p, sp = geom.page_size, geom.sink_pages
+    if int2_pages is None:
+        int2_pages = [geom.int2_pages_for(n) for n in seq_lens]
+    pages = [-(-n // p) for n in seq_lens]
+    for n, q in zip(seq_lens, int2_pages):
+        if q and n < geom.sink_size + q * p:
+            raise ValueError(f"sequence of {n} tokens cannot hold {q} INT2 pages after the sink")
+    kinds = []  # per sequence: list of (is_int2) per logical page
+    n_int2 = n_win = 0
+    for np_, q in zip(pages, int2_pages):
+        k = [sp <= i < sp + q for i in range(np_)]
+        kinds.append(k)
+        n_int2 += sum(k)
+        n_win += len(k) - sum(k)
+    tot_q, tot_w = n_int2 + spare_int2, n_win + spare_window
+    perm_q = torch.randperm(max(tot_q, 1), generator=generator) if generator is not None else torch.arange(max(tot_q, 1))
+    perm_w = torch.randperm(max(tot_w, 1), generator=generator) if generator is not None else torch.arange(max(tot_w, 1))
+    table = torch.zeros(len(seq_lens), max(max(pages, default=1), 1), dtype=torch.int32)
+    iq = iw = 0
+    for b, k in enumerate(kinds):
+        for i, is_q in enumerate(k):
+            if is_q:
+                table[b, i] = perm_q[iq]
+                iq += 1
+            else:
+                table[b, i] = perm_w[iw]
+                iw += 1
+    batch = PagedBatch(table, torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(int2_pages, dtype=torch.int32))
+    return batch, tot_q, tot_w
+
+
+def token_slots(geom: PoolGeometry, batch: PagedBatch, seq_ids: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat destination slots (page * P + offset) of tokens, in the window pool or the INT2 pool.
+
+    Returns (win_slot, int2_slot), int32 [T] each, -1 where the token does not go to that pool.
+    """
+    p, sp = geom.page_size, geom.sink_pages
+    seq_ids, positions = seq_ids.long(), positions.long()
+    lpage = positions // p
+    phys = batch.block_table.long()[seq_ids, lpage]
+    q = batch.int2_pages.long()[seq_ids]
+    is_q = (lpage >= sp) & (lpage < sp + q)
+    slot = phys * p + positions % p
+    minus = torch.full_like(slot, -1)
+    return torch.where(is_q, minus, slot).int(), torch.where(is_q, slot, minus).int()
+
+
+def clip_indices(ratios: torch.Tensor | float, head_dim: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """int32 clip indices floor(c*D) clamped to [0, D-1] (quant.clip_index semantics), broadcast to shape."""
+    r = torch.as_tensor(ratios, dtype=torch.float64)
+    idx = (r * head_dim).floor().clamp(0, head_dim - 1).to(torch.int32)
+    return idx.expand(shape).contiguous()

@@ -1,0 +1,171 @@
+"""Pure-torch specification of every kernel over the paged pool (see layout.py).
+
+The Triton kernels in write.py / decode.py / extend.py are tested against these functions.  They
+favour clarity over speed (Python loops over sequences are fine here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import dequantize_rows, quantize_rows, QuantizedRows
+from .layout import PagedBatch, PagedKVPool
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def rotate_keys(k: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None) -> torch.Tensor:
+    """(k - mu_K) @ R_K per KV head in float32.  k: [..., H, D]; R: [Hr, D, D], Hr in {1, H}; mu: [H, D]."""
+    x = k.float()
+    if k_mean is not None:
+        x = x - k_mean.float()
+    if k_rotation is None:
+        return x
+    r = k_rotation.float()
+    return torch.einsum("...hd,hde->...he", x, r.expand(x.shape[-2], -1, -1))
+
+
+def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
+    """q @ R_K[kv_head(q)] in float32.  q: [..., Hq, D]."""
+    x = q.float()
+    if k_rotation is None:
+        return x
+    hq = x.shape[-2]
+    r = k_rotation.float().expand(num_kv_heads, -1, -1).repeat_interleave(hq // num_kv_heads, 0)
+    return torch.einsum("...hd,hde->...he", x, r)
+
+
+def _quantize_heads(x: torch.Tensor, group: int, clip_idx: torch.Tensor) -> QuantizedRows:
+    """quant.quantize_rows with a per-head clip ratio given as clip index (x: [T, H, D])."""
+    d = x.shape[-1]
+    ratio = (clip_idx.double() / d).to(x.device)  # floor(ratio*D) == idx
+    # quant.clip_rows computes floor(ratio*D) in float64: idx/D*D == idx exactly for D a power of two.
+    return quantize_rows(x.float(), 2, group, ratio.view(1, -1) if bool((clip_idx < d - 1).any()) else 1.0)
+
+
+def _meta(q: QuantizedRows) -> torch.Tensor:
+    return torch.cat([q.scale, q.minimum], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------- write
+def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor,
+                    win_slot: torch.Tensor, int2_slot: torch.Tensor,
+                    k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
+                    clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor) -> None:
+    """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D].
+
+    Keys are centered and rotated in float32; a token bound for a window page is stored as BF16,
+    one bound for an INT2 page is clipped/quantized from the float32 row (quant.quantize_rows).
+    """
+    g = pool.geometry
+    p = g.page_size
+    kr = rotate_keys(k, k_rotation, k_mean)
+    vr = v.float()
+    win = win_slot.long() >= 0
+    if win.any():
+        s = win_slot.long()[win]
+        pool.k_win[layer, s // p, :, s % p] = kr[win].to(torch.bfloat16)
+        pool.v_win[layer, s // p, :, s % p] = vr[win].to(torch.bfloat16)
+    qm = int2_slot.long() >= 0
+    if qm.any():
+        s = int2_slot.long()[qm]
+        for x, codes, meta, idx in ((kr, pool.k_codes, pool.k_meta, clip_k_idx),
+                                    (vr, pool.v_codes, pool.v_meta, clip_v_idx)):
+            qr = _quantize_heads(x[qm], g.group_size, idx)
+            codes[layer, s // p, :, s % p] = qr.codes
+            meta[layer, s // p, :, s % p] = _meta(qr)
+
+
+def migrate_reference(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
+                      clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor) -> None:
+    """Quantize whole window pages (all layers) into INT2 pages.  clip_*_idx: int32 [L, H]."""
+    g = pool.geometry
+    src, dst = src_win_pages.long(), dst_int2_pages.long()
+    for layer in range(g.num_layers):
+        for win, codes, meta, idx in ((pool.k_win, pool.k_codes, pool.k_meta, clip_k_idx),
+                                      (pool.v_win, pool.v_codes, pool.v_meta, clip_v_idx)):
+            rows = win[layer, src].float().transpose(1, 2)  # [M, P, H, D]
+            qr = _quantize_heads(rows.reshape(-1, g.num_kv_heads, g.head_dim), g.group_size, idx[layer])
+            m = rows.shape[0]
+            codes[layer, dst] = qr.codes.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
+            meta[layer, dst] = _meta(qr).view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------- read
+def gather_sequence(pool: PagedKVPool, layer: int, batch: PagedBatch, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized rotated K and V of sequence b in token order, float32 [T, H, D]."""
+    g = pool.geometry
+    p, sp, ng = g.page_size, g.sink_pages, g.num_groups
+    t = int(batch.seq_lens[b])
+    nq = int(batch.int2_pages[b])
+    ks, vs = [], []
+    for i in range(-(-t // p)):
+        phys = int(batch.block_table[b, i])
+        if sp <= i < sp + nq:
+            for out, codes, meta in ((ks, pool.k_codes, pool.k_meta), (vs, pool.v_codes, pool.v_meta)):
+                m = meta[layer, phys].transpose(0, 1)  # [P, H, 2NG]
+                qr = QuantizedRows(codes[layer, phys].transpose(0, 1), m[..., :ng], m[..., ng:], 2, g.group_size)
+                out.append(dequantize_rows(qr))
+        else:
+            ks.append(pool.k_win[layer, phys].transpose(0, 1).float())
+            vs.append(pool.v_win[layer, phys].transpose(0, 1).float())
+    k = torch.cat(ks)[:t] if ks else pool.k_win.new_zeros(0, g.num_kv_heads, g.head_dim).float()
+    v = torch.cat(vs)[:t] if vs else k.clone()
+    return k, v
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [M, Hq, D], k/v [N, H, D] (GQA), float64 softmax; mask [M, N] bool (True = attend)."""
+    hq, h = q.shape[1], k.shape[1]
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    kk = k.double().repeat_interleave(hq // h, 1)
+    vv = v.double().repeat_interleave(hq // h, 1)
+    s = torch.einsum("mhd,nhd->hmn", q.double(), kk) * sm_scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", s.softmax(-1), vv).float()
+
+
+def decode_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, batch: PagedBatch,
+                     k_rotation: torch.Tensor | None, sm_scale: float | None = None) -> torch.Tensor:
+    """One new query token per sequence: q [B, Hq, D] (unrotated) -> out float32 [B, Hq, D].
+
+    A sequence of length 0 yields zeros.
+    """
+    g = pool.geometry
+    qr = rotate_queries(q, k_rotation, g.num_kv_heads)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        if int(batch.seq_lens[b]) == 0:
+            continue
+        k, v = gather_sequence(pool, layer, batch, b)
+        out[b] = _attend(qr[b : b + 1], k, v, sm_scale)[0]
+    return out
+
+
+def extend_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     cu_seqlens: torch.Tensor, batch: PagedBatch, k_rotation: torch.Tensor | None,
+                     sm_scale: float | None = None) -> torch.Tensor:
+    """Chunked prefill: sequence b's new tokens q[cu[b]:cu[b+1]] ([T, Hq, D], unrotated) attend to its cached
+    history (``batch`` describes the cache *before* the chunk) and causally to the chunk itself, whose
+    rotated keys/values k_new/v_new [T, H, D] are used exactly (as given, BF16).  Returns float32 [T, Hq, D].
+    """
+    g = pool.geometry
+    qr = rotate_queries(q, k_rotation, g.num_kv_heads)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens.tolist()
+    for b in range(len(cu) - 1):
+        lo, hi = cu[b], cu[b + 1]
+        if hi == lo:
+            continue
+        n = hi - lo
+        if int(batch.seq_lens[b]) > 0:
+            kh, vh = gather_sequence(pool, layer, batch, b)
+        else:
+            kh = vh = k_new.new_zeros(0, g.num_kv_heads, g.head_dim).float()
+        k = torch.cat([kh, k_new[lo:hi].float()])
+        v = torch.cat([vh, v_new[lo:hi].float()])
+        t0 = kh.shape[0]
+        mask = torch.arange(t0 + n, device=q.device)[None, :] <= (t0 + torch.arange(n, device=q.device))[:, None]
+        out[lo:hi] = _attend(qr[lo:hi], k, v, sm_scale, mask)
+    return out

@@ -1,0 +1,190 @@
+"""Fused write path and page migration in Triton.  Specification: reference.write_reference / migrate_reference.
+
+``write_kv``: one launch per layer for a batch of tokens (decode step: one per sequence; prefill chunk: many):
+center and rotate K by R_K (float32), then per token and KV head either store BF16 into a window page or
+clip + quantize + pack into an INT2 page (values arrive rotated).  ``migrate_pages``: one launch for all
+layers and all migrating requests, quantizing whole BF16 recent pages into INT2 pages.
+
+The quantizer reproduces quant.quantize_rows bit for bit: clip threshold = the floor(c*D)-th smallest |x|
+of the row (a sort), min/max in float32, min -> float16, scale = float16((max - min16) / 3) with a
+correctly rounded division, code = round-half-even((x - min16) / scale16) clamped to [0, 3] (scale 0 -> /1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._compat import install_interpreter_shim
+from .layout import PagedKVPool
+
+install_interpreter_shim()
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _f16_rne(x):
+    """float32 -> float16 rounding half to even, made explicit (|x| <= 65504): the mantissa is rounded in
+    float32 first so the final conversion is exact whatever rounding the hardware path uses at ties."""
+    bits = x.to(tl.int32, bitcast=True)
+    rn = (bits + 0x0FFF + ((bits >> 13) & 1)) & -8192  # ~0x1FFF: keep 10 mantissa bits
+    normal = rn.to(tl.float32, bitcast=True)
+    y = tl.abs(x) * 16777216.0  # subnormal float16 range: multiples of 2^-24
+    sub = ((y + 12582912.0) - 12582912.0) * 5.9604644775390625e-08
+    sub = tl.where(x < 0, sub * -1.0, sub)  # keeps the sign of zero (unary minus is 0 - x)
+    return tl.where(tl.abs(x) < 6.103515625e-05, sub, normal).to(tl.float16)
+
+
+@triton.jit
+def _clip_threshold(ax, clip_idx, D: tl.constexpr, SORT: tl.constexpr):
+    """The clip_idx-th smallest value of each row of ax [ROWS, D] (ax >= 0)."""
+    offs_d = tl.arange(0, D)
+    if SORT:
+        srt = tl.sort(ax, 1)
+        tau = tl.sum(tl.where(offs_d[None, :] == clip_idx, srt, 0.0), 1)
+    else:
+        # rank of element i = #{j: a_j < a_i} + #{j < i: a_j == a_i}; one element per rank.  Used under the
+        # interpreter, where this is one vectorized op and tl.sort is very slow; same result as the sort.
+        ai = ax[:, :, None]
+        aj = ax[:, None, :]
+        before = (offs_d[None, :] < offs_d[:, None])[None, :, :]
+        rank = tl.sum(((aj < ai) | ((aj == ai) & before)).to(tl.int32), 2)
+        tau = tl.sum(tl.where(rank == clip_idx, ax, 0.0), 1)
+    return tau
+
+
+@triton.jit
+def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
+                         D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr):
+    """Clip/quantize/pack x [ROWS, D] float32 and store codes at Codes+crow and scale/min at Meta+mrow."""
+    NG: tl.constexpr = D // G
+    D4: tl.constexpr = D // 4
+    tau = _clip_threshold(tl.abs(x), clip_idx, D, SORT)
+    x = tl.maximum(tl.minimum(x, tau[:, None]), -tau[:, None])
+    xg = tl.reshape(x, [ROWS, NG, G])
+    lo = tl.minimum(tl.maximum(tl.min(xg, 2), -65504.0), 65504.0)
+    hi = tl.minimum(tl.maximum(tl.max(xg, 2), -65504.0), 65504.0)
+    mn16 = _f16_rne(lo)
+    mnf = mn16.to(tl.float32)
+    sc16 = _f16_rne(tl.math.div_rn(hi - mnf, 3.0))
+    scf = sc16.to(tl.float32)
+    safe = tl.where(scf > 0, scf, 1.0)
+    y = tl.math.div_rn(xg - mnf[:, :, None], safe[:, :, None])
+    y = (y + 12582912.0) - 12582912.0  # round half to even (|y| << 2^22)
+    code = tl.minimum(tl.maximum(y, 0.0), 3.0).to(tl.int32)
+    code = tl.reshape(code, [ROWS, 4, D4])
+    shift = (2 * tl.arange(0, 4))[None, :, None]
+    packed = tl.sum(code << shift, 1).to(tl.uint8)  # [ROWS, D4]: byte j = sum_k c[j + k*D4] << 2k
+    offs_b = tl.arange(0, D4)
+    tl.store(Codes + crow[:, None] + offs_b[None, :], packed, mask=rmask[:, None])
+    offs_g = tl.arange(0, NG)
+    tl.store(Meta + mrow[:, None] + offs_g[None, :], sc16, mask=rmask[:, None])
+    tl.store(Meta + mrow[:, None] + NG + offs_g[None, :], mn16, mask=rmask[:, None])
+
+
+@triton.jit
+def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T,
+                  stride_kt, stride_kh, stride_vt, stride_vh, stride_rh,
+                  stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh,
+                  D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr,
+                  ROTATE: tl.constexpr, CENTER: tl.constexpr, SORT: tl.constexpr):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    NG: tl.constexpr = D // G
+    D4: tl.constexpr = D // 4
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = offs_t < T
+    offs_d = tl.arange(0, D)
+    ws = tl.load(WS + offs_t, mask=tmask, other=-1).to(tl.int64)
+    qs = tl.load(QS + offs_t, mask=tmask, other=-1).to(tl.int64)
+    wmask = ws >= 0
+    qmask = qs >= 0
+    wrow = (ws // P) * stride_wp + h * stride_wh + (ws % P) * D
+    crow = (qs // P) * stride_cp + h * stride_ch + (qs % P) * D4
+    mrow = (qs // P) * stride_mp + h * stride_mh + (qs % P) * (2 * NG)
+    # ---- keys: center, rotate (float32), store
+    k = tl.load(K + offs_t[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=tmask[:, None],
+                other=0.0).to(tl.float32)
+    if CENTER:
+        k = k - tl.load(MU + h * D + offs_d)[None, :]
+    if ROTATE:
+        r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
+        k = tl.dot(k, r, input_precision="ieee")
+    tl.store(Kw + wrow[:, None] + offs_d[None, :], k.to(tl.bfloat16), mask=wmask[:, None])
+    _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT)
+    # ---- values: already rotated
+    v = tl.load(V + offs_t[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=tmask[:, None],
+                other=0.0).to(tl.float32)
+    tl.store(Vw + wrow[:, None] + offs_d[None, :], v.to(tl.bfloat16), mask=wmask[:, None])
+    _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, crow, mrow, D, G, BLOCK_T, SORT)
+
+
+@triton.jit
+def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H,
+                    stride_wl, stride_wp, stride_wh, stride_cl, stride_cp, stride_ch,
+                    stride_ml, stride_mp, stride_mh,
+                    D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SORT: tl.constexpr):
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    layer = tl.program_id(2).to(tl.int64)
+    NG: tl.constexpr = D // G
+    D4: tl.constexpr = D // 4
+    src = tl.load(SRC + m).to(tl.int64)
+    dst = tl.load(DST + m).to(tl.int64)
+    offs_t = tl.arange(0, P)
+    offs_d = tl.arange(0, D)
+    rmask = offs_t < P
+    wrow = layer * stride_wl + src * stride_wp + h * stride_wh + offs_t * D
+    crow = layer * stride_cl + dst * stride_cp + h * stride_ch + offs_t * D4
+    mrow = layer * stride_ml + dst * stride_mp + h * stride_mh + offs_t * (2 * NG)
+    k = tl.load(Kw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
+    _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Km, crow, mrow, D, G, P, SORT)
+    v = tl.load(Vw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
+    _quantize_rows_store(v, tl.load(CV + layer * H + h), rmask, Vc, Vm, crow, mrow, D, G, P, SORT)
+
+
+def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, win_slot: torch.Tensor,
+             int2_slot: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
+             clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = 16, num_warps: int = 4) -> None:
+    """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D] (any float
+    dtype; last dim contiguous); win_slot / int2_slot: int32 [T] flat slots (page*P + offset) or -1
+    (layout.token_slots); k_rotation [Hr, D, D] (Hr in {1, H}) or None when keys arrive rotated;
+    k_mean [H, D] or None; clip_*_idx: int32 [H] (layout.clip_indices)."""
+    g = pool.geometry
+    t, h, d = k.shape
+    if t == 0:
+        return
+    L = pool.layer(layer)
+    kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
+    if k_rotation is not None:
+        r = k_rotation.float().contiguous()
+        stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
+    else:
+        r, stride_rh = k, 0
+    mu = k_mean.float().contiguous() if k_mean is not None else k
+    _write_kernel[(triton.cdiv(t, block_t), h)](
+        k, v, r, mu, win_slot, int2_slot, clip_k_idx, clip_v_idx, kc, km, vc, vm, kw, vw, t,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh,
+        kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
+        D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
+        CENTER=k_mean is not None, SORT=not _INTERPRET, num_warps=num_warps)
+
+
+def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
+                  clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, num_warps: int = 4) -> None:
+    """Quantize full BF16 window pages into INT2 pages, every layer, one launch.  src/dst: int32 [M];
+    clip_*_idx: int32 [L, H].  The caller then swaps the block-table entries and frees the window pages."""
+    g = pool.geometry
+    m = src_win_pages.numel()
+    if m == 0:
+        return
+    kw, kc, km = pool.k_win, pool.k_codes, pool.k_meta
+    _migrate_kernel[(m, g.num_kv_heads, g.num_layers)](
+        src_win_pages, dst_int2_pages, clip_k_idx.contiguous(), clip_v_idx.contiguous(), pool.k_win, pool.v_win,
+        pool.k_codes, pool.k_meta, pool.v_codes, pool.v_meta, g.num_kv_heads,
+        kw.stride(0), kw.stride(1), kw.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
+        km.stride(0), km.stride(1), km.stride(2),
+        D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not _INTERPRET, num_warps=num_warps)

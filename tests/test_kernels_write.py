@@ -1,0 +1,133 @@
+"""Fused write path and page migration vs the torch reference: codes and metadata bit for bit."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from oscar_kv.kernels import reference as ref  # noqa: E402
+from oscar_kv.kernels.layout import PagedKVPool, PoolGeometry, clip_indices  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = DEV == "cuda"
+
+
+def outliers(n, h, d, gen, dtype=torch.float32):
+    x = torch.randn(n, h, d, generator=gen)
+    for hh in range(h):
+        ch = torch.randperm(d, generator=gen)[:3]
+        x[:, hh, ch] *= torch.empty(3).uniform_(10, 50, generator=gen)
+    if n > 2:
+        x[1, 0] = 0.37  # a constant row: scale 0
+    return x.to(DEV, dtype)
+
+
+def signed_permutation(h, d, gen):
+    r = torch.zeros(h, d, d)
+    for hh in range(h):
+        perm = torch.randperm(d, generator=gen)
+        sign = torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
+        r[hh, torch.arange(d), perm] = sign
+    return r.to(DEV)
+
+
+def pools(geom, nq, nw):
+    a = PagedKVPool.allocate(geom, nq, nw, device=DEV)
+    b = PagedKVPool.allocate(geom, nq, nw, device=DEV)
+    return a, b
+
+
+def assert_pools_equal(a, b):
+    for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+    for name in ("k_win", "v_win"):
+        x, y = getattr(a, name), getattr(b, name)
+        if GPU:  # round-to-nearest-even float32 -> bfloat16 on both sides
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16)), name
+        else:  # Triton's interpreter truncates float32 -> bfloat16: one ulp apart at most
+            assert torch.allclose(x.float(), y.float(), rtol=2 ** -7, atol=0), name
+
+
+CASES = [(64, 64, 16), (128, 32, 32)] + ([(128, 128, 16), (128, 64, 64)] if GPU else [])
+
+
+@pytest.mark.parametrize("d,g,p", CASES)
+@pytest.mark.parametrize("mode", ["prerotated", "signed-perm", "bf16-input"])
+def test_write_bit_exact(d, g, p, mode):
+    from oscar_kv.kernels.write import write_kv
+
+    gen = torch.Generator().manual_seed(d + g + p)
+    h, layers = 2, 2
+    geom = PoolGeometry(num_layers=layers, num_kv_heads=h, head_dim=d, group_size=g, page_size=p,
+                        sink_size=p, recent_size=p)
+    nq = nw = 8 if not GPU else 512
+    t = 45 if not GPU else 5000
+    slots = torch.randperm(nq * p, generator=gen)[:t]
+    to_win = torch.rand(t, generator=gen) < 0.3
+    win = torch.where(to_win, slots, -1).int().to(DEV)
+    q2 = torch.where(to_win, -1, slots).int().to(DEV)
+    k = outliers(t, h, d, gen, torch.bfloat16 if mode == "bf16-input" else torch.float32)
+    v = outliers(t, h, d, gen, torch.bfloat16 if mode == "bf16-input" else torch.float32)
+    rot = mean = None
+    if mode != "prerotated":
+        rot = signed_permutation(h, d, gen)
+        mean = torch.randn(h, d, generator=gen).to(DEV)
+    ck = clip_indices(torch.tensor([0.96, 1.0]), d, (h,)).to(DEV)
+    cv = clip_indices(torch.tensor([0.92, 0.5]), d, (h,)).to(DEV)
+    a, b = pools(geom, nq, nw)
+    ref.write_reference(a, 1, k, v, win, q2, rot, mean, ck, cv)
+    write_kv(b, 1, k, v, win, q2, rot, mean, ck, cv)
+    assert_pools_equal(a, b)
+
+
+def test_write_random_rotation_close():
+    """With a dense rotation the float32 sums differ in order: codes may flip at rounding ties only."""
+    from oscar_kv.kernels.write import write_kv
+
+    gen = torch.Generator().manual_seed(1)
+    d, h, p = 64, 2, 16
+    geom = PoolGeometry(num_layers=1, num_kv_heads=h, head_dim=d, group_size=64, page_size=p, sink_size=p,
+                        recent_size=p)
+    t = 40
+    slots = torch.randperm(8 * p, generator=gen)[:t]
+    win = torch.where(torch.arange(t) % 2 == 0, slots, -1).int().to(DEV)
+    q2 = torch.where(torch.arange(t) % 2 == 0, -1, slots).int().to(DEV)
+    qm, _ = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
+    rot = qm.float().to(DEV)
+    k, v = outliers(t, h, d, gen), outliers(t, h, d, gen)
+    ck = cv = clip_indices(0.96, d, (h,)).to(DEV)
+    a, b = pools(geom, 8, 8)
+    ref.write_reference(a, 0, k, v, win, q2, rot, None, ck, cv)
+    write_kv(b, 0, k, v, win, q2, rot, None, ck, cv)
+    assert (a.k_codes != b.k_codes).float().mean() < 0.01
+    assert torch.allclose(a.k_meta.float(), b.k_meta.float(), rtol=1e-2, atol=1e-3)
+    assert torch.allclose(a.k_win.float(), b.k_win.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(a.v_codes, b.v_codes)
+
+
+@pytest.mark.parametrize("p", [16, 32] + ([64] if GPU else []))
+def test_migrate_bit_exact(p):
+    from oscar_kv.kernels.write import migrate_pages
+
+    gen = torch.Generator().manual_seed(p)
+    d, h, layers = 64, 2, 3
+    geom = PoolGeometry(num_layers=layers, num_kv_heads=h, head_dim=d, group_size=32, page_size=p, sink_size=p,
+                        recent_size=p)
+    nq, nw = 6, 6
+    a, b = pools(geom, nq, nw)
+    w = outliers(layers * nw * h * p, 1, d, gen).view(layers, nw, h, p, d).to(torch.bfloat16)
+    for pool in (a, b):
+        pool.k_win.copy_(w)
+        pool.v_win.copy_(w.flip(-1))
+    src = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
+    dst = torch.tensor([1, 5, 3], dtype=torch.int32, device=DEV)
+    ck = clip_indices(torch.tensor([[0.96], [1.0], [0.9]]), d, (layers, h)).to(DEV)
+    cv = clip_indices(0.92, d, (layers, h)).to(DEV)
+    ref.migrate_reference(a, src, dst, ck, cv)
+    migrate_pages(b, src, dst, ck, cv)
+    assert_pools_equal(a, b)
