@@ -134,7 +134,7 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
                 errs = tasks.layer_attention_errors(scheme, cache, samples)
                 row.setdefault("attn_error", {})[key] = errs
                 row.setdefault("attn_error_mean", {})[key] = sum(errs) / len(errs)
-            if niah:
+            if niah and scheme.name in config.methods:  # ablations are scored on KL/ppl/attn only
                 hits = [number in tasks.niah_answer(model, tokenizer, scheme, kv, question)
                         for kv, question, number in niah]
                 row.setdefault("niah", {})[key] = sum(hits) / len(hits)

@@ -46,6 +46,7 @@ def kl_and_ppl(model, scheme: Scheme, ids: torch.Tensor, ref_logits: torch.Tenso
 # ---- needle in a haystack ------------------------------------------------------------------------
 NEEDLE = "The magic number is {number}. Remember it: the magic number is {number}."
 QUESTION = "What is the magic number mentioned in the text above? Reply with the 7-digit number only."
+ANSWER_PREFIX = "The magic number is"
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
@@ -68,7 +69,8 @@ def niah_prompt(tokenizer, filler: str, length: int, depth: float, number: str) 
         text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
     else:
-        text = content + "\nAnswer:"
+        text = content + "\n"
+    text += ANSWER_PREFIX  # the answer starts with the digits: fewer decode steps, same retrieval
     split = text.index(marker)
     return (tokenizer(text[:split], add_special_tokens=False).input_ids,
             tokenizer(text[split:], add_special_tokens=False).input_ids)
