@@ -35,26 +35,28 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
     return out, weights
 
 
-def register_capture() -> None:
-    AttentionInterface.register(CAPTURE_KEY, _capture_attention)
-    AttentionMaskInterface.register(CAPTURE_KEY, sdpa_mask)
-
-
 @contextlib.contextmanager
+def attention_override(model, key: str, function, state, stack: list):
+    """Within the block, ``model`` runs attention through ``function`` (registered as ``key``, with
+    the standard SDPA mask) and ``state`` is on top of ``stack`` for it to read."""
+    AttentionInterface.register(key, function)
+    AttentionMaskInterface.register(key, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(key)
+    stack.append(state)
+    try:
+        yield
+    finally:
+        stack.pop()
+        model.set_attn_implementation(previous)
+
+
 def observing(model, observer):
     """Within the block, every attention call of ``model`` reports (layer, q, k, v, out) to ``observer``.
 
     q/out are [B, Hq, T, D], k/v [B, Hkv, T, D]; q and k post-RoPE, v as projected.
     """
-    register_capture()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(CAPTURE_KEY)
-    _active.append(observer)
-    try:
-        yield
-    finally:
-        _active.pop()
-        model.set_attn_implementation(previous)
+    return attention_override(model, CAPTURE_KEY, _capture_attention, observer, _active)
 
 
 @dataclass

@@ -11,12 +11,9 @@ and exact (window dtype) otherwise.  ``tests/test_evaluate.py`` checks this agai
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..activations import attention_override
 from ..cache import OscarCache, OscarCacheLayer
 from ..quant import dequantize_rows, quantize_rows
 
@@ -89,19 +86,9 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
 
 
-@contextlib.contextmanager
 def simulating(model, cache: OscarCache):
     """Within the block, full-sequence forwards (no past) of a prepared model simulate ``cache``."""
-    AttentionInterface.register(SIM_KEY, _simulated_attention)
-    AttentionMaskInterface.register(SIM_KEY, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(SIM_KEY)
-    _active.append(cache)
-    try:
-        yield
-    finally:
-        _active.pop()
-        model.set_attn_implementation(previous)
+    return attention_override(model, SIM_KEY, _simulated_attention, cache, _active)
 
 
 @torch.no_grad()

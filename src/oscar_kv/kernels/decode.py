@@ -35,7 +35,7 @@ LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # One PTX block per 4 packed code bytes -> 4 slices x 4 float16 values (2 registers each).
-_UNPACK_ASM = """
+_UNPACK_ASM = tl.constexpr("""
 {
 .reg .b32 lo, hi, z;
 mov.b32 z, 0;
@@ -50,7 +50,7 @@ lop3.b32 $5, hi, 0x00300030, 0x64006400, 0xEA;
 lop3.b32 $6, lo, 0x00C000C0, 0x64006400, 0xEA;
 lop3.b32 $7, hi, 0x00C000C0, 0x64006400, 0xEA;
 }
-"""
+""")
 
 
 @triton.jit
@@ -93,9 +93,10 @@ def _mm(a, b, acc, F32DOT: tl.constexpr):
 
 
 @triton.jit
-def _bf16_range(q, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, stride_wp,
-                D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, F32DOT: tl.constexpr):
-    """Online softmax over tokens [start, end) stored in BF16 window pages (logical page = t // P)."""
+def _bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, stride_wp,
+                D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr):
+    """Online softmax over tokens [start, end) stored in BF16 window pages (logical page = t // P).
+    SPLITQ: the query is q + ql (bf16 hi and lo parts), two MMAs per tile."""
     offs_d = tl.arange(0, D)
     for t0 in range(start, end, BLOCK):
         offs = t0 + tl.arange(0, BLOCK)
@@ -104,6 +105,8 @@ def _bf16_range(q, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, stride_w
         row = phys * stride_wp + head_off + (offs % P) * D
         k = tl.load(Kw + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         s = _mm(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK], tl.float32), F32DOT)
+        if SPLITQ:
+            s = _mm(ql, tl.trans(k), s, F32DOT)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -146,76 +149,77 @@ def _bf16_decode_kernel(Q, R, Kw, Vw, BT, SL, PO, PL, qk_scale,
     acc = tl.zeros([H_PAD, D], tl.float32)
     start = s * chunk
     end = tl.minimum(start + chunk, seq_len)
-    m_i, l_i, acc = _bf16_range(q, m_i, l_i, acc, start, end, BT + b * stride_bt, Kw, Vw,
-                                h.to(tl.int64) * stride_wh, stride_wp, D, P, BLOCK, F32DOT)
+    m_i, l_i, acc = _bf16_range(q, q, m_i, l_i, acc, start, end, BT + b * stride_bt, Kw, Vw,
+                                h.to(tl.int64) * stride_wh, stride_wp, D, P, BLOCK, F32DOT, False)
     _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                    0, D, GQA, H_PAD, True)
 
 
 @triton.jit
-def _int2_decode_kernel(Q, R, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, qk_scale,
-                        stride_qb, stride_qh, stride_rh, stride_cp, stride_ch, stride_mp, stride_mh,
+def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, qk_scale,
+                        stride_qb, stride_qh, stride_cp, stride_ch, stride_mp, stride_mh,
                         stride_wp, stride_wh, stride_bt, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                         chunk,
                         D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
                         GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                        ROTATE: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr,
-                        HALVES: tl.constexpr):
+                        USE_ASM: tl.constexpr, F32DOT: tl.constexpr, KT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(SL + b)
     nq = tl.load(NQ + b)
     bt_row = BT + b * stride_bt
-    q = _load_query(Q, R, b, h, stride_qb, stride_qh, stride_rh, qk_scale, D, GQA, H_PAD, ROTATE)
+    offs_h = tl.arange(0, H_PAD)
+    hm = (offs_h < GQA)[:, None]
+    qrow = Q + b * stride_qb + (h * GQA + offs_h)[:, None] * stride_qh
     m_i = tl.full([H_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([H_PAD], tl.float32)
     if s == 0:
-        # ---- BF16 window: sink [0, min(T, S0)) then recent [S0 + P*nq, T)
+        # ---- BF16 window: sink [0, min(T, S0)) then recent [S0 + P*nq, T).  The query is split into
+        # bf16 hi + lo parts (two MMAs) so the logits keep ~16 bits, like the float32 reference.
         SINK: tl.constexpr = SINK_PAGES * P
+        offs_d = tl.arange(0, D)
+        qf = tl.load(qrow + offs_d[None, :], mask=hm, other=0.0).to(tl.float32) * qk_scale
+        qh = qf.to(tl.bfloat16)
+        ql = (qf - qh.to(tl.float32)).to(tl.bfloat16)
         acc = tl.zeros([H_PAD, D], tl.float32)
-        qb = q.to(tl.bfloat16)
         head_off = h.to(tl.int64) * stride_wh
-        m_i, l_i, acc = _bf16_range(qb, m_i, l_i, acc, 0, tl.minimum(seq_len, SINK), bt_row, Kw, Vw,
-                                    head_off, stride_wp, D, P, BLOCK_W, F32DOT)
-        m_i, l_i, acc = _bf16_range(qb, m_i, l_i, acc, tl.minimum(SINK + nq * P, seq_len), seq_len, bt_row,
-                                    Kw, Vw, head_off, stride_wp, D, P, BLOCK_W, F32DOT)
+        m_i, l_i, acc = _bf16_range(qh, ql, m_i, l_i, acc, 0, tl.minimum(seq_len, SINK), bt_row, Kw, Vw,
+                                    head_off, stride_wp, D, P, BLOCK_W, F32DOT, True)
+        m_i, l_i, acc = _bf16_range(qh, ql, m_i, l_i, acc, tl.minimum(SINK + nq * P, seq_len), seq_len, bt_row,
+                                    Kw, Vw, head_off, stride_wp, D, P, BLOCK_W, F32DOT, True)
         _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                        0, D, GQA, H_PAD, True)
-    elif HALVES:
-        _int2_history_halves(q, m_i, l_i, s, nq, chunk, bt_row, Kc, Km, Vc, Vm, PO, PL, b, h,
-                             stride_cp, stride_ch, stride_mp, stride_mh,
-                             stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                             D, G, P, SINK_PAGES, GQA, H_PAD, BLOCK_N)
     else:
-        # ---- INT2 history tokens [start, end) counted from the sink's end
+        # ---- INT2 history tokens [start, end) counted from the sink's end (start, end: multiples of P)
         D4: tl.constexpr = D // 4
         NG: tl.constexpr = D // G
-        # group of stride slice k (slices are contiguous channel ranges of D/4; G >= D/4)
-        G1: tl.constexpr = D4 // G
-        G2: tl.constexpr = (2 * D4) // G
-        G3: tl.constexpr = (3 * D4) // G
         offs_c = tl.arange(0, D4)
-        offs_h = tl.arange(0, H_PAD)
-        # query slices in float16, slice k pre-divided by 4^k (its codes arrive multiplied by 4^k)
-        q0 = _slice(q, 0, H_PAD, D4, D).to(tl.float16)
-        q1 = (_slice(q, 1, H_PAD, D4, D) * 0.25).to(tl.float16)
-        q2 = (_slice(q, 2, H_PAD, D4, D) * 0.0625).to(tl.float16)
-        q3 = (_slice(q, 3, H_PAD, D4, D) * 0.015625).to(tl.float16)
-        # offsets to remove (1024 * sum of the float16 slice) and true sums for the minimum term
+        # query slices (float32, scaled), float16 slice k pre-divided by 4^k (its codes arrive as 1024 + c*4^k)
+        qf0 = tl.load(qrow + offs_c[None, :], mask=hm, other=0.0).to(tl.float32) * qk_scale
+        qf1 = tl.load(qrow + D4 + offs_c[None, :], mask=hm, other=0.0).to(tl.float32) * qk_scale
+        qf2 = tl.load(qrow + 2 * D4 + offs_c[None, :], mask=hm, other=0.0).to(tl.float32) * qk_scale
+        qf3 = tl.load(qrow + 3 * D4 + offs_c[None, :], mask=hm, other=0.0).to(tl.float32) * qk_scale
+        q0 = qf0.to(tl.float16)
+        q1 = (qf1 * 0.25).to(tl.float16)
+        q2 = (qf2 * 0.0625).to(tl.float16)
+        q3 = (qf3 * 0.015625).to(tl.float16)
+        # per slice: 1024 * sum of the float16 slice (the offset to remove) and the true sum (for the minimum)
         o0 = 1024.0 * tl.sum(q0.to(tl.float32), 1)
         o1 = 1024.0 * tl.sum(q1.to(tl.float32), 1)
         o2 = 1024.0 * tl.sum(q2.to(tl.float32), 1)
         o3 = 1024.0 * tl.sum(q3.to(tl.float32), 1)
-        t0s = tl.sum(_slice(q, 0, H_PAD, D4, D), 1)
-        t1s = tl.sum(_slice(q, 1, H_PAD, D4, D), 1)
-        t2s = tl.sum(_slice(q, 2, H_PAD, D4, D), 1)
-        t3s = tl.sum(_slice(q, 3, H_PAD, D4, D), 1)
+        t0s = tl.sum(qf0, 1)
+        t1s = tl.sum(qf1, 1)
+        t2s = tl.sum(qf2, 1)
+        t3s = tl.sum(qf3, 1)
+        if KT:
+            q0 = q0
         a0 = tl.zeros([H_PAD, D4], tl.float32)
         a1 = tl.zeros([H_PAD, D4], tl.float32)
         a2 = tl.zeros([H_PAD, D4], tl.float32)
         a3 = tl.zeros([H_PAD, D4], tl.float32)
-        # per slice: running sum of p*scale (float16-rounded, to undo the 1024 offset) and of p*min
+        # per group: running sum of float16(p*scale) (undoes the 1024 offset) and of p*min
         f0 = tl.zeros([H_PAD], tl.float32)
         f1 = tl.zeros([H_PAD], tl.float32)
         f2 = tl.zeros([H_PAD], tl.float32)
@@ -228,28 +232,40 @@ def _int2_decode_kernel(Q, R, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, qk_sca
         end = tl.minimum(start + chunk, nq * P)
         head_c = h.to(tl.int64) * stride_ch
         head_m = h.to(tl.int64) * stride_mh
-        for t0 in range(start, end, BLOCK_N):
+        n_tiles = tl.cdiv(end - start, BLOCK_N)
+        for i in range(0, n_tiles):
+            t0 = start + i * BLOCK_N
             offs = t0 + tl.arange(0, BLOCK_N)
             valid = offs < end
             phys = tl.load(bt_row + SINK_PAGES + offs // P, mask=valid, other=0).to(tl.int64)
-            crow = phys * stride_cp + head_c + (offs % P) * D4
+            crow = tl.multiple_of(phys * stride_cp + head_c + (offs % P) * D4, D4)
             mrow = phys * stride_mp + head_m + (offs % P) * (2 * NG)
-            kraw = tl.load(Kc + crow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
-            k0, k1, k2, k3 = _unpack4(kraw, USE_ASM)
+            bias = tl.where(valid, 0.0, float("-inf"))
+            if KT:
+                kraw = tl.load(Kc + crow[None, :] + offs_c[:, None], mask=valid[None, :], other=0)
+                k0, k1, k2, k3 = _unpack4(kraw, USE_ASM)
+            else:
+                kraw = tl.load(Kc + crow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
+                k0, k1, k2, k3 = _unpack4(kraw, USE_ASM)
+                k0 = tl.trans(k0)
+                k1 = tl.trans(k1)
+                k2 = tl.trans(k2)
+                k3 = tl.trans(k3)
             if NG == 1:
                 ks = tl.load(Km + mrow, mask=valid, other=0.0).to(tl.float32)
                 kn = tl.load(Km + mrow + 1, mask=valid, other=0.0).to(tl.float32)
-                raw = tl.dot(q0, tl.trans(k0))
-                raw = tl.dot(q1, tl.trans(k1), raw)
-                raw = tl.dot(q2, tl.trans(k2), raw)
-                raw = tl.dot(q3, tl.trans(k3), raw)
-                sc = ks[None, :] * (raw - (o0 + o1 + o2 + o3)[:, None]) + kn[None, :] * (t0s + t1s + t2s + t3s)[:, None]
+                raw = tl.dot(q0, k0)
+                raw = tl.dot(q1, k1, raw)
+                raw = tl.dot(q2, k2, raw)
+                raw = tl.dot(q3, k3, raw)
+                sc = ks[None, :] * (raw - (o0 + o1 + o2 + o3)[:, None]) + \
+                    (kn[None, :] * (t0s + t1s + t2s + t3s)[:, None] + bias[None, :])
             else:
-                sc = _grp_scores(q0, k0, o0, t0s, Km, mrow, valid, 0, NG)
-                sc += _grp_scores(q1, k1, o1, t1s, Km, mrow, valid, G1, NG)
-                sc += _grp_scores(q2, k2, o2, t2s, Km, mrow, valid, G2, NG)
-                sc += _grp_scores(q3, k3, o3, t3s, Km, mrow, valid, G3, NG)
-            sc = tl.where(valid[None, :], sc, float("-inf"))
+                sc = _grp_scores(q0, k0, o0, t0s, Km, mrow, valid, (0 * D4) // G, NG)
+                sc += _grp_scores(q1, k1, o1, t1s, Km, mrow, valid, (1 * D4) // G, NG)
+                sc += _grp_scores(q2, k2, o2, t2s, Km, mrow, valid, (2 * D4) // G, NG)
+                sc += _grp_scores(q3, k3, o3, t3s, Km, mrow, valid, (3 * D4) // G, NG)
+                sc = sc + bias[None, :]
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(sc - m_new[:, None])
@@ -261,19 +277,17 @@ def _int2_decode_kernel(Q, R, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, qk_sca
                 vs = tl.load(Vm + mrow, mask=valid, other=0.0).to(tl.float32)
                 vn = tl.load(Vm + mrow + 1, mask=valid, other=0.0).to(tl.float32)
                 pp = (p * vs[None, :]).to(tl.float16)
-                fs = tl.sum(pp.to(tl.float32), 1)
-                ns = tl.sum(p * vn[None, :], 1)
+                f0 = f0 * alpha + tl.sum(pp.to(tl.float32), 1)
+                n0 = n0 * alpha + tl.sum(p * vn[None, :], 1)
                 a0 = tl.dot(pp, v0, a0 * alpha[:, None])
                 a1 = tl.dot(pp, v1, a1 * alpha[:, None])
                 a2 = tl.dot(pp, v2, a2 * alpha[:, None])
                 a3 = tl.dot(pp, v3, a3 * alpha[:, None])
-                f0 = f0 * alpha + fs
-                n0 = n0 * alpha + ns
             else:
-                a0, f0, n0 = _grp_values(p, v0, a0, f0, n0, alpha, Vm, mrow, valid, 0, NG)
-                a1, f1, n1 = _grp_values(p, v1, a1, f1, n1, alpha, Vm, mrow, valid, G1, NG)
-                a2, f2, n2 = _grp_values(p, v2, a2, f2, n2, alpha, Vm, mrow, valid, G2, NG)
-                a3, f3, n3 = _grp_values(p, v3, a3, f3, n3, alpha, Vm, mrow, valid, G3, NG)
+                a0, f0, n0 = _grp_values(p, v0, a0, f0, n0, alpha, Vm, mrow, valid, (0 * D4) // G, NG)
+                a1, f1, n1 = _grp_values(p, v1, a1, f1, n1, alpha, Vm, mrow, valid, (1 * D4) // G, NG)
+                a2, f2, n2 = _grp_values(p, v2, a2, f2, n2, alpha, Vm, mrow, valid, (2 * D4) // G, NG)
+                a3, f3, n3 = _grp_values(p, v3, a3, f3, n3, alpha, Vm, mrow, valid, (3 * D4) // G, NG)
         if NG == 1:
             f1 = f0
             f2 = f0
@@ -296,207 +310,11 @@ def _int2_decode_kernel(Q, R, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, qk_sca
 
 
 @triton.jit
-def _qpart(q, k: tl.constexpr, e: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
-    """Channels k*D/4 + 2i + e (i < D/8) of q [ROWS, D]: the channels of code part (slice k, byte parity e)."""
-    q4 = tl.reshape(q, [ROWS, 4, D // 8, 2])
-    sel = ((tl.arange(0, 4) == k)[:, None, None] & (tl.arange(0, 2) == e)[None, None, :])[None, :, :, :]
-    return tl.sum(tl.sum(tl.where(sel, q4, 0.0), 3), 1)
-
-
-@triton.jit
-def _half_codes(w, hi, k: tl.constexpr):
-    """int16 code words -> float16 1024 + c*4^k for the even (w) or odd (hi = w >> 8) byte, slice k."""
-    m: tl.constexpr = 3 << (2 * k)
-    return ((w & m) | 0x6400).to(tl.float16, bitcast=True), ((hi & m) | 0x6400).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _store_cols(PO, b, h, s, acc, l_i, f, n, stride_pob, stride_poh, stride_pos, k: tl.constexpr, e: tl.constexpr,
-                D: tl.constexpr, GQA: tl.constexpr, H_PAD: tl.constexpr):
-    """Store part (k, e) of the output: (acc - 1024 f) / 4^k + n, normalized, at channels k*D/4 + 2i + e."""
-    DH: tl.constexpr = D // 8
-    inv: tl.constexpr = 1.0 / (1 << (2 * k))
-    o = (acc - 1024.0 * f[:, None]) * inv + n[:, None]
-    offs_h = tl.arange(0, H_PAD)
-    ok = l_i > 0
-    o = o / tl.where(ok, l_i, 1.0)[:, None]
-    cols = k * (D // 4) + 2 * tl.arange(0, DH) + e
-    qh = h * GQA + offs_h
-    tl.store(PO + b * stride_pob + qh[:, None] * stride_poh + s * stride_pos + cols[None, :], o,
-             mask=(offs_h < GQA)[:, None])
-
-
-@triton.jit
-def _int2_history_halves(q, m_i, l_i, s, nq, chunk, bt_row, Kc, Km, Vc, Vm, PO, PL, b, h,
-                         stride_cp, stride_ch, stride_mp, stride_mh,
-                         stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                         D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
-                         GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """INT2 history split, codes read as int16 words (2 bytes = channels j, j+1 of each stride slice).
-
-    A 16-bit word w gives float16 1024 + c*4^k by (w & (3 << 2k)) | 0x6400 (even byte) and the same on
-    w >> 8 (odd byte): one LOP3 per code, no int->float conversion.  Channels are consumed in the order
-    (slice k, parity e, i); the query parts and the output columns follow the same order.
-    Stride arguments are in int16 units for the codes.
-    """
-    D8: tl.constexpr = D // 8
-    D4: tl.constexpr = D // 4
-    NG: tl.constexpr = D // G
-    G1: tl.constexpr = D4 // G
-    G2: tl.constexpr = (2 * D4) // G
-    G3: tl.constexpr = (3 * D4) // G
-    offs_w = tl.arange(0, D8)
-    # query parts, float16, part (k, e) divided by 4^k; offsets 1024*sum(part) and true sums per slice
-    q00 = _qpart(q, 0, 0, H_PAD, D).to(tl.float16)
-    q01 = _qpart(q, 0, 1, H_PAD, D).to(tl.float16)
-    q10 = (_qpart(q, 1, 0, H_PAD, D) * 0.25).to(tl.float16)
-    q11 = (_qpart(q, 1, 1, H_PAD, D) * 0.25).to(tl.float16)
-    q20 = (_qpart(q, 2, 0, H_PAD, D) * 0.0625).to(tl.float16)
-    q21 = (_qpart(q, 2, 1, H_PAD, D) * 0.0625).to(tl.float16)
-    q30 = (_qpart(q, 3, 0, H_PAD, D) * 0.015625).to(tl.float16)
-    q31 = (_qpart(q, 3, 1, H_PAD, D) * 0.015625).to(tl.float16)
-    o0 = 1024.0 * tl.sum(q00.to(tl.float32) + q01.to(tl.float32), 1)
-    o1 = 1024.0 * tl.sum(q10.to(tl.float32) + q11.to(tl.float32), 1)
-    o2 = 1024.0 * tl.sum(q20.to(tl.float32) + q21.to(tl.float32), 1)
-    o3 = 1024.0 * tl.sum(q30.to(tl.float32) + q31.to(tl.float32), 1)
-    t0s = tl.sum(_slice(q, 0, H_PAD, D4, D), 1)
-    t1s = tl.sum(_slice(q, 1, H_PAD, D4, D), 1)
-    t2s = tl.sum(_slice(q, 2, H_PAD, D4, D), 1)
-    t3s = tl.sum(_slice(q, 3, H_PAD, D4, D), 1)
-    a00 = tl.zeros([H_PAD, D8], tl.float32)
-    a01 = tl.zeros([H_PAD, D8], tl.float32)
-    a10 = tl.zeros([H_PAD, D8], tl.float32)
-    a11 = tl.zeros([H_PAD, D8], tl.float32)
-    a20 = tl.zeros([H_PAD, D8], tl.float32)
-    a21 = tl.zeros([H_PAD, D8], tl.float32)
-    a30 = tl.zeros([H_PAD, D8], tl.float32)
-    a31 = tl.zeros([H_PAD, D8], tl.float32)
-    f0 = tl.zeros([H_PAD], tl.float32)
-    f1 = tl.zeros([H_PAD], tl.float32)
-    f2 = tl.zeros([H_PAD], tl.float32)
-    f3 = tl.zeros([H_PAD], tl.float32)
-    n0 = tl.zeros([H_PAD], tl.float32)
-    n1 = tl.zeros([H_PAD], tl.float32)
-    n2 = tl.zeros([H_PAD], tl.float32)
-    n3 = tl.zeros([H_PAD], tl.float32)
-    start = (s - 1) * chunk
-    end = tl.minimum(start + chunk, nq * P)
-    head_c = h.to(tl.int64) * stride_ch
-    head_m = h.to(tl.int64) * stride_mh
-    for t0 in range(start, end, BLOCK_N):
-        offs = t0 + tl.arange(0, BLOCK_N)
-        valid = offs < end
-        phys = tl.load(bt_row + SINK_PAGES + offs // P, mask=valid, other=0).to(tl.int64)
-        crow = phys * stride_cp + head_c + (offs % P) * D8
-        mrow = phys * stride_mp + head_m + (offs % P) * (2 * NG)
-        w = tl.load(Kc + crow[:, None] + offs_w[None, :], mask=valid[:, None], other=0)
-        wh = w >> 8
-        c0, d0 = _half_codes(w, wh, 0)
-        c1, d1 = _half_codes(w, wh, 1)
-        c2, d2 = _half_codes(w, wh, 2)
-        c3, d3 = _half_codes(w, wh, 3)
-        if NG == 1:
-            raw = tl.dot(q00, tl.trans(c0))
-            raw = tl.dot(q01, tl.trans(d0), raw)
-            raw = tl.dot(q10, tl.trans(c1), raw)
-            raw = tl.dot(q11, tl.trans(d1), raw)
-            raw = tl.dot(q20, tl.trans(c2), raw)
-            raw = tl.dot(q21, tl.trans(d2), raw)
-            raw = tl.dot(q30, tl.trans(c3), raw)
-            raw = tl.dot(q31, tl.trans(d3), raw)
-            ks = tl.load(Km + mrow, mask=valid, other=0.0).to(tl.float32)
-            kn = tl.load(Km + mrow + 1, mask=valid, other=0.0).to(tl.float32)
-            sc = ks[None, :] * (raw - (o0 + o1 + o2 + o3)[:, None]) + kn[None, :] * (t0s + t1s + t2s + t3s)[:, None]
-        else:
-            sc = _grp_scores2(q00, q01, c0, d0, o0, t0s, Km, mrow, valid, 0, NG)
-            sc += _grp_scores2(q10, q11, c1, d1, o1, t1s, Km, mrow, valid, G1, NG)
-            sc += _grp_scores2(q20, q21, c2, d2, o2, t2s, Km, mrow, valid, G2, NG)
-            sc += _grp_scores2(q30, q31, c3, d3, o3, t3s, Km, mrow, valid, G3, NG)
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        w = tl.load(Vc + crow[:, None] + offs_w[None, :], mask=valid[:, None], other=0)
-        wh = w >> 8
-        c0, d0 = _half_codes(w, wh, 0)
-        c1, d1 = _half_codes(w, wh, 1)
-        c2, d2 = _half_codes(w, wh, 2)
-        c3, d3 = _half_codes(w, wh, 3)
-        if NG == 1:
-            vs = tl.load(Vm + mrow, mask=valid, other=0.0).to(tl.float32)
-            vn = tl.load(Vm + mrow + 1, mask=valid, other=0.0).to(tl.float32)
-            pp = (p * vs[None, :]).to(tl.float16)
-            f0 = f0 * alpha + tl.sum(pp.to(tl.float32), 1)
-            n0 = n0 * alpha + tl.sum(p * vn[None, :], 1)
-            a00 = tl.dot(pp, c0, a00 * alpha[:, None])
-            a01 = tl.dot(pp, d0, a01 * alpha[:, None])
-            a10 = tl.dot(pp, c1, a10 * alpha[:, None])
-            a11 = tl.dot(pp, d1, a11 * alpha[:, None])
-            a20 = tl.dot(pp, c2, a20 * alpha[:, None])
-            a21 = tl.dot(pp, d2, a21 * alpha[:, None])
-            a30 = tl.dot(pp, c3, a30 * alpha[:, None])
-            a31 = tl.dot(pp, d3, a31 * alpha[:, None])
-        else:
-            a00, a01, f0, n0 = _grp_values2(p, c0, d0, a00, a01, f0, n0, alpha, Vm, mrow, valid, 0, NG)
-            a10, a11, f1, n1 = _grp_values2(p, c1, d1, a10, a11, f1, n1, alpha, Vm, mrow, valid, G1, NG)
-            a20, a21, f2, n2 = _grp_values2(p, c2, d2, a20, a21, f2, n2, alpha, Vm, mrow, valid, G2, NG)
-            a30, a31, f3, n3 = _grp_values2(p, c3, d3, a30, a31, f3, n3, alpha, Vm, mrow, valid, G3, NG)
-    if NG == 1:
-        f1 = f0
-        f2 = f0
-        f3 = f0
-        n1 = n0
-        n2 = n0
-        n3 = n0
-    _store_cols(PO, b, h, s, a00, l_i, f0, n0, stride_pob, stride_poh, stride_pos, 0, 0, D, GQA, H_PAD)
-    _store_cols(PO, b, h, s, a01, l_i, f0, n0, stride_pob, stride_poh, stride_pos, 0, 1, D, GQA, H_PAD)
-    _store_cols(PO, b, h, s, a10, l_i, f1, n1, stride_pob, stride_poh, stride_pos, 1, 0, D, GQA, H_PAD)
-    _store_cols(PO, b, h, s, a11, l_i, f1, n1, stride_pob, stride_poh, stride_pos, 1, 1, D, GQA, H_PAD)
-    _store_cols(PO, b, h, s, a20, l_i, f2, n2, stride_pob, stride_poh, stride_pos, 2, 0, D, GQA, H_PAD)
-    _store_cols(PO, b, h, s, a21, l_i, f2, n2, stride_pob, stride_poh, stride_pos, 2, 1, D, GQA, H_PAD)
-    _store_cols(PO, b, h, s, a30, l_i, f3, n3, stride_pob, stride_poh, stride_pos, 3, 0, D, GQA, H_PAD)
-    _store_cols(PO, b, h, s, a31, l_i, f3, n3, stride_pob, stride_poh, stride_pos, 3, 1, D, GQA, H_PAD)
-    offs_h = tl.arange(0, H_PAD)
-    ok = l_i > 0
-    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
-    tl.store(PL + b * stride_plb + (h * GQA + offs_h) * stride_plh + s, lse, mask=offs_h < GQA)
-
-
-@triton.jit
-def _grp_scores2(qa, qb, ca, cb, off, tsum, Km, mrow, valid, g: tl.constexpr, NG: tl.constexpr):
-    ks = tl.load(Km + mrow + g, mask=valid, other=0.0).to(tl.float32)
-    kn = tl.load(Km + mrow + NG + g, mask=valid, other=0.0).to(tl.float32)
-    raw = tl.dot(qb, tl.trans(cb), tl.dot(qa, tl.trans(ca)))
-    return ks[None, :] * (raw - off[:, None]) + kn[None, :] * tsum[:, None]
-
-
-@triton.jit
-def _grp_values2(p, ca, cb, acca, accb, f, n, alpha, Vm, mrow, valid, g: tl.constexpr, NG: tl.constexpr):
-    vs = tl.load(Vm + mrow + g, mask=valid, other=0.0).to(tl.float32)
-    vn = tl.load(Vm + mrow + NG + g, mask=valid, other=0.0).to(tl.float32)
-    pp = (p * vs[None, :]).to(tl.float16)
-    acca = tl.dot(pp, ca, acca * alpha[:, None])
-    accb = tl.dot(pp, cb, accb * alpha[:, None])
-    f = f * alpha + tl.sum(pp.to(tl.float32), 1)
-    n = n * alpha + tl.sum(p * vn[None, :], 1)
-    return acca, accb, f, n
-
-
-@triton.jit
-def _slice(x, k: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
-    """Columns [k*W, (k+1)*W) of a [ROWS, D] tensor (D = 4*W) as [ROWS, W]."""
-    x3 = tl.reshape(x, [ROWS, 4, W])
-    sel = (tl.arange(0, 4) == k)[None, :, None]
-    return tl.sum(tl.where(sel, x3, 0.0), 1)
-
-
-@triton.jit
 def _grp_scores(qk, ck, off, tsum, Km, mrow, valid, g: tl.constexpr, NG: tl.constexpr):
+    """Slice contribution s_g * (q_k . (1024 + c 4^k) - off_k) + m_g * sum(q_k) for the slice's group g."""
     ks = tl.load(Km + mrow + g, mask=valid, other=0.0).to(tl.float32)
     kn = tl.load(Km + mrow + NG + g, mask=valid, other=0.0).to(tl.float32)
-    raw = tl.dot(qk, tl.trans(ck))
+    raw = tl.dot(qk, ck)
     return ks[None, :] * (raw - off[:, None]) + kn[None, :] * tsum[:, None]
 
 
@@ -548,12 +366,12 @@ def _rotation_args(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_head
 
 
 def _split_plan(tokens: int, programs_per_split: int, device: torch.device, block: int, min_tiles: int = 4,
-                num_splits: int | None = None) -> tuple[int, int]:
-    """(splits, chunk): enough programs to fill the GPU ~4x over, each split at least min_tiles tiles."""
+                num_splits: int | None = None, per_sm: int = 4) -> tuple[int, int]:
+    """(splits, chunk): enough programs to fill the GPU per_sm times over, each split >= min_tiles tiles."""
     if tokens <= 0:
         return 1, block
     if num_splits is None:
-        target = 4 * _num_sms(device)
+        target = per_sm * _num_sms(device)
         num_splits = max(1, -(-target // max(programs_per_split, 1)))
         num_splits = min(num_splits, max(1, tokens // (block * min_tiles)))
     chunk = -(-(-(-tokens // num_splits)) // block) * block
@@ -571,17 +389,36 @@ def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor) -> torch.Tenso
 def _use_asm(device: torch.device, use_asm: bool | None) -> bool:
     if _INTERPRET or device.type != "cuda":
         return False
-    return True if use_asm is None else use_asm
+    return True if use_asm is None else bool(use_asm)
+
+
+def rotate_query(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
+    """q @ R_K[kv_head(q)] in float32 ([B, Hq, D] -> float32 [B, Hq, D]); one batched matmul, done once per
+    call instead of once per program (every split re-reading R from L2 cost ~8-10% in v2)."""
+    if k_rotation is None:
+        return q
+    bsz, hq, d = q.shape
+    r = k_rotation.float()
+    if r.shape[0] not in (1, num_kv_heads):
+        raise ValueError(f"k_rotation must have 1 or {num_kv_heads} heads, got {r.shape[0]}")
+    if r.shape[0] == 1:
+        return (q.float().reshape(-1, d) @ r[0]).view(bsz, hq, d)
+    qh = q.float().view(bsz, num_kv_heads, hq // num_kv_heads, d).transpose(0, 1)  # [H, B, GQA, D]
+    return torch.matmul(qh.reshape(num_kv_heads, -1, d), r).view(num_kv_heads, bsz, hq // num_kv_heads, d) \
+        .transpose(0, 1).reshape(bsz, hq, d)
 
 
 def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatch,
                 k_rotation: torch.Tensor | None = None, sm_scale: float | None = None, *,
                 max_int2_pages: int | None = None, num_splits: int | None = None, block_n: int | None = None,
-                block_w: int = 64, num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = False,
-                halves: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention over the mixed pool.  q: [B, Hq, D] (unrotated if k_rotation is given) -> [B, Hq, D].
+                block_w: int = 64, num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
+                kt: bool = True, split_target: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention over the mixed pool.  q: [B, Hq, D] (unrotated if k_rotation is given; any float
+    dtype, float32 keeps the most precision) -> [B, Hq, D] in q's dtype.
 
     ``max_int2_pages`` (host int) avoids a device sync for the split plan; the engine knows it.
+    Tuning knobs (benchmark sweep): block_n tokens per INT2 tile, num_warps/num_stages, use_asm (PTX
+    code conversion on GPU, default on), kt (keys loaded transposed), split_target (programs per SM).
     """
     g = pool.geometry
     bsz, hq, d = q.shape
@@ -592,25 +429,25 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if max_int2_pages is None:
         max_int2_pages = int(batch.int2_pages.max()) if bsz else 0
-    block_n = block_n or min(128, max(g.page_size, 64))
-    ns, chunk = _split_plan(max_int2_pages * g.page_size, bsz * h, q.device, block_n, num_splits=num_splits)
-    r, stride_rh, rotate = _rotation_args(q, k_rotation, h)
+    block_n = block_n or max(g.page_size, 128)
+    if block_n % g.page_size:
+        raise ValueError("block_n must be a multiple of the page size")
+    ns, chunk = _split_plan(max_int2_pages * g.page_size, bsz * h, q.device, block_n, num_splits=num_splits,
+                            per_sm=split_target)
+    qr = rotate_query(q, k_rotation, h)
     po = torch.empty(bsz, hq, ns + 1, d, device=q.device, dtype=torch.float32)
     pl = torch.empty(bsz, hq, ns + 1, device=q.device, dtype=torch.float32)
     L = pool.layer(layer)
     kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
     bt = batch.block_table
-    h_pad = max(16, triton.next_power_of_2(gqa))
-    if d >= 128 and halves and not use_asm:  # codes read as int16 words (see _int2_history_halves)
-        kc, vc = kc.view(torch.int16), vc.view(torch.int16)
+    h_pad = triton.next_power_of_2(gqa)
     _int2_decode_kernel[(bsz, h, ns + 1)](
-        q, r, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, sm_scale * LOG2E,
-        q.stride(0), q.stride(1), stride_rh, kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
+        qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, sm_scale * LOG2E,
+        qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
         kw.stride(0), kw.stride(1), bt.stride(0), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
         pl.stride(1), chunk,
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_N=block_n,
-        BLOCK_W=block_w, ROTATE=rotate, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET,
-        HALVES=(d >= 128 and not use_asm and halves), num_warps=num_warps,
+        BLOCK_W=block_w, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET, KT=kt, num_warps=num_warps,
         num_stages=num_stages)
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     return _merge(po, pl, out)
