@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/oscar-kv demo
+	# Calibrates once (cached under .oscar-cache), then serves the embedded model with the INT2 cache on :30000.
+	$(BIN)/oscar-kv serve --calibrate
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -1,7 +1,14 @@
 """Shared fixtures: the embedded SmolLM2 model (loaded once) and a small calibrated artifact."""
 
+import os
+
 import pytest
 import torch
+
+# Triton decides at decoration time whether a @triton.jit function is interpreted; any module may import the
+# kernels first (evaluation, engine, benchmarks), so without CUDA the interpreter must be on before any import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(max(torch.get_num_threads(), 1))
 

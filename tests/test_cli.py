@@ -67,3 +67,22 @@ def test_prompt_longer_than_the_model_is_refused(artifact_dir):
                                  "--max-new-tokens", "4", "--no-chat"])
     assert result.exit_code == 2
     assert "exceeds the model's context of 8192" in result.output
+
+
+def test_serve_help_explains_the_flags():
+    result = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for flag in ("--rotations", "--kv-cache-dtype", "--kv-cache-memory", "--max-num-seqs", "--api-key", "--calibrate"):
+        assert flag in result.output
+
+
+def test_serve_int2_without_rotations_refuses_with_advice():
+    result = runner.invoke(app, ["serve", "--kv-cache-dtype", "int2", "--port", "1"])
+    assert result.exit_code == 2
+    assert "oscar-kv calibrate" in result.output and "--calibrate" in result.output
+
+
+def test_serve_rejects_a_bad_dtype_before_loading_anything():
+    result = runner.invoke(app, ["serve", "--kv-cache-dtype", "int3"])
+    assert result.exit_code == 2
+    assert "'bf16' or 'int2'" in result.output

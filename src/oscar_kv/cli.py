@@ -1,4 +1,4 @@
-"""Command line: ``oscar-kv calibrate | inspect | generate | eval | import-reference | demo``."""
+"""Command line: ``oscar-kv calibrate | inspect | generate | eval | serve | bench | import-reference | demo``."""
 
 from __future__ import annotations
 
@@ -255,6 +255,50 @@ def evaluate(
         _fail(str(exc))
     typer.echo(markdown_table(results))
     typer.echo(f"wrote {output}/results.json, results.md and plots")
+
+
+def _serve_help(name: str) -> str:
+    from .server.main import ServeConfig
+
+    return ServeConfig.help(name)
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=_serve_help("model")),
+    rotations: Optional[Path] = typer.Option(None, "--rotations", "-r", help=_serve_help("rotations")),
+    kv_cache_dtype: str = typer.Option("int2", help=_serve_help("kv_cache_dtype")),
+    calibrate_now: bool = typer.Option(False, "--calibrate", help=_serve_help("calibrate")),
+    sink_size: int = typer.Option(64, help=_serve_help("sink_size")),
+    recent_size: int = typer.Option(256, help=_serve_help("recent_size")),
+    group_size: Optional[int] = typer.Option(None, help=_serve_help("group_size")),
+    page_size: int = typer.Option(16, help=_serve_help("page_size")),
+    max_model_len: Optional[int] = typer.Option(None, help=_serve_help("max_model_len")),
+    kv_cache_memory: Optional[float] = typer.Option(None, help=_serve_help("kv_cache_memory")),
+    max_num_seqs: int = typer.Option(64, help=_serve_help("max_num_seqs")),
+    max_num_batched_tokens: int = typer.Option(2048, help=_serve_help("max_num_batched_tokens")),
+    enable_prefix_caching: bool = typer.Option(True, help=_serve_help("enable_prefix_caching")),
+    host: str = typer.Option("127.0.0.1", help=_serve_help("host")),
+    port: int = typer.Option(30000, help=_serve_help("port")),
+    api_key: Optional[str] = typer.Option(None, help=_serve_help("api_key")),
+    served_model_name: Optional[str] = typer.Option(None, help=_serve_help("served_model_name")),
+    device: str = typer.Option("cpu", help=_serve_help("device")),
+    log_level: str = typer.Option("info", help=_serve_help("log_level")),
+):
+    """Serve the model behind an OpenAI-compatible API (/v1/chat/completions, /v1/completions) with a paged INT2 KV cache."""
+    _quiet_transformers()
+    from .server.main import ServeConfig, ServeError, run_server
+
+    config = ServeConfig(model=model, rotations=str(rotations) if rotations else None, kv_cache_dtype=kv_cache_dtype,
+                         calibrate=calibrate_now, sink_size=sink_size, recent_size=recent_size, group_size=group_size,
+                         page_size=page_size, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         enable_prefix_caching=enable_prefix_caching, host=host, port=port, api_key=api_key,
+                         served_model_name=served_model_name, device=device, log_level=log_level)
+    try:
+        run_server(config)
+    except ServeError as exc:
+        _fail(str(exc))
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks (need CUDA).")

@@ -66,7 +66,27 @@ def evaluation_text(path: str | None) -> str:
     return DEFAULT_CORPUS.read_text()[EVAL_TEXT_OFFSET:]
 
 
-def _calibration_statistics(model, tokenizer, oscar: Rotations) -> tuple[Statistics, CalibrationSettings]:
+class AuthorsValueProxy:
+    """The authors' value covariance: per KV head, sum_t w_t (v_t - mu)(v_t - mu)^T / sum_t w_t with
+    w_t = k_t^T C_Q k_t (raw logits squared, no softmax, no causality), given the first pass's C_Q."""
+
+    def __init__(self, c_q: torch.Tensor, mu_v: torch.Tensor):
+        self.c_q, self.mu_v = c_q, mu_v
+        self.wvv = torch.zeros_like(c_q)
+        self.w = torch.zeros(c_q.shape[:2], dtype=torch.float64)
+
+    def add(self, layer, q, k, v, out):
+        k64 = k[0].to(torch.float64)  # [Hkv, T, D]
+        v64 = v[0].to(torch.float64) - self.mu_v[layer][:, None]
+        w = torch.einsum("htd,hde,hte->ht", k64, self.c_q[layer], k64)
+        self.wvv[layer] += torch.einsum("ht,htd,hte->hde", w, v64, v64)
+        self.w[layer] += w.sum(-1)
+
+    def covariance(self) -> torch.Tensor:
+        return self.wvv / self.w[..., None, None].clamp_min(1e-30)
+
+
+def _calibration_statistics(model, tokenizer, oscar: Rotations):
     """Re-stream the artifact's calibration data to fit ablations from the same statistics."""
     cal = dict(oscar.manifest.get("calibration", {}))
     known = CalibrationSettings.__dataclass_fields__
@@ -77,10 +97,17 @@ def _calibration_statistics(model, tokenizer, oscar: Rotations) -> tuple[Statist
     count = int(cal.get("sequences", 8))
     stats = Statistics(AttentionGeometry.of(model.config))
     unprepare_model(model)
+    sequences = token_sequences(tokenizer, texts, seq_len, count + 1)
     with torch.no_grad(), observing(model, stats.add):
-        for ids in tqdm(token_sequences(tokenizer, texts, seq_len, count), desc="calibration statistics", leave=False):
+        for ids in tqdm(sequences[:count], desc="calibration statistics", leave=False):
             model(ids, use_cache=False)
-    return stats, settings
+    c_q, _, _, mu_v = stats.moments(settings.center_keys, settings.center_values)
+    proxy = AuthorsValueProxy(c_q, mu_v)
+    with torch.no_grad(), observing(model, proxy.add):
+        for ids in tqdm(sequences[:count], desc="authors' value proxy", leave=False):
+            model(ids, use_cache=False)
+    probe = capture_samples(model, sequences[-1][:, :settings.probe_tokens])
+    return stats, settings, proxy.covariance(), probe
 
 
 def build_schemes(model, tokenizer, oscar: Rotations, config: EvalConfig) -> list[Scheme]:
@@ -88,8 +115,8 @@ def build_schemes(model, tokenizer, oscar: Rotations, config: EvalConfig) -> lis
     base = CacheSettings("int2", config.sink_size, config.recent_size, config.page_size)
     schemes = [standard_scheme(name, geometry, oscar, base) for name in config.methods]
     if config.ablations:
-        stats, settings = _calibration_statistics(model, tokenizer, oscar)
-        schemes += ablation_schemes(stats, settings, oscar, base)
+        stats, settings, proxy_c_s, probe = _calibration_statistics(model, tokenizer, oscar)
+        schemes += ablation_schemes(stats, settings, oscar, base, proxy_c_s, probe)
     return schemes
 
 

@@ -7,11 +7,15 @@ ablated choice differs.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
 from ..cache import CacheSettings
-from ..calibrate import CalibrationSettings, Statistics, fit_rotations
+from ..calibrate import CalibrationSettings, Statistics, fit_clip_ratios, fit_rotations
+from ..rotation import compose
 from ..memory import bits_per_element
 from ..models import AttentionGeometry
 
@@ -57,9 +61,30 @@ def standard_scheme(name: str, geometry: AttentionGeometry, oscar: Rotations, ba
     raise ValueError(f"unknown method {name!r}; standard methods are {', '.join(STANDARD)}")
 
 
+def with_value_covariance(oscar: Rotations, c_s: torch.Tensor) -> Rotations:
+    """A copy of ``oscar`` whose value rotations are refitted from another covariance [L, H, D, D]."""
+    rot = copy.deepcopy(oscar)
+    composition = oscar.manifest.get("calibration", {}).get("composition", "oscar")
+    for layer in range(c_s.shape[0]):
+        for h in range(c_s.shape[1]):
+            r, lam = compose(c_s[layer, h], c_s.shape[-1], oscar.group_size, composition)
+            rot.v_rotation[layer, h], rot.v_eigenvalues[layer, h] = r.float(), lam.float()
+    return rot
+
+
+def with_fitted_clips(oscar: Rotations, probe) -> Rotations:
+    rot = copy.deepcopy(oscar)
+    fit_clip_ratios(rot, probe, progress=False)
+    return rot
+
+
 def ablation_schemes(stats: Statistics, calibration: CalibrationSettings, oscar: Rotations,
-                     base: CacheSettings) -> list[Scheme]:
-    """OSCAR variants that each change one choice, fitted from the same statistics."""
+                     base: CacheSettings, proxy_c_s: torch.Tensor | None = None, probe=None) -> list[Scheme]:
+    """OSCAR variants that each change one choice, fitted from the same statistics.
+
+    ``proxy_c_s``: the authors' logit-squared value covariance; ``probe``: held-back activations
+    for fitting clip ratios.
+    """
 
     def fitted(name, description, settings_change=None, group=None, cache=base, layer_bits=None):
         settings = replace(calibration, **(settings_change or {}))
@@ -83,9 +108,16 @@ def ablation_schemes(stats: Statistics, calibration: CalibrationSettings, oscar:
         fitted(f"oscar-g{half}-no-pbr", f"group size {half} without bit-reversal placement (U.H_G)",
                {"composition": "u_h"}, group=half),
     ]
+    if proxy_c_s is not None and oscar.scope == "per-head":
+        out.append(Scheme("oscar-logit-proxy-cs", with_value_covariance(oscar, proxy_c_s), base,
+                          "value rotation from the authors' proxy: sum_t (k_t^T C_Q k_t) v_t v_t^T"))
+    if probe is not None:
+        fitted_clip = calibration.clip == "fit"
+        name = "oscar-fixed-clip" if fitted_clip else "oscar-fit-clip"
+        rot = fitted("", "", {"clip": "fixed"}).rotations if fitted_clip else with_fitted_clips(oscar, probe)
+        out.append(Scheme(name, rot, base, "clip ratios fixed at 0.96/0.92" if fitted_clip
+                          else "clip ratios fitted per layer and head on held-back text"))
     if proposed and any(b != 2 for b in proposed):
-        import torch
-
         out.append(fitted("oscar-layer-policy", "layers with outlying INT2 error stored at INT4",
                           layer_bits=torch.tensor(proposed, dtype=torch.int32)))
     return out

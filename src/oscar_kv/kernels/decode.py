@@ -2,19 +2,22 @@
 BF16 paged baseline written the same way.  Specification: reference.decode_reference.
 
 Work decomposition (both kernels): one program per (sequence, KV head, split).  A program loads the
-GQA group's query rows once (padded to 16 rows for the tensor cores), streams its token range page by
-page through the block table, and keeps an online softmax; every KV tile is read once per KV head and
-used by all query heads of the group.  Each split writes a normalized partial output and its log-sum-exp
-(base 2); ``_merge_kernel`` combines the splits exactly.  In the INT2 kernel split 0 is the BF16 window
-(sink + recent, <= S0 + W + P - 1 tokens) and splits 1.. share the INT2 history evenly.
+GQA group's query rows once, streams its token range page by page through the block table, and keeps an
+online softmax; every KV tile is read once per KV head and used by all query heads of the group.  Each
+split writes a normalized partial output and its log-sum-exp (base 2); ``_merge_kernel`` combines the
+splits exactly.  In the INT2 kernel split 0 is the BF16 window (sink + recent, <= S0 + W + P - 1 tokens)
+and splits 1.. share the INT2 history evenly.  The INT2 path takes the query already rotated
+(``rotate_query``: one small launch per call); the BF16 baseline rotates inside.
 
 INT2 arithmetic (no dequantized tile is ever built):
   keys    q.k_hat = scale * (q.c) + min * sum(q)                 (per group of G channels)
   values  sum_n p_n v_hat_n = sum_n (p_n scale_n) c_n + sum_n p_n min_n
-Codes become float16 with one LOP3 per two codes: OR-ing the masked code bits into 0x6400 gives
-1024 + c*4^k for stride slice k (its bits sit at 2k..2k+1).  The 4^k is folded into the query slice,
-and the 1024 offset is removed with sum(q) / sum(p*scale) corrections, so the tensor cores see the raw
-masked bytes.  Under the Triton interpreter the same values are made with ordinary integer ops.
+Codes become float16 with PTX PRMT + LOP3 (one LOP3 per two codes): OR-ing the masked code bits into
+0x6400 gives 1024 + c*4^k for stride slice k (its bits sit at 2k..2k+1).  The 4^k is folded into the
+float16 query slice, and the 1024 offset is removed with sum(q) / sum(p*scale) corrections, so the tensor
+cores see the raw masked bytes; scale and min are applied per token in float32.  Under the Triton
+interpreter the same values are made with ordinary integer ops.  Keys are loaded transposed ([D/4, N]) so
+the MMA's key operand needs no register transpose.  Performance notes: benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -213,8 +216,6 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, qk_scale,
         t1s = tl.sum(qf1, 1)
         t2s = tl.sum(qf2, 1)
         t3s = tl.sum(qf3, 1)
-        if KT:
-            q0 = q0
         a0 = tl.zeros([H_PAD, D4], tl.float32)
         a1 = tl.zeros([H_PAD, D4], tl.float32)
         a2 = tl.zeros([H_PAD, D4], tl.float32)
@@ -331,11 +332,11 @@ def _grp_values(p, vk, acc, f, n, alpha, Vm, mrow, valid, g: tl.constexpr, NG: t
 
 @triton.jit
 def _merge_kernel(PO, PL, O, NS, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
-                  D: tl.constexpr, BLOCK_S: tl.constexpr):
+                  D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     hq = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     sm = offs_s < NS
     lse = tl.load(PL + b * stride_plb + hq * stride_plh + offs_s, mask=sm, other=float("-inf"))
     mx = tl.max(lse, 0)
@@ -380,9 +381,10 @@ def _split_plan(tokens: int, programs_per_split: int, device: torch.device, bloc
 
 def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     b, hq, ns, d = po.shape
-    _merge_kernel[(b, hq)](po, pl, out, ns, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-                           out.stride(0), out.stride(1), D=d, BLOCK_S=max(triton.next_power_of_2(ns), 2),
-                           num_warps=4)
+    bd = min(d, 32)
+    _merge_kernel[(b, hq, d // bd)](po, pl, out, ns, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
+                                    pl.stride(1), out.stride(0), out.stride(1), D=d,
+                                    BLOCK_S=max(triton.next_power_of_2(ns), 2), BLOCK_D=bd, num_warps=4)
     return out
 
 
@@ -392,33 +394,57 @@ def _use_asm(device: torch.device, use_asm: bool | None) -> bool:
     return True if use_asm is None else bool(use_asm)
 
 
+@triton.jit
+def _rotate_query_kernel(Q, R, QR, stride_qb, stride_qh, stride_rh, D: tl.constexpr, GQA: tl.constexpr,
+                         H_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+    """qr[b, h*GQA + i] = q[b, h*GQA + i] @ R[h] in float32 (one program per sequence and KV head)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    e0 = tl.program_id(2) * BLOCK_E
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D)
+    rows = h * GQA + offs_h
+    hm = (offs_h < GQA)[:, None]
+    q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qh + offs_d[None, :], mask=hm, other=0.0).to(tl.float32)
+    offs_e = e0 + tl.arange(0, BLOCK_E)
+    r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_e[None, :]).to(tl.float32)
+    o = tl.sum(q[:, :, None] * r[None, :, :], 1)
+    tl.store(QR + (b * GQA * tl.num_programs(1) + rows[:, None]) * D + offs_e[None, :], o, mask=hm)
+
+
 def rotate_query(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
-    """q @ R_K[kv_head(q)] in float32 ([B, Hq, D] -> float32 [B, Hq, D]); one batched matmul, done once per
-    call instead of once per program (every split re-reading R from L2 cost ~8-10% in v2)."""
+    """q @ R_K[kv_head(q)] in float32 ([B, Hq, D] -> float32 [B, Hq, D]), one small launch per call instead
+    of once per attention program (every split re-reading R from L2 cost ~8-10% in v2)."""
     if k_rotation is None:
         return q
     bsz, hq, d = q.shape
-    r = k_rotation.float()
+    r = k_rotation if k_rotation.dtype == torch.float32 and k_rotation.is_contiguous() else \
+        k_rotation.float().contiguous()
     if r.shape[0] not in (1, num_kv_heads):
         raise ValueError(f"k_rotation must have 1 or {num_kv_heads} heads, got {r.shape[0]}")
-    if r.shape[0] == 1:
-        return (q.float().reshape(-1, d) @ r[0]).view(bsz, hq, d)
-    qh = q.float().view(bsz, num_kv_heads, hq // num_kv_heads, d).transpose(0, 1)  # [H, B, GQA, D]
-    return torch.matmul(qh.reshape(num_kv_heads, -1, d), r).view(num_kv_heads, bsz, hq // num_kv_heads, d) \
-        .transpose(0, 1).reshape(bsz, hq, d)
+    gqa = hq // num_kv_heads
+    out = torch.empty(bsz, hq, d, device=q.device, dtype=torch.float32)
+    if bsz:
+        _rotate_query_kernel[(bsz, num_kv_heads, d // 16)](
+            q, r, out, q.stride(0), q.stride(1), 0 if r.shape[0] == 1 else r.stride(0),
+            D=d, GQA=gqa, H_PAD=triton.next_power_of_2(gqa), BLOCK_E=16, num_warps=4)
+    return out
 
 
 def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatch,
                 k_rotation: torch.Tensor | None = None, sm_scale: float | None = None, *,
                 max_int2_pages: int | None = None, num_splits: int | None = None, block_n: int | None = None,
                 block_w: int = 64, num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
-                kt: bool = True, split_target: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+                kt: bool = True, split_target: int | None = None, maxnreg: int | None = 128,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the mixed pool.  q: [B, Hq, D] (unrotated if k_rotation is given; any float
     dtype, float32 keeps the most precision) -> [B, Hq, D] in q's dtype.
 
     ``max_int2_pages`` (host int) avoids a device sync for the split plan; the engine knows it.
     Tuning knobs (benchmark sweep): block_n tokens per INT2 tile, num_warps/num_stages, use_asm (PTX
-    code conversion on GPU, default on), kt (keys loaded transposed), split_target (programs per SM).
+    code conversion on GPU, default on), kt (keys loaded transposed), split_target (INT2 programs per SM;
+    default 4 when batch x KV heads <= 8, else 8: measured best at 128K, bs 1 and bs 8, H100 run v5),
+    maxnreg (register cap per thread: 128 gives 4 programs per SM instead of 3).
     """
     g = pool.geometry
     bsz, hq, d = q.shape
@@ -429,9 +455,11 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if max_int2_pages is None:
         max_int2_pages = int(batch.int2_pages.max()) if bsz else 0
-    block_n = block_n or max(g.page_size, 128)
+    block_n = block_n or max(g.page_size, 256)
     if block_n % g.page_size:
         raise ValueError("block_n must be a multiple of the page size")
+    if split_target is None:
+        split_target = 4 if bsz * h <= 8 else 8
     ns, chunk = _split_plan(max_int2_pages * g.page_size, bsz * h, q.device, block_n, num_splits=num_splits,
                             per_sm=split_target)
     qr = rotate_query(q, k_rotation, h)
@@ -441,6 +469,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
     bt = batch.block_table
     h_pad = triton.next_power_of_2(gqa)
+    extra = {"maxnreg": maxnreg} if (maxnreg and not _INTERPRET) else {}
     _int2_decode_kernel[(bsz, h, ns + 1)](
         qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, sm_scale * LOG2E,
         qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
@@ -448,7 +477,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         pl.stride(1), chunk,
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_N=block_n,
         BLOCK_W=block_w, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET, KT=kt, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **extra)
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     return _merge(po, pl, out)
 

@@ -6,8 +6,13 @@ clip + quantize + pack into an INT2 page (values arrive rotated).  ``migrate_pag
 layers and all migrating requests, quantizing whole BF16 recent pages into INT2 pages.
 
 The quantizer reproduces quant.quantize_rows bit for bit: clip threshold = the floor(c*D)-th smallest |x|
-of the row (a sort), min/max in float32, min -> float16, scale = float16((max - min16) / 3) with a
-correctly rounded division, code = round-half-even((x - min16) / scale16) clamped to [0, 3] (scale 0 -> /1).
+of the row (a sort), min/max in float32, min -> float16, scale = float16((max - min16) / 3),
+code = round-half-even((x - min16) / scale16) clamped to [0, 3] (scale 0 -> /1, correctly rounded division).
+
+``(max - min16) / 3`` must be rounded as torch rounds it on the same device: on CUDA torch divides a tensor
+by a Python scalar as ``x * float32(1/3)`` (one multiply by the reciprocal, off by one float32 ulp for a third
+of all inputs), on the CPU it divides exactly.  That ulp flips the float16 scale in ~1 of 500K groups
+(the v2 GPU test failures), so the kernel asks torch once per device type (``_scalar_div_is_reciprocal``).
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ def _clip_threshold(ax, clip_idx, D: tl.constexpr, SORT: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
-                         D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr):
+                         D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr,
+                         RECIP3: tl.constexpr):
     """Clip/quantize/pack x [ROWS, D] float32 and store codes at Codes+crow and scale/min at Meta+mrow."""
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
@@ -69,7 +75,10 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
     hi = tl.minimum(tl.maximum(tl.max(xg, 2), -65504.0), 65504.0)
     mn16 = _f16_rne(lo)
     mnf = mn16.to(tl.float32)
-    sc16 = _f16_rne(tl.math.div_rn(hi - mnf, 3.0))
+    if RECIP3:
+        sc16 = _f16_rne((hi - mnf) * 0.3333333432674408)  # float32(1/3), as torch on CUDA
+    else:
+        sc16 = _f16_rne(tl.math.div_rn(hi - mnf, 3.0))
     scf = sc16.to(tl.float32)
     safe = tl.where(scf > 0, scf, 1.0)
     y = tl.math.div_rn(xg - mnf[:, :, None], safe[:, :, None])
@@ -90,7 +99,7 @@ def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T,
                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rh,
                   stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh,
                   D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr,
-                  ROTATE: tl.constexpr, CENTER: tl.constexpr, SORT: tl.constexpr):
+                  ROTATE: tl.constexpr, CENTER: tl.constexpr, SORT: tl.constexpr, RECIP3: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // G
@@ -114,19 +123,20 @@ def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T,
         r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
         k = tl.dot(k, r, input_precision="ieee")
     tl.store(Kw + wrow[:, None] + offs_d[None, :], k.to(tl.bfloat16), mask=wmask[:, None])
-    _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT)
+    _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT, RECIP3)
     # ---- values: already rotated
     v = tl.load(V + offs_t[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=tmask[:, None],
                 other=0.0).to(tl.float32)
     tl.store(Vw + wrow[:, None] + offs_d[None, :], v.to(tl.bfloat16), mask=wmask[:, None])
-    _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, crow, mrow, D, G, BLOCK_T, SORT)
+    _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, crow, mrow, D, G, BLOCK_T, SORT, RECIP3)
 
 
 @triton.jit
 def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H,
                     stride_wl, stride_wp, stride_wh, stride_cl, stride_cp, stride_ch,
                     stride_ml, stride_mp, stride_mh,
-                    D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SORT: tl.constexpr):
+                    D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SORT: tl.constexpr,
+                    RECIP3: tl.constexpr):
     m = tl.program_id(0)
     h = tl.program_id(1)
     layer = tl.program_id(2).to(tl.int64)
@@ -141,9 +151,25 @@ def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H,
     crow = layer * stride_cl + dst * stride_cp + h * stride_ch + offs_t * D4
     mrow = layer * stride_ml + dst * stride_mp + h * stride_mh + offs_t * (2 * NG)
     k = tl.load(Kw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
-    _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Km, crow, mrow, D, G, P, SORT)
+    _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Km, crow, mrow, D, G, P, SORT, RECIP3)
     v = tl.load(Vw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
-    _quantize_rows_store(v, tl.load(CV + layer * H + h), rmask, Vc, Vm, crow, mrow, D, G, P, SORT)
+    _quantize_rows_store(v, tl.load(CV + layer * H + h), rmask, Vc, Vm, crow, mrow, D, G, P, SORT, RECIP3)
+
+
+_RECIP_CACHE: dict[str, bool] = {}
+# float32 values x with x / 3 != x * float32(1/3) (checked with NumPy): a device whose torch divides by a
+# scalar through the reciprocal gives the second answer for all of them.
+_DIV_PROBE = (71.54741668701172, 54.53382873535156, 42.42311477661133, 96.36991119384766, 79.19332885742188)
+
+
+def _scalar_div_is_reciprocal(device: torch.device) -> bool:
+    """Whether torch computes ``float32_tensor / 3`` as ``x * float32(1/3)`` on this device type."""
+    key = device.type
+    if key not in _RECIP_CACHE:
+        x = torch.tensor(_DIV_PROBE, dtype=torch.float32, device=device)
+        recip = x * torch.tensor(1.0 / 3.0, dtype=torch.float32, device=device)
+        _RECIP_CACHE[key] = bool(torch.equal(x / 3, recip)) and not bool(torch.equal(x / 3, x.double().div(3).float()))
+    return _RECIP_CACHE[key]
 
 
 def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, win_slot: torch.Tensor,
@@ -170,7 +196,8 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh,
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
-        CENTER=k_mean is not None, SORT=not _INTERPRET, num_warps=num_warps)
+        CENTER=k_mean is not None, SORT=not _INTERPRET, RECIP3=_scalar_div_is_reciprocal(k.device),
+        num_warps=num_warps)
 
 
 def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
@@ -187,4 +214,5 @@ def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages
         pool.k_codes, pool.k_meta, pool.v_codes, pool.v_meta, g.num_kv_heads,
         kw.stride(0), kw.stride(1), kw.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
         km.stride(0), km.stride(1), km.stride(2),
-        D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not _INTERPRET, num_warps=num_warps)
+        D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not _INTERPRET,
+        RECIP3=_scalar_div_is_reciprocal(pool.k_win.device), num_warps=num_warps)

@@ -1,0 +1,371 @@
+"""The engine: scheduler + paged pool + model runner, and a background thread that drives it.
+
+``LLMEngine`` is single-threaded: ``add_request`` / ``abort_request`` / ``step``.  ``EngineThread``
+owns one and runs ``step`` in a loop, taking requests and aborts from other threads (the HTTP
+server) through queues and handing every output to the callback given with the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..cache import CacheSettings, OscarCache
+from .block_pool import PagePool, PoolPlan, PoolSpec, plan_pool
+from .runner import ATTENTION_KEY, ModelRunner, register_paged_attention
+from .scheduler import Scheduler
+from .sequence import SamplingParams, Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+
+
+@dataclass
+class EngineConfig:
+    kv_cache_dtype: str = "int2"
+    sink_size: int = 64
+    recent_size: int = 256
+    page_size: int = 16
+    group_size: int | None = None  # default: the artifact's
+    max_model_len: int | None = None  # default: the model's context
+    kv_cache_memory: float | None = None  # GB; default: see default_kv_cache_memory
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    window_dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str  # new text since the last output
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    pool_used_tokens: int
+    pool_capacity_tokens: int
+    pool_used_bytes: int
+    pool_capacity_bytes: int
+    window_pages_used: int
+    window_pages: int
+    quant_pages_used: int
+    quant_pages: int
+    cached_pages: int
+    prefix_hit_rate: float
+    prefix_hit_tokens: int
+    prefix_queried_tokens: int
+    prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+    tokens_per_second: float
+    finished: dict = field(default_factory=dict)
+
+
+def default_kv_cache_memory(device: torch.device) -> float:
+    """GB: 80% of free device memory (after the model is loaded), or 10% of available RAM on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return 0.8 * free / GB
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        available = info.get("MemAvailable", info["MemTotal"])
+    except (OSError, KeyError, ValueError):
+        import os
+
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 0.1 * available / GB
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, rotations, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        settings = CacheSettings(config.kv_cache_dtype, config.sink_size, config.recent_size, config.page_size,
+                                 config.window_dtype)
+        # OscarCache validates the artifact, folds R_V / mu_V into the model and gives per-layer
+        # rotations, clips and bits; its layers serve as the key/query rotation of the paged path.
+        template = OscarCache(model, rotations, settings)
+        self.layers = template.layers
+        group = config.group_size or template.rotations.group_size
+        for layer in self.layers:
+            layer.group_size = group
+            for name in ("k_rotation", "k_mean", "k_clip", "v_clip"):
+                setattr(layer, name, getattr(layer, name).to(self.device))
+        register_paged_attention()
+        model.set_attn_implementation(ATTENTION_KEY)
+        geometry = template.rotations.geometry
+        self.spec = PoolSpec(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, group, config.page_size,
+                             config.sink_size, config.recent_size, tuple(layer.bits for layer in self.layers),
+                             config.window_dtype)
+        limit = getattr(model.config, "max_position_embeddings", None) or 8192
+        self.max_model_len = config.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's context of {limit} tokens")
+        memory = config.kv_cache_memory if config.kv_cache_memory is not None else default_kv_cache_memory(self.device)
+        self.plan = plan_pool(self.spec, int(memory * GB), self.max_model_len, config.max_num_seqs)
+        self._check_plan(memory)
+        self.pool = PagePool(self.plan, self.device)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_prefix_caching)
+        self.runner = ModelRunner(model, self.pool, self.layers)
+        eos = model.generation_config.eos_token_id
+        eos = tokenizer.eos_token_id if eos is None else eos
+        self.stop_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        self.requests: dict[str, Sequence] = {}
+        self.prompt_tokens = self.generation_tokens = 0
+        self.finished: dict[str, int] = {}
+        self._recent: deque[tuple[float, int]] = deque()
+
+    def _check_plan(self, memory: float) -> None:
+        spec, plan = self.spec, self.plan
+        q_need = spec.int2_pages_for(self.max_model_len)
+        w_need = -(-self.max_model_len // spec.page_size) - q_need + (1 if spec.quantizes else 0)
+        if plan.window_pages < w_need or plan.quant_pages < q_need:
+            raise ValueError(
+                f"--kv-cache-memory {memory:.3f} GB holds {plan.capacity_tokens} tokens "
+                f"({plan.window_pages} window + {plan.quant_pages} quantized pages), not one sequence of "
+                f"--max-model-len {self.max_model_len} tokens; raise --kv-cache-memory or lower --max-model-len")
+
+    def describe(self) -> list[str]:
+        """Start-up lines: scheme and pool capacity, compared with a BF16 cache of the same memory."""
+        spec, plan = self.spec, self.plan
+        bf16_tokens = plan.total_bytes // spec.window_page_bytes * spec.page_size
+        scheme = (f"{self.config.kv_cache_dtype} (sink {spec.sink_size}, recent {spec.recent_size}, "
+                  f"group {spec.group_size}, page {spec.page_size}, layer bits {sorted(set(spec.layer_bits))})"
+                  if spec.quantizes else f"bf16 (page {spec.page_size})")
+        lines = [f"KV cache: {scheme}",
+                 f"KV pool: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
+                 f"({plan.window_bytes / GB:.3f} GB, {plan.window_pages * spec.page_size} tokens) + "
+                 f"{plan.quant_pages} quantized pages ({plan.quant_bytes / GB:.3f} GB incl. scale/min, "
+                 f"{plan.quant_pages * spec.page_size} tokens)",
+                 f"KV pool capacity: {plan.capacity_tokens} tokens; a BF16 cache in the same memory holds "
+                 f"{bf16_tokens} tokens ({plan.capacity_tokens / max(bf16_tokens, 1):.2f}x)"]
+        if spec.quantizes:
+            per_seq = spec.bytes_for(self.max_model_len)
+            bf16_seq = -(-self.max_model_len // spec.page_size) * spec.window_page_bytes
+            lines.append(f"one {self.max_model_len}-token sequence: {per_seq / 2**20:.1f} MiB "
+                         f"({8 * per_seq / (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.max_model_len):.2f}"
+                         f" bits/element; BF16 {bf16_seq / 2**20:.1f} MiB); the pool holds "
+                         f"{min(plan.window_pages // spec.window_pages_per_seq(), plan.total_bytes // per_seq)} such "
+                         f"sequences, a BF16 pool {plan.total_bytes // bf16_seq}")
+        return lines
+
+    # ---- requests ------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError with a client-facing message if the request cannot be served."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; "
+                             f"the prompt has {n} tokens")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                             f"{n} tokens and max_tokens is {params.max_tokens} (at most {self.max_model_len - n})")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_ids, params)
+        seq = Sequence(request_id, list(prompt_ids), params)
+        self.requests[request_id] = seq
+        self.prompt_tokens += len(seq.prompt_ids)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.finished:
+            return None
+        return self._finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        outputs = [self._finish(seq, "error", "the request does not fit into the KV pool") for seq in batch.rejected]
+        if not batch.scheduled:
+            return outputs
+        try:
+            sampled = self.runner.run(batch.scheduled)
+        except Exception as exc:  # a failed forward fails its requests, not the server
+            log.exception("forward failed")
+            return outputs + [self._finish(st.seq, "error", f"{type(exc).__name__}: {exc}") for st in batch.scheduled]
+        now = time.monotonic()
+        new_tokens = 0
+        for st in batch.scheduled:
+            self.scheduler.finish_step(st)
+            token = sampled.get(st.seq)
+            if token is None:
+                continue
+            new_tokens += 1
+            outputs.append(self._append_token(st.seq, token))
+        self.generation_tokens += new_tokens
+        self._recent.append((now, new_tokens))
+        while self._recent and now - self._recent[0][0] > 10.0:
+            self._recent.popleft()
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.output_ids.append(token)
+        reason = None
+        if token in self.stop_token_ids and not seq.params.ignore_eos:
+            reason = "stop"
+        elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        full = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        cut = min((i for i in (full.find(s) for s in seq.params.stop if s) if i >= 0), default=-1)
+        if cut >= 0:
+            full, reason = full[:cut], "stop"
+        if reason is None:
+            full = full[:len(full) - _held_back(full, seq.params.stop)]
+        seq.text = full
+        if reason is not None:
+            return self._finish(seq, reason)
+        return self._delta(seq, [token])
+
+    def _delta(self, seq: Sequence, token_ids: list[int]) -> RequestOutput:
+        delta = seq.text[seq.sent_chars:]
+        seq.sent_chars = len(seq.text)
+        return RequestOutput(seq.request_id, delta, token_ids, seq.finished, seq.finish_reason,
+                             len(seq.prompt_ids), len(seq.output_ids))
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        self.requests.pop(seq.request_id, None)
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        out = self._delta(seq, seq.output_ids[-1:] if reason in ("stop", "length") else [])
+        out.error = error
+        return out
+
+    # ---- introspection -------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        pool, plan = self.pool, self.plan
+        window = sum(n for _, n in self._recent)
+        span = (time.monotonic() - self._recent[0][0]) if len(self._recent) > 1 else 0.0
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            pool_used_tokens=pool.used_tokens, pool_capacity_tokens=plan.capacity_tokens,
+            pool_used_bytes=pool.used_bytes, pool_capacity_bytes=plan.total_bytes,
+            window_pages_used=pool.window.used, window_pages=plan.window_pages,
+            quant_pages_used=pool.quant.used, quant_pages=plan.quant_pages,
+            cached_pages=pool.window.cached + pool.quant.cached, prefix_hit_rate=pool.hit_rate,
+            prefix_hit_tokens=pool.hit_tokens, prefix_queried_tokens=pool.queried_tokens,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            preemptions=self.scheduler.num_preemptions,
+            tokens_per_second=window / span if span > 0 else 0.0, finished=dict(self.finished))
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of ``text`` not to stream yet: a partial UTF-8 character, or a prefix of a stop string."""
+    hold = 1 if text.endswith("\ufffd") else 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return hold
+
+
+class EngineThread:
+    """Runs an ``LLMEngine`` in a daemon thread; thread-safe ``submit`` / ``abort`` / ``stats``."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="oscar-kv-engine", daemon=True)
+        self._lock = threading.Lock()
+
+    def start(self) -> "EngineThread":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               callback: Callable[[RequestOutput], None]) -> None:
+        """Validate (ValueError for the client) and queue a request; outputs go to ``callback``."""
+        self.engine.validate(prompt_ids, params)
+        self._inbox.put(("add", request_id, prompt_ids, params, callback))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self.engine.stats()
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            self._drain()
+            if not self.engine.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            with self._lock:
+                outputs = self.engine.step()
+            for out in outputs:
+                self._emit(out)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                if item[0] == "add":
+                    _, rid, prompt, params, callback = item
+                    try:
+                        self.engine.add_request(rid, prompt, params)
+                        self._callbacks[rid] = callback
+                    except ValueError as exc:
+                        callback(RequestOutput(rid, "", [], True, "error", len(prompt), 0, str(exc)))
+                else:
+                    out = self.engine.abort_request(item[1])
+                    if out is not None:
+                        self._emit(out)
+
+    def _emit(self, out: RequestOutput) -> None:
+        callback = self._callbacks.get(out.request_id)
+        if out.finished:
+            self._callbacks.pop(out.request_id, None)
+        if callback is not None:
+            try:
+                callback(out)
+            except Exception:  # a closed client must not stop the engine
+                log.exception("output callback failed for %s", out.request_id)

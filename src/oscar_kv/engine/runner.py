@@ -1,0 +1,265 @@
+"""The model runner: one packed (varlen) forward per step over the paged pool, then sampling.
+
+All scheduled tokens of a step are packed into one row ``[1, N]`` with their own position ids.
+The transformers model runs unchanged; its attention calls go to the registered function
+``oscar_kv_paged``, which receives the step's :class:`PagedForward` through the model's forward
+kwargs (transformers hands extra kwargs on to the attention function).  Per layer it
+
+1. rotates and centers the step's keys exactly as ``cache.OscarCacheLayer`` does,
+2. writes the step's tokens into their final places: BF16 window pages (sink / recent) or, for
+   positions that belong to the history once the step is done, quantized pages; recent-window
+   pages that leave the window are quantized from their BF16 rows (cache.py's migration),
+3. attends, per sequence, to the history *as stored* (INT2 pages dequantized inside the call)
+   plus the step's own tokens exactly - the same semantics as ``cache.oscar_attention``, so a
+   request alone in the batch reproduces ``oscar_kv.generation.generate`` token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from ..cache import OscarCacheLayer, oscar_attention
+from ..quant import QuantizedRows, dequantize_rows, quantize_rows
+from .block_pool import QUANT, WINDOW, PagePool
+from .scheduler import ScheduledSeq
+from .sequence import Sequence
+
+ATTENTION_KEY = "oscar_kv_paged"
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, oscar_paged=None,
+                    **kwargs):
+    """The registered attention: the engine's paged path, or cache.py's when called without it."""
+    if oscar_paged is None:
+        return oscar_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return oscar_paged.attend(module.layer_idx, query, key, value, scaling)
+
+
+def register_paged_attention() -> None:
+    AttentionInterface.register(ATTENTION_KEY, paged_attention)
+
+
+@dataclass
+class _Rows:
+    """Pool slots (page, offset) as two index tensors."""
+
+    page: torch.Tensor
+    off: torch.Tensor
+
+    @classmethod
+    def of(cls, table: torch.Tensor, positions: torch.Tensor, page_size: int) -> "_Rows":
+        return cls(table[positions // page_size], positions % page_size)
+
+    @classmethod
+    def cat(cls, rows: list["_Rows"]) -> "_Rows":
+        if not rows:
+            empty = torch.zeros(0, dtype=torch.long)
+            return cls(empty, empty)
+        return cls(torch.cat([r.page for r in rows]), torch.cat([r.off for r in rows]))
+
+    def to(self, device) -> "_Rows":
+        return _Rows(self.page.to(device), self.off.to(device))
+
+    def __len__(self) -> int:
+        return len(self.page)
+
+
+@dataclass
+class _SeqView:
+    """Where one sequence's data sits in the packed step and in the gathered history rows."""
+
+    chunk: tuple[int, int]  # token range in the packed row
+    start: int  # its first position
+    sink: tuple[int, int]  # range in the gathered window rows
+    quant: tuple[int, int]  # range in the gathered quantized rows
+    recent: tuple[int, int]  # range in the gathered window rows
+
+    def parts(self) -> list[tuple[str, int, int]]:
+        """(pool kind, start, end) of the sink, history and recent rows, in position order."""
+        return [(WINDOW, *self.sink), (QUANT, *self.quant), (WINDOW, *self.recent)]
+
+
+class PagedForward:
+    """Index plan of one step, shared by all layers; ``attend`` is called once per layer."""
+
+    def __init__(self, pool: PagePool, layers: list[OscarCacheLayer], steps: list[ScheduledSeq]):
+        self.pool, self.layers = pool, layers
+        s = pool.spec
+        p, sink_end = s.page_size, s.sink_pages * s.page_size
+        win_writes, win_src, q_writes, q_src, mig_src, mig_dst = [], [], [], [], [], []
+        win_reads, q_reads, views = [], [], []
+        offset = n_win = n_q = 0
+        for step in steps:
+            seq = step.seq
+            table = torch.tensor(seq.pages, dtype=torch.long)
+            hist_end = sink_end + seq.int2_pages * p
+            pos = torch.arange(step.start, step.end)
+            in_q = (pos >= sink_end) & (pos < hist_end) if s.quantizes else torch.zeros_like(pos, dtype=torch.bool)
+            idx = torch.arange(offset, offset + step.num_tokens)
+            win_writes.append(_Rows.of(table, pos[~in_q], p))
+            win_src.append(idx[~in_q])
+            q_writes.append(_Rows.of(table, pos[in_q], p))
+            q_src.append(idx[in_q])
+            for m in step.migrations:
+                old = _span(m.index * p, min((m.index + 1) * p, step.start))
+                mig_src.append(_Rows(torch.full_like(old, m.src), old % p))
+                mig_dst.append(_Rows(torch.full_like(old, m.dst), old % p))
+            # history read by attention: positions [0, start) in their form after this step
+            sink = _span(0, min(step.start, sink_end))
+            quant = _span(sink_end, min(step.start, hist_end))
+            recent = _span(hist_end, step.start)
+            win_reads += [_Rows.of(table, sink, p), _Rows.of(table, recent, p)]
+            q_reads.append(_Rows.of(table, quant, p))
+            views.append(_SeqView((offset, offset + step.num_tokens), step.start,
+                                  (n_win, n_win + len(sink)), (n_q, n_q + len(quant)),
+                                  (n_win + len(sink), n_win + len(sink) + len(recent))))
+            n_win += len(sink) + len(recent)
+            n_q += len(quant)
+            offset += step.num_tokens
+        dev = pool.device
+        self.win_writes, self.q_writes = _Rows.cat(win_writes).to(dev), _Rows.cat(q_writes).to(dev)
+        self.win_src = torch.cat(win_src).to(dev)
+        self.q_src = torch.cat(q_src).to(dev)
+        self.mig_src, self.mig_dst = _Rows.cat(mig_src).to(dev), _Rows.cat(mig_dst).to(dev)
+        self.win_reads, self.q_reads = _Rows.cat(win_reads).to(dev), _Rows.cat(q_reads).to(dev)
+        self.views = views
+        self.num_tokens = offset
+
+    # ---- per layer -----------------------------------------------------------------------------
+    def attend(self, layer_idx: int, query, key, value, scaling):
+        layer = self.layers[layer_idx]
+        keys = layer.rotate_keys(key)  # [1, H, N, D] float32, (k - mu_K) @ R_K
+        values = value.float()
+        self._write(layer_idx, layer, keys, values)
+        hist_k, hist_v = self._gather(layer_idx, self.win_reads, self.q_reads)
+        q_rot = layer.rotate_queries(query)  # [1, Hq, N, D]
+        _, hq, n_tok, d = query.shape
+        hkv = keys.shape[1]
+        g = hq // hkv
+        scaling = d ** -0.5 if scaling is None else scaling
+        out = query.new_empty(1, n_tok, hq, d)
+        for view in self.views:
+            c0, c1 = view.chunk
+            t = c1 - c0
+            parts = [part for part in view.parts() if part[2] > part[1]]
+            ks = [_heads_first(hist_k[part]) for part in parts]
+            vs = [_heads_first(hist_v[part]) for part in parts]
+            k_all = torch.cat(ks + [keys[:, :, c0:c1]], 2)  # [1, H, n, D]
+            v_all = torch.cat(vs + [values[:, :, c0:c1]], 2)
+            n = k_all.shape[2]
+            q = q_rot[:, :, c0:c1].reshape(1, hkv, g * t, d)
+            logits = ((q @ k_all.transpose(-1, -2)) * scaling).reshape(1, hkv, g, t, n)
+            if t > 1:
+                pos_q = torch.arange(view.start, view.start + t, device=query.device)
+                allowed = torch.arange(n, device=query.device)[None, :] <= pos_q[:, None]
+                logits = logits.masked_fill(~allowed, torch.finfo(torch.float32).min)
+            probs = torch.softmax(logits, dim=-1).reshape(1, hkv, -1, n)
+            out[:, c0:c1] = (probs @ v_all).reshape(1, hq, t, d).transpose(1, 2)
+        return out, None
+
+    def _write(self, li: int, layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        pool = self.pool
+        wdt = pool.spec.window_dtype
+        k_rows = keys[0].transpose(0, 1).to(wdt)  # [N, H, D], stored form of the window
+        v_rows = values[0].transpose(0, 1).to(wdt)
+        if len(self.win_writes):
+            w = self.win_writes
+            pool.k_win[li][w.page, :, w.off] = k_rows[self.win_src]
+            pool.v_win[li][w.page, :, w.off] = v_rows[self.win_src]
+        if not (len(self.q_writes) or len(self.mig_src)):
+            return
+        # quantize BF16-rounded rows, as cache.py migrates its BF16 recent window
+        m = self.mig_src
+        qk = torch.cat([pool.k_win[li][m.page, :, m.off], k_rows[self.q_src]]).float()
+        qv = torch.cat([pool.v_win[li][m.page, :, m.off], v_rows[self.q_src]]).float()
+        dst = _Rows.cat([self.mig_dst, self.q_writes])
+        for rows, clip, codes, meta in ((qk, layer.k_clip, pool.k_codes, pool.k_meta),
+                                        (qv, layer.v_clip, pool.v_codes, pool.v_meta)):
+            q = quantize_rows(rows, layer.bits, layer.group_size, clip.to(rows.device))
+            codes[li][dst.page, :, dst.off] = q.codes
+            meta[li][dst.page, :, dst.off] = torch.cat([q.scale, q.minimum], -1)
+
+    def _gather(self, li: int, win: _Rows, quant: _Rows):
+        """History rows as float32: window rows followed by dequantized rows (two tensors each)."""
+        pool = self.pool
+        k_w = pool.k_win[li][win.page, :, win.off].float()
+        v_w = pool.v_win[li][win.page, :, win.off].float()
+        if not len(quant):
+            return _Joined(k_w, None), _Joined(v_w, None)
+        layer = self.layers[li]
+        ng = pool.spec.num_groups
+        out = []
+        for w, codes, meta in ((k_w, pool.k_codes, pool.k_meta), (v_w, pool.v_codes, pool.v_meta)):
+            mt = meta[li][quant.page, :, quant.off]
+            rows = QuantizedRows(codes[li][quant.page, :, quant.off], mt[..., :ng], mt[..., ng:], layer.bits,
+                                 layer.group_size)
+            out.append(_Joined(w, dequantize_rows(rows, torch.float32)))
+        return out[0], out[1]
+
+
+class _Joined:
+    """Window rows and dequantized rows addressed by (kind, start, end) ranges from _SeqView.parts."""
+
+    def __init__(self, window: torch.Tensor, quant: torch.Tensor | None):
+        self.window, self.quant = window, quant
+
+    def __getitem__(self, key):
+        kind, a, b = key
+        return (self.quant if kind == QUANT else self.window)[a:b]
+
+
+def _span(a: int, b: int) -> torch.Tensor:
+    return torch.arange(a, max(a, b))
+
+
+def _heads_first(rows: torch.Tensor) -> torch.Tensor:
+    return rows.transpose(0, 1).unsqueeze(0)  # [n, H, D] -> [1, H, n, D]
+
+
+class ModelRunner:
+    """Runs a step's forward and samples the next token of each sequence that completed its tokens."""
+
+    def __init__(self, model, pool: PagePool, layers: list[OscarCacheLayer]):
+        self.model, self.pool, self.layers = model, pool, layers
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
+        if self.model.config._attn_implementation != ATTENTION_KEY:  # someone ran generate() on the model
+            self.model.set_attn_implementation(ATTENTION_KEY)
+        fwd = PagedForward(self.pool, self.layers, steps)
+        ids, positions = [], []
+        for st in steps:
+            ids += st.seq.tokens[st.start:st.end]
+            positions += range(st.start, st.end)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                  oscar_paged=fwd).last_hidden_state
+        sampling = [st for st in steps if st.samples]
+        if not sampling:
+            return {}
+        last = torch.tensor([fwd.views[steps.index(st)].chunk[1] - 1 for st in sampling], device=self.device)
+        logits = self.model.lm_head(hidden[0, last]).float()
+        return {st.seq: sample(logits[i], st.seq) for i, st in enumerate(sampling)}
+
+
+def sample(logits: torch.Tensor, seq: Sequence) -> int:
+    """Greedy (argmax, as transformers' generate) or temperature / top-k / top-p sampling."""
+    p = seq.params
+    if p.greedy:
+        return int(torch.argmax(logits))
+    x = logits / p.temperature
+    if p.top_k > 0 and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, -1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest set whose mass reaches top_p
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = torch.softmax(x, -1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=seq.generator))

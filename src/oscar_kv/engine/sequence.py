@@ -1,0 +1,107 @@
+"""A request as the engine sees it: tokens, sampling parameters, its pages, and its text so far."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks for.  ``temperature == 0`` is greedy (argmax, no randomness)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request.  Its KV cache is ``pages`` (logical page i -> physical page id) plus ``int2_pages``:
+    logical pages [sink_pages, sink_pages + int2_pages) live in the quantized pool, all others in the
+    window pool (see block_pool.py).  ``num_computed`` tokens have K/V in the cache."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    pages: list[int] = field(default_factory=list)
+    int2_pages: int = 0
+    num_computed: int = 0
+    registered_pages: int = 0  # leading pages already offered to the prefix cache
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    finish_reason: str | None = None
+    text: str = ""  # output text (stop strings cut), as far as it is final
+    sent_chars: int = 0
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    generator: torch.Generator | None = None
+    _page_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if not self.params.greedy:
+            self.generator = torch.Generator()
+            seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            self.generator.manual_seed(seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def page_hash(self, index: int, page_size: int) -> bytes:
+        """Chained hash of the tokens of pages [0, index]: equal hashes mean equal token prefixes."""
+        tokens = self.tokens
+        while len(self._page_hashes) <= index:
+            i = len(self._page_hashes)
+            parent = self._page_hashes[-1] if self._page_hashes else b""
+            chunk = tokens[i * page_size:(i + 1) * page_size]
+            if len(chunk) < page_size:
+                raise ValueError("only full pages have a hash")
+            h = hashlib.blake2b(parent, digest_size=16)
+            h.update(b",".join(str(t).encode() for t in chunk))
+            self._page_hashes.append(h.digest())
+        return self._page_hashes[index]

@@ -1,0 +1,216 @@
+"""``oscar-kv serve``: every flag in :class:`ServeConfig`, and :func:`run_server` to start.
+
+The CLI maps its options one to one onto ``ServeConfig`` (field name = flag name with dashes);
+``ServeConfig.help(name)`` gives each flag's help text.  ``BackgroundServer`` runs the same server
+in a thread (tests, notebooks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+log = logging.getLogger("oscar_kv.serve")
+
+
+def _flag(default, help_text: str):
+    return field(default=default, metadata={"help": help_text})
+
+
+class ServeError(ValueError):
+    """The server cannot start; the message says what to do."""
+
+
+@dataclass
+class ServeConfig:
+    model: str = _flag("smollm2-135m", "HF model directory, .gguf file, hub id (when online), or 'smollm2-135m' "
+                                       "(the embedded default).")
+    rotations: str | None = _flag(None, "Rotation artifact directory from `oscar-kv calibrate` (needed for int2).")
+    kv_cache_dtype: str = _flag("int2", "KV cache storage: 'int2' (OSCAR: BF16 sink + recent window, INT2 history) "
+                                        "or 'bf16'.")
+    calibrate: bool = _flag(False, "If int2 has no --rotations: calibrate now (cached under "
+                                   ".oscar-cache/artifacts/<model>) instead of refusing to start.")
+    sink_size: int = _flag(64, "First tokens of every sequence kept in BF16 (a multiple of --page-size).")
+    recent_size: int = _flag(256, "Most recent tokens kept in BF16.")
+    group_size: int | None = _flag(None, "INT2 quantization group size (default: the artifact's; must divide the "
+                                         "head dim).")
+    page_size: int = _flag(16, "Tokens per KV page; also how many tokens leave the recent window at a time.")
+    max_model_len: int | None = _flag(None, "Longest prompt + completion in tokens (default: the model's context).")
+    kv_cache_memory: float | None = _flag(None, "KV pool size in GB, everything counted (INT2 codes, scale/min and "
+                                                "BF16 windows). Default: 80% of free GPU memory after loading the "
+                                                "model, or 10% of available RAM on CPU.")
+    max_num_seqs: int = _flag(64, "Most sequences decoded together.")
+    max_num_batched_tokens: int = _flag(2048, "Most tokens per forward step; longer prompts are prefilled in "
+                                              "chunks of this size.")
+    enable_prefix_caching: bool = _flag(True, "Reuse cached KV pages of shared prompt prefixes.")
+    host: str = _flag("127.0.0.1", "Address to listen on.")
+    port: int = _flag(30000, "Port to listen on.")
+    api_key: str | None = _flag(None, "If set, requests must send 'Authorization: Bearer <key>' "
+                                      "(default: $OSCAR_KV_API_KEY, else no auth).")
+    served_model_name: str | None = _flag(None, "Model name clients must send (default: --model).")
+    device: str = _flag("cpu", "cpu or cuda.")
+    log_level: str = _flag("info", "Log level of the server and uvicorn.")
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        return next(f.metadata["help"] for f in fields(cls) if f.name == name)
+
+    def validate(self) -> None:
+        if self.kv_cache_dtype not in ("bf16", "int2"):
+            raise ServeError(f"--kv-cache-dtype must be 'bf16' or 'int2', got {self.kv_cache_dtype!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ServeError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.sink_size < 0 or self.recent_size < 0:
+            raise ServeError("--sink-size and --recent-size must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ServeError("--max-model-len must be at least 2")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ServeError("--kv-cache-memory must be a positive number of GB")
+        if not 0 < self.port < 65536:
+            raise ServeError(f"--port must lie in 1..65535, got {self.port}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def load_rotations(config: ServeConfig, model, tokenizer):
+    """The artifact for ``config`` (validated against the model), None for bf16 without one."""
+    from ..artifacts import ArtifactError, Rotations, model_fingerprint
+    from ..models import AttentionGeometry
+
+    geometry = AttentionGeometry.of(model.config)
+    if config.rotations:
+        try:
+            return Rotations.load(config.rotations, geometry, model_fingerprint(model))
+        except ArtifactError as exc:
+            raise ServeError(str(exc)) from None
+    if config.kv_cache_dtype == "bf16":
+        return None
+    if not config.calibrate:
+        raise ServeError(f"--kv-cache-dtype {config.kv_cache_dtype} needs --rotations DIR. Calibrate once with "
+                         f"`oscar-kv calibrate --model {config.model} --output-dir DIR` and pass --rotations DIR, "
+                         f"or pass --calibrate to calibrate now (cached), or use --kv-cache-dtype bf16.")
+    from ..calibrate import calibrate
+
+    directory = Path(".oscar-cache/artifacts") / Path(config.model).name
+    try:
+        rot = Rotations.load(directory, geometry)
+        log.info("using cached rotations in %s", directory)
+        return rot
+    except ArtifactError:
+        pass
+    log.info("calibrating rotations for %s (once; cached in %s) ...", config.model, directory)
+    rot = calibrate(model, tokenizer, progress=False)
+    from ..cache import unprepare_model
+
+    unprepare_model(model)
+    rot.save(directory)
+    return rot
+
+
+def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None):
+    """Load (unless given) the model and artifact and build the engine; returns an ``EngineThread``."""
+    from ..engine import EngineConfig, EngineThread, LLMEngine
+    from ..models import load_model
+
+    config.validate()
+    if config.api_key is None:
+        config.api_key = os.environ.get("OSCAR_KV_API_KEY") or None
+    if model is None:
+        started = time.perf_counter()
+        try:
+            model, tokenizer = load_model(config.model, device=config.device)
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            raise ServeError(str(exc)) from None
+        log.info("loaded %s (%s) in %.1f s", config.model, type(model).__name__, time.perf_counter() - started)
+    if rotations is None:
+        rotations = load_rotations(config, model, tokenizer)
+    engine_config = EngineConfig(config.kv_cache_dtype, config.sink_size, config.recent_size, config.page_size,
+                                 config.group_size, config.max_model_len, config.kv_cache_memory, config.max_num_seqs,
+                                 config.max_num_batched_tokens, config.enable_prefix_caching)
+    try:
+        engine = LLMEngine(model, tokenizer, rotations, engine_config)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
+    g = rotations.geometry if rotations is not None else None
+    log.info("model %s: %s", config.model_name,
+             f"{g.num_layers} layers, {g.num_attention_heads} query / {g.num_kv_heads} KV heads, head dim "
+             f"{g.head_dim}; rotations {config.rotations or 'calibrated'}" if g else "BF16 cache, no rotations")
+    for line in engine.describe():
+        log.info(line)
+    log.info("max model len %d, max num seqs %d, prefix caching %s", engine.max_model_len, config.max_num_seqs,
+             "on" if config.enable_prefix_caching else "off")
+    return EngineThread(engine)
+
+
+def _uvicorn_server(config: ServeConfig, engine_thread):
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(engine_thread, config.model_name, config.api_key)
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
+                        timeout_graceful_shutdown=5)
+    return uvicorn.Server(uv)
+
+
+def run_server(config: ServeConfig) -> None:
+    """Start the OpenAI-compatible server and block until interrupted.  Raises ServeError with a
+    message for the user when the configuration cannot work."""
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    engine_thread = build_engine(config).start()
+    server = _uvicorn_server(config, engine_thread)
+    log.info("serving '%s' on http://%s:%d/v1 (OpenAI API)%s", config.model_name, config.host, config.port,
+             "; API key required" if config.api_key else "")
+    try:
+        server.run()
+    finally:
+        engine_thread.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class BackgroundServer:
+    """The server in a daemon thread: ``start()`` returns once it accepts connections, ``stop()`` ends it."""
+
+    def __init__(self, config: ServeConfig, model=None, tokenizer=None, rotations=None):
+        self.config = config
+        self.engine_thread = build_engine(config, model, tokenizer, rotations).start()
+        self.server = _uvicorn_server(config, self.engine_thread)
+        self.server.config.install_signal_handlers = False  # uvicorn >= 0.29 ignores signals off the main thread
+        self._thread = threading.Thread(target=self.server.run, name="oscar-kv-http", daemon=True)
+
+    @property
+    def engine(self):
+        return self.engine_thread.engine
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                self.stop()
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self.engine_thread.stop(timeout)

@@ -1,0 +1,222 @@
+"""The paged engine on the real SmolLM2: equality with generate(), batching, prefix cache, preemption."""
+
+import pytest
+import torch
+
+from oscar_kv.cache import CacheSettings, OscarCache, unprepare_model
+from oscar_kv.engine import EngineConfig, LLMEngine, SamplingParams
+from oscar_kv.engine.block_pool import PageAllocator, PoolSpec, plan_pool
+from oscar_kv.generation import build_prompt, generate
+
+GREEDY = dict(temperature=0.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Small decode steps run faster on one thread, and much faster when other jobs share the cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def small_rotations(smol):
+    from oscar_kv.calibrate import CalibrationSettings, calibrate
+
+    lm, tok = smol
+    rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128), progress=False)
+    unprepare_model(lm)
+    return rot
+
+
+@pytest.fixture(scope="module")
+def long_prompt():
+    from oscar_kv.corpus import DEFAULT_CORPUS
+
+    return DEFAULT_CORPUS.read_text()[1000:2600] + "\n\nSummarize the text above in one sentence."
+
+
+def run_all(engine, limit=400):
+    outputs = {}
+    for _ in range(limit):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert not engine.has_work(), "the engine did not finish"
+    return outputs
+
+
+def text_of(outs):
+    return "".join(o.text for o in outs)
+
+
+def make_engine(model, tokenizer, rotations, **kwargs):
+    settings = dict(kv_cache_memory=0.1, max_model_len=1024)
+    settings.update(kwargs)
+    return LLMEngine(model, tokenizer, rotations, EngineConfig(**settings))
+
+
+def greedy_with_cache_chunks(model, rotations, dtype, ids, cuts, n):
+    """Greedy tokens from cache.py's OscarCache fed the prompt in forwards split at ``cuts``."""
+    cache = OscarCache(model, rotations, CacheSettings(dtype))
+    bounds = [0, *cuts, ids.shape[1]]
+    with torch.no_grad():
+        for a, b in zip(bounds, bounds[1:]):
+            logits = model(ids[:, a:b], past_key_values=cache).logits
+        out = [int(logits[0, -1].argmax())]
+        while len(out) < n:
+            out.append(int(model(torch.tensor([[out[-1]]]), past_key_values=cache).logits[0, -1].argmax()))
+    unprepare_model(model)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int2"])
+def test_greedy_output_equals_generate(model, tokenizer, small_rotations, long_prompt, dtype):
+    ref = generate(model, tokenizer, long_prompt, small_rotations, CacheSettings(dtype), max_new_tokens=10)
+    assert ref.prompt_tokens > 320  # INT2 history pages exist after prefill, and migrate while decoding
+    unprepare_model(model)
+    engine = make_engine(model, tokenizer, small_rotations, kv_cache_dtype=dtype)
+    ids = build_prompt(tokenizer, long_prompt)[0].tolist()
+    engine.add_request("r", ids, SamplingParams(max_tokens=10, **GREEDY))
+    outs = run_all(engine)["r"]
+    assert text_of(outs).strip() == ref.text
+    assert outs[-1].completion_tokens == ref.new_tokens
+    if dtype == "int2":
+        assert engine.pool.quant.num_pages > 0 and engine.pool.quant.cached > 0  # INT2 pages were written and kept
+    assert engine.pool.all_free()
+
+
+def test_chunked_prefill_matches_cache_with_the_same_chunks(model, tokenizer, small_rotations, long_prompt):
+    """Prefill in 128-token forwards: the same stored history as OscarCache fed the same chunks."""
+    ids = build_prompt(tokenizer, long_prompt)
+    expected = greedy_with_cache_chunks(model, small_rotations, "int2", ids, list(range(128, ids.shape[1], 128)), 6)
+    engine = make_engine(model, tokenizer, small_rotations, max_num_batched_tokens=128)
+    engine.add_request("r", ids[0].tolist(), SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY))
+    outs = run_all(engine)["r"]
+    assert [t for o in outs for t in o.token_ids] == expected
+
+
+def test_continuous_batching_admits_while_decoding_and_frees_every_page(model, tokenizer, small_rotations):
+    engine = make_engine(model, tokenizer, small_rotations, max_num_seqs=4)
+    prompts = [f"Count from {i} to {i + 5}." for i in range(6)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", build_prompt(tokenizer, p)[0].tolist(), SamplingParams(max_tokens=4 + i, **GREEDY))
+    engine.step()
+    assert len(engine.scheduler.running) == 4 and len(engine.scheduler.waiting) == 2
+    outputs = run_all(engine)
+    assert sorted(outputs) == [f"r{i}" for i in range(6)]
+    for i in range(6):
+        assert outputs[f"r{i}"][-1].finished and outputs[f"r{i}"][-1].completion_tokens <= 4 + i
+    assert engine.pool.all_free() and engine.stats().running == 0
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int2"])
+def test_prefix_cache_reuses_pages_exactly(model, tokenizer, small_rotations, long_prompt, dtype):
+    """A hit shares the sink and INT2 pages (all full pages with BF16) and recomputes the rest: the
+    output is cache.py's with the prompt fed in two forwards split where the hit ends."""
+    ids = build_prompt(tokenizer, long_prompt)
+    engine = make_engine(model, tokenizer, small_rotations, kv_cache_dtype=dtype)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY)
+    tokens = {}
+    for rid in "ab":
+        engine.add_request(rid, ids[0].tolist(), params)
+        tokens[rid] = [t for o in run_all(engine)[rid] for t in o.token_ids]
+    spec, n = engine.spec, ids.shape[1]
+    hit = spec.sink_size + spec.int2_pages_for(n) * spec.page_size if dtype == "int2" else (n - 1) // 16 * 16
+    assert engine.pool.hit_tokens == hit and engine.stats().prefix_hit_rate == pytest.approx(hit / (2 * n))
+    assert engine.pool.all_free()
+    unprepare_model(model)
+    assert tokens["b"] == greedy_with_cache_chunks(model, small_rotations, dtype, ids, [hit], 6)
+    print(f"\n{dtype}: cold {tokens['a']} / prefix hit of {hit} tokens {tokens['b']}")
+
+
+def test_preemption_recomputes_and_leaks_nothing(model, tokenizer):
+    """8 window pages for 3 requests that each grow to 4: someone must be preempted and recomputed."""
+    page_bytes = 30 * 2 * 3 * 16 * 64 * 2  # layers x (K, V) x KV heads x page x head dim x BF16
+    engine = make_engine(model, tokenizer, None, kv_cache_dtype="bf16", max_model_len=64,
+                         kv_cache_memory=8 * page_bytes / 1e9 + 1e-9)
+    assert engine.plan.window_pages == 8
+    prompt = tokenizer("Once upon a time, a cat and a dog met in a small garden near the river.").input_ids[:20]
+    for i in range(3):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=64 - len(prompt), ignore_eos=True, **GREEDY))
+    outputs = run_all(engine, limit=1000)
+    assert engine.scheduler.num_preemptions > 0
+    for i in range(3):
+        assert outputs[f"r{i}"][-1].finish_reason == "length"
+        assert outputs[f"r{i}"][-1].completion_tokens == 64 - len(prompt)
+    assert engine.pool.all_free()
+
+
+def test_abort_releases_pages(model, tokenizer, small_rotations):
+    engine = make_engine(model, tokenizer, small_rotations)
+    engine.add_request("r", build_prompt(tokenizer, "Hello!")[0].tolist(), SamplingParams(max_tokens=50, **GREEDY))
+    engine.step()
+    assert not engine.pool.all_free()
+    out = engine.abort_request("r")
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.pool.all_free() and not engine.has_work()
+
+
+def test_requests_that_cannot_fit_are_refused(model, tokenizer, small_rotations):
+    engine = make_engine(model, tokenizer, small_rotations, max_model_len=64)
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        engine.add_request("r", list(range(70)), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("r", list(range(10)), SamplingParams(max_tokens=60))
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+
+
+# ---- pure accounting / allocator tests (no model) ---------------------------------------------------
+def smol_spec(bits=2):
+    return PoolSpec(num_layers=30, num_kv_heads=3, head_dim=64, group_size=64, page_size=16, sink_size=64,
+                    recent_size=256, layer_bits=(bits,) * 30)
+
+
+def test_pool_accounting_counts_codes_metadata_and_windows():
+    spec = smol_spec()
+    # per token, layer and KV head: K+V codes 2*16 B + fp16 scale/min 2*4 B; BF16 window 2*64*2 B
+    assert spec.quant_page_bytes == 30 * 3 * 16 * 2 * (16 + 4)
+    assert spec.window_page_bytes == 30 * 3 * 16 * 2 * 64 * 2
+    budget = 2 * 10**9
+    int2 = plan_pool(spec, budget, max_model_len=8192, max_num_seqs=64)
+    bf16 = plan_pool(smol_spec(16), budget, max_model_len=8192, max_num_seqs=64)
+    assert int2.total_bytes <= budget and budget - int2.total_bytes < spec.window_page_bytes
+    ratio = int2.capacity_tokens / bf16.capacity_tokens
+    assert 4.5 < ratio < 6.4  # D = G = 64: INT2 is 2.5 bits (6.4x), BF16 windows take the rest
+    seqs_int2 = int2.total_bytes // spec.bytes_for(8192)
+    seqs_bf16 = bf16.total_bytes // smol_spec(16).bytes_for(8192)
+    assert seqs_int2 >= 5 * seqs_bf16
+
+
+def test_pool_tensors_match_the_plan(tmp_path):
+    from oscar_kv.engine.block_pool import PagePool
+
+    spec = smol_spec()
+    plan = plan_pool(spec, 50 * 10**6, max_model_len=1024, max_num_seqs=4)
+    pool = PagePool(plan)
+    assert pool.tensor_bytes() == plan.total_bytes
+
+
+def test_allocator_lru_eviction_and_refcounts():
+    a = PageAllocator(3, "window")
+    p = a.allocate(3)
+    for page, key in zip(p, (b"x", b"y", b"z")):
+        a.register(page, key)
+    for page in p:
+        a.release(page)
+    assert a.available == 3 and a.used == 0 and a.cached == 3
+    a.ref(a.lookup(b"x"))  # a hit takes x out of the LRU
+    assert a.allocate(1) == [p[1]] and a.lookup(b"y") is None  # y was the least recently released
+    assert a.lookup(b"x") == p[0]
+    with pytest.raises(MemoryError):
+        a.allocate(2)
+    a.release(p[0])
+    with pytest.raises(RuntimeError):
+        a.release(p[0])
