@@ -13,6 +13,15 @@ if not torch.cuda.is_available():
 torch.set_num_threads(max(torch.get_num_threads(), 1))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small decode steps run faster on one thread, and much faster when other jobs share the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smol():
     from oscar_kv.models import load_model

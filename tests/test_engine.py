@@ -11,15 +11,7 @@ from oscar_kv.generation import build_prompt, generate
 GREEDY = dict(temperature=0.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Small decode steps run faster on one thread, and much faster when other jobs share the cores."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one torch thread for small steps
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +212,35 @@ def test_allocator_lru_eviction_and_refcounts():
     a.release(p[0])
     with pytest.raises(RuntimeError):
         a.release(p[0])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int2"])
+def test_kernels_match_the_reference_on_real_activations(model, tokenizer, small_rotations, long_prompt, dtype,
+                                                         monkeypatch):
+    """Every step of two concurrent requests (chunked prefill, then decode): the Triton kernels (interpreted
+    on the CPU) read the same pool as the torch reference path and give the same attention output."""
+    pytest.importorskip("triton")
+    from oscar_kv.engine import runner
+    from oscar_kv.engine.kernel_attention import PoolView, kernel_step
+
+    errors = {"DecodeStep": [], "ExtendStep": []}
+    reference_attend = runner.PagedForward.attend
+
+    def attend_and_check(self, layer_idx, query, key, value, scaling):
+        out, weights = reference_attend(self, layer_idx, query, key, value, scaling)
+        if layer_idx in (0, len(self.layers) - 1):
+            layer = self.layers[layer_idx]
+            plan = kernel_step(PoolView(self.pool), self.steps)
+            got = plan.attend(layer_idx, layer, query, layer.rotate_keys(key), value.float(), scaling)
+            errors[type(plan).__name__].append(((got.float() - out.float()).norm() / out.float().norm()).item())
+        return out, weights
+
+    monkeypatch.setattr(runner.PagedForward, "attend", attend_and_check)
+    engine = make_engine(model, tokenizer, small_rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
+                         max_num_batched_tokens=100)
+    ids = tokenizer(long_prompt).input_ids[:150]
+    for i, n in enumerate((150, 97)):  # chunks of 100 tokens; 6 and 3 INT2 pages behind the windows
+        engine.add_request(f"r{i}", ids[:n], SamplingParams(max_tokens=3, **GREEDY))
+    run_all(engine)
+    assert len(errors["DecodeStep"]) == 4 and len(errors["ExtendStep"]) >= 4, errors
+    assert max(errors["DecodeStep"] + errors["ExtendStep"]) < 1e-2, errors

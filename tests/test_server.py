@@ -19,15 +19,7 @@ MODEL = "smollm2-135m"
 TIMEOUT = 120
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Small decode steps run faster on one thread, and much faster when other jobs share the cores."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one torch thread for small steps
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +232,23 @@ def test_int2_without_rotations_refuses_to_start_with_advice(smol):
         build_engine(ServeConfig(kv_cache_dtype="int2"), lm, tok)
     with pytest.raises(ServeError, match="kv-cache-dtype"):
         ServeConfig(kv_cache_dtype="int3").validate()
+
+
+def test_load_test_reports_throughput_and_latency_percentiles(server, tmp_path):
+    from oscar_kv.bench.load import main as load_main
+
+    out = tmp_path / "load.json"
+    code = load_main(["--url", server.url, "--model", MODEL, "--api-key", KEY, "--requests", "8", "--concurrency", "4",
+                      "--max-tokens", "4", "--time-limit", "120", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["requests"] == 8 and report["failed"] == 0, report
+    assert report["requests_per_s"] > 0 and report["generated_tokens_per_s"] > 0
+    assert 0 < report["ttft_p50"] <= report["latency_p50"] <= report["latency_p99"]
+    assert wait_idle(server).pool_used_tokens == 0
+
+
+def test_load_test_refuses_other_hosts():
+    from oscar_kv.bench.load import main as load_main
+
+    with pytest.raises(SystemExit):
+        load_main(["--url", "http://example.com:30000", "--requests", "1"])

@@ -283,6 +283,7 @@ def serve(
     api_key: Optional[str] = typer.Option(None, help=_serve_help("api_key")),
     served_model_name: Optional[str] = typer.Option(None, help=_serve_help("served_model_name")),
     device: str = typer.Option("cpu", help=_serve_help("device")),
+    attention_backend: str = typer.Option("auto", help=_serve_help("attention_backend")),
     log_level: str = typer.Option("info", help=_serve_help("log_level")),
 ):
     """Serve the model behind an OpenAI-compatible API (/v1/chat/completions, /v1/completions) with a paged INT2 KV cache."""
@@ -294,24 +295,39 @@ def serve(
                          page_size=page_size, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          enable_prefix_caching=enable_prefix_caching, host=host, port=port, api_key=api_key,
-                         served_model_name=served_model_name, device=device, log_level=log_level)
+                         served_model_name=served_model_name, device=device,
+                         attention_backend=attention_backend, log_level=log_level)
     try:
         run_server(config)
     except ServeError as exc:
         _fail(str(exc))
 
 
-bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks (need CUDA).")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: attention kernels (CUDA), server load.")
 app.add_typer(bench_app, name="bench")
 
 
-@bench_app.command("attention", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _run_bench(module: str, ctx: typer.Context):
+    """Hand the arguments to the benchmark's own argparse (``--help-bench`` shows its options)."""
+    import importlib
+
+    bench_main = importlib.import_module(f"oscar_kv.bench.{module}").main
+    raise typer.Exit(bench_main(["--help" if a == "--help-bench" else a for a in ctx.args]) or 0)
+
+
+@bench_app.command("attention", context_settings=PASSTHROUGH)
 def bench_attention(ctx: typer.Context):
     """INT2 vs BF16 paged decode attention (Qwen3-8B geometry); pass --help-bench for its options."""
-    from .bench.attention import main as bench_main
+    _run_bench("attention", ctx)
 
-    args = ["--help" if a == "--help-bench" else a for a in ctx.args]
-    raise typer.Exit(bench_main(args) or 0)
+
+@bench_app.command("load", context_settings=PASSTHROUGH)
+def bench_load(ctx: typer.Context):
+    """Load test of a running `oscar-kv serve` (loopback): requests/s, p50/p99 latency; --help-bench for options."""
+    _run_bench("load", ctx)
 
 
 DEMO_QUESTION = "\n\nWhich Python module does the text above document, and what is it for? Answer in two sentences."

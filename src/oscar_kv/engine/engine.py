@@ -19,6 +19,7 @@ import torch
 
 from ..cache import CacheSettings, OscarCache
 from .block_pool import PagePool, PoolPlan, PoolSpec, plan_pool
+from .kernel_attention import PoolView, kernel_support
 from .runner import ATTENTION_KEY, ModelRunner, register_paged_attention
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence, SeqStatus
@@ -41,6 +42,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     window_dtype: torch.dtype = torch.bfloat16
+    attention_backend: str = "auto"  # "auto": Triton kernels on CUDA, else the torch reference; "triton" / "torch"
 
 
 @dataclass
@@ -126,7 +128,11 @@ class LLMEngine:
         self.pool = PagePool(self.plan, self.device)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_prefix_caching)
-        self.runner = ModelRunner(model, self.pool, self.layers)
+        self.kernel_status = kernel_support(self.pool, config.attention_backend)
+        if config.attention_backend == "triton" and self.kernel_status is not None:
+            raise ValueError(f"--attention-backend triton: {self.kernel_status}")
+        self.runner = ModelRunner(model, self.pool, self.layers,
+                                  PoolView(self.pool) if self.kernel_status is None else None)
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
         self.stop_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -152,7 +158,9 @@ class LLMEngine:
         scheme = (f"{self.config.kv_cache_dtype} (sink {spec.sink_size}, recent {spec.recent_size}, "
                   f"group {spec.group_size}, page {spec.page_size}, layer bits {sorted(set(spec.layer_bits))})"
                   if spec.quantizes else f"bf16 (page {spec.page_size})")
-        lines = [f"KV cache: {scheme}",
+        backend = ("Triton kernels for decode steps, torch reference for prefill" if self.kernel_status is None
+                   else f"torch reference ({self.kernel_status})")
+        lines = [f"KV cache: {scheme}", f"attention: {backend}",
                  f"KV pool: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
                  f"({plan.window_bytes / GB:.3f} GB, {plan.window_pages * spec.page_size} tokens) + "
                  f"{plan.quant_pages} quantized pages ({plan.quant_bytes / GB:.3f} GB incl. scale/min, "

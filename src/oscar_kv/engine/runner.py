@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from ..cache import OscarCacheLayer, oscar_attention
 from ..quant import QuantizedRows, dequantize_rows, quantize_rows
 from .block_pool import QUANT, WINDOW, PagePool
+from .kernel_attention import PoolView, kernel_step
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
 
@@ -85,8 +86,11 @@ class _SeqView:
 class PagedForward:
     """Index plan of one step, shared by all layers; ``attend`` is called once per layer."""
 
-    def __init__(self, pool: PagePool, layers: list[OscarCacheLayer], steps: list[ScheduledSeq]):
-        self.pool, self.layers = pool, layers
+    def __init__(self, pool: PagePool, layers: list[OscarCacheLayer], steps: list[ScheduledSeq],
+                 kernels: PoolView | None = None):
+        self.pool, self.layers, self.steps = pool, layers, steps
+        # With kernels enabled, decode-only steps use the decode kernel and others the extend kernel.
+        self.kernel_step = kernel_step(kernels, steps) if kernels is not None else None
         s = pool.spec
         p, sink_end = s.page_size, s.sink_pages * s.page_size
         win_writes, win_src, q_writes, q_src, mig_src, mig_dst = [], [], [], [], [], []
@@ -134,6 +138,9 @@ class PagedForward:
         keys = layer.rotate_keys(key)  # [1, H, N, D] float32, (k - mu_K) @ R_K
         values = value.float()
         self._write(layer_idx, layer, keys, values)
+        if self.kernel_step is not None:
+            scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+            return self.kernel_step.attend(layer_idx, layer, query, keys, values, scaling).to(query.dtype), None
         hist_k, hist_v = self._gather(layer_idx, self.win_reads, self.q_reads)
         q_rot = layer.rotate_queries(query)  # [1, Hq, N, D]
         _, hq, n_tok, d = query.shape
@@ -222,15 +229,15 @@ def _heads_first(rows: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """Runs a step's forward and samples the next token of each sequence that completed its tokens."""
 
-    def __init__(self, model, pool: PagePool, layers: list[OscarCacheLayer]):
-        self.model, self.pool, self.layers = model, pool, layers
+    def __init__(self, model, pool: PagePool, layers: list[OscarCacheLayer], kernels: PoolView | None = None):
+        self.model, self.pool, self.layers, self.kernels = model, pool, layers, kernels
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
     def run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
         if self.model.config._attn_implementation != ATTENTION_KEY:  # someone ran generate() on the model
             self.model.set_attn_implementation(ATTENTION_KEY)
-        fwd = PagedForward(self.pool, self.layers, steps)
+        fwd = PagedForward(self.pool, self.layers, steps, self.kernels)
         ids, positions = [], []
         for st in steps:
             ids += st.seq.tokens[st.start:st.end]

@@ -54,6 +54,8 @@ class ServeConfig:
                                       "(default: $OSCAR_KV_API_KEY, else no auth).")
     served_model_name: str | None = _flag(None, "Model name clients must send (default: --model).")
     device: str = _flag("cpu", "cpu or cuda.")
+    attention_backend: str = _flag("auto", "Paged attention: 'triton' (kernels: decode + extend), 'torch' (reference), "
+                                           "or 'auto' (Triton on CUDA, torch on CPU).")
     log_level: str = _flag("info", "Log level of the server and uvicorn.")
 
     @classmethod
@@ -134,7 +136,8 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
         rotations = load_rotations(config, model, tokenizer)
     engine_config = EngineConfig(config.kv_cache_dtype, config.sink_size, config.recent_size, config.page_size,
                                  config.group_size, config.max_model_len, config.kv_cache_memory, config.max_num_seqs,
-                                 config.max_num_batched_tokens, config.enable_prefix_caching)
+                                 config.max_num_batched_tokens, config.enable_prefix_caching,
+                                 attention_backend=config.attention_backend)
     try:
         engine = LLMEngine(model, tokenizer, rotations, engine_config)
     except ValueError as exc:

@@ -1,0 +1,159 @@
+"""The engine's attention through the Triton kernels (kernels/decode.py) instead of the torch reference.
+
+The engine pool keeps one tensor per layer in exactly the layout of ``kernels/layout.py``; ``PoolView``
+lets the kernels address it.  Both kernels run after the step's tokens were written to the pool:
+
+* ``DecodeStep`` (every sequence computes one token): the decode kernel reads the new token from its
+  BF16 window page together with the rest of the cache.
+* ``ExtendStep`` (prefill chunks, possibly mixed with decodes): the extend kernel reads positions
+  [0, start) of each sequence as stored after the step (INT2 pages dequantized tile by tile) and the
+  chunk's own keys and values from the step's tensors, causally.
+
+These are the reference path's semantics (``runner.PagedForward``), computed with bf16 tensor-core
+arithmetic instead of float32, so outputs agree to ~1e-2 relative, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..kernels.layout import PagedBatch, PoolGeometry
+from .block_pool import PagePool
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+def kernel_support(pool: PagePool, backend: str = "auto") -> str | None:
+    """None when the Triton kernels can serve this pool, else why not (for the start-up log).
+    ``backend``: "auto" (kernels on CUDA), "triton" (kernels wherever they run) or "torch" (never)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend == "torch":
+        return "--attention-backend torch"
+    if backend == "auto" and pool.device.type != "cuda":
+        return "no CUDA device (the torch reference runs on the CPU)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "the kernels need CUDA or TRITON_INTERPRET=1"
+    s = pool.spec
+    if s.quantizes and any(b != 2 for b in s.layer_bits):
+        return "the artifact stores some layers at other than 2 bits (the kernels read INT2 codes only)"
+    if s.head_dim < 64:
+        return f"head dim {s.head_dim} < 64 (the extend kernel needs at least 64)"
+    try:
+        view_geometry(pool)
+    except ValueError as exc:
+        return str(exc)
+    if s.window_dtype != torch.bfloat16:
+        return "the kernels read BF16 windows"
+    return None
+
+
+def view_geometry(pool: PagePool) -> PoolGeometry:
+    s = pool.spec
+    recent = s.recent_size - s.recent_size % s.page_size  # the decode kernel never reads the recent size
+    return PoolGeometry(s.num_layers, s.num_kv_heads, s.head_dim, s.group_size, s.page_size,
+                        s.sink_size if s.quantizes else 0, recent)
+
+
+class PoolView:
+    """The engine pool through the interface the kernels take (``geometry`` and ``layer(i)``)."""
+
+    def __init__(self, pool: PagePool):
+        self.pool, self.geometry = pool, view_geometry(pool)
+        s = pool.spec
+        # A BF16 cache has no INT2 pool; the kernels still take (never read) INT2 tensors.
+        self._no_codes = torch.zeros(1, s.num_kv_heads, s.page_size, s.head_dim // 4, dtype=torch.uint8,
+                                     device=pool.device)
+        self._no_meta = torch.zeros(1, s.num_kv_heads, s.page_size, 2 * s.num_groups, dtype=torch.float16,
+                                    device=pool.device)
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        p = self.pool
+        if not p.spec.quantizes:
+            return {"k_codes": self._no_codes, "v_codes": self._no_codes, "k_meta": self._no_meta,
+                    "v_meta": self._no_meta, "k_win": p.k_win[i], "v_win": p.v_win[i]}
+        return {"k_codes": p.k_codes[i], "v_codes": p.v_codes[i], "k_meta": p.k_meta[i], "v_meta": p.v_meta[i],
+                "k_win": p.k_win[i], "v_win": p.v_win[i]}
+
+
+def _block_table(tables: list[list[int]], device) -> torch.Tensor:
+    table = torch.zeros(len(tables), max(1, max(len(t) for t in tables)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    return table.to(device)
+
+
+class DecodeStep:
+    """Block tables of a decode-only step, built once and used by every layer."""
+
+    def __init__(self, view: PoolView, steps):
+        """``steps``: the step's ScheduledSeqs, one token each, already counted in their page tables."""
+        seq_lens = [st.end for st in steps]
+        int2_pages = [st.seq.int2_pages for st in steps]
+        dev = view.pool.device
+        self.view = view
+        self.batch = PagedBatch(_block_table([st.seq.pages for st in steps], dev),
+                                torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                                torch.tensor(int2_pages, dtype=torch.int32, device=dev))
+        self.max_int2_pages = max(int2_pages)
+        self.max_seq_len = max(seq_lens)
+
+    def attend(self, layer_idx: int, layer, query: torch.Tensor, keys=None, values=None,
+               scaling: float | None = None) -> torch.Tensor:
+        """query [1, Hq, B, D] (one token per sequence, already in the pool) -> [1, B, Hq, D]."""
+        from ..kernels.decode import bf16_decode, int2_decode
+
+        q = query[0].transpose(0, 1)  # [B, Hq, D]
+        if self.view.pool.spec.quantizes:
+            out = int2_decode(q, self.view, layer_idx, self.batch, layer.k_rotation, scaling,
+                              max_int2_pages=self.max_int2_pages)
+        else:
+            p = self.view.pool
+            out = bf16_decode(q, p.k_win[layer_idx], p.v_win[layer_idx], self.batch.block_table, self.batch.seq_lens,
+                              layer.k_rotation, scaling, page_size=p.spec.page_size, max_seq_len=self.max_seq_len)
+        return out.unsqueeze(0)
+
+
+class ExtendStep:
+    """Chunk offsets and history block tables of a step with prefill chunks, used by every layer."""
+
+    def __init__(self, view: PoolView, steps):
+        spec = view.pool.spec
+        p, sink_end = spec.page_size, spec.sink_pages * spec.page_size
+        history_int2 = []
+        for st in steps:
+            # INT2 pages (after this step) that hold positions before the chunk; the last may be partial.
+            hist_end = min(sink_end + st.seq.int2_pages * p, st.start)
+            history_int2.append(max(0, -(-(hist_end - sink_end) // p)))
+        cu = [0]
+        for st in steps:
+            cu.append(cu[-1] + st.num_tokens)
+        dev = view.pool.device
+        self.view = view
+        self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
+        self.batch = PagedBatch(_block_table([st.seq.pages for st in steps], dev),
+                                torch.tensor([st.start for st in steps], dtype=torch.int32, device=dev),
+                                torch.tensor(history_int2, dtype=torch.int32, device=dev))
+        self.max_seqlen = max(st.num_tokens for st in steps)
+        self.max_int2_pages = max(history_int2)
+
+    def attend(self, layer_idx: int, layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """query [1, Hq, N, D]; keys / values [1, H, N, D] as stored (rotated, centered) -> [1, N, Hq, D]."""
+        from ..kernels.extend import int2_extend
+
+        out = int2_extend(query[0].transpose(0, 1), keys[0].transpose(0, 1).contiguous(),
+                          values[0].transpose(0, 1).contiguous(), self.cu_seqlens, self.view, layer_idx, self.batch,
+                          layer.k_rotation, scaling, max_seqlen=self.max_seqlen, max_int2_pages=self.max_int2_pages)
+        return out.unsqueeze(0)
+
+
+def kernel_step(view: PoolView, steps):
+    """The kernel plan of a step: the decode kernel when every sequence computes one token."""
+    return (DecodeStep if all(st.num_tokens == 1 for st in steps) else ExtendStep)(view, steps)

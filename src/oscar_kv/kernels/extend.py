@@ -1,0 +1,369 @@
+"""Extend (chunked prefill / prefix-hit) attention over the mixed paged pool in Triton.
+Specification: reference.extend_reference.
+
+A chunk of new query tokens of each sequence attends to (a) the sequence's cached history in the pool
+(BF16 sink pages, INT2 history pages, BF16 recent pages; ``batch`` describes the cache *before* the
+chunk) and (b) causally to the chunk's own keys/values, passed in as tensors.  Sequences are packed:
+sequence b owns rows cu_seqlens[b] .. cu_seqlens[b+1] of q / k_new / v_new / out.
+
+Work decomposition: one program per (query tile, sequence, KV head[, history split]).  A program's rows
+are BLOCK_T consecutive chunk tokens x the GQA group's query heads (padded to a power of two), i.e.
+BLOCK_M = BLOCK_T * H_PAD rows, so every KV tile is loaded once per KV head and multiplied against all
+its query heads with one MMA.  Normally the query tiles of the chunks (x batch x KV heads) fill the GPU
+and each program reads its whole history; the heaviest tiles (last in a chunk, longest causal range)
+are launched first.  When they do not (a short chunk after a long cached prefix, small batch), the INT2
+history is split as in decode: split 0 reads the BF16 window + chunk, splits 1.. share the INT2 pages,
+and decode's merge kernel combines the partial outputs by their log-sum-exp.
+
+Per program, one online softmax (base 2, float32) over, in this order:
+  1. the INT2 history, read as in decode.py (codes -> float16 1024 + c*4^k with the 4^k folded into the
+     query slice, per-token scale/min applied in float32; no dequantized tile is ever built).  Its four
+     per-slice accumulators are folded and concatenated into the [BLOCK_M, D] accumulator afterwards, so
+     they are not live during the rest;
+  2. the BF16 sink and recent pages (decode._bf16_range);
+  3. the chunk itself, causally (key j visible to chunk token i iff j <= i).
+The BF16 parts multiply with a bf16 hi + lo split of the float32 query (two MMAs, ~16-bit logits, as the
+decode window does); ``split_query=False`` uses one bf16 MMA.  The query is rotated before the launch
+(float32 torch matmul: one GEMM for the whole chunk).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._compat import install_interpreter_shim
+from .decode import (LOG2E, _INTERPRET, _bf16_range, _grp_scores, _grp_values, _merge, _mm, _num_sms, _split_plan,
+                     _unpack4, _use_asm)
+from .layout import PagedBatch, PagedKVPool
+
+install_interpreter_shim()
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One tile of logits s [M, N] (base 2, -inf = masked) -> (p, alpha, m_new, l_new)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _cat4(a0, a1, a2, a3, M: tl.constexpr, D4: tl.constexpr):
+    """Four column slices [M, D4] -> [M, 4*D4] with slice k at columns k*D4 .. (k+1)*D4."""
+    x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [M, D4, 2 (inner pair), 2 (outer pair)]
+    return tl.reshape(tl.permute(x, (0, 3, 2, 1)), (M, 4 * D4))
+
+
+@triton.jit
+def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, head_c, head_m, stride_cp, stride_mp,
+                  M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
+                  BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """Online softmax over INT2 history tokens [start, end), counted from the sink's end.
+
+    qrow: pointers [M, 1] to the rotated float32 query rows.  Returns (m_i, l_i, acc [M, D]) with acc the
+    unnormalized output in the true value space (offsets removed, slices concatenated).
+    """
+    D4: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G
+    offs_c = tl.arange(0, D4)
+    # query slices (float32, scaled); float16 slice k is pre-divided by 4^k (its codes arrive as 1024 + c*4^k)
+    qf0 = tl.load(qrow + offs_c[None, :], mask=rmask, other=0.0).to(tl.float32) * qk_scale
+    qf1 = tl.load(qrow + D4 + offs_c[None, :], mask=rmask, other=0.0).to(tl.float32) * qk_scale
+    qf2 = tl.load(qrow + 2 * D4 + offs_c[None, :], mask=rmask, other=0.0).to(tl.float32) * qk_scale
+    qf3 = tl.load(qrow + 3 * D4 + offs_c[None, :], mask=rmask, other=0.0).to(tl.float32) * qk_scale
+    q0 = qf0.to(tl.float16)
+    q1 = (qf1 * 0.25).to(tl.float16)
+    q2 = (qf2 * 0.0625).to(tl.float16)
+    q3 = (qf3 * 0.015625).to(tl.float16)
+    # 1024 * sum of each float16 slice (the code offset to remove) and each true slice sum (for the minimum)
+    o0 = 1024.0 * tl.sum(q0.to(tl.float32), 1)
+    o1 = 1024.0 * tl.sum(q1.to(tl.float32), 1)
+    o2 = 1024.0 * tl.sum(q2.to(tl.float32), 1)
+    o3 = 1024.0 * tl.sum(q3.to(tl.float32), 1)
+    t0s = tl.sum(qf0, 1)
+    t1s = tl.sum(qf1, 1)
+    t2s = tl.sum(qf2, 1)
+    t3s = tl.sum(qf3, 1)
+    o_all = o0 + o1 + o2 + o3  # one group per head: the slices share scale and min
+    t_all = t0s + t1s + t2s + t3s
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    a0 = tl.zeros([M, D4], tl.float32)
+    a1 = tl.zeros([M, D4], tl.float32)
+    a2 = tl.zeros([M, D4], tl.float32)
+    a3 = tl.zeros([M, D4], tl.float32)
+    # per group: running sums of float16(p*scale) (undo the 1024 offset) and of p*min
+    f0 = tl.zeros([M], tl.float32)
+    f1 = tl.zeros([M], tl.float32)
+    f2 = tl.zeros([M], tl.float32)
+    f3 = tl.zeros([M], tl.float32)
+    n0 = tl.zeros([M], tl.float32)
+    n1 = tl.zeros([M], tl.float32)
+    n2 = tl.zeros([M], tl.float32)
+    n3 = tl.zeros([M], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        offs = t0 + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        phys = tl.load(bt_row + SINK_PAGES + offs // P, mask=valid, other=0).to(tl.int64)
+        crow = tl.multiple_of(phys * stride_cp + head_c + (offs % P) * D4, D4)
+        mrow = phys * stride_mp + head_m + (offs % P) * (2 * NG)
+        # keys loaded transposed ([D4, N]): the MMA's key operand needs no register transpose
+        kraw = tl.load(Kc + crow[None, :] + offs_c[:, None], mask=valid[None, :], other=0)
+        k0, k1, k2, k3 = _unpack4(kraw, USE_ASM)
+        if NG == 1:
+            ks = tl.load(Km + mrow, mask=valid, other=0.0).to(tl.float32)
+            kn = tl.load(Km + mrow + 1, mask=valid, other=0.0).to(tl.float32)
+            raw = tl.dot(q0, k0)
+            raw = tl.dot(q1, k1, raw)
+            raw = tl.dot(q2, k2, raw)
+            raw = tl.dot(q3, k3, raw)
+            sc = ks[None, :] * (raw - o_all[:, None]) + kn[None, :] * t_all[:, None]
+        else:
+            sc = _grp_scores(q0, k0, o0, t0s, Km, mrow, valid, (0 * D4) // G, NG)
+            sc += _grp_scores(q1, k1, o1, t1s, Km, mrow, valid, (1 * D4) // G, NG)
+            sc += _grp_scores(q2, k2, o2, t2s, Km, mrow, valid, (2 * D4) // G, NG)
+            sc += _grp_scores(q3, k3, o3, t3s, Km, mrow, valid, (3 * D4) // G, NG)
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
+        vraw = tl.load(Vc + crow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
+        v0, v1, v2, v3 = _unpack4(vraw, USE_ASM)
+        if NG == 1:
+            vs = tl.load(Vm + mrow, mask=valid, other=0.0).to(tl.float32)
+            vn = tl.load(Vm + mrow + 1, mask=valid, other=0.0).to(tl.float32)
+            pp = (p * vs[None, :]).to(tl.float16)
+            f0 = f0 * alpha + tl.sum(pp.to(tl.float32), 1)
+            n0 = n0 * alpha + tl.sum(p * vn[None, :], 1)
+            a0 = tl.dot(pp, v0, a0 * alpha[:, None])
+            a1 = tl.dot(pp, v1, a1 * alpha[:, None])
+            a2 = tl.dot(pp, v2, a2 * alpha[:, None])
+            a3 = tl.dot(pp, v3, a3 * alpha[:, None])
+        else:
+            a0, f0, n0 = _grp_values(p, v0, a0, f0, n0, alpha, Vm, mrow, valid, (0 * D4) // G, NG)
+            a1, f1, n1 = _grp_values(p, v1, a1, f1, n1, alpha, Vm, mrow, valid, (1 * D4) // G, NG)
+            a2, f2, n2 = _grp_values(p, v2, a2, f2, n2, alpha, Vm, mrow, valid, (2 * D4) // G, NG)
+            a3, f3, n3 = _grp_values(p, v3, a3, f3, n3, alpha, Vm, mrow, valid, (3 * D4) // G, NG)
+    if NG == 1:
+        f1 = f0
+        f2 = f0
+        f3 = f0
+        n1 = n0
+        n2 = n0
+        n3 = n0
+    a0 = (a0 - 1024.0 * f0[:, None]) + n0[:, None]
+    a1 = (a1 - 1024.0 * f1[:, None]) * 0.25 + n1[:, None]
+    a2 = (a2 - 1024.0 * f2[:, None]) * 0.0625 + n2[:, None]
+    a3 = (a3 - 1024.0 * f3[:, None]) * 0.015625 + n3[:, None]
+    return m_i, l_i, _cat4(a0, a1, a2, a3, M, D4)
+
+
+@triton.jit
+def _chunk_causal(q, ql, m_i, l_i, acc, tok, n, end, Kn, Vn, stride_kt, stride_vt,
+                  D: tl.constexpr, BLOCK: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr):
+    """Online softmax over the chunk's own keys [0, end) (Kn/Vn point at the sequence's first row and the
+    KV head); row r (chunk token tok[r]) sees key j iff j <= tok[r] and j < n."""
+    offs_d = tl.arange(0, D)
+    for j0 in range(0, end, BLOCK):
+        offs = j0 + tl.arange(0, BLOCK)
+        valid = offs < n
+        k = tl.load(Kn + offs.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.bfloat16)
+        s = _mm(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK], tl.float32), F32DOT)
+        if SPLITQ:
+            s = _mm(ql, tl.trans(k), s, F32DOT)
+        s = tl.where(valid[None, :] & (offs[None, :] <= tok[:, None]), s, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        v = tl.load(Vn + offs.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.bfloat16)
+        acc = _mm(p.to(tl.bfloat16), v, acc * alpha[:, None], F32DOT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO, PL, qk_scale,
+                        stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                        stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh, stride_bt,
+                        stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
+                        num_tiles, num_splits, split_len,
+                        D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
+                        GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                        USE_ASM: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
+                        PARTIAL: tl.constexpr):
+    tile = num_tiles - 1 - tl.program_id(0)  # last tiles of a chunk see the most keys: start them first
+    b = tl.program_id(1)
+    h = tl.program_id(2) // (num_splits + 1)
+    s = tl.program_id(2) % (num_splits + 1)
+    lo = tl.load(CU + b)
+    n = tl.load(CU + b + 1) - lo
+    t_start = tile * BLOCK_T
+    if t_start >= n:
+        return
+    M: tl.constexpr = BLOCK_T * H_PAD
+    SINK: tl.constexpr = SINK_PAGES * P
+    offs_r = tl.arange(0, M)
+    tok = t_start + offs_r // H_PAD  # row r = (token, query head of the group)
+    qh = h * GQA + offs_r % H_PAD
+    rvalid = (tok < n) & (offs_r % H_PAD < GQA)
+    rmask = rvalid[:, None]
+    row_t = (lo + tok).to(tl.int64)
+    qrow = Q + row_t[:, None] * stride_qt + qh[:, None] * stride_qh
+    hist = tl.load(SL + b)
+    nq = tl.load(NQ + b)
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    # Ranges by split: without splits (num_splits == 0) program s = 0 does everything; with splits, s = 0
+    # does the BF16 window + chunk and s >= 1 one slice of the INT2 history each.  Empty ranges run no loop.
+    # INT2 history is clipped to the history length: a chunk boundary may fall inside an INT2 page.
+    int2_end = tl.maximum(tl.minimum(nq * P, hist - SINK), 0)
+    i_lo = tl.maximum(s - 1, 0) * split_len
+    i_hi = tl.where(num_splits == 0, int2_end, tl.where(s == 0, 0, tl.minimum(s * split_len, int2_end)))
+    mine = s == 0  # the window and the chunk
+    # 1. INT2 history
+    m_i, l_i, acc = _int2_history(qrow, rmask, qk_scale, i_lo, i_hi, bt_row, Kc, Km, Vc, Vm,
+                                  h.to(tl.int64) * stride_ch, h.to(tl.int64) * stride_mh, stride_cp, stride_mp,
+                                  M, D, G, P, SINK_PAGES, BLOCK_N, USE_ASM)
+    # 2. BF16 sink and recent pages; the float32 query as bf16 hi + lo parts
+    offs_d = tl.arange(0, D)
+    qf = tl.load(qrow + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32) * qk_scale
+    q_hi = qf.to(tl.bfloat16)
+    q_lo = (qf - q_hi.to(tl.float32)).to(tl.bfloat16)
+    head_w = h.to(tl.int64) * stride_wh
+    m_i, l_i, acc = _bf16_range(q_hi, q_lo, m_i, l_i, acc, 0, tl.where(mine, tl.minimum(hist, SINK), 0), bt_row,
+                                Kw, Vw, head_w, stride_wp, D, P, BLOCK_N, F32DOT, SPLITQ)
+    m_i, l_i, acc = _bf16_range(q_hi, q_lo, m_i, l_i, acc, tl.minimum(SINK + nq * P, hist), tl.where(mine, hist, 0),
+                                bt_row, Kw, Vw, head_w, stride_wp, D, P, BLOCK_N, F32DOT, SPLITQ)
+    # 3. the chunk, causally; keys beyond the tile's last token are never needed
+    lo64 = lo.to(tl.int64)
+    m_i, l_i, acc = _chunk_causal(q_hi, q_lo, m_i, l_i, acc, tok, n,
+                                  tl.where(mine, tl.minimum(n, t_start + BLOCK_T), 0),
+                                  Kn + lo64 * stride_knt + h * stride_knh, Vn + lo64 * stride_vnt + h * stride_vnh,
+                                  stride_knt, stride_vnt, D, BLOCK_N, F32DOT, SPLITQ)
+    # rows of split 0 see at least chunk key 0 (l_i > 0); an INT2 split may be empty (l_i = 0, lse = -inf)
+    ok = l_i > 0
+    o = acc / tl.where(ok, l_i, 1.0)[:, None]
+    if PARTIAL:
+        tl.store(PO + row_t[:, None] * stride_pot + qh[:, None] * stride_poh + s * stride_pos + offs_d[None, :], o,
+                 mask=rmask)
+        lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
+        tl.store(PL + row_t * stride_plt + qh * stride_plh + s, lse, mask=rvalid)
+    else:
+        tl.store(O + row_t[:, None] * stride_ot + qh[:, None] * stride_oh + offs_d[None, :],
+                 o.to(O.dtype.element_ty), mask=rmask)
+
+
+# ------------------------------------------------------------------------------------------ wrapper
+def _rotate_chunk_queries(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
+    """q @ R_K[kv_head(q)] in float32 as one batched GEMM ([T, Hq, D] -> float32 [T, Hq, D], contiguous)."""
+    if k_rotation is None:
+        return q
+    t, hq, d = q.shape
+    r = k_rotation.to(device=q.device, dtype=torch.float32)
+    if r.shape[0] not in (1, num_kv_heads) or r.shape[1:] != (d, d):
+        raise ValueError(f"k_rotation must be [1 or {num_kv_heads}, {d}, {d}], got {tuple(r.shape)}")
+    x = q.float().reshape(t, num_kv_heads, hq // num_kv_heads, d)
+    if r.shape[0] == 1:
+        return (x.reshape(-1, d) @ r[0]).reshape(t, hq, d)
+    return torch.einsum("thgd,hde->thge", x, r).reshape(t, hq, d)
+
+
+def _history_splits(programs: int, batch: PagedBatch, page_size: int, device: torch.device, block_n: int,
+                    num_splits: int | None, max_int2_pages: int | None, split_target: int) -> tuple[int, int]:
+    """(INT2 splits, tokens per split); (0, 0) = no split: each program reads its whole history.
+
+    Splitting pays when the query tiles alone leave the GPU idle: a short chunk after a long cached
+    prefix (prefix hit, small batch).  Then split 0 reads the BF16 window + chunk and splits 1.. share
+    the INT2 history, as in decode; the partial outputs are merged by decode's merge kernel.
+    """
+    if num_splits is None and programs >= split_target * _num_sms(device):
+        return 0, 0  # enough programs already: no partials, no merge, no host sync
+    if num_splits is not None and num_splits <= 0:
+        return 0, 0
+    if max_int2_pages is None:
+        max_int2_pages = int(batch.int2_pages.max()) if batch.batch_size else 0
+    ns, split_len = _split_plan(max_int2_pages * page_size, programs, device, block_n, num_splits=num_splits,
+                                per_sm=split_target)
+    if num_splits is None and ns <= 1:
+        return 0, 0
+    return ns, split_len
+
+
+def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_seqlens: torch.Tensor,
+                pool: PagedKVPool, layer: int, batch: PagedBatch, k_rotation: torch.Tensor | None = None,
+                sm_scale: float | None = None, *, max_seqlen: int | None = None, max_int2_pages: int | None = None,
+                num_splits: int | None = None, split_target: int = 2, block_m: int = 64, block_n: int | None = None,
+                num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None, split_query: bool = True,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Chunked-prefill attention over the mixed pool; semantics of reference.extend_reference.
+
+    q: [T, Hq, D] new queries, unrotated if ``k_rotation`` is given (else already rotated; float32 keeps
+    the most precision).  k_new / v_new: [T, H, D] the chunk's rotated, centered keys and rotated values
+    (consumed as BF16: float32 input is rounded in the kernel).  cu_seqlens: int [B+1], sequence b owns
+    rows cu_seqlens[b] .. cu_seqlens[b+1] (an empty chunk is allowed; cu_seqlens[-1] must be T).
+    ``batch`` describes each sequence's cache *before* the chunk (its seq_lens may end inside an INT2
+    page).  Returns [T, Hq, D] in q's dtype, or writes ``out`` (any float dtype, unit stride in D).
+
+    Host ints that avoid device syncs (the engine knows them): ``max_seqlen`` (the longest chunk) and
+    ``max_int2_pages`` (only read when the history is split).  ``num_splits``: INT2 history splits (None:
+    automatic, only when fewer than split_target programs per SM would run; 0: never).  Tuning knobs:
+    block_m query rows per program (chunk tokens x padded GQA group), block_n keys per tile (default 64
+    with one quantization group per head, 32 with several: sm_90 builds at 4 warps then fit in 255
+    registers without spilling), num_warps / num_stages, use_asm (PTX code conversion on GPU),
+    split_query (bf16 hi + lo query for the BF16 parts; off: one MMA, ~5x the logit error).
+    """
+    g = pool.geometry
+    t, hq, d = q.shape
+    h = g.num_kv_heads
+    if d != g.head_dim or hq % h or d < 64:
+        raise ValueError("query shape does not match the pool geometry (or head dim < 64)")
+    if k_new.shape != (t, h, d) or v_new.shape != (t, h, d):
+        raise ValueError(f"k_new / v_new must be [{t}, {h}, {d}]")
+    if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+        raise ValueError("k_new / v_new need unit stride in the head dim")
+    bsz = cu_seqlens.numel() - 1
+    if bsz != batch.batch_size:
+        raise ValueError("cu_seqlens and batch describe different numbers of sequences")
+    if max_seqlen is None:
+        cu = cu_seqlens.tolist()
+        if cu[-1] != t:
+            raise ValueError(f"cu_seqlens ends at {cu[-1]}, q has {t} rows")
+        max_seqlen = max((cu[i + 1] - cu[i] for i in range(bsz)), default=0)
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    gqa = hq // h
+    h_pad = triton.next_power_of_2(gqa)
+    block_n = block_n or (64 if g.group_size == d else 32)
+    block_t = max(1, block_m // h_pad)
+    if block_t * h_pad < 16 or block_n < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
+        raise ValueError("block_m and block_n must be powers of two giving >= 16 rows / keys per tile")
+    out = torch.empty(t, hq, d, device=q.device, dtype=q.dtype) if out is None else out
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError("out must have q's shape and unit stride in the head dim")
+    if t == 0 or bsz == 0 or max_seqlen == 0:
+        return out
+    qr = _rotate_chunk_queries(q, k_rotation, h)
+    if qr.stride(-1) != 1:
+        qr = qr.contiguous()
+    num_tiles = -(-max_seqlen // block_t)
+    ns, split_len = _history_splits(num_tiles * bsz * h, batch, g.page_size, q.device, block_n, num_splits,
+                                    max_int2_pages, split_target)
+    if ns:
+        po = torch.empty(t, hq, ns + 1, d, device=q.device, dtype=torch.float32)
+        pl = torch.empty(t, hq, ns + 1, device=q.device, dtype=torch.float32)
+    else:
+        po, pl = out, out  # not touched
+    L = pool.layer(layer)
+    kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
+    bt = batch.block_table
+    cu32 = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    _int2_extend_kernel[(num_tiles, bsz, h * (ns + 1))](
+        qr, k_new, v_new, cu32, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, out, po, pl,
+        sm_scale * LOG2E, qr.stride(0), qr.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
+        bt.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
+        pl.stride(1), num_tiles, ns, split_len,
+        D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_T=block_t,
+        BLOCK_N=block_n, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET, SPLITQ=split_query,
+        PARTIAL=ns > 0, num_warps=num_warps, num_stages=num_stages)
+    return _merge(po, pl, out) if ns else out
