@@ -16,27 +16,7 @@ triton = pytest.importorskip("triton")
 from oscar_kv.kernels import reference as ref  # noqa: E402
 from oscar_kv.kernels.layout import PagedKVPool, PoolGeometry, clip_indices, plan_batch, token_slots  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-GPU = DEV == "cuda"
-
-
-def rel_err(out, want):
-    return ((out.float() - want.float()).norm() / want.float().norm()).item()
-
-
-def outlier_rows(n, h, d, gen, device=DEV, scale=1.0):
-    """Random rows with a few channels 10-50x larger (realistic KV outliers)."""
-    x = torch.randn(n, h, d, generator=gen, device="cpu") * scale
-    for hh in range(h):
-        ch = torch.randperm(d, generator=gen)[:3]
-        x[:, hh, ch] *= torch.empty(3).uniform_(10, 50, generator=gen)
-    return x.to(device)
-
-
-def random_orthogonal(h, d, gen):
-    a = torch.randn(h, d, d, generator=gen, dtype=torch.float64)
-    qm, _ = torch.linalg.qr(a)
-    return qm.float()
+from kernel_utils import DEV, GPU, outlier_rows, random_orthogonal, rel_err  # noqa: E402
 
 
 def build_pool(geom, seq_lens, gen, layer=0, int2_pages=None, clip=(0.96, 0.92)):

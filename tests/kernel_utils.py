@@ -1,0 +1,24 @@
+"""Shared by the kernel tests: the device, the error measure and realistic random inputs."""
+
+import torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = DEV == "cuda"
+
+
+def rel_err(out, want):
+    return ((out.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def outlier_rows(n, h, d, gen, device=DEV, scale=1.0):
+    """Random rows with a few channels 10-50x larger (realistic KV outliers)."""
+    x = torch.randn(n, h, d, generator=gen) * scale
+    for hh in range(h):
+        ch = torch.randperm(d, generator=gen)[:3]
+        x[:, hh, ch] *= torch.empty(3).uniform_(10, 50, generator=gen)
+    return x.to(device)
+
+
+def random_orthogonal(h, d, gen):
+    qm, _ = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
+    return qm.float()
