@@ -168,7 +168,7 @@ def sweep_int2(geom, ctx: int, bs: int, device, gen) -> list[dict]:
 
 
 def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, sweep: bool = True,
-        write_path: bool = True) -> dict:
+        write_path: bool = True, extend_contexts: list[int] = (), extend_chunks: list[int] = ()) -> dict:
     import triton  # noqa: F401  (GPU only)
 
     from ..kernels.decode import bf16_decode, int2_decode
@@ -273,6 +273,8 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
             row["int2_floor_ms"] = row["int2_bytes"] / bw * 1e3
             result["rows"].append(row)
             print(_fmt_row(row), flush=True)
+    if extend_contexts:
+        result["extend"] = bench_extend(geom, device, extend_contexts, extend_chunks, gen)
     if write_path:
         try:
             result["write_path"] = bench_write_path(geom, device, batch_sizes)
@@ -323,6 +325,55 @@ def bench_write_path(geom, device, batch_sizes: list[int]) -> dict:
     return out
 
 
+def bench_extend(geom, device, contexts: list[int], chunks: list[int], gen) -> list[dict]:
+    """Extend attention (chunked prefill / prefix hit) of one sequence: ``chunk`` new tokens after ``ctx``
+    cached ones, INT2 kernel over the mixed pool vs SDPA over a contiguous BF16 cache (bottom-right causal)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from ..kernels.extend import int2_extend
+    from ..kernels.layout import PagedKVPool
+
+    hq, hkv, d = GEOMETRY["num_q_heads"], geom.num_kv_heads, geom.head_dim
+    rows = []
+    for ctx in contexts:
+        batch, nq, nw = _mixed_batch(geom, 1, ctx, device, gen)
+        pool = PagedKVPool.allocate(geom, nq, nw, device=device)
+        _fill_pool(pool)
+        rot = _orthogonal(hkv, d, device)
+        mp = geom.int2_pages_for(ctx)
+        for t in chunks:
+            q = torch.randn(t, hq, d, device=device, dtype=torch.bfloat16)
+            kn, vn = (torch.randn(t, hkv, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+            cu = torch.tensor([0, t], dtype=torch.int32, device=device)
+            row = dict(context=ctx, chunk=t)
+            row["int2_extend_ms"] = _bench_call(lambda: int2_extend(q, kn, vn, cu, pool, 0, batch, rot, max_seqlen=t,
+                                                                    max_int2_pages=mp))
+            kc, vc = (torch.randn(1, hkv, ctx + t, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+            q4 = q.transpose(0, 1)[None]
+            mask = causal_lower_right(t, ctx + t)
+            for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+                try:
+                    with sdpa_kernel([backend]):
+                        fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                            q4, kc, vc, attn_mask=mask, enable_gqa=True)
+                        fn()
+                        row[name + "_ms"] = _bench_call(fn)
+                except Exception as e:
+                    row[name + "_ms"] = None
+                    row[name + "_error"] = repr(e)[:160]
+            best = [row[k] for k in ("sdpa_flash_ms", "sdpa_efficient_ms") if row.get(k)]
+            row["speedup"] = min(best) / row["int2_extend_ms"] if best else None
+            del kc, vc
+            rows.append(row)
+            print(f"extend ctx={ctx} chunk={t}: int2 {row['int2_extend_ms'] * 1e3:.1f} us, SDPA "
+                  + ", ".join(f"{k[:-3]} {row[k] * 1e3:.1f} us" for k in ("sdpa_flash_ms", "sdpa_efficient_ms")
+                              if row.get(k)) + (f" -> {row['speedup']:.2f}x" if row["speedup"] else ""), flush=True)
+        del pool
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _fmt_row(r: dict) -> str:
     def f(k):
         v = r.get(k)
@@ -355,6 +406,8 @@ def _plot(result: dict, path: str) -> None:
         print("matplotlib is not importable: no PNG written")
         return
     rows = result["rows"]
+    if not rows:
+        return
     bss = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(bss), figsize=(5 * len(bss), 4), squeeze=False)
     for ax, bs in zip(axes[0], bss):
@@ -383,10 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="skip the INT2 kernel variant sweep")
     ap.add_argument("--no-write-path", action="store_true")
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
+    ap.add_argument("--extend-contexts", default="", help="also time the extend kernel after these cached lengths")
+    ap.add_argument("--extend-chunks", default="16,512,2048", help="new tokens per extend call")
     a = ap.parse_args(argv)
     global USE_GRAPHS
     USE_GRAPHS = not a.eager
-    run(_ints(a.contexts), _ints(a.batch_sizes), a.output, sweep=not a.no_sweep, write_path=not a.no_write_path)
+    run(_ints(a.contexts), _ints(a.batch_sizes), a.output, sweep=not a.no_sweep, write_path=not a.no_write_path,
+        extend_contexts=_ints(a.extend_contexts), extend_chunks=_ints(a.extend_chunks))
     return 0
 
 
