@@ -48,9 +48,9 @@ def fold_values(model, v_rotation: torch.Tensor, v_mean: torch.Tensor, tag: obje
         bo = attn.o_proj.bias
         saved.append((wv.detach().clone(), None if bv is None else bv.detach().clone(),
                       wo.detach().clone(), None if bo is None else bo.detach().clone()))
-        rot = v_rotation[i].to(torch.float64)
+        rot = v_rotation[i].to(wv.device, torch.float64)  # artifacts load on the CPU; the model may not be
         rot = rot.expand(g.num_kv_heads, g.head_dim, g.head_dim) if rot.shape[0] == 1 else rot
-        mu = v_mean[i].to(torch.float64)  # [Hkv, D]
+        mu = v_mean[i].to(wv.device, torch.float64)  # [Hkv, D]
         w = wv.detach().to(torch.float64).reshape(g.num_kv_heads, g.head_dim, -1)
         new_w = torch.einsum("hde,hdk->hek", rot, w)  # R_h^T W_h
         wv.copy_(new_w.reshape_as(wv).to(wv.dtype))
@@ -62,7 +62,7 @@ def fold_values(model, v_rotation: torch.Tensor, v_mean: torch.Tensor, tag: obje
             attn.v_proj.bias = torch.nn.Parameter(new_b.to(wv.dtype), requires_grad=False)
         # o_proj: column block j (query head j) uses the rotation and mean of its KV head.
         wo64 = wo.detach().to(torch.float64).reshape(wo.shape[0], g.num_attention_heads, g.head_dim)
-        head_of = torch.arange(g.num_attention_heads) // g.group
+        head_of = torch.arange(g.num_attention_heads, device=wv.device) // g.group
         new_wo = torch.einsum("ojd,jde->oje", wo64, rot[head_of])
         bias_add = torch.einsum("ojd,jd->o", wo64, mu[head_of])
         wo.copy_(new_wo.reshape_as(wo).to(wo.dtype))
