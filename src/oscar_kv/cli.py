@@ -303,7 +303,7 @@ def serve(
         _fail(str(exc))
 
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: attention kernels (CUDA), server load.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: attention kernels and end-to-end decode (CUDA), server load.")
 app.add_typer(bench_app, name="bench")
 
 
@@ -322,6 +322,13 @@ def _run_bench(module: str, ctx: typer.Context):
 def bench_attention(ctx: typer.Context):
     """INT2 vs BF16 paged decode attention (Qwen3-8B geometry); pass --help-bench for its options."""
     _run_bench("attention", ctx)
+
+
+@bench_app.command("decode", context_settings=PASSTHROUGH)
+def bench_decode(ctx: typer.Context):
+    """End-to-end decode speed, bf16 vs int2, through the engine (random-weight model of a known architecture);
+    --help-bench for options."""
+    _run_bench("decode", ctx)
 
 
 @bench_app.command("load", context_settings=PASSTHROUGH)

@@ -158,7 +158,7 @@ class LLMEngine:
         scheme = (f"{self.config.kv_cache_dtype} (sink {spec.sink_size}, recent {spec.recent_size}, "
                   f"group {spec.group_size}, page {spec.page_size}, layer bits {sorted(set(spec.layer_bits))})"
                   if spec.quantizes else f"bf16 (page {spec.page_size})")
-        backend = ("Triton kernels for decode steps, torch reference for prefill" if self.kernel_status is None
+        backend = ("Triton kernels (paged decode; extend for prefill chunks)" if self.kernel_status is None
                    else f"torch reference ({self.kernel_status})")
         lines = [f"KV cache: {scheme}", f"attention: {backend}",
                  f"KV pool: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "

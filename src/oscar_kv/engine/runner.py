@@ -111,10 +111,12 @@ class PagedForward:
                 old = _span(m.index * p, min((m.index + 1) * p, step.start))
                 mig_src.append(_Rows(torch.full_like(old, m.src), old % p))
                 mig_dst.append(_Rows(torch.full_like(old, m.dst), old % p))
-            # history read by attention: positions [0, start) in their form after this step
-            sink = _span(0, min(step.start, sink_end))
-            quant = _span(sink_end, min(step.start, hist_end))
-            recent = _span(hist_end, step.start)
+            # history read by the reference attention: positions [0, start) in their form after this
+            # step (the kernels read the pool through block tables instead)
+            reads = self.kernel_step is None
+            sink = _span(0, min(step.start, sink_end) if reads else 0)
+            quant = _span(sink_end, min(step.start, hist_end) if reads else 0)
+            recent = _span(hist_end, step.start if reads else 0)
             win_reads += [_Rows.of(table, sink, p), _Rows.of(table, recent, p)]
             q_reads.append(_Rows.of(table, quant, p))
             views.append(_SeqView((offset, offset + step.num_tokens), step.start,

@@ -141,25 +141,23 @@ class Scheduler:
         h_old = seq.int2_pages
         h_new = max(h_old, spec.int2_pages_for(end))
         num_pages = -(-end // spec.page_size)
-        need = {WINDOW: 0, QUANT: 0}
-        for i in range(num_pages):
-            kind = pool.kind_of(i, h_new)
-            if i >= len(seq.pages) or pool.kind_of(i, h_old) != kind:
-                need[kind] += 1
+        # Only two kinds of pages change (cost independent of the sequence length): existing recent
+        # pages that join the history (window -> quantized) and the new pages at the end.
+        migrating = range(spec.sink_pages + h_old, min(spec.sink_pages + h_new, len(seq.pages)))
+        added = range(len(seq.pages), num_pages)
+        need = {WINDOW: 0, QUANT: len(migrating)}
+        for i in added:
+            need[pool.kind_of(i, h_new)] += 1
         if (need[WINDOW] and need[WINDOW] + reserve > pool.window.available) or \
                 (need[QUANT] and need[QUANT] + reserve > pool.quant.available):
             return None
         fresh = {kind: iter(pool.allocator(kind).allocate(k)) for kind, k in need.items()}
-        pages, migrations = [], []
-        for i in range(num_pages):
-            kind = pool.kind_of(i, h_new)
-            if i < len(seq.pages) and pool.kind_of(i, h_old) == kind:
-                pages.append(seq.pages[i])
-                continue
-            page = next(fresh[kind])
-            if i < len(seq.pages):  # a recent-window page migrating to the quantized pool
-                migrations.append(Migration(i, seq.pages[i], page))
-            pages.append(page)
+        pages, migrations = list(seq.pages), []
+        for i in migrating:
+            page = next(fresh[QUANT])
+            migrations.append(Migration(i, pages[i], page))
+            pages[i] = page
+        pages += [next(fresh[pool.kind_of(i, h_new)]) for i in added]
         seq.pages, seq.int2_pages = pages, h_new
         return ScheduledSeq(seq, start, n, migrations)
 

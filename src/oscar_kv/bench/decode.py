@@ -1,0 +1,971 @@
+"""End-to-end decode benchmark through the serving engine: BF16 vs INT2 KV cache on one model.
+
+    python -m oscar_kv.bench.decode --arch qwen3-8b --contexts 30000,60000,100000 --batch-sizes 1,8 \
+        --kv-cache-dtype bf16,int2 --decode-steps 32 --kv-cache-memory 40 --output DIR
+
+The model is built from the public architecture numbers of the chosen model with random bf16 weights
+on the device (no download; decode speed does not depend on weight values).  Rotations for INT2 are
+the data-free Hadamard ones (``Rotations.data_free``); BF16 runs the engine exactly as
+``oscar-kv serve --kv-cache-dtype bf16`` does (no artifact).  Same model, same contexts, same KV
+memory: only the KV scheme differs.  Three measurements:
+
+1. **Decode speed.**  Per (context, batch, scheme): a random-token prompt of ``context`` tokens is
+   prefilled through ``LLMEngine.step`` (chunked prefill, excluded from timing), then
+   ``--decode-steps`` engine steps are timed (``torch.cuda.synchronize`` + ``perf_counter``, median
+   per step).  Each step is also split into the model runner (``ModelRunner.run``) and, inside it,
+   the per-step index plan (``PagedForward.__init__``); ``forward`` = runner minus plan.  A (context,
+   batch) that does not fit the KV pool (``engine.plan``) is recorded as not fitting, with why.
+2. **Throughput at a fixed KV budget.**  At the largest context: the largest batch each scheme's pool
+   holds, and generated tokens/s measured at that batch.
+3. **Breakdown of a decode step** (at the largest context): CUDA events around scheduler, plan, key
+   rotation, KV write / migration, query rotation, attention, sampling and the rest of the model, plus
+   a torch.profiler kernel summary (GPU busy time).
+
+By default one sequence per (scheme, context) is prefilled through the engine and the other
+sequences of a batch are copies of its pages into freshly allocated pages (``--prefill replicate``):
+decoding reads exactly as many distinct bytes as B independently prefilled sequences, while the
+prefill cost (quadratic in the context) is paid once.  ``--prefill engine`` prefills every
+sequence through the engine instead.  Writes ``DIR/decode.json`` and ``DIR/decode.png``.
+On the CPU the engine runs its torch reference path; timings there are not meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .attention import _ints
+
+GB = 1e9
+
+# Public architecture numbers (config.json of each model).  Qwen3's published max_position_embeddings is
+# 40960 (131072 with YaRN per the model card); 131072 is used so that 100K contexts are accepted - RoPE
+# scaling does not change the cost of a step.
+ARCHS = {
+    "qwen3-8b": dict(cls="Qwen3Config", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                     rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+                     max_window_layers=36),
+    "qwen3-4b": dict(cls="Qwen3Config", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                     rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+                     max_window_layers=36),
+    "llama-3.1-8b": dict(cls="LlamaConfig", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=131072,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192},
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000,
+                         eos_token_id=[128001, 128008, 128009]),
+    # For CPU tests: head dim 64 is the smallest the extend kernel accepts.
+    "tiny": dict(cls="LlamaConfig", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=131072,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+}
+SCHEMES = ("bf16", "int2")
+
+
+# ---------------------------------------------------------------------------------------------- model
+def build_model(arch: str, layers: int | None, device: torch.device):
+    """A causal LM with the architecture's public numbers and random bf16 weights, built on ``device``."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    spec = dict(ARCHS[arch])
+    config = getattr(transformers, spec.pop("cls"))(**spec)
+    if layers:
+        config.num_hidden_layers = min(layers, config.num_hidden_layers)
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:config.num_hidden_layers]
+        if getattr(config, "max_window_layers", None):
+            config.max_window_layers = min(config.max_window_layers, config.num_hidden_layers)
+    # bf16 as served on a GPU; float32 on the CPU, where bf16 matmuls are slow and timings are not meaningful anyway
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    started = time.perf_counter()
+    # Parameters are created and initialized (normal_, std 0.02) on the device itself: seconds for 8B on a GPU.
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    params = sum(p.numel() for p in model.parameters())
+    info = dict(arch=arch, model_type=config.model_type, num_layers=config.num_hidden_layers,
+                hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                num_attention_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim, vocab_size=config.vocab_size,
+                max_position_embeddings=config.max_position_embeddings, parameters=params,
+                weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                build_seconds=round(time.perf_counter() - started, 2),
+                weights=f"random (normal, std 0.02), {str(dtype).replace('torch.', '')}")
+    return model, info
+
+
+class TokenIdsOnly:
+    """Stand-in tokenizer: the engine detokenizes outputs (discarded here) and falls back to
+    ``eos_token_id`` when the generation config has none.  Requests set ignore_eos, so no EOS stops them."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------- pool arithmetic
+def pool_spec(scheme: str, geometry, page_size: int, sink: int, recent: int):
+    """The PoolSpec the engine builds for ``scheme`` (data-free rotations: every layer at 2 bits)."""
+    from ..engine.block_pool import PoolSpec
+
+    bits = 16 if scheme == "bf16" else 2
+    return PoolSpec(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, min(geometry.head_dim, 128),
+                    page_size, sink, recent, (bits,) * geometry.num_layers, torch.bfloat16)
+
+
+def pages_per_seq(spec, length: int) -> tuple[int, int]:
+    """(window pages, quantized pages) one sequence of ``length`` tokens holds at most while decoding."""
+    pages = -(-length // spec.page_size)
+    q = spec.int2_pages_for(length)
+    w = pages - q
+    if spec.quantizes:
+        w = min(pages, spec.window_pages_per_seq())  # sink + recent + the page in flight during migration
+    return w, q
+
+
+def max_batch(plan, length: int) -> tuple[int, str]:
+    """Largest number of ``length``-token sequences the pool holds, and which pool limits it."""
+    w, q = pages_per_seq(plan.spec, length)
+    by_w = plan.window_pages // w if w else 1 << 30
+    by_q = plan.quant_pages // q if q else 1 << 30
+    return min(by_w, by_q), ("BF16 window pages" if by_w <= by_q else "INT2 pages")
+
+
+def one_fits(plan, length: int) -> bool:
+    """The engine's start-up check (LLMEngine._check_plan): one max-length sequence fits."""
+    spec = plan.spec
+    q_need = spec.int2_pages_for(length)
+    w_need = -(-length // spec.page_size) - q_need + (1 if spec.quantizes else 0)
+    return plan.window_pages >= w_need and plan.quant_pages >= q_need
+
+
+def plan_summary(plan) -> dict:
+    s = plan.spec
+    return dict(window_pages=plan.window_pages, quant_pages=plan.quant_pages, window_page_bytes=s.window_page_bytes,
+                quant_page_bytes=s.quant_page_bytes, total_bytes=plan.total_bytes,
+                capacity_tokens=plan.capacity_tokens)
+
+
+def no_fit_reason(plan, scheme: str, batch: int, length: int) -> str:
+    s = plan.spec
+    w, q = pages_per_seq(s, length)
+    fit, limit = max_batch(plan, length)
+    need = f"{w} BF16 window pages" + (f" + {q} INT2 pages" if s.quantizes else "")
+    have = f"{plan.window_pages} window pages" + (f" + {plan.quant_pages} INT2 pages" if s.quantizes else "")
+    return (f"{scheme}: a {length}-token sequence needs {need} ({s.bytes_for(length) / GB:.3g} GB); the "
+            f"{plan.total_bytes / GB:.3g} GB pool has {have} (capacity {plan.capacity_tokens} tokens) and holds "
+            f"{fit} such sequences (limited by {limit}), batch {batch} does not fit")
+
+
+# ---------------------------------------------------------------------------------------------- timing helpers
+@contextlib.contextmanager
+def patched(obj, name: str, value):
+    old = getattr(obj, name)
+    had_own = name in getattr(obj, "__dict__", {})
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if had_own or isinstance(obj, type) or type(obj).__name__ == "module":
+            setattr(obj, name, old)
+        else:
+            delattr(obj, name)  # an instance attribute shadowing a method: remove it again
+
+
+class Clock:
+    """Wall-clock timing with device syncs on CUDA, plus region recording (CUDA events or perf_counter)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+
+class Regions:
+    """Accumulates time spent in wrapped callables.  On CUDA, events on the current stream: the regions
+    then partition the stream's timeline of a step (a CPU-only region shows up as the time the GPU waited
+    for it), so they add up to the step time measured with synchronize."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.marks: dict[str, list] = {}
+
+    def wrap(self, name: str, fn):
+        clock = self.clock
+
+        def timed(*args, **kwargs):
+            if clock.cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                self.marks.setdefault(name, []).append((start, end))
+            else:
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                self.marks.setdefault(name, []).append(time.perf_counter() - t0)
+            return out
+
+        return timed
+
+    def totals_ms(self) -> dict[str, float]:
+        self.clock.sync()
+        out = {}
+        for name, marks in self.marks.items():
+            if self.clock.cuda:
+                out[name] = sum(s.elapsed_time(e) for s, e in marks)
+            else:
+                out[name] = 1e3 * sum(marks)
+        self.marks.clear()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- engine driving
+@dataclass
+class Unit:
+    """One engine (scheme, context) and the sequences it holds."""
+
+    engine: object
+    scheme: str
+    context: int
+    template: object | None = None  # prefilled, parked outside the scheduler
+    counter: int = 0
+
+
+def make_engine(model, scheme: str, rotations, args, max_model_len: int, budget_gb: float):
+    from ..engine import EngineConfig, LLMEngine
+
+    cfg = EngineConfig(kv_cache_dtype=scheme, sink_size=args.sink_size, recent_size=args.recent_size,
+                       page_size=args.page_size, max_model_len=max_model_len, kv_cache_memory=budget_gb,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       enable_prefix_caching=False,  # every sequence keeps private pages: honest memory traffic
+                       attention_backend=args.attention_backend)
+    return LLMEngine(model, TokenIdsOnly(), rotations if scheme != "bf16" else None, cfg)
+
+
+def _params(max_tokens: int):
+    from ..engine import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _check_outputs(outputs) -> None:
+    for out in outputs:
+        if out.error:
+            raise RuntimeError(f"engine step failed for {out.request_id}: {out.error}")
+
+
+def prefill(unit: Unit, lengths: list[int], gen: torch.Generator, vocab: int, max_tokens: int, clock: Clock):
+    """Add one random-token request per length and step the engine until each has its first token."""
+    engine = unit.engine
+    seqs = []
+    for n in lengths:
+        unit.counter += 1
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        seqs.append(engine.add_request(f"{unit.scheme}-{unit.context}-{unit.counter}", ids, _params(max_tokens)))
+    t0 = clock.now()
+    steps = 0
+    while any(not s.output_ids for s in seqs):
+        _check_outputs(engine.step())
+        steps += 1
+        if any(s.finished for s in seqs):
+            raise RuntimeError("a prefilling request finished early (rejected by the pool?)")
+    return seqs, clock.now() - t0, steps
+
+
+def _room(pool, spec, length: int, n: int) -> bool:
+    w, q = pages_per_seq(spec, length)
+    return n * w <= pool.window.available and n * q <= pool.quant.available
+
+
+@torch.no_grad()
+def clone_sequence(unit: Unit, src):
+    """A new running sequence whose pages are fresh copies of ``src``'s pages (same tokens, same state)."""
+    from ..engine.block_pool import QUANT
+    from ..engine.sequence import Sequence, SeqStatus
+
+    engine, pool = unit.engine, unit.engine.pool
+    unit.counter += 1
+    seq = Sequence(f"{unit.scheme}-{unit.context}-{unit.counter}", src.prompt_ids, src.params)
+    seq.output_ids = list(src.output_ids)
+    kinds = [pool.kind_of(i, src.int2_pages) for i in range(len(src.pages))]
+    src_q = [p for p, k in zip(src.pages, kinds) if k == QUANT]
+    src_w = [p for p, k in zip(src.pages, kinds) if k != QUANT]
+    new_q, new_w = iter(pool.quant.allocate(len(src_q))), iter(pool.window.allocate(len(src_w)))
+    seq.pages = [next(new_q) if k == QUANT else next(new_w) for k in kinds]
+    seq.int2_pages, seq.num_computed = src.int2_pages, src.num_computed
+    dev = pool.device
+    pairs = [(src_w, [p for p, k in zip(seq.pages, kinds) if k != QUANT], (pool.k_win, pool.v_win))]
+    if src_q:
+        pairs.append((src_q, [p for p, k in zip(seq.pages, kinds) if k == QUANT],
+                      (pool.k_codes, pool.v_codes, pool.k_meta, pool.v_meta)))
+    for s, d, groups in pairs:
+        s_idx = torch.tensor(s, dtype=torch.long, device=dev)
+        d_idx = torch.tensor(d, dtype=torch.long, device=dev)
+        for tensors in groups:
+            for t in tensors:
+                t.index_copy_(0, d_idx, t.index_select(0, s_idx))
+    seq.status = SeqStatus.RUNNING
+    engine.scheduler.running.append(seq)
+    engine.requests[seq.request_id] = seq
+    return seq
+
+
+def release(unit: Unit, seqs) -> None:
+    for s in seqs:
+        if not s.finished:
+            unit.engine.abort_request(s.request_id)
+
+
+class StepTimer:
+    """Per engine step: wall time, time in ModelRunner.run, and in PagedForward.__init__ (the plan)."""
+
+    def __init__(self, engine, clock: Clock):
+        self.engine, self.clock = engine, clock
+        self.runner_s = self.plan_s = 0.0
+
+    @contextlib.contextmanager
+    def installed(self):
+        from ..engine import runner as runner_mod
+
+        timer, clock = self, self.clock
+        base = runner_mod.PagedForward
+        run = self.engine.runner.run
+
+        class TimedForward(base):
+            def __init__(self, *args, **kwargs):
+                t0 = clock.now()
+                super().__init__(*args, **kwargs)
+                timer.plan_s += clock.now() - t0
+
+        def timed_run(steps):
+            t0 = clock.now()
+            out = run(steps)
+            timer.runner_s += clock.now() - t0
+            return out
+
+        with patched(runner_mod, "PagedForward", TimedForward), patched(self.engine.runner, "run", timed_run):
+            yield self
+
+    def step(self, seqs) -> dict:
+        before = [len(s.output_ids) for s in seqs]
+        preempted = self.engine.scheduler.num_preemptions
+        self.runner_s = self.plan_s = 0.0
+        t0 = self.clock.now()
+        outs = self.engine.step()
+        wall = self.clock.now() - t0
+        _check_outputs(outs)
+        if self.engine.scheduler.num_preemptions != preempted:
+            raise RuntimeError("the scheduler preempted a sequence: the batch does not fit the pool")
+        if any(len(s.output_ids) != b + 1 for s, b in zip(seqs, before)):
+            raise RuntimeError("a sequence did not get exactly one token in a decode step")
+        return dict(step=wall, runner=self.runner_s, plan=self.plan_s)
+
+
+def time_decode(engine, seqs, steps: int, warmup: int, clock: Clock) -> dict:
+    timer = StepTimer(engine, clock)
+    first = seqs[0].num_tokens - 1 + warmup  # position of the first timed token
+    with timer.installed():
+        for _ in range(warmup):
+            timer.step(seqs)
+        recs = [timer.step(seqs) for _ in range(steps)]
+    ms = lambda key: [1e3 * r[key] for r in recs]  # noqa: E731
+    step, runner, plan = ms("step"), ms("runner"), ms("plan")
+    forward = [r - p for r, p in zip(runner, plan)]
+    med = statistics.median
+    b = len(seqs)
+    out = dict(steps=steps, step_ms=med(step), step_ms_mean=statistics.fmean(step), step_ms_min=min(step),
+               step_ms_max=max(step), runner_ms=med(runner), plan_ms=med(plan), forward_ms=med(forward),
+               scheduler_ms=med([s - r for s, r in zip(step, runner)]))
+    out.update(tokens_per_s_per_seq=1e3 / out["step_ms"], tokens_per_s=b * 1e3 / out["step_ms"],
+               forward_tokens_per_s_per_seq=1e3 / out["forward_ms"], forward_tokens_per_s=b * 1e3 / out["forward_ms"])
+    out = {k: round(v, 4) for k, v in out.items()}
+    out["decode_positions"] = [first, first + steps - 1]
+    return out
+
+
+def breakdown(engine, seqs, steps: int, clock: Clock, profile_steps: int) -> dict:
+    """Where one decode step's time goes (average over ``steps`` steps), and a GPU kernel summary."""
+    from ..engine import runner as runner_mod
+
+    regions = Regions(clock)
+    base = runner_mod.PagedForward
+    wrap = regions.wrap
+
+    class RegionForward(base):
+        def __init__(self, *args, **kwargs):
+            wrap("step_plan", super().__init__)(*args, **kwargs)
+
+        def attend(self, *args, **kwargs):
+            return wrap("attend_total", super().attend)(*args, **kwargs)
+
+        def _write(self, *args, **kwargs):
+            return wrap("kv_write_and_migration", super()._write)(*args, **kwargs)
+
+    stack = contextlib.ExitStack()
+    with stack:
+        stack.enter_context(patched(runner_mod, "PagedForward", RegionForward))
+        stack.enter_context(patched(engine.runner, "run", wrap("runner", engine.runner.run)))
+        stack.enter_context(patched(runner_mod, "sample", wrap("sampling", runner_mod.sample)))
+        for layer in engine.layers:
+            stack.enter_context(patched(layer, "rotate_keys", wrap("key_rotation", layer.rotate_keys)))
+            stack.enter_context(patched(layer, "rotate_queries", wrap("query_rotation", layer.rotate_queries)))
+        if engine.kernel_status is None:  # kernel path: the query is rotated by its own launch
+            from ..kernels import decode as kdecode
+
+            stack.enter_context(patched(kdecode, "rotate_query", wrap("query_rotation", kdecode.rotate_query)))
+        timer = StepTimer(engine, clock)
+        step = wrap("step", lambda: timer.step(seqs))
+        for _ in range(steps):
+            step()
+        t = {k: v / steps for k, v in regions.totals_ms().items()}
+    get = lambda k: t.get(k, 0.0)  # noqa: E731
+    attention = get("attend_total") - get("key_rotation") - get("kv_write_and_migration") - get("query_rotation")
+    parts = dict(scheduler_and_bookkeeping=get("step") - get("runner"), step_plan=get("step_plan"),
+                 key_rotation=get("key_rotation"), kv_write_and_migration=get("kv_write_and_migration"),
+                 query_rotation=get("query_rotation"), attention=attention, sampling=get("sampling"),
+                 rest_of_model=get("runner") - get("step_plan") - get("attend_total") - get("sampling"))
+    layers = len(engine.layers)
+    out = dict(steps=steps, step_ms=round(get("step"), 4), regions_ms={k: round(v, 4) for k, v in parts.items()},
+               note="regions partition the step's stream timeline (CUDA events; perf_counter on the CPU); recording "
+                    "them adds a few us per layer, so step_ms is slightly above the untimed median",
+               attention_per_layer_us=round(1e3 * attention / layers, 2),
+               attention_path="triton decode kernel" if engine.kernel_status is None
+               else f"torch reference ({engine.kernel_status})")
+    if clock.cuda and profile_steps:
+        try:
+            out["gpu_kernels"] = kernel_summary(engine, seqs, profile_steps, clock, get("step"))
+        except Exception as exc:  # the profiler is optional
+            out["gpu_kernels"] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    return out
+
+
+def kernel_summary(engine, seqs, steps: int, clock: Clock, step_ms: float) -> dict:
+    """GPU kernel time per step by kernel (torch.profiler), grouped; busy = kernel time / step time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    timer = StepTimer(engine, clock)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            timer.step(seqs)
+        clock.sync()
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us and us > 0:
+            kernels.append((e.key, us / steps / 1e3, e.count // steps))
+    groups = {"decode_attention": 0.0, "query_rotation": 0.0, "gemm": 0.0, "other": 0.0}
+    for name, ms, _ in kernels:
+        low = name.lower()
+        if "_decode_kernel" in low or "_merge_kernel" in low:
+            groups["decode_attention"] += ms
+        elif "rotate_query" in low:
+            groups["query_rotation"] += ms
+        elif any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas")):
+            groups["gemm"] += ms
+        else:
+            groups["other"] += ms
+    total = sum(ms for _, ms, _ in kernels)
+    top = sorted(kernels, key=lambda k: -k[1])[:12]
+    return dict(kernel_ms_per_step=round(total, 4), busy_fraction=round(total / step_ms, 3) if step_ms else None,
+                groups_ms={k: round(v, 4) for k, v in groups.items()},
+                top=[dict(name=n[:120], ms_per_step=round(ms, 4), launches_per_step=c) for n, ms, c in top])
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def _device_info(device: torch.device) -> dict:
+    info = dict(device_type=device.type, torch=torch.__version__, python=platform.python_version(),
+                date=time.strftime("%Y-%m-%d %H:%M:%S %z"))
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(device=props.name, sms=props.multi_processor_count, memory_gb=round(props.total_memory / GB, 1))
+    else:
+        info["device"] = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return info
+
+
+def default_budget(device: torch.device, model) -> float:
+    """GB: 40 on a GPU (less if the GPU does not have it after the model), 0.02 on the CPU (tiny model)."""
+    if device.type != "cuda":
+        return 0.02
+    free, _ = torch.cuda.mem_get_info(device)
+    # the engine keeps a copy of v_proj / o_proj for un-folding, and prefill chunks need activations
+    folded = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if ".v_proj." in n or ".o_proj." in n)
+    return round(min(40.0, 0.9 * (free - folded - 4 * GB) / GB), 1)
+
+
+class Deadline:
+    def __init__(self, seconds: float):
+        self.start = time.perf_counter()
+        self.seconds = seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def allows(self, predicted: float = 0.0) -> bool:
+        return not self.seconds or self.elapsed() + predicted <= self.seconds
+
+
+def run(args) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    deadline = Deadline(args.time_limit)
+    clock = Clock(device)
+    contexts = sorted(set(_ints(args.contexts)))
+    batch_sizes = sorted(set(_ints(args.batch_sizes)))
+    schemes = [s.strip() for s in args.kv_cache_dtype.split(",") if s.strip()]
+    bad = [s for s in schemes if s not in SCHEMES]
+    if bad or not schemes or not contexts or not batch_sizes:
+        raise SystemExit(f"--kv-cache-dtype takes {','.join(SCHEMES)}; contexts and batch sizes must not be empty")
+    from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
+    from ..engine.block_pool import plan_pool
+    from ..models import AttentionGeometry
+
+    result = dict(_device_info(device))
+    result["timing_meaningful"] = device.type == "cuda"
+    if device.type != "cuda":
+        print("NOTE: running on the CPU (torch reference attention): timings are not meaningful", flush=True)
+    model, minfo = build_model(args.arch, args.layers, device)
+    geometry = AttentionGeometry.of(model.config)
+    budget = args.kv_cache_memory if args.kv_cache_memory is not None else default_budget(device, model)
+    rotations = Rotations.data_free(geometry, "hadamard", k_clip=DEFAULT_K_CLIP, v_clip=DEFAULT_V_CLIP)
+    # Every batch starts from a prefilled sequence and decodes at most this many tokens past it.
+    grow = 1 + args.warmup_steps + max(args.decode_steps, args.throughput_steps) + args.breakdown_steps \
+        + args.profile_steps + args.page_size
+    result.update(model=minfo, settings=dict(
+        contexts=contexts, batch_sizes=batch_sizes, schemes=schemes, decode_steps=args.decode_steps,
+        warmup_steps=args.warmup_steps, kv_cache_memory_gb=budget, page_size=args.page_size,
+        sink_size=args.sink_size, recent_size=args.recent_size, group_size=min(geometry.head_dim, 128),
+        int2_rotations="data-free Hadamard", k_clip=DEFAULT_K_CLIP, v_clip=DEFAULT_V_CLIP,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        attention_backend=args.attention_backend, prefill=args.prefill, prefix_caching=False,
+        timing="median over decode steps of wall time around LLMEngine.step with device synchronize; "
+               "forward = ModelRunner.run minus PagedForward.__init__ (per-step index plan)"),
+        schemes={}, prefill=[], decode=[], speedup=[], throughput_at_budget=None, breakdown=[], skipped=[], errors=[])
+    print(f"{result['device']}: {args.arch} ({minfo['num_layers']} layers, {minfo['parameters'] / 1e9:.2f}B params, "
+          f"built in {minfo['build_seconds']} s); KV budget {budget} GB", flush=True)
+
+    # Per scheme, the engine's max-model-len is the largest context one sequence of which fits the budget
+    # (so that the pool split is the one a server for that length would use).
+    budget_bytes = int(budget * GB)
+    max_len: dict[str, int | None] = {}
+    for scheme in schemes:
+        spec = pool_spec(scheme, geometry, args.page_size, args.sink_size, args.recent_size)
+        max_len[scheme] = None
+        for ctx in reversed(contexts):
+            n = ctx + grow
+            if n <= minfo["max_position_embeddings"] and one_fits(plan_pool(spec, budget_bytes, n, args.max_num_seqs),
+                                                                   n):
+                max_len[scheme] = n
+                break
+        plan = plan_pool(spec, budget_bytes, max_len[scheme], args.max_num_seqs) if max_len[scheme] else None
+        result["schemes"][scheme] = dict(max_model_len=max_len[scheme], attention=None,
+                                         plan=plan_summary(plan) if plan else None)
+
+    top = contexts[-1]
+    throughput = dict(context=top, kv_cache_memory_gb=budget, schemes={})
+    result["throughput_at_budget"] = throughput if args.throughput_steps else None
+    gen = torch.Generator().manual_seed(args.seed)
+    warmed: set[str] = set()
+    prefill_history: dict[str, tuple[int, float]] = {}
+
+    def save():
+        if args.output:
+            os.makedirs(args.output, exist_ok=True)
+            with open(os.path.join(args.output, "decode.json"), "w") as f:
+                json.dump(result, f, indent=1)
+
+    # Largest context first: the headline numbers (speedup at long context, throughput, breakdown) live there.
+    for ctx in reversed(contexts):
+        for scheme in schemes:
+            spec = pool_spec(scheme, geometry, args.page_size, args.sink_size, args.recent_size)
+            length = ctx + grow
+            mml = max_len[scheme]
+            if mml is None or length > mml:
+                plan = plan_pool(spec, budget_bytes, min(length, 1 << 40), args.max_num_seqs)
+                why = (f"{scheme}: context {ctx} exceeds the model's {minfo['max_position_embeddings']} positions"
+                       if length > minfo["max_position_embeddings"] else no_fit_reason(plan, scheme, 1, length))
+                for b in batch_sizes:
+                    result["decode"].append(dict(scheme=scheme, context=ctx, batch=b, fits=False,
+                                                 reason=why if b == 1 else no_fit_reason(plan, scheme, b, length)))
+                if ctx == top:
+                    throughput["schemes"][scheme] = dict(max_batch=0, limit=why, measured=False,
+                                                         bytes_per_sequence=spec.bytes_for(length))
+                print(f"does not fit: {why}", flush=True)
+                continue
+            try:
+                # the breakdown runs at the largest context one sequence of which fits this scheme's pool
+                measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_sizes, result, throughput,
+                                gen, clock, deadline, warmed, prefill_history, grow, ctx == top, length == mml, save)
+            except Exception as exc:  # e.g. the pool does not fit the GPU: record it, go on with the rest
+                msg = f"{scheme} context {ctx}: {type(exc).__name__}: {exc}"[:500]
+                result["errors"].append(msg)
+                print("ERROR", msg, flush=True)
+                done = {r["batch"] for r in result["decode"] if r["scheme"] == scheme and r["context"] == ctx}
+                result["decode"] += [dict(scheme=scheme, context=ctx, batch=b, fits=None, measured=False, error=msg)
+                                     for b in batch_sizes if b not in done]
+            finally:
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            save()
+
+    speedups(result)
+    finish_throughput(throughput)
+    result["elapsed_seconds"] = round(deadline.elapsed(), 1)
+    save()
+    if args.output:
+        plot(result, os.path.join(args.output, "decode.png"))
+    print_tables(result)
+    return result
+
+
+def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_sizes, result, throughput, gen, clock,
+                    deadline, warmed, prefill_history, grow, is_top, is_breakdown, save):
+    """Everything at one (scheme, context): one engine, one prefilled template, the batches."""
+    vocab = model.config.vocab_size
+    want_throughput = is_top and args.throughput_steps > 0
+    if not deadline.allows():
+        _skip_all(result, scheme, ctx, batch_sizes, f"--time-limit {args.time_limit} s reached")
+        if want_throughput:
+            throughput["schemes"][scheme] = dict(measured=False, note="--time-limit reached")
+        return
+    engine = make_engine(model, scheme, rotations, args, mml, budget)
+    unit = Unit(engine, scheme, ctx)
+    spec, plan = engine.spec, engine.plan
+    info = result["schemes"][scheme]
+    info["plan"] = plan_summary(plan)
+    info["attention"] = ("Triton kernels (decode kernel for decode steps, extend kernel for prefill)"
+                         if engine.kernel_status is None else f"torch reference ({engine.kernel_status})")
+    info["describe"] = engine.describe()
+    length = ctx + grow
+    try:
+        if scheme not in warmed and engine.kernel_status is None:
+            # compile the Triton kernels outside any timed region
+            t0 = clock.now()
+            # two chunks, so that the second one attends to a stored (sink / INT2 / recent) history
+            seqs, _, _ = prefill(unit, [min(ctx, args.max_num_batched_tokens + args.sink_size + args.recent_size
+                                            + 2 * args.page_size + 7)], gen, vocab, grow, clock)
+            time_decode(engine, seqs, 2, 1, clock)
+            release(unit, seqs)
+            info["compile_and_warmup_seconds"] = round(clock.now() - t0, 2)
+        warmed.add(scheme)
+
+        def get_template():
+            prev = prefill_history.get(scheme)
+            predicted = prev[1] * (ctx / prev[0]) ** 2 if prev else 0.0  # attention prefill is quadratic
+            if not deadline.allows(predicted):
+                raise TimeoutError(f"prefill of {ctx} tokens predicted at {predicted:.0f} s exceeds --time-limit")
+            (seq,), seconds, steps = prefill(unit, [ctx], gen, vocab, grow, clock)
+            prefill_history[scheme] = (ctx, seconds)
+            result["prefill"].append(dict(scheme=scheme, context=ctx, batch=1, seconds=round(seconds, 3),
+                                          tokens_per_s=round(ctx / seconds, 1), chunks=steps))
+            print(f"prefill {scheme} ctx={ctx}: {seconds:.2f} s ({ctx / seconds:.0f} tok/s, {steps} chunks)",
+                  flush=True)
+            engine.scheduler.running.remove(seq)  # parked: only its copies decode
+            return seq
+
+        def make_batch(b: int):
+            if args.prefill == "engine":
+                seqs, seconds, steps = prefill(unit, [ctx] * b, gen, vocab, grow, clock)
+                result["prefill"].append(dict(scheme=scheme, context=ctx, batch=b, seconds=round(seconds, 3),
+                                              tokens_per_s=round(b * ctx / seconds, 1), chunks=steps))
+                return seqs
+            if unit.template is None:
+                unit.template = get_template()
+            if _room(engine.pool, spec, length, b):
+                return [clone_sequence(unit, unit.template) for _ in range(b)]
+            # the pool holds b sequences but not b copies next to the template: it decodes as one of them
+            t, unit.template = unit.template, None
+            engine.scheduler.running.insert(0, t)
+            return [t] + [clone_sequence(unit, t) for _ in range(b - 1)]
+
+        def measure(b: int, steps: int, with_breakdown: bool) -> dict:
+            row = dict(scheme=scheme, context=ctx, batch=b, fits=True)
+            if not deadline.allows():
+                row.update(measured=False, reason=f"--time-limit {args.time_limit} s reached")
+                result["skipped"].append(f"{scheme} ctx={ctx} batch={b}: time limit")
+                return row
+            seqs = make_batch(b)
+            try:
+                row.update(time_decode(engine, seqs, steps, args.warmup_steps, clock), measured=True)
+                print(_fmt_row(row), flush=True)
+                if with_breakdown:
+                    bd = breakdown(engine, seqs, args.breakdown_steps, clock, args.profile_steps)
+                    bd.update(scheme=scheme, context=ctx, batch=b)
+                    result["breakdown"].append(bd)
+                    print(_fmt_breakdown(bd), flush=True)
+            finally:
+                release(unit, seqs)
+            return row
+
+        for b in batch_sizes:
+            fit, _ = max_batch(plan, length)
+            if b > fit:
+                result["decode"].append(dict(scheme=scheme, context=ctx, batch=b, fits=False,
+                                             reason=no_fit_reason(plan, scheme, b, length)))
+                print(f"does not fit: {no_fit_reason(plan, scheme, b, length)}", flush=True)
+                continue
+            try:
+                row = measure(b, args.decode_steps, is_breakdown and args.breakdown_steps > 0)
+            except TimeoutError as exc:
+                row = dict(scheme=scheme, context=ctx, batch=b, fits=True, measured=False, reason=str(exc))
+                result["skipped"].append(f"{scheme} ctx={ctx} batch={b}: {exc}")
+            except Exception as exc:
+                row = dict(scheme=scheme, context=ctx, batch=b, fits=True, measured=False,
+                           error=f"{type(exc).__name__}: {exc}"[:400])
+                result["errors"].append(f"{scheme} ctx={ctx} batch={b}: {row['error']}")
+                print("ERROR", row["error"], flush=True)
+            result["decode"].append(row)
+            save()
+
+        if want_throughput:
+            fit, limit = max_batch(plan, length)
+            by_bytes = plan.total_bytes // spec.bytes_for(length)
+            entry = dict(max_batch=fit, limit=limit, max_batch_by_bytes=by_bytes,
+                         bytes_per_sequence=spec.bytes_for(length), pool_bytes=plan.total_bytes,
+                         capacity_tokens=plan.capacity_tokens)
+            run_b = min(fit, args.max_batch, args.max_num_batched_tokens)
+            if run_b < fit:
+                entry["note"] = f"measured at batch {run_b} (--max-batch / --max-num-batched-tokens), not {fit}"
+            if run_b >= 1:
+                try:
+                    row = next((r for r in result["decode"] if r["scheme"] == scheme and r["context"] == ctx
+                                and r["batch"] == run_b and r.get("measured")), None)
+                    if row is None:
+                        row = measure(run_b, args.throughput_steps, False)
+                        row["throughput_run"] = True
+                        result["decode"].append(row)
+                    entry.update(measured=bool(row.get("measured")), batch=run_b, step_ms=row.get("step_ms"),
+                                 tokens_per_s=row.get("tokens_per_s"),
+                                 forward_tokens_per_s=row.get("forward_tokens_per_s"),
+                                 tokens_per_s_per_seq=row.get("tokens_per_s_per_seq"))
+                    if not row.get("measured"):
+                        entry["note"] = row.get("reason", "not measured")
+                except Exception as exc:
+                    entry.update(measured=False, error=f"{type(exc).__name__}: {exc}"[:400])
+                    result["errors"].append(f"{scheme} throughput batch {run_b}: {entry['error']}")
+            else:
+                entry.update(measured=False, note="no sequence of this context fits")
+            throughput["schemes"][scheme] = entry
+    finally:
+        release(unit, [s for s in list(engine.requests.values())])
+        del unit, engine
+
+
+def _skip_all(result, scheme, ctx, batch_sizes, why):
+    for b in batch_sizes:
+        result["decode"].append(dict(scheme=scheme, context=ctx, batch=b, fits=None, measured=False, reason=why))
+    result["skipped"].append(f"{scheme} ctx={ctx}: {why}")
+    print(f"skipped {scheme} ctx={ctx}: {why}", flush=True)
+
+
+def speedups(result: dict) -> None:
+    rows = {(r["scheme"], r["context"], r["batch"]): r for r in result["decode"]}
+    for (scheme, ctx, b), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        if scheme != "int2":
+            continue
+        base = rows.get(("bf16", ctx, b))
+        if base is None:
+            continue
+        entry = dict(context=ctx, batch=b)
+        if r.get("measured") and base.get("measured"):
+            entry.update(engine_step=round(base["step_ms"] / r["step_ms"], 3),
+                         forward=round(base["forward_ms"] / r["forward_ms"], 3))
+        else:
+            entry.update(engine_step=None, forward=None,
+                         note="; ".join(x.get("reason") or x.get("error") or f"{x['scheme']}: not measured"
+                                        for x in (base, r) if not x.get("measured")))
+        result["speedup"].append(entry)
+
+
+def finish_throughput(tp: dict | None) -> None:
+    if not tp:
+        return
+    s = tp["schemes"]
+    a, b = s.get("bf16", {}), s.get("int2", {})
+    if a.get("max_batch") is not None and b.get("max_batch") is not None:
+        tp["max_batch_ratio_int2_over_bf16"] = round(b["max_batch"] / a["max_batch"], 2) if a["max_batch"] else None
+    if a.get("tokens_per_s") and b.get("tokens_per_s"):
+        tp["tokens_per_s_ratio_int2_over_bf16"] = round(b["tokens_per_s"] / a["tokens_per_s"], 2)
+
+
+# ---------------------------------------------------------------------------------------------- output
+def _fmt_row(r: dict) -> str:
+    return (f"{r['scheme']:>5} {r['context']:>7} {r['batch']:>4} {r['step_ms']:9.2f} {r['runner_ms']:9.2f} "
+            f"{r['plan_ms']:8.2f} {r['forward_ms']:9.2f} {r['tokens_per_s_per_seq']:9.1f} "
+            f"{r['forward_tokens_per_s_per_seq']:9.1f} {r['tokens_per_s']:9.1f}")
+
+
+def _fmt_breakdown(bd: dict) -> str:
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in bd["regions_ms"].items())
+    line = f"breakdown {bd['scheme']} ctx={bd['context']} bs={bd['batch']}: step {bd['step_ms']:.2f} ms = {parts}"
+    g = bd.get("gpu_kernels")
+    if g and "kernel_ms_per_step" in g:
+        line += f"; GPU kernels {g['kernel_ms_per_step']:.2f} ms/step (busy {g['busy_fraction']}), {g['groups_ms']}"
+    return line
+
+
+def print_tables(result: dict) -> None:
+    print(f"\n{result['device']}  {result['model']['arch']} ({result['model']['num_layers']} layers), KV budget "
+          f"{result['settings']['kv_cache_memory_gb']} GB, {result['settings']['decode_steps']} decode steps "
+          f"(median){'' if result['timing_meaningful'] else '  [CPU: timings not meaningful]'}")
+    print("step = LLMEngine.step; runner = ModelRunner.run; plan = PagedForward.__init__; fwd = runner - plan")
+    print(f"{'kv':>5} {'ctx':>7} {'bs':>4} {'step ms':>9} {'runner ms':>9} {'plan ms':>8} {'fwd ms':>9} "
+          f"{'tok/s/seq':>9} {'fwd t/s/s':>9} {'tok/s':>9}")
+    for r in sorted(result["decode"], key=lambda r: (r["context"], r["batch"], r["scheme"])):
+        if r.get("measured"):
+            print(_fmt_row(r))
+        else:
+            why = r.get("reason") or r.get("error") or "not measured"
+            what = "does not fit" if r.get("fits") is False else "not measured"
+            print(f"{r['scheme']:>5} {r['context']:>7} {r['batch']:>4}  {what}: {why}")
+    if result["speedup"]:
+        print("\nspeedup int2 / bf16 (tokens/s ratio)")
+        print(f"{'ctx':>7} {'bs':>4} {'engine':>8} {'forward':>8}")
+        for s in result["speedup"]:
+            if s.get("engine_step") is None:
+                print(f"{s['context']:>7} {s['batch']:>4}        -        -  ({s.get('note', '')[:160]})")
+            else:
+                print(f"{s['context']:>7} {s['batch']:>4} {s['engine_step']:7.2f}x {s['forward']:7.2f}x")
+    tp = result.get("throughput_at_budget")
+    if tp:
+        print(f"\nthroughput at a {tp['kv_cache_memory_gb']} GB KV budget, context {tp['context']}")
+        for scheme, e in tp["schemes"].items():
+            line = f"{scheme:>5}: max batch {e.get('max_batch')}"
+            if e.get("limit"):
+                line += f" (limited by {e['limit']})" if e.get("max_batch") else f" ({e['limit']})"
+            if e.get("measured"):
+                line += f"; measured at batch {e['batch']}: {e['tokens_per_s']:.1f} tok/s ({e['step_ms']:.1f} ms/step)"
+            elif e.get("note") or e.get("error"):
+                line += f"; {e.get('note') or e.get('error')}"
+            print(line)
+        for k in ("max_batch_ratio_int2_over_bf16", "tokens_per_s_ratio_int2_over_bf16"):
+            if tp.get(k) is not None:
+                print(f"{k}: {tp[k]}")
+    for bd in result["breakdown"]:
+        print(_fmt_breakdown(bd))
+    for s in result["skipped"]:
+        print("skipped:", s)
+    for e in result["errors"]:
+        print("error:", e)
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        print("matplotlib is not importable: no PNG written")
+        return
+    rows = [r for r in result["decode"] if r.get("measured") and not r.get("throughput_run")]
+    if not rows:
+        return
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), squeeze=False)
+    for ax, key, title in ((axes[0][0], "tokens_per_s_per_seq", "engine step (LLMEngine.step)"),
+                           (axes[0][1], "forward_tokens_per_s_per_seq", "forward (runner minus per-step plan)")):
+        for scheme, style in (("bf16", "--"), ("int2", "-")):
+            for i, b in enumerate(batches):
+                rr = sorted((r for r in rows if r["scheme"] == scheme and r["batch"] == b), key=lambda r: r["context"])
+                if rr:  # one colour per batch, dashed BF16 / solid INT2
+                    ax.plot([r["context"] / 1000 for r in rr], [r[key] for r in rr], style, marker="o",
+                            color=f"C{i}", label=f"{scheme} batch {b}")
+        ax.set_xlabel("context (K tokens)")
+        ax.set_ylabel("decode tokens/s per sequence")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    note = "" if result["timing_meaningful"] else " (CPU: not meaningful)"
+    fig.suptitle(f"{result['model']['arch']} ({result['model']['num_layers']} layers), {result['device']}, KV budget "
+                 f"{result['settings']['kv_cache_memory_gb']} GB{note}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="oscar-kv bench decode", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-8b")
+    ap.add_argument("--layers", type=int, default=None, help="truncate the model to N layers (quick runs)")
+    ap.add_argument("--contexts", default="30000,60000,100000", help="prompt lengths; comma list (8k style allowed)")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--kv-cache-dtype", default="bf16,int2", help="schemes to compare: bf16,int2")
+    ap.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per (context, batch)")
+    ap.add_argument("--warmup-steps", type=int, default=3)
+    ap.add_argument("--kv-cache-memory", type=float, default=None,
+                    help="KV pool GB for every scheme (default: 40 on a GPU if free, 0.02 on the CPU)")
+    ap.add_argument("--output", default=None, help="directory for decode.json / decode.png")
+    ap.add_argument("--device", default=None, help="default: cuda if available")
+    ap.add_argument("--prefill", choices=("replicate", "engine"), default="replicate",
+                    help="replicate: prefill one sequence per context through the engine and copy its pages for the "
+                         "rest of a batch; engine: prefill every sequence")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill chunk (engine step budget)")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="engine setting (bounds the window-pool share)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--sink-size", type=int, default=64)
+    ap.add_argument("--recent-size", type=int, default=256)
+    ap.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
+    ap.add_argument("--throughput-steps", type=int, default=8,
+                    help="decode steps for the fixed-budget throughput run at the largest context (0: skip)")
+    ap.add_argument("--max-batch", type=int, default=256, help="cap on the batch of the throughput run")
+    ap.add_argument("--breakdown-steps", type=int, default=4, help="steps averaged in the breakdown (0: skip)")
+    ap.add_argument("--profile-steps", type=int, default=2, help="steps under torch.profiler (CUDA; 0: skip)")
+    ap.add_argument("--time-limit", type=float, default=300,
+                    help="seconds; later work is skipped (and recorded) once exceeded (0: none)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.decode_steps < 1:
+        ap.error("--decode-steps must be at least 1")
+    with torch.no_grad():
+        run(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The end-to-end decode benchmark on the CPU (engine's torch reference path): output schema, positive
+numbers, and contexts beyond the KV budget reported as not fitting instead of crashing."""
+
+import json
+
+import pytest
+
+from oscar_kv.bench.decode import main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: small steps run faster on one thread
+
+TINY = ["--arch", "tiny", "--layers", "2", "--batch-sizes", "1,2", "--decode-steps", "2", "--warmup-steps", "1",
+        "--device", "cpu", "--kv-cache-memory", "0.004"]
+
+
+def rows_of(data, scheme, context):
+    return {r["batch"]: r for r in data["decode"]
+            if r["scheme"] == scheme and r["context"] == context and not r.get("throughput_run")}
+
+
+def test_decode_benchmark_writes_json_with_positive_numbers(tmp_path):
+    assert main(TINY + ["--contexts", "600", "--output", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "decode.json").read_text())
+    for key in ("device", "torch", "triton", "date", "model", "settings", "schemes", "prefill", "decode", "speedup",
+                "throughput_at_budget", "breakdown", "errors"):
+        assert key in data
+    assert data["timing_meaningful"] is False  # CPU
+    assert data["errors"] == []
+    assert data["model"]["arch"] == "tiny" and data["model"]["num_layers"] == 2
+    for scheme in ("bf16", "int2"):
+        plan = data["schemes"][scheme]["plan"]
+        assert plan["capacity_tokens"] > 0 and plan["total_bytes"] <= 0.004e9
+        rows = rows_of(data, scheme, 600)
+        assert set(rows) == {1, 2}
+        for b, r in rows.items():
+            assert r["fits"] and r["measured"], r
+            assert r["steps"] == 2
+            for k in ("step_ms", "runner_ms", "forward_ms", "tokens_per_s_per_seq", "tokens_per_s",
+                      "forward_tokens_per_s"):
+                assert r[k] > 0, (k, r)
+            assert r["tokens_per_s"] == pytest.approx(b * r["tokens_per_s_per_seq"], rel=1e-3)
+        assert any(p["scheme"] == scheme and p["context"] == 600 and p["seconds"] > 0 for p in data["prefill"])
+    assert {(s["context"], s["batch"]) for s in data["speedup"]} == {(600, 1), (600, 2)}
+    assert all(s["engine_step"] > 0 and s["forward"] > 0 for s in data["speedup"])
+    tp = data["throughput_at_budget"]
+    assert tp["context"] == 600
+    for scheme in ("bf16", "int2"):
+        e = tp["schemes"][scheme]
+        assert e["max_batch"] >= 2 and e["measured"] and e["tokens_per_s"] > 0
+        assert e["batch"] == min(e["max_batch"], 256)
+    breakdown = {(b["scheme"], b["batch"]): b for b in data["breakdown"]}
+    assert ("int2", 1) in breakdown and ("bf16", 2) in breakdown
+    bd = breakdown[("int2", 1)]
+    assert bd["step_ms"] > 0 and bd["context"] == 600
+    assert {"attention", "key_rotation", "query_rotation", "kv_write_and_migration", "rest_of_model",
+            "scheduler_and_bookkeeping"} <= set(bd["regions_ms"])
+    assert bd["regions_ms"]["attention"] > 0 and bd["regions_ms"]["rest_of_model"] > 0
+    assert "torch reference" in bd["attention_path"]
+    assert (tmp_path / "decode.png").stat().st_size > 0
+
+
+def test_context_beyond_the_budget_is_reported_not_crashed(tmp_path):
+    args = TINY + ["--contexts", "600,50000", "--breakdown-steps", "0", "--output", str(tmp_path)]
+    assert main(args) == 0
+    data = json.loads((tmp_path / "decode.json").read_text())
+    assert data["errors"] == []
+    for scheme in ("bf16", "int2"):
+        assert all(r["measured"] for r in rows_of(data, scheme, 600).values())
+        big = rows_of(data, scheme, 50000)
+        assert set(big) == {1, 2}
+        for r in big.values():
+            assert r["fits"] is False and "does not fit" in r["reason"] and "capacity" in r["reason"]
+        e = data["throughput_at_budget"]["schemes"][scheme]
+        assert e["max_batch"] == 0 and not e["measured"]
+    big_speedups = [s for s in data["speedup"] if s["context"] == 50000]
+    assert big_speedups and all(s["engine_step"] is None and s["note"] for s in big_speedups)
