@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
+import logging
+import time
 import os
 import sys
 from dataclasses import asdict
@@ -33,6 +36,25 @@ def build_random_model(model_dir: str, device: str):
     return model.eval(), AutoTokenizer.from_pretrained(model_dir)
 
 
+def engine_smoke_test(model, tok, rotations, scheme: str, memory: float) -> None:
+    """The engine alone (no HTTP, no thread): two requests to completion, timed."""
+    from oscar_kv.engine import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(model, tok, rotations, EngineConfig(kv_cache_dtype=scheme, kv_cache_memory=memory,
+                                                          max_model_len=2048))
+    for i in range(2):
+        engine.add_request(f"smoke{i}", list(range(100 + i, 400 + 50 * i)),
+                           SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    started, steps = time.perf_counter(), 0
+    while engine.has_work() and steps < 100:
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    print(f"[{scheme}] engine smoke test: {steps} steps in {time.perf_counter() - started:.1f} s, "
+          f"finished {engine.stats().finished}", flush=True)
+    del engine
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", required=True)
@@ -43,7 +65,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-memory", type=float, default=4.0)
     ap.add_argument("--schemes", default="int2,bf16")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test)")
+    ap.add_argument("--hang-dump", type=float, default=150.0, help="print every thread's stack after this many s")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.dump_traceback_later(args.hang_dump, exit=False)
 
     from oscar_kv.artifacts import Rotations
     from oscar_kv.bench.load import run_load
@@ -59,6 +84,7 @@ def main(argv=None) -> int:
         config = ServeConfig(model="random", kv_cache_dtype=scheme, kv_cache_memory=args.kv_cache_memory,
                              max_model_len=2048, max_num_seqs=64, port=free_port(), device=args.device,
                              log_level="warning")
+        engine_smoke_test(model, tok, rot if scheme == "int2" else None, scheme, args.kv_cache_memory)
         server = BackgroundServer(config, model, tok, rot if scheme == "int2" else None).start()
         print(f"[{scheme}] " + " | ".join(server.engine.describe()[:2]), flush=True)
         try:
