@@ -244,3 +244,90 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, small
     run_all(engine)
     assert len(errors["DecodeStep"]) == 4 and len(errors["ExtendStep"]) >= 4, errors
     assert max(errors["DecodeStep"] + errors["ExtendStep"]) < 1e-2, errors
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int2"])
+def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, small_rotations, long_prompt, dtype,
+                                                             monkeypatch):
+    """Kernel mode writes the pool with kernels/write.py (write_kv per layer, migrate_pages per step), the torch
+    path with rotate_keys + index_put + quant.quantize_rows.  Two engines run the same requests in lockstep; the
+    kernel engine's attention outputs are replaced by the torch engine's, so that every layer of both sees the
+    same activations (the first two layers still run the kernels on the fused pool, checked against the
+    reference).  The pools of those layers must agree bit for bit - INT2 codes and metadata, migrated pages
+    (one of them partly filled by the step that migrates it) and BF16 window rows - except the window rows
+    written by decode-only steps, whose keys write_kv centers and rotates itself in float32 (the torch path:
+    float64): one BF16 ulp apart at most (Triton's interpreter also truncates float32 -> BF16 instead of
+    rounding).  Scenario (page 16, sink 16, recent 32, 72 tokens per step): a 127-token request prefills in
+    two chunks, the first quantizing page 1 directly, the second migrating pages 2-4 (page 4 half written by
+    each chunk) and quantizing positions 72-79 directly; a 79-token request hits the prefix cache (sink + 1
+    INT2 page) and prefills alongside; then decode steps with migrations (fused rotation) and without."""
+    pytest.importorskip("triton")
+    from oscar_kv.engine import runner
+
+    checked = 2  # layers written by the fused path in the kernel engine (layer 0 also attends with the kernels)
+    reference_attend = runner.PagedForward.attend
+    recorded, errors, decode_rows, kinds = [], [], set(), []
+
+    def attend(self, layer_idx, query, key, value, scaling):
+        if self.kernel_step is None:
+            out = reference_attend(self, layer_idx, query, key, value, scaling)
+            recorded.append(out[0])
+            return out
+        ref = recorded[layer_idx]
+        if layer_idx == 0:
+            self.layers = self.layers[:checked]  # migrate the checked layers only (the interpreter is slow)
+            kinds.append((type(self.kernel_step).__name__, self.fused_rotation, self.migrations is not None))
+            if self.fused_rotation:
+                p = self.pool.spec.page_size
+                decode_rows.update((st.seq.pages[st.start // p], st.start % p) for st in self.steps)
+            got, _ = reference_attend(self, layer_idx, query, key, value, scaling)
+            errors.append(((got.float() - ref.float()).norm() / ref.float().norm()).item())
+        elif layer_idx < checked:  # the fused writes alone (the attention kernels are slow when interpreted)
+            self._write_kernels(layer_idx, self.layers[layer_idx], key, value)
+        assert self.migrations is None  # every layer's migrations ran with layer 0
+        return ref, None
+
+    monkeypatch.setattr(runner.PagedForward, "attend", attend)
+    engines = [make_engine(model, tokenizer, small_rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
+                           max_num_batched_tokens=72, attention_backend=backend) for backend in ("torch", "triton")]
+    ids = tokenizer(long_prompt).input_ids[:127]
+    for e in engines:
+        assert (e.runner.kernels is None) == (e.config.attention_backend == "torch")
+        p = e.pool
+        for t in p.k_win + p.v_win + p.k_codes + p.v_codes + p.k_meta + p.v_meta:
+            t.zero_()  # torch.empty garbage would differ between the two pools
+        for i, n in enumerate((127, 79)):
+            e.add_request(f"r{i}", ids[:n], SamplingParams(max_tokens=3, ignore_eos=True, **GREEDY))
+    steps = 0
+    while engines[0].has_work():
+        recorded.clear()
+        outs = [sorted((o.request_id, o.token_ids) for o in e.step()) for e in engines]
+        assert outs[0] == outs[1]
+        steps += 1
+    assert not engines[1].has_work() and steps == (5 if dtype == "int2" else 4)
+    assert errors and max(errors) < 1e-2, errors
+    if dtype == "int2":
+        assert kinds == [("ExtendStep", False, False), ("ExtendStep", False, True), ("ExtendStep", False, True),
+                         ("DecodeStep", True, True), ("DecodeStep", True, False)], kinds
+        assert engines[0].pool.hit_tokens == 32
+    else:
+        assert kinds == [("ExtendStep", False, False)] * 2 + [("DecodeStep", True, False)] * 2, kinds
+
+    a, b = engines[0].pool, engines[1].pool
+    for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
+        for li in range(checked if dtype == "int2" else 0):
+            x, y = getattr(a, name)[li], getattr(b, name)[li]
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (name, li)
+            assert x.view(torch.uint8).any()
+    decoded = torch.zeros(a.k_win[0].shape[0], a.spec.page_size, dtype=torch.bool)
+    for page, off in decode_rows:
+        decoded[page, off] = True
+    assert int(decoded.sum()) == (3 if dtype == "int2" else 4)
+    for name in ("k_win", "v_win"):
+        for li in range(checked):
+            x, y = getattr(a, name)[li].transpose(1, 2), getattr(b, name)[li].transpose(1, 2)  # [NW, P, H, D]
+            assert torch.equal(x[~decoded].view(torch.int16), y[~decoded].view(torch.int16)), (name, li)
+            if name == "v_win":  # values are not rotated by the kernel: stored as given
+                assert torch.equal(x[decoded].view(torch.int16), y[decoded].view(torch.int16)), (name, li)
+            else:
+                assert torch.allclose(x[decoded].float(), y[decoded].float(), rtol=2 ** -7, atol=1e-4), (name, li)

@@ -1,13 +1,16 @@
 """The engine's attention through the Triton kernels (kernels/decode.py) instead of the torch reference.
 
 The engine pool keeps one tensor per layer in exactly the layout of ``kernels/layout.py``; ``PoolView``
-lets the kernels address it.  Both kernels run after the step's tokens were written to the pool:
+lets the kernels address it (``layer(i)`` for the per-layer kernels, ``layer_pool(i)`` a one-layer
+``PagedKVPool`` of views for ``write.migrate_pages``, which takes a pool with a leading layer dimension).
+The step's tokens are written by ``write.write_kv`` (runner.PagedForward) before either kernel runs:
 
 * ``DecodeStep`` (every sequence computes one token): the decode kernel reads the new token from its
-  BF16 window page together with the rest of the cache.
+  BF16 window page together with the rest of the cache (so write_kv may rotate the keys itself).
 * ``ExtendStep`` (prefill chunks, possibly mixed with decodes): the extend kernel reads positions
   [0, start) of each sequence as stored after the step (INT2 pages dequantized tile by tile) and the
-  chunk's own keys and values from the step's tensors, causally.
+  chunk's own keys and values from the step's tensors, causally (``reads_chunk``: the caller passes the
+  rotated keys, as the chunk's tokens bound for INT2 pages are not in the pool at full precision).
 
 These are the reference path's semantics (``runner.PagedForward``), computed with bf16 tensor-core
 arithmetic instead of float32, so outputs agree to ~1e-2 relative, not bit for bit.
@@ -15,11 +18,12 @@ arithmetic instead of float32, so outputs agree to ~1e-2 relative, not bit for b
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
-from ..kernels.layout import PagedBatch, PoolGeometry
+from ..kernels.layout import PagedBatch, PagedKVPool, PoolGeometry, clip_indices
 from .block_pool import PagePool
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -72,6 +76,8 @@ class PoolView:
                                      device=pool.device)
         self._no_meta = torch.zeros(1, s.num_kv_heads, s.page_size, 2 * s.num_groups, dtype=torch.float16,
                                     device=pool.device)
+        self._clips: dict[int, tuple] = {}
+        self._layer_pools: dict[int, PagedKVPool] = {}
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         p = self.pool
@@ -80,6 +86,26 @@ class PoolView:
                     "v_meta": self._no_meta, "k_win": p.k_win[i], "v_win": p.v_win[i]}
         return {"k_codes": p.k_codes[i], "v_codes": p.v_codes[i], "k_meta": p.k_meta[i], "v_meta": p.v_meta[i],
                 "k_win": p.k_win[i], "v_win": p.v_win[i]}
+
+    def layer_pool(self, i: int) -> PagedKVPool:
+        """Layer i as a one-layer PagedKVPool (views of the engine's tensors, nothing copied)."""
+        if i not in self._layer_pools:
+            t = self.layer(i)
+            self._layer_pools[i] = PagedKVPool(dataclasses.replace(self.geometry, num_layers=1),
+                                               *(t[n].unsqueeze(0) for n in ("k_codes", "v_codes", "k_meta",
+                                                                              "v_meta", "k_win", "v_win")))
+        return self._layer_pools[i]
+
+    def clips(self, i: int, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 [H] clip indices floor(c*D) of layer i's keys and values (quant.clip_rows' threshold rank),
+        computed once per layer (``layer``: its OscarCacheLayer)."""
+        hit = self._clips.get(i)
+        if hit is None or hit[0] is not layer:
+            h, d = self.geometry.num_kv_heads, self.geometry.head_dim
+            dev = self.pool.device
+            hit = (layer, clip_indices(layer.k_clip.to(dev), d, (h,)), clip_indices(layer.v_clip.to(dev), d, (h,)))
+            self._clips[i] = hit
+        return hit[1], hit[2]
 
 
 def _block_table(tables: list[list[int]], device) -> torch.Tensor:
@@ -91,6 +117,8 @@ def _block_table(tables: list[list[int]], device) -> torch.Tensor:
 
 class DecodeStep:
     """Block tables of a decode-only step, built once and used by every layer."""
+
+    reads_chunk = False  # the new tokens are read from the pool, ``keys`` / ``values`` are ignored
 
     def __init__(self, view: PoolView, steps):
         """``steps``: the step's ScheduledSeqs, one token each, already counted in their page tables."""
@@ -123,6 +151,8 @@ class DecodeStep:
 class ExtendStep:
     """Chunk offsets and history block tables of a step with prefill chunks, used by every layer."""
 
+    reads_chunk = True  # attend needs the chunk's rotated keys and values
+
     def __init__(self, view: PoolView, steps):
         spec = view.pool.spec
         p, sink_end = spec.page_size, spec.sink_pages * spec.page_size
@@ -145,13 +175,20 @@ class ExtendStep:
 
     def attend(self, layer_idx: int, layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                scaling: float) -> torch.Tensor:
-        """query [1, Hq, N, D]; keys / values [1, H, N, D] as stored (rotated, centered) -> [1, N, Hq, D]."""
+        """query [1, Hq, N, D]; keys / values [1, H, N, D] as stored (rotated, centered; any float dtype, the
+        kernel reads them as BF16) -> [1, N, Hq, D]."""
         from ..kernels.extend import int2_extend
 
-        out = int2_extend(query[0].transpose(0, 1), keys[0].transpose(0, 1).contiguous(),
-                          values[0].transpose(0, 1).contiguous(), self.cu_seqlens, self.view, layer_idx, self.batch,
-                          layer.k_rotation, scaling, max_seqlen=self.max_seqlen, max_int2_pages=self.max_int2_pages)
+        out = int2_extend(query[0].transpose(0, 1), _token_rows(keys), _token_rows(values), self.cu_seqlens,
+                          self.view, layer_idx, self.batch, layer.k_rotation, scaling, max_seqlen=self.max_seqlen,
+                          max_int2_pages=self.max_int2_pages)
         return out.unsqueeze(0)
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """[1, H, N, D] -> [N, H, D] (a view; the kernels take any strides but a unit one in D)."""
+    rows = x[0].transpose(0, 1)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def kernel_step(view: PoolView, steps):

@@ -12,6 +12,26 @@ kwargs (transformers hands extra kwargs on to the attention function).  Per laye
 3. attends, per sequence, to the history *as stored* (INT2 pages dequantized inside the call)
    plus the step's own tokens exactly - the same semantics as ``cache.oscar_attention``, so a
    request alone in the batch reproduces ``oscar_kv.generation.generate`` token for token.
+
+With the Triton kernels (``kernels`` given) steps 1-2 are the fused write path of ``kernels/write.py``
+and step 3 the decode / extend kernel (``kernel_attention.py``):
+
+* per step, before layer 0: ``migrate_pages`` quantizes the step's migrating recent pages from their BF16
+  rows (one launch per layer: the engine keeps per-layer tensors, the kernel wants a leading layer
+  dimension).  The torch path quantizes the same rows during the forward: nothing writes to a migrating
+  window page during the step (it has left the block table) and it is freed only after the forward.
+  A migrating page may be partly filled (a prefill chunk that ends inside it); its rows from ``start`` on
+  are this step's tokens, bound for the same INT2 page through their INT2 slots, so the whole-page
+  migration quantizes stale rows there that each layer's ``write_kv`` overwrites before anything reads them.
+* per layer: one ``write_kv`` launch for the step's tokens (flat slots page*P + offset, built once per
+  step).  Decode steps (the hot path) let it center + rotate the keys in float32 and store BF16 (window
+  rows within one BF16 ulp of the float64 rotation, bit-equal for most rows).  Steps that need the
+  rotated keys for attention (extend) or that send tokens straight to INT2 pages rotate in float64 as
+  the torch path does and hand write_kv the BF16 rows: bit-identical windows, codes and metadata.
+* values are rounded to the window dtype before write_kv: tokens are quantized from their BF16 form in
+  both paths (a no-op cast for a BF16 model).
+
+The fused path does not check for non-finite activations (``quant.quantize_rows`` raises on them).
 """
 
 from __future__ import annotations
@@ -91,6 +111,9 @@ class PagedForward:
         self.pool, self.layers, self.steps = pool, layers, steps
         # With kernels enabled, decode-only steps use the decode kernel and others the extend kernel.
         self.kernel_step = kernel_step(kernels, steps) if kernels is not None else None
+        if self.kernel_step is not None:
+            self._plan_kernels(kernels)
+            return
         s = pool.spec
         p, sink_end = s.page_size, s.sink_pages * s.page_size
         win_writes, win_src, q_writes, q_src, mig_src, mig_dst = [], [], [], [], [], []
@@ -134,15 +157,44 @@ class PagedForward:
         self.views = views
         self.num_tokens = offset
 
+    def _plan_kernels(self, view: PoolView) -> None:
+        """Kernel mode: flat window / INT2 slots of the step's tokens and the migrating pages."""
+        s = self.pool.spec
+        p, sink_end = s.page_size, s.sink_pages * s.page_size
+        win, q, src, dst, views = [], [], [], [], []
+        offset = 0
+        for step in self.steps:
+            pages = step.seq.pages
+            hist_end = sink_end + step.seq.int2_pages * p if s.quantizes else sink_end
+            for t in range(step.start, step.end):
+                slot = pages[t // p] * p + t % p
+                if sink_end <= t < hist_end:
+                    win.append(-1)
+                    q.append(slot)
+                else:
+                    win.append(slot)
+                    q.append(-1)
+            src += [m.src for m in step.migrations]
+            dst += [m.dst for m in step.migrations]
+            views.append(_SeqView((offset, offset + step.num_tokens), step.start, (0, 0), (0, 0), (0, 0)))
+            offset += step.num_tokens
+        dev = self.pool.device
+        self.view, self.views, self.num_tokens = view, views, offset
+        slots = torch.tensor([win, q], dtype=torch.int32).to(dev)  # one copy for both
+        self.win_slot, self.int2_slot = slots[0], slots[1]
+        # the stored keys come from write_kv's own float32 rotation unless the attention needs them too
+        # or some token is quantized right away (its codes then come from the float64 rotation, as in _write)
+        self.fused_rotation = not self.kernel_step.reads_chunk and max(q, default=-1) < 0
+        self.migrations = torch.tensor([src, dst], dtype=torch.int32).to(dev) if src else None
+
     # ---- per layer -----------------------------------------------------------------------------
     def attend(self, layer_idx: int, query, key, value, scaling):
         layer = self.layers[layer_idx]
+        if self.kernel_step is not None:
+            return self._attend_kernels(layer_idx, layer, query, key, value, scaling), None
         keys = layer.rotate_keys(key)  # [1, H, N, D] float32, (k - mu_K) @ R_K
         values = value.float()
         self._write(layer_idx, layer, keys, values)
-        if self.kernel_step is not None:
-            scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-            return self.kernel_step.attend(layer_idx, layer, query, keys, values, scaling).to(query.dtype), None
         hist_k, hist_v = self._gather(layer_idx, self.win_reads, self.q_reads)
         q_rot = layer.rotate_queries(query)  # [1, Hq, N, D]
         _, hq, n_tok, d = query.shape
@@ -168,6 +220,37 @@ class PagedForward:
             probs = torch.softmax(logits, dim=-1).reshape(1, hkv, -1, n)
             out[:, c0:c1] = (probs @ v_all).reshape(1, hq, t, d).transpose(1, 2)
         return out, None
+
+    def _attend_kernels(self, li: int, layer: OscarCacheLayer, query, key, value, scaling) -> torch.Tensor:
+        """Fused write (kernels/write.py) then the decode / extend kernel; returns [1, N, Hq, D]."""
+        keys, values = self._write_kernels(li, layer, key, value)
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return self.kernel_step.attend(li, layer, query, keys, values, scaling).to(query.dtype)
+
+    def _write_kernels(self, li: int, layer: OscarCacheLayer, key, value):
+        """Store layer li's step tokens (after every layer's migrations, with layer 0).  Returns the keys and
+        values the extend kernel reads, [1, H, N, D] in the window dtype (keys None when write_kv rotated)."""
+        from ..kernels.write import migrate_pages, write_kv
+
+        if self.migrations is not None:  # first layer of the step: every layer's migrations
+            for i, lay in enumerate(self.layers):
+                ck, cv = self.view.clips(i, lay)
+                migrate_pages(self.view.layer_pool(i), self.migrations[0], self.migrations[1], ck[None], cv[None])
+            self.migrations = None
+        wdt = self.pool.spec.window_dtype
+        values = value if value.dtype == wdt else value.to(wdt)  # stored form, quantized as such (as _write)
+        v_rows = values[0].transpose(0, 1)  # [N, H, D] views
+        ck, cv = self.view.clips(li, layer)
+        if self.fused_rotation:
+            keys = None
+            k_rows = _unit_stride(key[0].transpose(0, 1))
+            write_kv(self.view, li, k_rows, _unit_stride(v_rows), self.win_slot, self.int2_slot, layer.k_rotation,
+                     layer.k_mean, ck, cv)
+        else:
+            keys = layer.rotate_keys(key).to(wdt)  # [1, H, N, D], (k - mu_K) @ R_K in float64 as _write
+            write_kv(self.view, li, keys[0].transpose(0, 1), _unit_stride(v_rows), self.win_slot, self.int2_slot,
+                     None, None, ck, cv)
+        return keys, values
 
     def _write(self, li: int, layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
         pool = self.pool
@@ -222,6 +305,10 @@ class _Joined:
 
 def _span(a: int, b: int) -> torch.Tensor:
     return torch.arange(a, max(a, b))
+
+
+def _unit_stride(rows: torch.Tensor) -> torch.Tensor:
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _heads_first(rows: torch.Tensor) -> torch.Tensor:
