@@ -60,15 +60,16 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--output", default=os.environ.get("OUT", "."))
     ap.add_argument("--concurrency", default="1,16,64")
-    ap.add_argument("--requests", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests-per-stream", type=int, default=4, help="requests = concurrency x this")
+    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--kv-cache-memory", type=float, default=4.0)
     ap.add_argument("--schemes", default="int2,bf16")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test)")
-    ap.add_argument("--hang-dump", type=float, default=150.0, help="print every thread's stack after this many s")
+    ap.add_argument("--hang-dump", type=float, default=0, help="if > 0: print every thread's stack after this many s")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    faulthandler.dump_traceback_later(args.hang_dump, exit=False)
+    if args.hang_dump > 0:
+        faulthandler.dump_traceback_later(args.hang_dump, exit=False)
 
     from oscar_kv.artifacts import Rotations
     from oscar_kv.bench.load import run_load
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
         print(f"[{scheme}] " + " | ".join(server.engine.describe()[:2]), flush=True)
         try:
             for conc in map(int, args.concurrency.split(",")):
-                report = asyncio.run(run_load(server.url, "random", max(args.requests, conc), conc, args.max_tokens,
+                report = asyncio.run(run_load(server.url, "random", conc * args.requests_per_stream, conc, args.max_tokens,
                                               300.0, ignore_eos=True))
                 print(f"[{scheme}] concurrency {conc}\n{report.table()}", flush=True)
                 results["runs"].append({"scheme": scheme, **asdict(report)})

@@ -431,6 +431,9 @@ def breakdown(engine, seqs, steps: int, clock: Clock, profile_steps: int) -> dic
         def _write(self, *args, **kwargs):
             return wrap("kv_write_and_migration", super()._write)(*args, **kwargs)
 
+        def _write_kernels(self, *args, **kwargs):  # kernel mode: fused rotate + write (+ migrations)
+            return wrap("kv_write_and_migration", super()._write_kernels)(*args, **kwargs)
+
     stack = contextlib.ExitStack()
     with stack:
         stack.enter_context(patched(runner_mod, "PagedForward", RegionForward))
