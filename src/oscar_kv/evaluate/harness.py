@@ -168,6 +168,8 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
             timings[f"{scheme.name}@{ctx}"] = round(time.perf_counter() - t0, 1)
             bar.update()
             bar.set_postfix_str(f"{scheme.name}@{ctx}")
+        # a long run keeps what it measured so far (the report and plots are written at the end)
+        (output / "results.json").write_text(json.dumps(dict(results, timings=timings, partial=True), indent=1) + "\n")
     bar.close()
     unprepare_model(model)
     results["config"] = {k: v for k, v in config.__dict__.items()}
