@@ -109,7 +109,7 @@ def load_rotations(config: ServeConfig, model, tokenizer):
     except ArtifactError:
         pass
     log.info("calibrating rotations for %s (once; cached in %s) ...", config.model, directory)
-    rot = calibrate(model, tokenizer, progress=False)
+    rot = calibrate(model, tokenizer)  # a progress bar: this takes a minute or two on a CPU
     from ..cache import unprepare_model
 
     unprepare_model(model)
@@ -167,7 +167,8 @@ def _uvicorn_server(config: ServeConfig, engine_thread):
 def run_server(config: ServeConfig) -> None:
     """Start the OpenAI-compatible server and block until interrupted.  Raises ServeError with a
     message for the user when the configuration cannot work."""
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)  # the CLI configured warnings-only logging before
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     engine_thread = build_engine(config).start()
     server = _uvicorn_server(config, engine_thread)
