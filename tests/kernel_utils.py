@@ -22,3 +22,12 @@ def outlier_rows(n, h, d, gen, device=DEV, scale=1.0):
 def random_orthogonal(h, d, gen):
     qm, _ = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
     return qm.float()
+
+
+def rope_case(h, d, n, gen, device=DEV, base=10000.0, scale=20.0):
+    """(mu_pre [h, d], cos|sin table [n, d] float32) as the kernels take them: a large pre-RoPE key mean
+    (as a k_proj bias gives) and the standard RoPE angles p * base^(-2i/d)."""
+    inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    table = torch.cat([ang.cos(), ang.sin()], 1)
+    return (torch.randn(h, d, generator=gen) * scale).to(device), table.to(device)

@@ -18,8 +18,12 @@ def test_artifact_is_valid_and_describes_itself(rotations, model):
     assert rotations.k_rotation.shape == (30, 3, 64, 64) and rotations.scope == "per-head"
     assert orthogonality_error(rotations.k_rotation) < 1e-5 and orthogonality_error(rotations.v_rotation) < 1e-5
     assert torch.all(rotations.k_eigenvalues[..., :-1] >= rotations.k_eigenvalues[..., 1:])
-    assert rotations.k_mean.norm(dim=-1).mean() > 1.0, "post-RoPE keys of SmolLM2 have a clear offset"
     m = rotations.manifest
+    # SmolLM2's keys have a clear pre-RoPE offset; "auto" measured position-aware centering as better
+    assert rotations.key_centering == "rope" and m["calibration"]["key_centering_choice"]["chosen"] == "rope"
+    errors = m["calibration"]["key_centering_choice"]["probe_error"]
+    assert errors["rope"] < 0.95 * errors["constant"]
+    assert rotations.k_rope_mean.norm(dim=-1).mean() > 1.0
     assert m["calibration"]["tokens"] == 2048 and m["calibration"]["data"] == "builtin:python_docs.txt"
     assert set(m["validation"]["attention_relative_error"]) == {"identity", "hadamard", "oscar"}
     assert len(m["fingerprint"]) == 16
@@ -28,7 +32,7 @@ def test_artifact_is_valid_and_describes_itself(rotations, model):
 def test_calibration_is_deterministic(model, tokenizer, tmp_path):
     a = calibrate(model, tokenizer, CalibrationSettings(**SMALL), progress=False)
     b = calibrate(model, tokenizer, CalibrationSettings(**SMALL), progress=False)
-    for name in Rotations.TENSORS:
+    for name in Rotations.TENSORS + Rotations.OPTIONAL_TENSORS:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 

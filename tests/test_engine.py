@@ -25,6 +25,18 @@ def small_rotations(smol):
 
 
 @pytest.fixture(scope="module")
+def constant_rotations(smol):
+    """Keys centered by one constant mean: what the Triton kernels compute (no per-position offset yet)."""
+    from oscar_kv.calibrate import CalibrationSettings, calibrate
+
+    lm, tok = smol
+    rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128,
+                                                 key_centering="constant"), progress=False)
+    unprepare_model(lm)
+    return rot
+
+
+@pytest.fixture(scope="module")
 def long_prompt():
     from oscar_kv.corpus import DEFAULT_CORPUS
 
@@ -214,11 +226,12 @@ def test_allocator_lru_eviction_and_refcounts():
         a.release(p[0])
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "int2"])
-def test_kernels_match_the_reference_on_real_activations(model, tokenizer, small_rotations, long_prompt, dtype,
-                                                         monkeypatch):
+@pytest.mark.parametrize("dtype,centering", [("bf16", "constant"), ("int2", "constant"), ("int2", "rope")])
+def test_kernels_match_the_reference_on_real_activations(model, tokenizer, constant_rotations, small_rotations,
+                                                         long_prompt, dtype, centering, monkeypatch):
     """Every step of two concurrent requests (chunked prefill, then decode): the Triton kernels (interpreted
-    on the CPU) read the same pool as the torch reference path and give the same attention output."""
+    on the CPU) read the same pool as the torch reference path and give the same attention output, with
+    keys centered by a constant or per position (SmolLM2's calibration picks the latter)."""
     pytest.importorskip("triton")
     from oscar_kv.engine import runner
     from oscar_kv.engine.kernel_attention import PoolView, kernel_step
@@ -231,12 +244,14 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, small
         if layer_idx in (0, len(self.layers) - 1):
             layer = self.layers[layer_idx]
             plan = kernel_step(PoolView(self.pool), self.steps)
-            got = plan.attend(layer_idx, layer, query, layer.rotate_keys(key), value.float(), scaling)
+            got = plan.attend(layer_idx, layer, query, layer.rotate_keys(key, self.positions), value.float(), scaling)
             errors[type(plan).__name__].append(((got.float() - out.float()).norm() / out.float().norm()).item())
         return out, weights
 
     monkeypatch.setattr(runner.PagedForward, "attend", attend_and_check)
-    engine = make_engine(model, tokenizer, small_rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
+    rotations = small_rotations if centering == "rope" else constant_rotations
+    assert rotations.key_centering == centering
+    engine = make_engine(model, tokenizer, rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
                          max_num_batched_tokens=100)
     ids = tokenizer(long_prompt).input_ids[:150]
     for i, n in enumerate((150, 97)):  # chunks of 100 tokens; 6 and 3 INT2 pages behind the windows
@@ -247,7 +262,7 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, small
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int2"])
-def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, small_rotations, long_prompt, dtype,
+def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, constant_rotations, long_prompt, dtype,
                                                              monkeypatch):
     """Kernel mode writes the pool with kernels/write.py (write_kv per layer, migrate_pages per step), the torch
     path with rotate_keys + index_put + quant.quantize_rows.  Two engines run the same requests in lockstep; the
@@ -288,7 +303,7 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, sm
         return ref, None
 
     monkeypatch.setattr(runner.PagedForward, "attend", attend)
-    engines = [make_engine(model, tokenizer, small_rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
+    engines = [make_engine(model, tokenizer, constant_rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
                            max_num_batched_tokens=72, attention_backend=backend) for backend in ("torch", "triton")]
     ids = tokenizer(long_prompt).input_ids[:127]
     for e in engines:
@@ -331,3 +346,12 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, sm
                 assert torch.equal(x[decoded].view(torch.int16), y[decoded].view(torch.int16)), (name, li)
             else:
                 assert torch.allclose(x[decoded].float(), y[decoded].float(), rtol=2 ** -7, atol=1e-4), (name, li)
+
+
+def test_position_aware_centering_runs_the_int2_kernels(model, tokenizer, small_rotations):
+    """The INT2 kernels add the per-position key offset; only the BF16 decode kernel lacks it (refused, said so)."""
+    pytest.importorskip("triton")
+    assert small_rotations.key_centering == "rope"
+    assert make_engine(model, tokenizer, small_rotations, attention_backend="triton").runner.kernels is not None
+    with pytest.raises(ValueError, match="position-aware key offset"):
+        make_engine(model, tokenizer, small_rotations, kv_cache_dtype="bf16", attention_backend="triton")

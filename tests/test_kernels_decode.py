@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 from oscar_kv.kernels import reference as ref  # noqa: E402
 from oscar_kv.kernels.layout import PagedKVPool, PoolGeometry, clip_indices, plan_batch, token_slots  # noqa: E402
 
-from kernel_utils import DEV, GPU, outlier_rows, random_orthogonal, rel_err  # noqa: E402
+from kernel_utils import DEV, GPU, outlier_rows, random_orthogonal, rel_err, rope_case  # noqa: E402
 
 
 def build_pool(geom, seq_lens, gen, layer=0, int2_pages=None, clip=(0.96, 0.92)):
@@ -66,6 +66,23 @@ def test_int2_decode_matches_reference(gi):
         assert not out.isnan().any()
         assert rel_err(out, want_r) < 1e-2, rotation
         assert out[0].abs().max() == 0  # empty sequence
+
+
+def test_int2_decode_adds_the_position_aware_key_offset():
+    """Keys centered per position (rope.py): every logit, window and INT2 alike, gets q . RoPE_p(mu_pre) back."""
+    from oscar_kv.kernels.decode import int2_decode
+
+    geom = list(small_geoms())[1]
+    gen = torch.Generator().manual_seed(21)
+    seq_lens = [5, geom.sink_size + 40, 300, 517] if not GPU else [5, 64, 5003, 131072 + 77]
+    pool, batch, rot = build_pool(geom, seq_lens, gen)
+    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(seq_lens), gen)
+    q = torch.randn(len(seq_lens), geom.num_kv_heads * 4, geom.head_dim, generator=gen).to(DEV)
+    want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope)
+    out = torch.full_like(q, float("nan"))
+    int2_decode(q, pool, 0, batch, rot, rope=rope, num_splits=3, out=out)
+    assert rel_err(out, want) < 1e-2
+    assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) > 0.1  # the term matters here
 
 
 def test_int2_decode_many_splits_and_prerotated_query():

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 from oscar_kv.kernels import reference as ref  # noqa: E402
 from oscar_kv.kernels.layout import PagedKVPool, PoolGeometry, clip_indices, plan_batch, token_slots  # noqa: E402
 
-from kernel_utils import DEV, GPU, outlier_rows, random_orthogonal, rel_err  # noqa: E402
+from kernel_utils import DEV, GPU, outlier_rows, random_orthogonal, rel_err, rope_case  # noqa: E402
 
 
 class Case:
@@ -44,9 +44,9 @@ class Case:
         self.k_new = ref.rotate_keys(outlier_rows(t, h, d, gen), self.rot, self.mean).to(torch.bfloat16)
         self.v_new = outlier_rows(t, h, d, gen, scale=0.5).to(torch.bfloat16)
 
-    def reference(self, rot, sm_scale=None):
+    def reference(self, rot, sm_scale=None, rope=None):
         return ref.extend_reference(self.pool, self.layer, self.q, self.k_new, self.v_new, self.cu, self.batch,
-                                    rot, sm_scale)
+                                    rot, sm_scale, rope=rope)
 
     def kernel(self, rot, sm_scale=None, q=None, **kw):
         from oscar_kv.kernels.extend import int2_extend
@@ -180,3 +180,16 @@ def test_short_chunk_after_long_history_splits_the_history():
     for splits in (1, 5):
         assert_matches(c, c.kernel(c.rot, num_splits=splits, max_int2_pages=int(c.batch.int2_pages.max())), want,
                        splits)
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+def test_extend_adds_the_position_aware_key_offset(splits):
+    """History (window + INT2) and the chunk's own keys all get q . RoPE_p(mu_pre) back, at their positions."""
+    geom = geom_b()
+    gen = torch.Generator().manual_seed(31)
+    hist, chunks = ([0, 200, 45], [17, 33, 5]) if not GPU else ([0, 5000, 70000], [300, 129, 64])
+    c = Case(geom, hist, chunks, gen)
+    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(h + n for h, n in zip(hist, chunks)), gen)
+    want = c.reference(c.rot, rope=rope)
+    assert_matches(c, c.kernel(c.rot, rope=rope, num_splits=splits), want, splits)
+    assert rel_err(c.reference(c.rot), want) > 0.1

@@ -15,6 +15,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .models import AttentionGeometry
+
 CAPTURE_KEY = "oscar_kv_capture"
 _active: list = []  # the observer of the forward in flight (a stack, so captures can nest)
 
@@ -66,15 +68,33 @@ class LayerSample:
     q: torch.Tensor  # [Hq, T, D]
     k: torch.Tensor  # [Hkv, T, D]
     v: torch.Tensor  # [Hkv, T, D]
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, D] of positions 0..T-1
+
+    def key_offset(self, k_mean: torch.Tensor, k_rope_mean: torch.Tensor | None = None) -> torch.Tensor:
+        """What centering subtracts from each key: [Hkv, 1, D] (constant) or [Hkv, T, D] (position-aware)."""
+        offset = k_mean[:, None, :].float()
+        if k_rope_mean is not None and k_rope_mean.abs().max() > 0:
+            from .rope import key_offsets
+
+            if self.rope is None:
+                raise ValueError("position-aware centering needs the model's RoPE tables")
+            offset = offset + key_offsets(k_rope_mean, *self.rope)
+        return offset
 
 
 @torch.no_grad()
 def capture_samples(model, input_ids: torch.Tensor) -> list[LayerSample]:
     """Run one sequence and keep every layer's q, k, v."""
+    from .rope import RopeTable, RopeUnsupported
+
     samples: dict[int, LayerSample] = {}
+    try:
+        rope = RopeTable(model, AttentionGeometry.of(model.config).head_dim)(torch.arange(input_ids.shape[1]))
+    except RopeUnsupported:
+        rope = None
 
     def keep(layer, q, k, v, out):
-        samples[layer] = LayerSample(q[0].float().cpu(), k[0].float().cpu(), v[0].float().cpu())
+        samples[layer] = LayerSample(q[0].float().cpu(), k[0].float().cpu(), v[0].float().cpu(), rope)
 
     with observing(model, keep):
         model(input_ids.to(model.device), use_cache=False)
@@ -103,14 +123,16 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
 
     The first ``sink_size`` tokens stay exact (as the cache's sink does); every later token is
     quantized (no recent window), so this isolates the quantizer + rotation quality.
-    Rotations [H|1, D, D], means [Hkv, D], clips [Hkv].
+    Rotations [H|1, D, D], clips [Hkv], v_mean [Hkv, D]; k_mean is the key offset: [Hkv, D] or
+    per position [Hkv, T, D] (``LayerSample.key_offset``).  Attention adds the offset back exactly.
     """
     from .quant import fake_quantize  # local: quant is the lower layer
 
     hq, hkv = sample.q.shape[0], sample.k.shape[0]
     rk, rv = _per_head(k_rotation.float(), hkv), _per_head(v_rotation.float(), hkv)
     exact = causal_attention(sample.q, sample.k, sample.v)
-    k_rot = torch.einsum("htd,hde->hte", sample.k - k_mean[:, None], rk)
+    offset = k_mean[:, None] if k_mean.dim() == 2 else k_mean
+    k_rot = torch.einsum("htd,hde->hte", sample.k - offset, rk)
     v_rot = torch.einsum("htd,hde->hte", sample.v - v_mean[:, None], rv)
     q_rot = torch.einsum("hgtd,hde->hgte", sample.q.reshape(hkv, hq // hkv, *sample.q.shape[1:]), rk).reshape_as(sample.q)
     s = sink_size
@@ -118,6 +140,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
         k_rot = torch.cat([k_rot[:, :s], fake_quantize(k_rot[:, s:], bits, group_size, k_clip[:, None].float())], 1)
     if quantize_values:
         v_rot = torch.cat([v_rot[:, :s], fake_quantize(v_rot[:, s:], bits, group_size, v_clip[:, None].float())], 1)
+    k_rot = k_rot + torch.einsum("htd,hde->hte", offset.expand_as(sample.k), rk)
     out_rot = causal_attention(q_rot, k_rot, v_rot)  # [Hq, T, D] in value-rotated space
     head_of = torch.arange(hq) // (hq // hkv)
     out = torch.einsum("hte,hde->htd", out_rot, rv[head_of]) + v_mean[head_of][:, None]

@@ -4,6 +4,8 @@ Tensors (float32 unless noted; H = KV heads, or 1 when one rotation is shared pe
   k_rotation [L, H, D, D], v_rotation [L, H, D, D]   orthogonal, applied as ``x @ R``
   k_eigenvalues [L, H, D], v_eigenvalues [L, H, D]   descending, of the covariances R was built from
   k_mean [L, Hkv, D], v_mean [L, Hkv, D]             centering offsets (zeros when centering is off)
+  k_rope_mean [L, Hkv, D]                            mean pre-RoPE key for position-aware centering
+                                                     (rope.py); zeros when keys are centered by k_mean only
   k_clip [L, Hkv], v_clip [L, Hkv]                   clip ratios used for INT2 rows
   layer_bits [L] int32                               storage precision of the quantized history per layer
 
@@ -53,16 +55,31 @@ class Rotations:
     geometry: AttentionGeometry
     group_size: int
     manifest: dict = field(default_factory=dict)
+    k_rope_mean: torch.Tensor | None = None  # None reads as zeros: no position-aware centering
 
     TENSORS = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_mean", "v_mean",
                "k_clip", "v_clip", "layer_bits")
+    OPTIONAL_TENSORS = ("k_rope_mean",)  # absent from artifacts written before they existed
+
+    def __post_init__(self):
+        if self.k_rope_mean is None:
+            self.k_rope_mean = torch.zeros_like(self.k_mean)
+
+    @property
+    def key_centering(self) -> str:
+        if self.k_rope_mean.abs().max() > 0:
+            return "rope"
+        return "constant" if self.k_mean.abs().max() > 0 else "off"
+
+    def rope_layers(self) -> list[int]:
+        return [i for i in range(self.k_rope_mean.shape[0]) if self.k_rope_mean[i].abs().max() > 0]
 
     @property
     def scope(self) -> str:
         return "per-layer" if self.k_rotation.shape[1] == 1 else "per-head"
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name).contiguous() for name in self.TENSORS}
+        return {name: getattr(self, name).contiguous() for name in self.TENSORS + self.OPTIONAL_TENSORS}
 
     def rotation_for_head(self, which: str, layer: int, kv_head: int) -> torch.Tensor:
         r = getattr(self, f"{which}_rotation")[layer]
@@ -98,7 +115,8 @@ class Rotations:
             r = getattr(self, f"{which}_rotation")
             if r.dim() != 4 or r.shape[0] != L or r.shape[1] not in (1, Hkv) or r.shape[2:] != (D, D):
                 raise ArtifactError(f"{which}_rotation has shape {tuple(r.shape)}; expected [{L}, 1 or {Hkv}, {D}, {D}]")
-            for name, shape in ((f"{which}_mean", (L, Hkv, D)), (f"{which}_clip", (L, Hkv))):
+            extra = (("k_rope_mean", (L, Hkv, D)),) if which == "k" else ()
+            for name, shape in ((f"{which}_mean", (L, Hkv, D)), (f"{which}_clip", (L, Hkv))) + extra:
                 if tuple(getattr(self, name).shape) != shape:
                     raise ArtifactError(f"{name} has shape {tuple(getattr(self, name).shape)}; expected {list(shape)}")
             if not torch.isfinite(r).all():
@@ -109,8 +127,9 @@ class Rotations:
             clip = getattr(self, f"{which}_clip")
             if not ((clip > 0) & (clip <= 1)).all():
                 raise ArtifactError(f"{which}_clip ratios must lie in (0, 1]")
-            if not torch.isfinite(getattr(self, f"{which}_mean")).all():
-                raise ArtifactError(f"{which}_mean contains NaN or Inf")
+            for name in (f"{which}_mean",) + tuple(n for n, _ in extra):
+                if not torch.isfinite(getattr(self, name)).all():
+                    raise ArtifactError(f"{name} contains NaN or Inf")
         if tuple(self.layer_bits.shape) != (L,) or not set(self.layer_bits.tolist()) <= {2, 4, 8, 16}:
             raise ArtifactError("layer_bits must hold one of 2, 4, 8, 16 per layer")
         if self.group_size <= 0 or D % self.group_size:
@@ -160,7 +179,9 @@ class Rotations:
             group_size = int(manifest["group_size"])
         except (KeyError, TypeError) as exc:
             raise ArtifactError(f"{manifest_path} lacks the model geometry or group size") from exc
-        art = cls(**{t: tensors[t] for t in cls.TENSORS}, geometry=art_geometry, group_size=group_size, manifest=manifest)
+        optional = {t: tensors[t] for t in cls.OPTIONAL_TENSORS if t in tensors}
+        art = cls(**{t: tensors[t] for t in cls.TENSORS}, **optional, geometry=art_geometry, group_size=group_size,
+                  manifest=manifest)
         art.validate(geometry)
         stored = manifest.get("fingerprint")
         if fingerprint and stored and stored != fingerprint:

@@ -1,7 +1,8 @@
 """The mixed-precision KV cache for transformers' ``generate()``: BF16 sink + INT2 history + BF16 recent.
 
 Everything is stored in the rotated, centered space of the artifact:
-  keys   (k - mu_K) @ R_K   (rotated here, at write time; post-RoPE keys cannot be folded)
+  keys   (k - mu_K - RoPE_p(mu_pre)) @ R_K   (rotated here, at write time; post-RoPE keys cannot be
+         folded; the RoPE_p term is zero unless the artifact centers keys per position, rope.py)
   values (v - mu_V) @ R_V   (already so when they arrive: folded into v_proj, see folding.py)
 Per layer and sequence the positions are laid out as
   [0, s)          sink, window dtype (BF16 by default)
@@ -10,8 +11,9 @@ Per layer and sequence the positions are laid out as
                   its oldest P tokens (one page) to the history whenever it reaches W + P.
 Attention (``oscar_attention``) rotates the query, dequantizes the history inside the call and
 attends to the tokens of the current forward exactly (as a fused prefill kernel does).
-Centering needs no correction term: every stored key is centered, so q.mu_K adds the same constant
-to all logits of a query and cancels in softmax; likewise the values' mean is restored by o_proj's bias.
+Constant centering needs no correction term: every stored key is centered, so q.mu_K adds the same
+constant to all logits of a query and cancels in softmax; likewise the values' mean is restored by
+o_proj's bias.  The position-aware offset does not cancel: attention adds it back exactly.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .folding import fold_values, restore_model
 from .memory import KVFootprint
 from .models import AttentionGeometry
 from .quant import QuantizedRows, dequantize_rows, quantize_rows
+from .rope import RopeTable, key_offsets
 
 ATTENTION_KEY = "oscar_kv"
 KV_CACHE_DTYPES = ("bf16", "int2", "int4", "int8")
@@ -67,10 +70,16 @@ class OscarCacheLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, settings: CacheSettings, bits: int, group_size: int, k_rotation: torch.Tensor,
-                 k_mean: torch.Tensor, k_clip: torch.Tensor, v_clip: torch.Tensor):
+                 k_mean: torch.Tensor, k_clip: torch.Tensor, v_clip: torch.Tensor,
+                 k_rope_mean: torch.Tensor | None = None, rope: RopeTable | None = None):
         super().__init__()
         self.settings, self.bits, self.group_size = settings, bits, group_size
         self.k_rotation, self.k_mean = k_rotation, k_mean  # [H|1, D, D] fp32, [Hkv, D] fp32
+        # position-aware centering (rope.py): mu_pre [Hkv, D] and the model's cos/sin, or None
+        self.k_rope_mean = k_rope_mean if k_rope_mean is not None and k_rope_mean.abs().max() > 0 else None
+        if self.k_rope_mean is not None and rope is None:
+            raise ValueError("position-aware key centering needs the model's RoPE table")
+        self.rope = rope
         self.k_clip, self.v_clip = k_clip, v_clip  # [Hkv] (broadcast over batch and tokens)
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None
         self.hist_k: QuantizedRows | None = None
@@ -85,12 +94,15 @@ class OscarCacheLayer(CacheLayerMixin):
         self.sink_k, self.sink_v, self.recent_k, self.recent_v = empty, empty.clone(), empty.clone(), empty.clone()
         self.k_rotation = self.k_rotation.to(key_states.device)
         self.k_mean = self.k_mean.to(key_states.device)
+        if self.k_rope_mean is not None:
+            self.k_rope_mean = self.k_rope_mean.to(key_states.device)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys = self.rotate_keys(key_states)
+        positions = torch.arange(self.seq_len, self.seq_len + key_states.shape[2], device=key_states.device)
+        keys = self.rotate_keys(key_states, positions)
         self.chunk = (keys, value_states, self.seq_len)
         self._append(keys, value_states)
         return self, self
@@ -118,12 +130,25 @@ class OscarCacheLayer(CacheLayerMixin):
     def quantizes(self) -> bool:
         return self.bits < 16
 
-    def rotate_keys(self, k: torch.Tensor) -> torch.Tensor:
-        """(k - mu_K) @ R_K per KV head.  Float64 makes each token's result independent of how many
-        tokens are rotated together, so the stored codes do not depend on chunking."""
+    def rotate_keys(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(k - offset_p) @ R_K per KV head for keys [B, H, T, D] at ``positions`` [T].  Float64 makes
+        each token's result independent of how many tokens are rotated together, so the stored codes
+        do not depend on chunking."""
         centered = k.double() - self.k_mean[None, :, None, :].double()
+        if self.k_rope_mean is not None:
+            centered = centered - key_offsets(self.k_rope_mean, *self.rope(positions)).double()
         rot = self._per_head(self.k_rotation, k.shape[1]).double()
         return torch.einsum("bhtd,hde->bhte", centered, rot).float()
+
+    def restore_offsets(self, keys: torch.Tensor) -> torch.Tensor:
+        """Stored keys [B, H, N, D] of positions 0..N-1 -> the same keys with the position-aware offset
+        added back (rotated), so that q_rot . key equals the logit of the original key."""
+        if self.k_rope_mean is None:
+            return keys  # a constant offset cancels in softmax
+        n = keys.shape[2]
+        offsets = key_offsets(self.k_rope_mean, *self.rope(torch.arange(n, device=keys.device)))
+        rot = self._per_head(self.k_rotation, keys.shape[1]).float()
+        return keys + torch.einsum("htd,hde->hte", offsets, rot)[None]
 
     def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q @ R_K of each query head's KV head; q is [B, Hq, T, D]."""
@@ -233,12 +258,13 @@ class OscarCache(Cache):
         rotations.validate(geometry)
         prepare_model(model, rotations)
         self.settings, self.rotations = settings, rotations
+        rope = RopeTable(model, geometry.head_dim) if rotations.key_centering == "rope" else None
         layers = []
         for i in range(geometry.num_layers):
             bits = settings.bits if settings.bits == 16 else max(settings.bits, int(rotations.layer_bits[i]))
             layers.append(OscarCacheLayer(settings, bits, rotations.group_size, rotations.k_rotation[i].float(),
                                           rotations.k_mean[i].float(), rotations.k_clip[i].float(),
-                                          rotations.v_clip[i].float()))
+                                          rotations.v_clip[i].float(), rotations.k_rope_mean[i].float(), rope))
         super().__init__(layers=layers)
 
     def footprint(self) -> KVFootprint:
@@ -285,7 +311,7 @@ def oscar_attention(module, query, key, value, attention_mask, scaling=None, dro
     hkv = chunk_k.shape[1]
     scaling = d**-0.5 if scaling is None else scaling
     ks, vs = layer.segments_before(start)
-    keys = torch.cat(ks + [chunk_k.float()], 2)  # [B, Hkv, N, D]
+    keys = layer.restore_offsets(torch.cat(ks + [chunk_k.float()], 2))  # [B, Hkv, N, D]
     values = torch.cat(vs + [chunk_v.float()], 2)
     q = layer.rotate_queries(query).reshape(b, hkv, (hq // hkv) * t, d)
     logits = (q @ keys.transpose(-1, -2)) * scaling  # [B, Hkv, g*T, N]

@@ -3,7 +3,9 @@
 Per layer and KV head h (GQA group of g query heads), accumulated in float64 without storing
 activations:
   C_Q  = mean q q^T over the group's post-RoPE queries     -> key rotation (logit error weight)
-  mu_K = mean post-RoPE key                                  -> key centering
+  mu_K = mean post-RoPE key                                  -> key centering ("constant")
+  mu_pre = mean pre-RoPE key (RoPE undone with the model's tables) -> position-aware key
+         centering ("rope", rope.py); mu_K then holds the constant rest
   C_S  = mean O O^T over the group's attention outputs       -> value rotation; O = S V, so
          O^T O = V^T S^T S V exactly (centered by mu_V when values are centered)
   mu_V = mean value                                          -> value centering
@@ -27,12 +29,15 @@ from .activations import LayerSample, capture_samples, observing, quantized_atte
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
 from .corpus import load_calibration_text
 from .models import AttentionGeometry
+from .rope import RopeTable, RopeUnsupported, remove_rope, rotate_half
 from .rotation import compose
 
 log = logging.getLogger(__name__)
 
 CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80)
 SCOPES = ("per-head", "per-layer")
+KEY_CENTERINGS = ("auto", "rope", "constant", "off")
+ROPE_GAIN = 0.05  # "auto" picks position-aware centering when it cuts the probe's attention error by 5%
 
 
 @dataclass
@@ -42,7 +47,7 @@ class CalibrationSettings:
     group_size: int | None = None
     rotation_scope: str = "per-head"
     composition: str = "oscar"
-    center_keys: bool = True
+    key_centering: str = "auto"  # rope | constant | off, or auto: rope where it measurably helps
     center_values: bool = True
     clip: str = "fixed"  # "fixed" uses k_clip/v_clip; "fit" picks per layer/head from CLIP_CANDIDATES
     k_clip: float = DEFAULT_K_CLIP
@@ -51,6 +56,8 @@ class CalibrationSettings:
     probe_tokens: int = 512
 
     def __post_init__(self):
+        if self.key_centering not in KEY_CENTERINGS:
+            raise ValueError(f"key centering must be one of {KEY_CENTERINGS}")
         if self.rotation_scope not in SCOPES:
             raise ValueError(f"rotation scope must be one of {SCOPES}")
         if self.clip not in ("fixed", "fit"):
@@ -67,8 +74,9 @@ class CalibrationSettings:
 class Statistics:
     """Float64 running sums per layer and KV head."""
 
-    def __init__(self, geometry: AttentionGeometry):
+    def __init__(self, geometry: AttentionGeometry, rope: RopeTable | None = None):
         g = geometry
+        self.rope = rope
         shape_dd = (g.num_layers, g.num_kv_heads, g.head_dim, g.head_dim)
         shape_d = (g.num_layers, g.num_kv_heads, g.head_dim)
         self.geometry = g
@@ -77,6 +85,9 @@ class Statistics:
         self.o_sum = torch.zeros(shape_d, dtype=torch.float64)
         self.k_sum = torch.zeros(shape_d, dtype=torch.float64)
         self.v_sum = torch.zeros(shape_d, dtype=torch.float64)
+        self.k_pre_sum = torch.zeros(shape_d, dtype=torch.float64)  # RoPE undone
+        self.cos_sum = torch.zeros(g.num_layers, g.head_dim, dtype=torch.float64)  # over the keys' positions
+        self.sin_sum = torch.zeros(g.num_layers, g.head_dim, dtype=torch.float64)
         self.rows = torch.zeros(g.num_layers, dtype=torch.float64)  # query rows per KV head
         self.tokens = torch.zeros(g.num_layers, dtype=torch.float64)
 
@@ -91,21 +102,41 @@ class Statistics:
         self.o_sum[layer] += grouped_o.sum(1).cpu()
         self.k_sum[layer] += k.to(torch.float64).sum((0, 2)).cpu()
         self.v_sum[layer] += v.to(torch.float64).sum((0, 2)).cpu()
+        if self.rope is not None:  # calibration forwards start at position 0
+            cos, sin = (x.to(k.device, torch.float64) for x in self.rope(torch.arange(k.shape[2])))
+            self.k_pre_sum[layer] += remove_rope(k.to(torch.float64), cos, sin).sum((0, 2)).cpu()
+            self.cos_sum[layer] += b * cos.sum(0).cpu()
+            self.sin_sum[layer] += b * sin.sum(0).cpu()
         self.rows[layer] += grouped_q.shape[1]
         self.tokens[layer] += b * t
 
-    def moments(self, center_keys: bool, center_values: bool):
-        """(C_Q, C_S, mu_K, mu_V) per layer and KV head."""
+    def key_means(self, centering: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mu_K, mu_pre) per layer and KV head for a key centering "rope", "constant" or "off"."""
+        toks = self.tokens[:, None, None]
+        zeros = torch.zeros_like(self.k_sum)
+        if centering == "off":
+            return zeros, zeros
+        if centering == "constant":
+            return self.k_sum / toks, zeros
+        if self.rope is None:
+            raise RopeUnsupported("position-aware key centering needs the model's RoPE tables")
+        mu_pre = self.k_pre_sum / toks
+        # the constant rest: mean_p [k_p - RoPE_p(mu_pre)] = mu_K - mu_pre*E[cos] - rotate_half(mu_pre)*E[sin]
+        mean_offset = mu_pre * (self.cos_sum[:, None] / toks) + rotate_half(mu_pre) * (self.sin_sum[:, None] / toks)
+        return self.k_sum / toks - mean_offset, mu_pre
+
+    def moments(self, key_centering: str, center_values: bool):
+        """(C_Q, C_S, mu_K, mu_V, mu_pre) per layer and KV head."""
         rows = self.rows[:, None, None, None]
         toks = self.tokens[:, None, None]
         c_q = self.qq / rows
-        mu_k = self.k_sum / toks if center_keys else torch.zeros_like(self.k_sum)
+        mu_k, mu_pre = self.key_means(key_centering)
         mu_v = self.v_sum / toks if center_values else torch.zeros_like(self.v_sum)
         mean_o = self.o_sum / self.rows[:, None, None]
         # E[(O - mu)(O - mu)^T] = E[O O^T] - mu E[O]^T - E[O] mu^T + mu mu^T
         c_s = (self.oo / rows - mu_v[..., :, None] * mean_o[..., None, :] - mean_o[..., :, None] * mu_v[..., None, :]
                + mu_v[..., :, None] * mu_v[..., None, :])
-        return c_q, c_s, mu_k, mu_v
+        return c_q, c_s, mu_k, mu_v, mu_pre
 
 
 def token_sequences(tokenizer, texts: list[str], seq_len: int, count: int) -> list[torch.Tensor]:
@@ -142,12 +173,20 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     probe_ids, sequences = sequences[-1][:, :settings.probe_tokens], sequences[:-1]
 
     started = time.perf_counter()
-    stats = Statistics(geometry)
+    try:
+        rope = RopeTable(model, geometry.head_dim)
+    except RopeUnsupported as exc:
+        if settings.key_centering == "rope":
+            raise
+        log.info("no position-aware key centering: %s", exc)
+        rope = None
+    stats = Statistics(geometry, rope)
     with torch.no_grad(), observing(model, stats.add):
         for ids in tqdm(sequences, desc="calibrating", unit="seq", disable=not progress):
             model(ids.to(model.device), use_cache=False)
     rotations = fit_rotations(stats, settings, group_size)
     probe = capture_samples(model, probe_ids)
+    centering = choose_key_centering(rotations, stats, settings, probe)
     if settings.clip == "fit":
         fit_clip_ratios(rotations, probe, progress)
     table = error_table(rotations, probe)
@@ -159,7 +198,7 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
         "fingerprint": model_fingerprint(model),
         "calibration": {**asdict(settings), "group_size": group_size, "seq_len": seq_len,
                         "sequences": len(sequences), "tokens": int(stats.tokens[0]), "data": source,
-                        "seconds": round(time.perf_counter() - started, 1)},
+                        "seconds": round(time.perf_counter() - started, 1), "key_centering_choice": centering},
         "validation": {"probe_tokens": int(probe_ids.shape[1]), "attention_relative_error": table,
                        "proposed_layer_bits": proposed},
     }
@@ -168,7 +207,8 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
 
 def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: int) -> Rotations:
     g = stats.geometry
-    c_q, c_s, mu_k, mu_v = stats.moments(settings.center_keys, settings.center_values)
+    centering = "constant" if settings.key_centering == "auto" else settings.key_centering
+    c_q, c_s, mu_k, mu_v, mu_pre = stats.moments(centering, settings.center_values)
     if settings.rotation_scope == "per-layer":
         c_q, c_s = c_q.mean(1, keepdim=True), c_s.mean(1, keepdim=True)
     heads = c_q.shape[1]
@@ -184,12 +224,31 @@ def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: 
     clips = lambda c: torch.full((g.num_layers, g.num_kv_heads), c)  # noqa: E731
     return Rotations(out["k"][0], out["v"][0], out["k"][1], out["v"][1], mu_k.float(), mu_v.float(),
                      clips(settings.k_clip), clips(settings.v_clip),
-                     torch.full((g.num_layers,), 2, dtype=torch.int32), g, group_size)
+                     torch.full((g.num_layers,), 2, dtype=torch.int32), g, group_size, k_rope_mean=mu_pre.float())
+
+
+def choose_key_centering(rot: Rotations, stats: Statistics, settings: CalibrationSettings,
+                         probe: list[LayerSample]) -> dict:
+    """For ``key_centering="auto"``: switch ``rot`` to position-aware centering when that lowers the
+    mean INT2 attention error on the held-back probe by ROPE_GAIN.  Returns what was measured."""
+    if settings.key_centering != "auto" or stats.rope is None:
+        return {"chosen": settings.key_centering if settings.key_centering != "auto" else "constant"}
+    mu_k, mu_pre = stats.key_means("rope")
+    candidate = Rotations(**{**{n: getattr(rot, n) for n in Rotations.TENSORS}, "k_mean": mu_k.float(),
+                             "k_rope_mean": mu_pre.float()}, geometry=rot.geometry, group_size=rot.group_size)
+    layers = range(rot.geometry.num_layers)
+    errors = {name: sum(_layer_error(r, probe[i], i) for i in layers) / len(layers)
+              for name, r in (("constant", rot), ("rope", candidate))}
+    chosen = "rope" if errors["rope"] < (1 - ROPE_GAIN) * errors["constant"] else "constant"
+    if chosen == "rope":
+        rot.k_mean, rot.k_rope_mean = candidate.k_mean, candidate.k_rope_mean
+    return {"chosen": chosen, "probe_error": {k: round(v, 5) for k, v in errors.items()}}
 
 
 def _layer_error(rot: Rotations, sample: LayerSample, layer: int, k_clip=None, v_clip=None, **kwargs) -> float:
     return quantized_attention_error(
-        sample, rot.k_rotation[layer], rot.v_rotation[layer], rot.k_mean[layer], rot.v_mean[layer],
+        sample, rot.k_rotation[layer], rot.v_rotation[layer],
+        sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer]), rot.v_mean[layer],
         rot.k_clip[layer] if k_clip is None else k_clip, rot.v_clip[layer] if v_clip is None else v_clip,
         bits=2, group_size=rot.group_size, **kwargs)
 

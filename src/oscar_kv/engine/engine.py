@@ -110,8 +110,9 @@ class LLMEngine:
         group = config.group_size or template.rotations.group_size
         for layer in self.layers:
             layer.group_size = group
-            for name in ("k_rotation", "k_mean", "k_clip", "v_clip"):
-                setattr(layer, name, getattr(layer, name).to(self.device))
+            for name in ("k_rotation", "k_mean", "k_clip", "v_clip", "k_rope_mean"):
+                if getattr(layer, name) is not None:
+                    setattr(layer, name, getattr(layer, name).to(self.device))
         register_paged_attention()
         model.set_attn_implementation(ATTENTION_KEY)
         geometry = template.rotations.geometry
@@ -128,7 +129,8 @@ class LLMEngine:
         self.pool = PagePool(self.plan, self.device)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_prefix_caching)
-        self.kernel_status = kernel_support(self.pool, config.attention_backend)
+        self.kernel_status = kernel_support(self.pool, config.attention_backend,
+                                            rope_centered=template.rotations.key_centering == "rope")
         if config.attention_backend == "triton" and self.kernel_status is not None:
             raise ValueError(f"--attention-backend triton: {self.kernel_status}")
         self.runner = ModelRunner(model, self.pool, self.layers,

@@ -29,9 +29,10 @@ from .block_pool import PagePool
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
-def kernel_support(pool: PagePool, backend: str = "auto") -> str | None:
+def kernel_support(pool: PagePool, backend: str = "auto", rope_centered: bool = False) -> str | None:
     """None when the Triton kernels can serve this pool, else why not (for the start-up log).
-    ``backend``: "auto" (kernels on CUDA), "triton" (kernels wherever they run) or "torch" (never)."""
+    ``backend``: "auto" (kernels on CUDA), "triton" (kernels wherever they run) or "torch" (never).
+    ``rope_centered``: the artifact centers keys per position (rope.py)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
     if backend == "torch":
@@ -45,6 +46,8 @@ def kernel_support(pool: PagePool, backend: str = "auto") -> str | None:
     if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "the kernels need CUDA or TRITON_INTERPRET=1"
     s = pool.spec
+    if rope_centered and not s.quantizes:
+        return "the BF16 decode kernel does not add the position-aware key offset (the INT2 kernels do)"
     if s.quantizes and any(b != 2 for b in s.layer_bits):
         return "the artifact stores some layers at other than 2 bits (the kernels read INT2 codes only)"
     if s.head_dim < 64:
@@ -140,7 +143,7 @@ class DecodeStep:
         q = query[0].transpose(0, 1)  # [B, Hq, D]
         if self.view.pool.spec.quantizes:
             out = int2_decode(q, self.view, layer_idx, self.batch, layer.k_rotation, scaling,
-                              max_int2_pages=self.max_int2_pages)
+                              rope=_rope(layer, self.max_seq_len, q.device), max_int2_pages=self.max_int2_pages)
         else:
             p = self.view.pool
             out = bf16_decode(q, p.k_win[layer_idx], p.v_win[layer_idx], self.batch.block_table, self.batch.seq_lens,
@@ -172,6 +175,7 @@ class ExtendStep:
                                 torch.tensor(history_int2, dtype=torch.int32, device=dev))
         self.max_seqlen = max(st.num_tokens for st in steps)
         self.max_int2_pages = max(history_int2)
+        self.max_position = max(st.end for st in steps)
 
     def attend(self, layer_idx: int, layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                scaling: float) -> torch.Tensor:
@@ -180,9 +184,17 @@ class ExtendStep:
         from ..kernels.extend import int2_extend
 
         out = int2_extend(query[0].transpose(0, 1), _token_rows(keys), _token_rows(values), self.cu_seqlens,
-                          self.view, layer_idx, self.batch, layer.k_rotation, scaling, max_seqlen=self.max_seqlen,
+                          self.view, layer_idx, self.batch, layer.k_rotation, scaling,
+                          rope=_rope(layer, self.max_position, query.device), max_seqlen=self.max_seqlen,
                           max_int2_pages=self.max_int2_pages)
         return out.unsqueeze(0)
+
+
+def _rope(layer, positions: int, device):
+    """The kernels' ``rope`` argument for a layer whose keys are centered per position, else None."""
+    if layer.k_rope_mean is None:
+        return None
+    return layer.k_rope_mean, layer.rope.packed(positions, device)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:

@@ -109,6 +109,8 @@ class PagedForward:
     def __init__(self, pool: PagePool, layers: list[OscarCacheLayer], steps: list[ScheduledSeq],
                  kernels: PoolView | None = None):
         self.pool, self.layers, self.steps = pool, layers, steps
+        # position of every token of the step, in batch order (position-aware key centering needs it)
+        self.positions = torch.cat([torch.arange(st.start, st.end) for st in steps]).to(pool.device)
         # With kernels enabled, decode-only steps use the decode kernel and others the extend kernel.
         self.kernel_step = kernel_step(kernels, steps) if kernels is not None else None
         if self.kernel_step is not None:
@@ -184,7 +186,9 @@ class PagedForward:
         self.win_slot, self.int2_slot = slots[0], slots[1]
         # the stored keys come from write_kv's own float32 rotation unless the attention needs them too
         # or some token is quantized right away (its codes then come from the float64 rotation, as in _write)
-        self.fused_rotation = not self.kernel_step.reads_chunk and max(q, default=-1) < 0
+        # write_kv centers by a constant only: keys centered per position are rotated here (rotate_keys)
+        rope = any(layer.k_rope_mean is not None for layer in self.layers)
+        self.fused_rotation = not self.kernel_step.reads_chunk and max(q, default=-1) < 0 and not rope
         self.migrations = torch.tensor([src, dst], dtype=torch.int32).to(dev) if src else None
 
     # ---- per layer -----------------------------------------------------------------------------
@@ -192,7 +196,7 @@ class PagedForward:
         layer = self.layers[layer_idx]
         if self.kernel_step is not None:
             return self._attend_kernels(layer_idx, layer, query, key, value, scaling), None
-        keys = layer.rotate_keys(key)  # [1, H, N, D] float32, (k - mu_K) @ R_K
+        keys = layer.rotate_keys(key, self.positions)  # [1, H, N, D] float32, (k - offset) @ R_K
         values = value.float()
         self._write(layer_idx, layer, keys, values)
         hist_k, hist_v = self._gather(layer_idx, self.win_reads, self.q_reads)
@@ -208,7 +212,7 @@ class PagedForward:
             parts = [part for part in view.parts() if part[2] > part[1]]
             ks = [_heads_first(hist_k[part]) for part in parts]
             vs = [_heads_first(hist_v[part]) for part in parts]
-            k_all = torch.cat(ks + [keys[:, :, c0:c1]], 2)  # [1, H, n, D]
+            k_all = layer.restore_offsets(torch.cat(ks + [keys[:, :, c0:c1]], 2))  # [1, H, n, D], positions 0..n-1
             v_all = torch.cat(vs + [values[:, :, c0:c1]], 2)
             n = k_all.shape[2]
             q = q_rot[:, :, c0:c1].reshape(1, hkv, g * t, d)
@@ -247,7 +251,7 @@ class PagedForward:
             write_kv(self.view, li, k_rows, _unit_stride(v_rows), self.win_slot, self.int2_slot, layer.k_rotation,
                      layer.k_mean, ck, cv)
         else:
-            keys = layer.rotate_keys(key).to(wdt)  # [1, H, N, D], (k - mu_K) @ R_K in float64 as _write
+            keys = layer.rotate_keys(key, self.positions).to(wdt)  # [1, H, N, D] in float64 as _write
             write_kv(self.view, li, keys[0].transpose(0, 1), _unit_stride(v_rows), self.win_slot, self.int2_slot,
                      None, None, ck, cv)
         return keys, values

@@ -5,19 +5,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from ..activations import capture_samples
+from ..activations import capture_samples, observing
 from ..artifacts import Rotations
 from ..cache import CacheSettings, unprepare_model
 from ..calibrate import CalibrationSettings, Statistics, token_sequences
-from ..activations import observing
 from ..corpus import DEFAULT_CORPUS, load_calibration_text, read_text_file
 from ..models import AttentionGeometry
+from ..rope import RopeTable, RopeUnsupported
 from . import tasks
 from .report import write_report
 from .schemes import STANDARD, Scheme, ablation_schemes, standard_scheme
@@ -91,17 +91,24 @@ def _calibration_statistics(model, tokenizer, oscar: Rotations):
     cal = dict(oscar.manifest.get("calibration", {}))
     known = CalibrationSettings.__dataclass_fields__
     settings = CalibrationSettings(**{k: v for k, v in cal.items() if k in known})
+    # ablations change one choice of the artifact as shipped, so "auto" becomes what it chose
+    settings = replace(settings, key_centering=oscar.key_centering)
     data = cal.get("data", "")
     texts, _ = load_calibration_text(None if str(data).startswith("builtin:") or not data else str(data).split(","))
     seq_len = int(cal.get("seq_len", settings.seq_len))
     count = int(cal.get("sequences", 8))
-    stats = Statistics(AttentionGeometry.of(model.config))
+    geometry = AttentionGeometry.of(model.config)
+    try:
+        rope = RopeTable(model, geometry.head_dim)
+    except RopeUnsupported:
+        rope = None
+    stats = Statistics(geometry, rope)
     unprepare_model(model)
     sequences = token_sequences(tokenizer, texts, seq_len, count + 1)
     with torch.no_grad(), observing(model, stats.add):
         for ids in tqdm(sequences[:count], desc="calibration statistics", leave=False):
             model(ids, use_cache=False)
-    c_q, _, _, mu_v = stats.moments(settings.center_keys, settings.center_values)
+    c_q, _, _, mu_v, _ = stats.moments(settings.key_centering, settings.center_values)
     proxy = AuthorsValueProxy(c_q, mu_v)
     with torch.no_grad(), observing(model, proxy.add):
         for ids in tqdm(sequences[:count], desc="authors' value proxy", leave=False):

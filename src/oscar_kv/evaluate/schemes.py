@@ -99,8 +99,8 @@ def ablation_schemes(stats: Statistics, calibration: CalibrationSettings, oscar:
     proposed = oscar.manifest.get("validation", {}).get("proposed_layer_bits")
     out = [
         Scheme("oscar-no-windows", oscar, replace(base, sink_size=0, recent_size=0), "no BF16 sink or recent window"),
-        fitted("oscar-no-key-centering", "keys not centered", {"center_keys": False}),
-        fitted("oscar-no-centering", "neither keys nor values centered", {"center_keys": False, "center_values": False}),
+        fitted("oscar-no-key-centering", "keys not centered", {"key_centering": "off"}),
+        fitted("oscar-no-centering", "neither keys nor values centered", {"key_centering": "off", "center_values": False}),
         fitted("oscar-u-only", "eigenbasis U alone, no Hadamard", {"composition": "u"}),
         fitted("oscar-per-layer", "one rotation per layer (covariances averaged over heads)", {"rotation_scope": "per-layer"}),
         fitted("oscar-no-clip", "no clipping", {"k_clip": 1.0, "v_clip": 1.0}),
@@ -108,6 +108,11 @@ def ablation_schemes(stats: Statistics, calibration: CalibrationSettings, oscar:
         fitted(f"oscar-g{half}-no-pbr", f"group size {half} without bit-reversal placement (U.H_G)",
                {"composition": "u_h"}, group=half),
     ]
+    if stats.rope is not None:
+        other = "constant" if oscar.key_centering == "rope" else "rope"
+        out.append(fitted(f"oscar-{other}-key-centering", {"rope": "keys centered per position: k_p - RoPE_p(mu_pre)",
+                                                         "constant": "keys centered by one post-RoPE mean"}[other],
+                          {"key_centering": other}))
     if proxy_c_s is not None and oscar.scope == "per-head":
         out.append(Scheme("oscar-logit-proxy-cs", with_value_covariance(oscar, proxy_c_s), base,
                           "value rotation from the authors' proxy: sum_t (k_t^T C_Q k_t) v_t v_t^T"))

@@ -37,9 +37,10 @@ def stored_forms(layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tenso
     computed from the window-dtype copies, as the cache quantizes its stored BF16 rows.
     """
     wdt = layer.settings.window_dtype
-    k_exact = layer.rotate_keys(keys).to(wdt).float()
+    k_exact = layer.rotate_keys(keys, torch.arange(keys.shape[2], device=keys.device)).to(wdt).float()
     v_exact = values.to(wdt).float()
     if not layer.quantizes:
+        k_exact = layer.restore_offsets(k_exact)
         return k_exact, k_exact, v_exact, v_exact
     t = keys.shape[2]
     s0, p = layer.settings.sink_size, layer.settings.page_size
@@ -51,7 +52,7 @@ def stored_forms(layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tenso
                                                  torch.float32)
         v_q[:, :, body] = dequantize_rows(quantize_rows(v_exact[:, :, body], layer.bits, layer.group_size,
                                                         layer.v_clip[None, :, None]))
-    return k_exact, k_q, v_exact, v_q
+    return layer.restore_offsets(k_exact), layer.restore_offsets(k_q), v_exact, v_q
 
 
 def simulated_attention_from_forms(layer: OscarCacheLayer, query: torch.Tensor, forms, start: int = 0) -> torch.Tensor:

@@ -87,6 +87,26 @@ def _load_query(Q, R, b, h, stride_qb, stride_qh, stride_rh, qk_scale,
 
 
 @triton.jit
+def _load_rope_ab(abrow, rmask, HALF: tl.constexpr):
+    """Rows [M, HALF] a and b of the position-aware key offset (see ``rope_query_terms``)."""
+    offs_i = tl.arange(0, HALF)
+    a = tl.load(abrow + offs_i[None, :], mask=rmask, other=0.0)
+    b = tl.load(abrow + HALF + offs_i[None, :], mask=rmask, other=0.0)
+    return a, b
+
+
+@triton.jit
+def _rope_logits(ra, rb, CS, pos, valid, HALF: tl.constexpr):
+    """[M, N] logits q . RoPE_p(mu_pre) of keys at positions ``pos`` [N]: sum_i a_i cos(p t_i) + b_i sin(p t_i),
+    cos | sin read from the model's float32 table (rope.py), multiplied in float32 (exact add-back)."""
+    offs_i = tl.arange(0, HALF)
+    row = CS + pos.to(tl.int64)[None, :] * (2 * HALF) + offs_i[:, None]  # [HALF, N]
+    c = tl.load(row, mask=valid[None, :], other=0.0)
+    sn = tl.load(row + HALF, mask=valid[None, :], other=0.0)
+    return tl.dot(ra, c, input_precision="ieee") + tl.dot(rb, sn, input_precision="ieee")
+
+
+@triton.jit
 def _mm(a, b, acc, F32DOT: tl.constexpr):
     """a @ b + acc; F32DOT (interpreter only: its bf16 dot is broken) multiplies in float32."""
     if F32DOT:
@@ -97,9 +117,11 @@ def _mm(a, b, acc, F32DOT: tl.constexpr):
 
 @triton.jit
 def _bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, stride_wp,
-                D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr):
+                D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
+                ra=None, rb=None, CS=None, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1):
     """Online softmax over tokens [start, end) stored in BF16 window pages (logical page = t // P).
-    SPLITQ: the query is q + ql (bf16 hi and lo parts), two MMAs per tile."""
+    SPLITQ: the query is q + ql (bf16 hi and lo parts), two MMAs per tile.  ROPE: add the position-aware
+    key offset's logits (ra, rb, CS: _rope_logits)."""
     offs_d = tl.arange(0, D)
     for t0 in range(start, end, BLOCK):
         offs = t0 + tl.arange(0, BLOCK)
@@ -110,6 +132,8 @@ def _bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, stri
         s = _mm(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK], tl.float32), F32DOT)
         if SPLITQ:
             s = _mm(ql, tl.trans(k), s, F32DOT)
+        if ROPE:
+            s += _rope_logits(ra, rb, CS, offs, valid, HALF)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -159,13 +183,13 @@ def _bf16_decode_kernel(Q, R, Kw, Vw, BT, SL, PO, PL, qk_scale,
 
 
 @triton.jit
-def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, qk_scale,
+def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, CS, qk_scale,
                         stride_qb, stride_qh, stride_cp, stride_ch, stride_mp, stride_mh,
                         stride_wp, stride_wh, stride_bt, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                        chunk,
+                        stride_abb, stride_abh, chunk,
                         D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
                         GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                        USE_ASM: tl.constexpr, F32DOT: tl.constexpr, KT: tl.constexpr):
+                        USE_ASM: tl.constexpr, F32DOT: tl.constexpr, KT: tl.constexpr, ROPE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -177,6 +201,11 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, qk_scale,
     qrow = Q + b * stride_qb + (h * GQA + offs_h)[:, None] * stride_qh
     m_i = tl.full([H_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([H_PAD], tl.float32)
+    HALF: tl.constexpr = D // 2
+    ra = None
+    rb = None
+    if ROPE:
+        ra, rb = _load_rope_ab(AB + b * stride_abb + (h * GQA + offs_h)[:, None] * stride_abh, hm, HALF)
     if s == 0:
         # ---- BF16 window: sink [0, min(T, S0)) then recent [S0 + P*nq, T).  The query is split into
         # bf16 hi + lo parts (two MMAs) so the logits keep ~16 bits, like the float32 reference.
@@ -188,9 +217,9 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, qk_scale,
         acc = tl.zeros([H_PAD, D], tl.float32)
         head_off = h.to(tl.int64) * stride_wh
         m_i, l_i, acc = _bf16_range(qh, ql, m_i, l_i, acc, 0, tl.minimum(seq_len, SINK), bt_row, Kw, Vw,
-                                    head_off, stride_wp, D, P, BLOCK_W, F32DOT, True)
+                                    head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, CS, ROPE, HALF)
         m_i, l_i, acc = _bf16_range(qh, ql, m_i, l_i, acc, tl.minimum(SINK + nq * P, seq_len), seq_len, bt_row,
-                                    Kw, Vw, head_off, stride_wp, D, P, BLOCK_W, F32DOT, True)
+                                    Kw, Vw, head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, CS, ROPE, HALF)
         _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                        0, D, GQA, H_PAD, True)
     else:
@@ -263,6 +292,8 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, qk_scale,
                 sc += _grp_scores(q2, k2, o2, t2s, Km, mrow, valid, (2 * D4) // G, NG)
                 sc += _grp_scores(q3, k3, o3, t3s, Km, mrow, valid, (3 * D4) // G, NG)
                 sc = sc + bias[None, :]
+            if ROPE:
+                sc += _rope_logits(ra, rb, CS, SINK_PAGES * P + offs, valid, HALF)
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(sc - m_new[:, None])
@@ -428,8 +459,31 @@ def rotate_query(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads:
     return out
 
 
+def rope_query_terms(q: torch.Tensor, mu_pre: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per query row the coefficients that turn the position-aware key offset into logits:
+    q . RoPE_p(mu) = sum_i a_i cos(p t_i) + b_i sin(p t_i) (rotate-half layout, i < D/2) with
+    a_i = q_i mu_i + q_{i+D/2} mu_{i+D/2}, b_i = q_{i+D/2} mu_i - q_i mu_{i+D/2}.
+    q [..., Hq, D] unrotated, mu_pre [Hkv, D] -> float32 [..., Hq, D] = [a | b] * scale."""
+    hq, d = q.shape[-2:]
+    half = d // 2
+    mu = mu_pre.float().repeat_interleave(hq // mu_pre.shape[0], 0)  # each query head's KV head
+    qf = q.float()
+    a = qf[..., :half] * mu[:, :half] + qf[..., half:] * mu[:, half:]
+    b = qf[..., half:] * mu[:, :half] - qf[..., :half] * mu[:, half:]
+    return (torch.cat([a, b], -1) * scale).contiguous()
+
+
+def _rope_args(q: torch.Tensor, rope, scale: float):
+    """(AB, CS, stride_b, stride_h, on) for the kernels; ``rope``: (mu_pre [Hkv, D], cos_sin [N, D]) or None."""
+    if rope is None:
+        return q, q, 0, 0, False
+    mu_pre, cos_sin = rope
+    ab = rope_query_terms(q, mu_pre, scale)
+    return ab, cos_sin, ab.stride(0), ab.stride(-2), True
+
+
 def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatch,
-                k_rotation: torch.Tensor | None = None, sm_scale: float | None = None, *,
+                k_rotation: torch.Tensor | None = None, sm_scale: float | None = None, *, rope=None,
                 max_int2_pages: int | None = None, num_splits: int | None = None, block_n: int | None = None,
                 block_w: int = 64, num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
                 kt: bool = True, split_target: int | None = None, maxnreg: int | None = 128,
@@ -442,6 +496,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     code conversion on GPU, default on), kt (keys loaded transposed), split_target (INT2 programs per SM;
     default 4 when batch x KV heads <= 8, else 8: measured best at 128K, bs 1 and bs 8, H100 run v5),
     maxnreg (register cap per thread: 128 gives 4 programs per SM instead of 3).
+    ``rope``: (mu_pre [Hkv, D], cos|sin table [N, D] float32) when the keys were centered per position
+    (rope.py); the kernel adds q . RoPE_p(mu_pre) to every logit.  q must then be unrotated.
     """
     g = pool.geometry
     bsz, hq, d = q.shape
@@ -467,14 +523,15 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     bt = batch.block_table
     h_pad = triton.next_power_of_2(gqa)
     extra = {"maxnreg": maxnreg} if (maxnreg and not _INTERPRET) else {}
+    ab, cs, stride_abb, stride_abh, on = _rope_args(q, rope, sm_scale * LOG2E)
     _int2_decode_kernel[(bsz, h, ns + 1)](
-        qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, sm_scale * LOG2E,
+        qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, cs, sm_scale * LOG2E,
         qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
         kw.stride(0), kw.stride(1), bt.stride(0), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-        pl.stride(1), chunk,
+        pl.stride(1), stride_abb, stride_abh, chunk,
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_N=block_n,
-        BLOCK_W=block_w, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET, KT=kt, num_warps=num_warps,
-        num_stages=num_stages, **extra)
+        BLOCK_W=block_w, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET, KT=kt, ROPE=on,
+        num_warps=num_warps, num_stages=num_stages, **extra)
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     return _merge(po, pl, out)
 

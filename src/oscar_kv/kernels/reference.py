@@ -126,11 +126,28 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float |
     return torch.einsum("hmn,nhd->mhd", s.softmax(-1), vv).float()
 
 
+def with_rope_offsets(k: torch.Tensor, start: int, rope, k_rotation: torch.Tensor | None) -> torch.Tensor:
+    """Stored keys [T, H, D] of positions start.. with the position-aware offset RoPE_p(mu_pre) added back in
+    rotated space (rope.py); ``rope``: (mu_pre [H, D], cos|sin table [N, D]) or None."""
+    if rope is None or k.shape[0] == 0:
+        return k
+    from ..rope import key_offsets
+
+    mu_pre, table = rope
+    half = table.shape[1] // 2
+    rows = table[start:start + k.shape[0]].float()
+    cos, sin = rows[:, :half].repeat(1, 2), rows[:, half:].repeat(1, 2)
+    off = key_offsets(mu_pre.to(k.device), cos, sin)  # [H, T, D]
+    r = k_rotation.float().expand(k.shape[1], -1, -1) if k_rotation is not None else None
+    off_rot = torch.einsum("htd,hde->the", off, r) if r is not None else off.transpose(0, 1)
+    return k + off_rot
+
+
 def decode_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, batch: PagedBatch,
-                     k_rotation: torch.Tensor | None, sm_scale: float | None = None) -> torch.Tensor:
+                     k_rotation: torch.Tensor | None, sm_scale: float | None = None, rope=None) -> torch.Tensor:
     """One new query token per sequence: q [B, Hq, D] (unrotated) -> out float32 [B, Hq, D].
 
-    A sequence of length 0 yields zeros.
+    A sequence of length 0 yields zeros.  ``rope``: see with_rope_offsets.
     """
     g = pool.geometry
     qr = rotate_queries(q, k_rotation, g.num_kv_heads)
@@ -139,13 +156,13 @@ def decode_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, batch: Page
         if int(batch.seq_lens[b]) == 0:
             continue
         k, v = gather_sequence(pool, layer, batch, b)
-        out[b] = _attend(qr[b : b + 1], k, v, sm_scale)[0]
+        out[b] = _attend(qr[b : b + 1], with_rope_offsets(k, 0, rope, k_rotation), v, sm_scale)[0]
     return out
 
 
 def extend_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      cu_seqlens: torch.Tensor, batch: PagedBatch, k_rotation: torch.Tensor | None,
-                     sm_scale: float | None = None) -> torch.Tensor:
+                     sm_scale: float | None = None, rope=None) -> torch.Tensor:
     """Chunked prefill: sequence b's new tokens q[cu[b]:cu[b+1]] ([T, Hq, D], unrotated) attend to its cached
     history (``batch`` describes the cache *before* the chunk) and causally to the chunk itself, whose
     rotated keys/values k_new/v_new [T, H, D] are used exactly (as given, BF16).  Returns float32 [T, Hq, D].
@@ -163,7 +180,7 @@ def extend_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, k_new: torc
             kh, vh = gather_sequence(pool, layer, batch, b)
         else:
             kh = vh = k_new.new_zeros(0, g.num_kv_heads, g.head_dim).float()
-        k = torch.cat([kh, k_new[lo:hi].float()])
+        k = with_rope_offsets(torch.cat([kh, k_new[lo:hi].float()]), 0, rope, k_rotation)
         v = torch.cat([vh, v_new[lo:hi].float()])
         t0 = kh.shape[0]
         mask = torch.arange(t0 + n, device=q.device)[None, :] <= (t0 + torch.arange(n, device=q.device))[:, None]

@@ -1,0 +1,65 @@
+"""Position-aware key centering (rope.py) on the real SmolLM2: the tables are the model's own RoPE, the
+calibrated pre-RoPE mean is what the keys hold, and a QKV-bias model is where it pays off."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from oscar_kv.activations import capture_samples
+from oscar_kv.calibrate import CalibrationSettings, Statistics, calibrate
+from oscar_kv.models import AttentionGeometry
+from oscar_kv.rope import RopeTable, apply_rope, key_offsets, remove_rope
+
+SMALL = dict(calib_tokens=512, seq_len=256, probe_tokens=128)
+
+
+def test_rope_table_is_the_models_rope(model):
+    table = RopeTable(model, 64)
+    pos = torch.tensor([0, 5, 1500, 3])  # grows past its first size
+    cos, sin = table(pos)
+    ref_cos, ref_sin = model.model.rotary_emb(torch.zeros(1, 1), pos[None])
+    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+    x = torch.randn(2, 4, 64)  # [heads, positions, D]
+    _, k_ref = apply_rotary_pos_emb(x[None], x[None], cos[None], sin[None])
+    assert torch.allclose(apply_rope(x, cos, sin), k_ref[0], atol=1e-6)
+    assert torch.allclose(remove_rope(apply_rope(x, cos, sin), cos, sin), x, atol=1e-5)
+    assert torch.allclose(key_offsets(x[0], cos, sin), apply_rope(x[0][:, None], cos, sin))
+
+
+def test_statistics_hold_the_mean_pre_rope_key(model, tokenizer, held_out_ids):
+    ids = held_out_ids[:, :200]
+    samples = capture_samples(model, ids)
+    stats = Statistics(AttentionGeometry.of(model.config), RopeTable(model, 64))
+    for i, s in enumerate(samples):
+        stats.add(i, s.q[None], s.k[None], s.v[None], torch.zeros_like(s.q[None]))
+    mu_k, mu_pre = stats.key_means("rope")
+    cos, sin = s.rope
+    for i in (0, 17):
+        k = samples[i].k.double()
+        expect_pre = remove_rope(k, cos.double(), sin.double()).mean(1)
+        assert torch.allclose(mu_pre[i], expect_pre, atol=1e-6)
+        # the constant rest is the mean of what position-aware centering leaves
+        rest = (k - key_offsets(expect_pre, cos.double(), sin.double())).mean(1)
+        assert torch.allclose(mu_k[i], rest, atol=1e-6)
+    assert torch.allclose(stats.key_means("constant")[0][0], samples[0].k.double().mean(1), atol=1e-6)
+
+
+@pytest.fixture
+def biased_model(model):
+    """SmolLM2 with a Qwen2.5-like k_proj bias (large, pre-RoPE) in every layer; removed afterwards."""
+    g = torch.Generator().manual_seed(0)
+    for layer in model.model.layers:
+        k_proj = layer.self_attn.k_proj
+        k_proj.bias = torch.nn.Parameter(torch.randn(k_proj.out_features, generator=g) * 20)
+    yield model
+    for layer in model.model.layers:
+        layer.self_attn.k_proj.bias = None
+
+
+def test_rope_centering_rescues_a_key_bias_and_auto_picks_it(biased_model, tokenizer):
+    const = calibrate(biased_model, tokenizer, CalibrationSettings(key_centering="constant", **SMALL), progress=False)
+    auto = calibrate(biased_model, tokenizer, CalibrationSettings(**SMALL), progress=False)
+    choice = auto.manifest["calibration"]["key_centering_choice"]
+    assert choice["chosen"] == "rope" and auto.key_centering == "rope" and const.key_centering == "constant"
+    # a constant post-RoPE mean leaves the rotating bias in the INT2 range; per position it is gone
+    assert choice["probe_error"]["rope"] < 0.6 * choice["probe_error"]["constant"], choice
