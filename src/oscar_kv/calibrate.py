@@ -49,7 +49,8 @@ class CalibrationSettings:
     composition: str = "oscar"
     key_centering: str = "auto"  # rope | constant | off, or auto: rope where it measurably helps
     center_values: bool = True
-    clip: str = "fixed"  # "fixed" uses k_clip/v_clip; "fit" picks per layer/head from CLIP_CANDIDATES
+    # "fit" picks per layer/head from CLIP_CANDIDATES (measured better: README); "fixed" uses k_clip/v_clip
+    clip: str = "fit"
     k_clip: float = DEFAULT_K_CLIP
     v_clip: float = DEFAULT_V_CLIP
     layer_policy: str = "off"  # "auto" stores layers whose INT2 error is an outlier at INT4
