@@ -28,6 +28,13 @@ def test_inspect_prints_geometry_and_validation(artifact_dir):
     assert result.exit_code == 0, result.output
     assert "30 layers, 9 query heads, 3 KV heads, head dim 64" in result.output
     assert "eigen-spectrum" in result.output and "validation" in result.output
+    # the key-centering choice of --key-centering auto and what it measured
+    assert "key centering chosen" in result.output and '"probe_error"' in result.output
+
+
+def test_calibrate_refuses_an_unknown_key_centering(tmp_path):
+    result = runner.invoke(app, ["calibrate", "--key-centering", "sideways", "--output-dir", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "sideways" in result.output
 
 
 def test_inspect_rejects_a_truncated_artifact(artifact_dir, tmp_path):
