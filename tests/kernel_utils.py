@@ -25,9 +25,10 @@ def random_orthogonal(h, d, gen):
 
 
 def rope_case(h, d, n, gen, device=DEV, base=10000.0, scale=20.0):
-    """(mu_pre [h, d], cos|sin table [n, d] float32) as the kernels take them: a large pre-RoPE key mean
-    (as a k_proj bias gives) and the standard RoPE angles p * base^(-2i/d)."""
-    inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    table = torch.cat([ang.cos(), ang.sin()], 1)
-    return (torch.randn(h, d, generator=gen) * scale).to(device), table.to(device)
+    """rope.KernelRope as the kernels take it: a large pre-RoPE key mean (as a k_proj bias gives) and the
+    standard RoPE angles p * base^(-2i/d) for positions < n."""
+    from oscar_kv.rope import KernelRope
+
+    inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    mu = (torch.randn(h, d, generator=gen) * scale).to(device)
+    return KernelRope(mu, *KernelRope.tables(inv_freq, 1.0, n, device))

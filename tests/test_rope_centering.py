@@ -15,11 +15,20 @@ SMALL = dict(calib_tokens=512, seq_len=256, probe_tokens=128)
 
 def test_rope_table_is_the_models_rope(model):
     table = RopeTable(model, 64)
-    pos = torch.tensor([0, 5, 1500, 3])  # grows past its first size
+    pos = torch.tensor([0, 5, 1500, 3, 5000])  # grows past its first size
     cos, sin = table(pos)
     ref_cos, ref_sin = model.model.rotary_emb(torch.zeros(1, 1), pos[None])
-    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
-    x = torch.randn(2, 4, 64)  # [heads, positions, D]
+    # float64 angles here, float32 in the model: equal up to the model's angle rounding (~ulp(p * theta))
+    assert torch.allclose(cos, ref_cos[0], atol=2e-3) and torch.allclose(sin, ref_sin[0], atol=2e-3)
+    assert torch.allclose(cos[:2], ref_cos[0, :2], atol=1e-6)
+    # the kernels' tables hold the same numbers: per position, at multiples of 16, and the 16 steps between
+    kr = table.kernel_rope(torch.zeros(3, 64), 5000)
+    assert torch.equal(kr.table[pos], torch.cat([cos[:, :32], sin[:, :32]], 1))
+    assert torch.equal(kr.base[312], kr.table[312 * 16])
+    v = 5
+    assert torch.allclose(kr.steps[0::2, v], kr.table[v, :32], atol=1e-7)
+    assert torch.allclose(kr.steps[1::2, v], -kr.table[v, 32:], atol=1e-7)
+    x = torch.randn(2, 5, 64)  # [heads, positions, D]
     _, k_ref = apply_rotary_pos_emb(x[None], x[None], cos[None], sin[None])
     assert torch.allclose(apply_rope(x, cos, sin), k_ref[0], atol=1e-6)
     assert torch.allclose(remove_rope(apply_rope(x, cos, sin), cos, sin), x, atol=1e-5)

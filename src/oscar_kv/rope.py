@@ -7,14 +7,20 @@ drowns.  With ``key_centering="rope"`` the cache stores k_p - RoPE_p(mu_pre) (mu
 mean pre-RoPE key) and attention adds q . RoPE_p(mu_pre) back exactly; unlike a constant offset it
 depends on the key's position, so it does not cancel in softmax.
 
-The model's own rotary module supplies cos/sin, so any RoPE variant transformers implements (scaled,
-YaRN, Llama-3) is reproduced bit for bit.  RoPE in the rotate-half layout over the full head dim is
-required; other layouts are refused.
+The model's rotary module supplies the frequencies and scaling, so static RoPE variants (scaled, YaRN,
+Llama-3) are followed; the angles p * theta are taken in float64, so the offset is the same function of
+the position wherever it is computed (write side in torch, kernels).  RoPE in the rotate-half layout over
+the full head dim is required; other layouts, and RoPE that changes with the sequence, are refused.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+STEP = 16  # the decode kernel rebuilds RoPE angles in steps of 16 positions (KernelRope)
+TILE_MARGIN = 1024  # table rows beyond the last position (the largest kernel tile)
 
 
 class RopeUnsupported(ValueError):
@@ -50,41 +56,83 @@ def find_rotary(model):
     return rotary
 
 
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """float64 angles p * theta_i [T, D/2]."""
+    return positions.double()[:, None] * inv_freq.double()[None, :]
+
+
+@dataclass
+class KernelRope:
+    """What the INT2 kernels take for position-aware centering (kernels/decode.py)."""
+
+    mu_pre: torch.Tensor  # [Hkv, D]
+    table: torch.Tensor  # [N, D] float32: cos | sin of p * theta_i (times the RoPE scaling), p < N
+    base: torch.Tensor  # [N / STEP + 1, D] float32: the same at p = 0, STEP, 2 STEP, ...
+    steps: torch.Tensor  # [D, STEP] float32: rows 2i, 2i+1 = cos(v theta_i), -sin(v theta_i), v < STEP
+
+    @staticmethod
+    def tables(inv_freq: torch.Tensor, scaling: float, n: int, device) -> tuple[torch.Tensor, ...]:
+        """(table, base, steps) for positions < n + TILE_MARGIN (a kernel tile may run past the last
+        position; its extra rows are read, then masked), float64 angles."""
+        n = -(-(max(n, 1) + TILE_MARGIN) // STEP) * STEP
+        ang = rope_angles(torch.arange(n), inv_freq)
+        table = (torch.cat([ang.cos(), ang.sin()], 1) * scaling).float()
+        step = rope_angles(torch.arange(STEP), inv_freq)  # [STEP, D/2]
+        steps = torch.stack([step.cos(), -step.sin()], -1).reshape(STEP, -1).T.float()  # [D, STEP] interleaved
+        return table.to(device), table[::STEP].contiguous().to(device), steps.contiguous().to(device)
+
+
 class RopeTable:
-    """float32 cos/sin of the model's rotary embedding by position, grown on demand, shared by all layers."""
+    """float32 cos/sin of the model's RoPE by position (float64 angles), grown on demand, shared by all layers."""
 
     def __init__(self, model, head_dim: int):
         self.rotary, self.head_dim = find_rotary(model), head_dim
-        self.cos = self.sin = None
-        self._packed = None
+        inv_freq = getattr(self.rotary, "inv_freq", None)
+        if inv_freq is None or 2 * inv_freq.numel() != head_dim:
+            raise RopeUnsupported(f"the rotary embedding does not rotate all {head_dim} channels in pairs; "
+                                  "position-aware key centering needs full-dimension RoPE")
+        self.inv_freq = inv_freq.detach().double().cpu()
+        self.scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
+        self._check()
+        self.cos = self.sin = None  # float32 on the CPU; device copies in _on
+        self._on: dict = {}
+        self._kernel: dict = {}
+
+    @torch.no_grad()
+    def _check(self) -> None:
+        """The model's own cos/sin must be this table's (up to its float32 angles) on the first positions."""
+        device = self.rotary.inv_freq.device
+        pos = torch.arange(64, device=device)
+        cos, sin = self.rotary(torch.zeros(1, 1, device=device, dtype=torch.float32), pos[None])
+        mine_cos, mine_sin = self._tables(64)
+        if cos.shape[-1] != self.head_dim or not (torch.allclose(cos[0].cpu().float(), mine_cos, atol=1e-5) and
+                                                  torch.allclose(sin[0].cpu().float(), mine_sin, atol=1e-5)):
+            raise RopeUnsupported("the rotary embedding is not a static rotate-half RoPE")
+
+    def _tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ang = rope_angles(torch.arange(n), self.inv_freq)
+        emb = torch.cat([ang, ang], -1)
+        return (emb.cos() * self.scaling).float(), (emb.sin() * self.scaling).float()
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] float32 for ``positions`` [T] (on the positions' device)."""
         need = int(positions.max()) + 1 if positions.numel() else 0
         if self.cos is None or self.cos.shape[0] < need:
-            self._grow(max(need, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024))
-        idx = positions.to(self.cos.device)
-        return self.cos[idx].to(positions.device), self.sin[idx].to(positions.device)
+            n = max(need, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
+            self.cos, self.sin = self._tables(n)
+        dev = positions.device
+        cos, sin = self._on.get(dev, (None, None))
+        if cos is None or cos.shape[0] < self.cos.shape[0]:
+            cos, sin = self.cos.to(dev), self.sin.to(dev)
+            self._on[dev] = (cos, sin)
+        return cos[positions], sin[positions]
 
-    def packed(self, n: int, device) -> torch.Tensor:
-        """The kernels' table: float32 [>= n, D], cos | sin of the first D/2 channels (the rotate-half layout
-        repeats them in the second half)."""
-        if self._packed is None or self._packed.shape[0] < n or self._packed.device != torch.device(device):
-            if self.cos is None or self.cos.shape[0] < n:
-                self(torch.tensor([max(n - 1, 0)]))
-            half = self.head_dim // 2
-            if not (torch.equal(self.cos[:, :half], self.cos[:, half:]) and
-                    torch.equal(self.sin[:, :half], self.sin[:, half:])):
-                raise RopeUnsupported("the rotary embedding is not in the rotate-half layout")
-            self._packed = torch.cat([self.cos[:, :half], self.sin[:, :half]], 1).to(device).contiguous()
-        return self._packed
-
-    @torch.no_grad()
-    def _grow(self, n: int) -> None:
-        device = next(self.rotary.buffers()).device
-        probe = torch.zeros(1, 1, device=device, dtype=torch.float32)
-        cos, sin = self.rotary(probe, torch.arange(n, device=device)[None])
-        if cos.shape[-1] != self.head_dim:
-            raise RopeUnsupported(f"the rotary embedding covers {cos.shape[-1]} of {self.head_dim} channels; "
-                                  "position-aware key centering needs full-dimension RoPE")
-        self.cos, self.sin = cos[0].float(), sin[0].float()
+    def kernel_rope(self, mu_pre: torch.Tensor, n: int) -> KernelRope:
+        """The kernels' argument for positions < n; the tables are shared by all layers, grown on demand."""
+        dev = mu_pre.device
+        hit = self._kernel.get(dev)
+        if hit is None or hit[0].shape[0] < n:
+            grow = max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 1024)
+            hit = KernelRope.tables(self.inv_freq, self.scaling, grow, dev)
+            self._kernel[dev] = hit
+        return KernelRope(mu_pre, *hit)

@@ -117,13 +117,6 @@ def _fill_pool(pool, gen_device_seed: int = 0):
         w.normal_()
 
 
-def _rope_table(n: int, d: int, device, base: float = 1e6) -> torch.Tensor:
-    """cos | sin [n, d] float32 of standard RoPE (Qwen3's base), the int2 kernels' ``rope`` table."""
-    ang = torch.arange(n, device=device, dtype=torch.float32)[:, None] * \
-        base ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)[None, :]
-    return torch.cat([ang.cos(), ang.sin()], 1)
-
-
 def int2_bytes(geom, bs: int, ctx: int) -> int:
     """Bytes an INT2 decode call must read: codes + scale/min of history, BF16 sink/recent, q, out."""
     nq_tok = geom.int2_pages_for(ctx) * geom.page_size
@@ -180,6 +173,7 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
 
     from ..kernels.decode import bf16_decode, int2_decode
     from ..kernels.layout import PagedKVPool, PoolGeometry
+    from ..rope import KernelRope
 
     if not torch.cuda.is_available():
         raise SystemExit("the attention benchmark needs a CUDA GPU")
@@ -243,7 +237,9 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
                                                                         **var))
             row["int2_eager_ms"] = _bench(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, **var))
             # keys centered per position (QKV-bias models, rope.py): the kernel adds q . RoPE_p(mu_pre) per key
-            rope = (torch.randn(hkv, d, device=device) * 20, _rope_table(ctx, d, device))
+            rope = KernelRope(torch.randn(hkv, d, device=device) * 20,
+                              *KernelRope.tables(1e6 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d), 1.0, ctx,
+                                                 device))
             row["int2_rope_ms"] = _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, rope=rope, max_int2_pages=mp,
                                                                   **var))
             del pool, batch

@@ -163,8 +163,8 @@ class LLMEngine:
         backend = ("Triton kernels (paged decode; extend for prefill chunks)" if self.kernel_status is None
                    else f"torch reference ({self.kernel_status})")
         if self.kernel_status is None and any(layer.k_rope_mean is not None for layer in self.layers):
-            backend += ("; keys centered per position: the kernels add that term from a cos/sin table, "
-                        "3-8x slower decode attention at 32K-128K on an H100 (benchmarks/NOTES.md); "
+            backend += ("; keys centered per position: the kernels add that term, ~2.2x the decode attention "
+                        "time of constant centering on an H100 (benchmarks/NOTES.md, run R3); "
                         "calibrate with --key-centering constant for full kernel speed")
         lines = [f"KV cache: {scheme}", f"attention: {backend}",
                  f"KV pool: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "

@@ -107,6 +107,32 @@ def _rope_logits(ra, rb, CS, pos, valid, HALF: tl.constexpr):
 
 
 @triton.jit
+def _rope_logits_tiled(ra, rb, BASE, STEPS, p0, N: tl.constexpr, HALF: tl.constexpr, F32DOT: tl.constexpr):
+    """_rope_logits for the N positions p0 .. p0 + N - 1 (p0 and N multiples of 16) without a per-position
+    table: with p = p0 + 16u + v, a cos(p t) + b sin(p t) = Re(W_u e^{i v t}), W_u = (a - ib) e^{i (p0+16u) t}.
+    W needs one table row per 16 positions (BASE: cos | sin at multiples of 16); the sum over the D/2 pairs
+    and the 16 v's is one [G*N/16, D] x [D, 16] MMA against STEPS (rows 2i, 2i+1: cos(v t_i), -sin(v t_i)),
+    at ~float32 precision (3xTF32)."""
+    U: tl.constexpr = N // 16
+    G: tl.constexpr = ra.shape[0]
+    offs_u = tl.arange(0, U)
+    offs_i = tl.arange(0, HALF)
+    row = BASE + (p0 // 16 + offs_u).to(tl.int64)[:, None] * (2 * HALF) + offs_i[None, :]
+    c0 = tl.load(row)[None, :, :]  # [1, U, HALF]
+    s0 = tl.load(row + HALF)[None, :, :]
+    a = ra[:, None, :]
+    b = rb[:, None, :]
+    x = tl.reshape(tl.join(a * c0 + b * s0, a * s0 - b * c0), (G * U, 2 * HALF))  # re, im interleaved per pair
+    offs_k = tl.arange(0, 2 * HALF)
+    f = tl.load(STEPS + offs_k[:, None] * 16 + tl.arange(0, 16)[None, :])
+    if F32DOT:
+        out = tl.dot(x, f)
+    else:
+        out = tl.dot(x, f, input_precision="tf32x3")
+    return tl.reshape(out, (G, N))
+
+
+@triton.jit
 def _mm(a, b, acc, F32DOT: tl.constexpr):
     """a @ b + acc; F32DOT (interpreter only: its bf16 dot is broken) multiplies in float32."""
     if F32DOT:
@@ -118,10 +144,12 @@ def _mm(a, b, acc, F32DOT: tl.constexpr):
 @triton.jit
 def _bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, stride_wp,
                 D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
-                ra=None, rb=None, CS=None, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1):
+                ra=None, rb=None, CS=None, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
+                BASE=None, STEPS=None, TILED: tl.constexpr = False):
     """Online softmax over tokens [start, end) stored in BF16 window pages (logical page = t // P).
     SPLITQ: the query is q + ql (bf16 hi and lo parts), two MMAs per tile.  ROPE: add the position-aware
-    key offset's logits (ra, rb, CS: _rope_logits)."""
+    key offset's logits (ra, rb, CS: _rope_logits; TILED: _rope_logits_tiled from BASE / STEPS, start and
+    BLOCK multiples of 16)."""
     offs_d = tl.arange(0, D)
     for t0 in range(start, end, BLOCK):
         offs = t0 + tl.arange(0, BLOCK)
@@ -133,7 +161,10 @@ def _bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, stri
         if SPLITQ:
             s = _mm(ql, tl.trans(k), s, F32DOT)
         if ROPE:
-            s += _rope_logits(ra, rb, CS, offs, valid, HALF)
+            if TILED:
+                s += _rope_logits_tiled(ra, rb, BASE, STEPS, t0, BLOCK, HALF, F32DOT)
+            else:
+                s += _rope_logits(ra, rb, CS, offs, valid, HALF)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -183,7 +214,7 @@ def _bf16_decode_kernel(Q, R, Kw, Vw, BT, SL, PO, PL, qk_scale,
 
 
 @triton.jit
-def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, CS, qk_scale,
+def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, BASE, STEPS, qk_scale,
                         stride_qb, stride_qh, stride_cp, stride_ch, stride_mp, stride_mh,
                         stride_wp, stride_wh, stride_bt, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                         stride_abb, stride_abh, chunk,
@@ -217,9 +248,11 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, CS, q
         acc = tl.zeros([H_PAD, D], tl.float32)
         head_off = h.to(tl.int64) * stride_wh
         m_i, l_i, acc = _bf16_range(qh, ql, m_i, l_i, acc, 0, tl.minimum(seq_len, SINK), bt_row, Kw, Vw,
-                                    head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, CS, ROPE, HALF)
+                                    head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, None, ROPE, HALF,
+                                    BASE, STEPS, True)
         m_i, l_i, acc = _bf16_range(qh, ql, m_i, l_i, acc, tl.minimum(SINK + nq * P, seq_len), seq_len, bt_row,
-                                    Kw, Vw, head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, CS, ROPE, HALF)
+                                    Kw, Vw, head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, None, ROPE, HALF,
+                                    BASE, STEPS, True)
         _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                        0, D, GQA, H_PAD, True)
     else:
@@ -293,7 +326,7 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, CS, q
                 sc += _grp_scores(q3, k3, o3, t3s, Km, mrow, valid, (3 * D4) // G, NG)
                 sc = sc + bias[None, :]
             if ROPE:
-                sc += _rope_logits(ra, rb, CS, SINK_PAGES * P + offs, valid, HALF)
+                sc += _rope_logits_tiled(ra, rb, BASE, STEPS, SINK_PAGES * P + t0, BLOCK_N, HALF, F32DOT)
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(sc - m_new[:, None])
@@ -473,13 +506,15 @@ def rope_query_terms(q: torch.Tensor, mu_pre: torch.Tensor, scale: float) -> tor
     return (torch.cat([a, b], -1) * scale).contiguous()
 
 
-def _rope_args(q: torch.Tensor, rope, scale: float):
-    """(AB, CS, stride_b, stride_h, on) for the kernels; ``rope``: (mu_pre [Hkv, D], cos_sin [N, D]) or None."""
+def _rope_args(q: torch.Tensor, rope, scale: float, positions: int = 0):
+    """(AB, stride_b, stride_h, on) for the kernels; ``rope``: a rope.KernelRope or None.  ``positions``: the
+    kernel may read table rows up to this position (checked against the table)."""
     if rope is None:
-        return q, q, 0, 0, False
-    mu_pre, cos_sin = rope
-    ab = rope_query_terms(q, mu_pre, scale)
-    return ab, cos_sin, ab.stride(0), ab.stride(-2), True
+        return q, 0, 0, False
+    if rope.table.shape[0] < positions:
+        raise ValueError(f"the RoPE table covers {rope.table.shape[0]} positions, the kernel reads {positions}")
+    ab = rope_query_terms(q, rope.mu_pre, scale)
+    return ab, ab.stride(0), ab.stride(-2), True
 
 
 def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatch,
@@ -496,8 +531,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     code conversion on GPU, default on), kt (keys loaded transposed), split_target (INT2 programs per SM;
     default 4 when batch x KV heads <= 8, else 8: measured best at 128K, bs 1 and bs 8, H100 run v5),
     maxnreg (register cap per thread: 128 gives 4 programs per SM instead of 3).
-    ``rope``: (mu_pre [Hkv, D], cos|sin table [N, D] float32) when the keys were centered per position
-    (rope.py); the kernel adds q . RoPE_p(mu_pre) to every logit.  q must then be unrotated.
+    ``rope`` (rope.KernelRope) when the keys were centered per position: the kernel adds q . RoPE_p(mu_pre)
+    to every logit.  q must then be unrotated, and the page size a multiple of 16.
     """
     g = pool.geometry
     bsz, hq, d = q.shape
@@ -522,10 +557,15 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
     bt = batch.block_table
     h_pad = triton.next_power_of_2(gqa)
-    extra = {"maxnreg": maxnreg} if (maxnreg and not _INTERPRET) else {}
-    ab, cs, stride_abb, stride_abh, on = _rope_args(q, rope, sm_scale * LOG2E)
+    # the position-aware term needs more registers: capped at 128 it spilled (2.5-6x slower, NOTES.md run R2)
+    extra = {"maxnreg": maxnreg} if (maxnreg and not _INTERPRET and rope is None) else {}
+    if rope is not None and (g.page_size % 16 or block_n % 16 or block_w % 16):
+        raise ValueError("position-aware centering in the decode kernel needs page and block sizes that are multiples of 16")
+    reach = g.sink_pages * g.page_size + max_int2_pages * g.page_size + g.recent_size + g.page_size + block_n + block_w
+    ab, stride_abb, stride_abh, on = _rope_args(q, rope, sm_scale * LOG2E, reach)
+    base, steps = (rope.base, rope.steps) if rope is not None else (q, q)
     _int2_decode_kernel[(bsz, h, ns + 1)](
-        qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, cs, sm_scale * LOG2E,
+        qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, base, steps, sm_scale * LOG2E,
         qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
         kw.stride(0), kw.stride(1), bt.stride(0), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
         pl.stride(1), stride_abb, stride_abh, chunk,

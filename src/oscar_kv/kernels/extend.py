@@ -329,8 +329,8 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
     with one quantization group per head, 32 with several: sm_90 builds at 4 warps then fit in 255
     registers without spilling), num_warps / num_stages, use_asm (PTX code conversion on GPU),
     split_query (bf16 hi + lo query for the BF16 parts; off: one MMA, ~5x the logit error).
-    ``rope``: (mu_pre [Hkv, D], cos|sin table [N, D]) when keys are centered per position (decode.int2_decode);
-    q must then be unrotated.
+    ``rope`` (rope.KernelRope) when keys are centered per position (decode.int2_decode); q must then be
+    unrotated.  This kernel reads the per-position table (its query rows share each key tile).
     """
     g = pool.geometry
     t, hq, d = q.shape
@@ -376,7 +376,8 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
     kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
     bt = batch.block_table
     cu32 = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    ab, cs, stride_abt, stride_abh, on = _rope_args(q, rope, sm_scale * LOG2E)
+    ab, stride_abt, stride_abh, on = _rope_args(q, rope, sm_scale * LOG2E)
+    cs = rope.table if rope is not None else q
     _int2_extend_kernel[(num_tiles, bsz, h * (ns + 1))](
         qr, k_new, v_new, cu32, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, out, po, pl, ab, cs,
         sm_scale * LOG2E, qr.stride(0), qr.stride(1), stride_abt, stride_abh, k_new.stride(0), k_new.stride(1),

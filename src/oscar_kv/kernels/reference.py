@@ -128,12 +128,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float |
 
 def with_rope_offsets(k: torch.Tensor, start: int, rope, k_rotation: torch.Tensor | None) -> torch.Tensor:
     """Stored keys [T, H, D] of positions start.. with the position-aware offset RoPE_p(mu_pre) added back in
-    rotated space (rope.py); ``rope``: (mu_pre [H, D], cos|sin table [N, D]) or None."""
+    rotated space (rope.py); ``rope``: a rope.KernelRope or None."""
     if rope is None or k.shape[0] == 0:
         return k
     from ..rope import key_offsets
 
-    mu_pre, table = rope
+    mu_pre, table = rope.mu_pre, rope.table
     half = table.shape[1] // 2
     rows = table[start:start + k.shape[0]].float()
     cos, sin = rows[:, :half].repeat(1, 2), rows[:, half:].repeat(1, 2)
