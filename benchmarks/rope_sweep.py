@@ -1,3 +1,5 @@
+"""Sweep of the decode kernel's position-aware path at 128K (H100): tile size, warps, register cap vs plain INT2.
+Run on the device: PYTHONPATH=src python3 benchmarks/rope_sweep.py (NOTES.md, run R2)."""
 import torch, itertools
 from oscar_kv.bench.attention import _mixed_batch, _fill_pool, _orthogonal, _bench_call, GEOMETRY
 from oscar_kv.kernels.decode import int2_decode
