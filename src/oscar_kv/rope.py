@@ -96,6 +96,7 @@ class RopeTable:
         self._check()
         self.cos = self.sin = None  # float32 on the CPU; device copies in _on
         self._on: dict = {}
+        self._last = None  # (positions, cos, sin) of the latest call
         self._kernel: dict = {}
 
     @torch.no_grad()
@@ -115,7 +116,10 @@ class RopeTable:
         return (emb.cos() * self.scaling).float(), (emb.sin() * self.scaling).float()
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] float32 for ``positions`` [T] (on the positions' device)."""
+        """cos, sin [T, D] float32 for ``positions`` [T] (on the positions' device).  Every layer of a step
+        asks with the same tensor: the answer is kept for it (no device sync, no gather per layer)."""
+        if self._last is not None and self._last[0] is positions:
+            return self._last[1], self._last[2]
         need = int(positions.max()) + 1 if positions.numel() else 0
         if self.cos is None or self.cos.shape[0] < need:
             n = max(need, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
@@ -125,7 +129,8 @@ class RopeTable:
         if cos is None or cos.shape[0] < self.cos.shape[0]:
             cos, sin = self.cos.to(dev), self.sin.to(dev)
             self._on[dev] = (cos, sin)
-        return cos[positions], sin[positions]
+        self._last = (positions, cos[positions], sin[positions])
+        return self._last[1], self._last[2]
 
     def kernel_rope(self, mu_pre: torch.Tensor, n: int) -> KernelRope:
         """The kernels' argument for positions < n; the tables are shared by all layers, grown on demand."""

@@ -109,7 +109,7 @@ class PagedForward:
     def __init__(self, pool: PagePool, layers: list[OscarCacheLayer], steps: list[ScheduledSeq],
                  kernels: PoolView | None = None):
         self.pool, self.layers, self.steps = pool, layers, steps
-        # position of every token of the step, in batch order (position-aware key centering needs it)
+        # position of every token of the step, in batch order: the position ids, and position-aware key centering
         self.positions = torch.cat([torch.arange(st.start, st.end) for st in steps]).to(pool.device)
         # With kernels enabled, decode-only steps use the decode kernel and others the extend kernel.
         self.kernel_step = kernel_step(kernels, steps) if kernels is not None else None
@@ -331,12 +331,11 @@ class ModelRunner:
         if self.model.config._attn_implementation != ATTENTION_KEY:  # someone ran generate() on the model
             self.model.set_attn_implementation(ATTENTION_KEY)
         fwd = PagedForward(self.pool, self.layers, steps, self.kernels)
-        ids, positions = [], []
+        ids = []
         for st in steps:
             ids += st.seq.tokens[st.start:st.end]
-            positions += range(st.start, st.end)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        position_ids = fwd.positions.to(self.device)[None]  # the step's positions, built once by the plan
         hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                   oscar_paged=fwd).last_hidden_state
         sampling = [st for st in steps if st.samples]
