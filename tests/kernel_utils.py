@@ -24,11 +24,14 @@ def random_orthogonal(h, d, gen):
     return qm.float()
 
 
-def rope_case(h, d, n, gen, device=DEV, base=10000.0, scale=20.0):
+def rope_case(h, d, n, gen, device=DEV, base=10000.0, scale=20.0, live=None):
     """rope.KernelRope as the kernels take it: a large pre-RoPE key mean (as a k_proj bias gives) and the
-    standard RoPE angles p * base^(-2i/d) for positions < n."""
-    from oscar_kv.rope import KernelRope
+    standard RoPE angles p * base^(-2i/d) for positions < n.  ``live``: that many random channel pairs per
+    head are nonzero, as calibration keeps them (None: all)."""
+    from oscar_kv.rope import KernelRope, keep_pairs, random_pairs
 
     inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    mu = (torch.randn(h, d, generator=gen) * scale).to(device)
-    return KernelRope(mu, *KernelRope.tables(inv_freq, 1.0, n, device))
+    mu = torch.randn(h, d, generator=gen) * scale
+    if live is not None:
+        mu = keep_pairs(mu, random_pairs(h, d // 2, live, gen))
+    return KernelRope.build(mu.to(device), inv_freq, 1.0, n)

@@ -9,6 +9,7 @@ from oscar_kv.artifacts import Rotations
 from oscar_kv.cache import CacheSettings, OscarCache, OscarCacheLayer, oscar_attention, unprepare_model
 from oscar_kv.evaluate.harness import EvalConfig, run_eval
 from oscar_kv.evaluate.schemes import KIVI_GROUP, standard_scheme
+from oscar_kv.evaluate import simulate
 from oscar_kv.evaluate.simulate import simulated_attention_from_forms, simulated_logits, stored_forms
 from oscar_kv.models import AttentionGeometry
 
@@ -17,17 +18,21 @@ class FakeAttention(torch.nn.Module):
     layer_idx = 0
 
 
-@pytest.mark.parametrize("key_axis", ["token", "channel"])
-def test_simulated_attention_equals_the_cache_layer(key_axis):
-    """Same inputs, one token at a time through the real layer vs one simulated pass."""
+@pytest.mark.parametrize("key_axis,block,windows", [("token", 256, (8, 16)), ("channel", 256, (8, 16)),
+                                                    ("token", 7, (8, 16)), ("token", 32, (8, 16)),
+                                                    ("token", 13, (0, 0)), ("channel", 5, (8, 0))])
+def test_simulated_attention_equals_the_cache_layer(key_axis, block, windows, monkeypatch):
+    """Same inputs, one token at a time through the real layer vs one simulated pass, with query blocks
+    that do and do not align with pages, and without windows (the band then reaches the diagonal)."""
+    monkeypatch.setattr(simulate, "QUERY_BLOCK", block)
     g = torch.Generator().manual_seed(3)
     hq, hkv, t, d = 4, 2, 90, 16
     q = torch.randn(1, hq, t, d, generator=g)
     k = torch.randn(1, hkv, t, d, generator=g) * torch.linspace(0.2, 4, d)
     v = torch.randn(1, hkv, t, d, generator=g)
     rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, dtype=torch.float64))[0].float()
-    settings = CacheSettings("int2", sink_size=8, recent_size=16, page_size=8, window_dtype=torch.float32,
-                             key_axis=key_axis)
+    settings = CacheSettings("int2", sink_size=windows[0], recent_size=windows[1], page_size=8,
+                             window_dtype=torch.float32, key_axis=key_axis)
 
     def new_layer():
         return OscarCacheLayer(settings, 2, 8, rot, torch.randn(hkv, d, generator=torch.Generator().manual_seed(1)),
@@ -77,6 +82,11 @@ def test_kivi_accounting_counts_per_channel_metadata():
     assert kivi.bits_per_element(long, geometry) == pytest.approx((3 + 2.25) / 2, abs=1e-3)
     assert kivi.settings.page_size == KIVI_GROUP and kivi.settings.sink_size == 0
     assert standard_scheme("oscar", geometry, oscar, CacheSettings()).bits_per_element(131072, geometry) == pytest.approx(2.2836, abs=1e-4)
+    # the equal-windows comparison: KIVI's 128 BF16 tokens, fewer bits than kivi-2 at every length
+    equal = standard_scheme("oscar-w128", geometry, oscar, CacheSettings())
+    assert equal.settings.sink_size + equal.settings.recent_size == 128
+    for n in (1024, 4096, 131072):
+        assert equal.bits_per_element(n, geometry) < kivi.bits_per_element(n, geometry)
 
 
 def test_quick_eval_on_real_text(model, tokenizer, rotations, tmp_path):

@@ -182,14 +182,14 @@ def test_short_chunk_after_long_history_splits_the_history():
                        splits)
 
 
-@pytest.mark.parametrize("splits", [None, 2])
-def test_extend_adds_the_position_aware_key_offset(splits):
+@pytest.mark.parametrize("splits,live", [(None, None), (2, 3)])
+def test_extend_adds_the_position_aware_key_offset(splits, live):
     """History (window + INT2) and the chunk's own keys all get q . RoPE_p(mu_pre) back, at their positions."""
     geom = geom_b()
     gen = torch.Generator().manual_seed(31)
     hist, chunks = ([0, 200, 45], [17, 33, 5]) if not GPU else ([0, 5000, 70000], [300, 129, 64])
     c = Case(geom, hist, chunks, gen)
-    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(h + n for h, n in zip(hist, chunks)), gen)
+    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(h + n for h, n in zip(hist, chunks)), gen, live=live)
     want = c.reference(c.rot, rope=rope)
     assert_matches(c, c.kernel(c.rot, rope=rope, num_splits=splits), want, splits)
     assert rel_err(c.reference(c.rot), want) > 0.1

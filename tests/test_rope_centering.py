@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from oscar_kv.activations import capture_samples
 from oscar_kv.calibrate import CalibrationSettings, Statistics, calibrate
 from oscar_kv.models import AttentionGeometry
-from oscar_kv.rope import RopeTable, apply_rope, key_offsets, remove_rope
+from oscar_kv.rope import RopeTable, apply_rope, keep_pairs, kernel_pairs, key_offsets, remove_rope
 
 SMALL = dict(calib_tokens=512, seq_len=256, probe_tokens=128)
 
@@ -51,6 +51,17 @@ def test_statistics_hold_the_mean_pre_rope_key(model, tokenizer, held_out_ids):
         rest = (k - key_offsets(expect_pre, cos.double(), sin.double())).mean(1)
         assert torch.allclose(mu_k[i], rest, atol=1e-6)
     assert torch.allclose(stats.key_means("constant")[0][0], samples[0].k.double().mean(1), atol=1e-6)
+    # kept to 5 channel pairs per head (what the kernels visit): those pairs unchanged, the rest in mu_K
+    mu_k5, mu_pre5 = stats.key_means("rope", pairs=5)
+    live = (mu_pre5[..., :32] != 0) | (mu_pre5[..., 32:] != 0)
+    assert (live.sum(-1) == 5).all()
+    assert torch.equal(mu_pre5, keep_pairs(mu_pre, live))
+    k = samples[17].k.double()
+    assert torch.allclose(mu_k5[17], (k - key_offsets(mu_pre5[17], cos.double(), sin.double())).mean(1), atol=1e-6)
+    pairs = kernel_pairs(mu_pre5[17].float())  # 5 live pairs, padded to the kernels' minimum of 8
+    assert pairs.shape == (3, 8)
+    for h in range(3):
+        assert set(torch.nonzero(live[17, h]).flatten().tolist()) <= set(pairs[h].tolist())
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from .folding import fold_values, restore_model
 from .memory import KVFootprint
 from .models import AttentionGeometry
 from .quant import QuantizedRows, dequantize_rows, quantize_rows
-from .rope import RopeTable, key_offsets
+from .rope import RopeTable, kernel_pairs, key_offsets
 
 ATTENTION_KEY = "oscar_kv"
 KV_CACHE_DTYPES = ("bf16", "int2", "int4", "int8")
@@ -80,6 +80,8 @@ class OscarCacheLayer(CacheLayerMixin):
         if self.k_rope_mean is not None and rope is None:
             raise ValueError("position-aware key centering needs the model's RoPE table")
         self.rope = rope
+        # the pairs the INT2 kernels visit (rope.kernel_pairs), found once: finding them syncs the device
+        self.rope_pairs = kernel_pairs(self.k_rope_mean) if self.k_rope_mean is not None else None
         self.k_clip, self.v_clip = k_clip, v_clip  # [Hkv] (broadcast over batch and tokens)
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None
         self.hist_k: QuantizedRows | None = None

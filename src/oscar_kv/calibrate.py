@@ -5,7 +5,8 @@ activations:
   C_Q  = mean q q^T over the group's post-RoPE queries     -> key rotation (logit error weight)
   mu_K = mean post-RoPE key                                  -> key centering ("constant")
   mu_pre = mean pre-RoPE key (RoPE undone with the model's tables) -> position-aware key
-         centering ("rope", rope.py); mu_K then holds the constant rest
+         centering ("rope", rope.py), kept in the rope_pairs channel pairs where it removes the
+         most logit variance (the kernels visit only those); mu_K then holds the constant rest
   C_S  = mean O O^T over the group's attention outputs       -> value rotation; O = S V, so
          O^T O = V^T S^T S V exactly (centered by mu_V when values are centered)
   mu_V = mean value                                          -> value centering
@@ -29,7 +30,8 @@ from .activations import LayerSample, capture_samples, observing, quantized_atte
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
 from .corpus import load_calibration_text
 from .models import AttentionGeometry
-from .rope import RopeTable, RopeUnsupported, remove_rope, rotate_half
+from .rope import DEFAULT_PAIRS as DEFAULT_ROPE_PAIRS
+from .rope import RopeTable, RopeUnsupported, keep_pairs, remove_rope, rotate_half
 from .rotation import compose
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class CalibrationSettings:
     rotation_scope: str = "per-head"
     composition: str = "oscar"
     key_centering: str = "auto"  # rope | constant | off, or auto: rope where it measurably helps
+    rope_pairs: int = DEFAULT_ROPE_PAIRS  # channel pairs per KV head that rope centering keeps (kernel cost)
     center_values: bool = True
     # "fit" picks per layer/head from CLIP_CANDIDATES (measured better: README); "fixed" uses k_clip/v_clip
     clip: str = "fit"
@@ -63,6 +66,8 @@ class CalibrationSettings:
             raise ValueError(f"rotation scope must be one of {SCOPES}")
         if self.clip not in ("fixed", "fit"):
             raise ValueError("clip must be 'fixed' or 'fit'")
+        if self.rope_pairs < 1:
+            raise ValueError("rope_pairs must be at least 1")
         if self.layer_policy not in ("off", "auto"):
             raise ValueError("layer policy must be 'off' or 'auto'")
         if self.calib_tokens < 16 or self.seq_len < 16:
@@ -111,8 +116,9 @@ class Statistics:
         self.rows[layer] += grouped_q.shape[1]
         self.tokens[layer] += b * t
 
-    def key_means(self, centering: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mu_K, mu_pre) per layer and KV head for a key centering "rope", "constant" or "off"."""
+    def key_means(self, centering: str, pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mu_K, mu_pre) per layer and KV head for a key centering "rope", "constant" or "off".
+        ``pairs``: with "rope", mu_pre keeps only that many channel pairs per head (rope_pair_mask)."""
         toks = self.tokens[:, None, None]
         zeros = torch.zeros_like(self.k_sum)
         if centering == "off":
@@ -122,16 +128,32 @@ class Statistics:
         if self.rope is None:
             raise RopeUnsupported("position-aware key centering needs the model's RoPE tables")
         mu_pre = self.k_pre_sum / toks
+        if pairs is not None and pairs < mu_pre.shape[-1] // 2:
+            mu_pre = keep_pairs(mu_pre, self.rope_pair_mask(mu_pre, pairs))
         # the constant rest: mean_p [k_p - RoPE_p(mu_pre)] = mu_K - mu_pre*E[cos] - rotate_half(mu_pre)*E[sin]
         mean_offset = mu_pre * (self.cos_sum[:, None] / toks) + rotate_half(mu_pre) * (self.sin_sum[:, None] / toks)
         return self.k_sum / toks - mean_offset, mu_pre
 
-    def moments(self, key_centering: str, center_values: bool):
+    def rope_pair_mask(self, mu_pre: torch.Tensor, count: int) -> torch.Tensor:
+        """[L, Hkv, D/2] bool: the ``count`` channel pairs per head where position-aware centering removes the
+        most logit variance: the part of RoPE_p(mu_pre) that a constant mean misses, |mu|^2 (1 - |E e^{ipt}|^2),
+        weighted by the queries' energy in the pair.  The kernels then visit only these pairs."""
+        half = mu_pre.shape[-1] // 2
+        toks = self.tokens[:, None]
+        scale2 = self.rope.scaling ** 2
+        coherence = ((self.cos_sum[:, :half] / toks) ** 2 + (self.sin_sum[:, :half] / toks) ** 2) / scale2
+        amplitude = mu_pre[..., :half] ** 2 + mu_pre[..., half:] ** 2
+        q_energy = torch.diagonal(self.qq, dim1=-2, dim2=-1)
+        score = amplitude * (1 - coherence).clamp_min(0)[:, None] * (q_energy[..., :half] + q_energy[..., half:])
+        top = score.topk(count, -1).indices
+        return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)
+
+    def moments(self, key_centering: str, center_values: bool, rope_pairs: int | None = None):
         """(C_Q, C_S, mu_K, mu_V, mu_pre) per layer and KV head."""
         rows = self.rows[:, None, None, None]
         toks = self.tokens[:, None, None]
         c_q = self.qq / rows
-        mu_k, mu_pre = self.key_means(key_centering)
+        mu_k, mu_pre = self.key_means(key_centering, rope_pairs)
         mu_v = self.v_sum / toks if center_values else torch.zeros_like(self.v_sum)
         mean_o = self.o_sum / self.rows[:, None, None]
         # E[(O - mu)(O - mu)^T] = E[O O^T] - mu E[O]^T - E[O] mu^T + mu mu^T
@@ -209,7 +231,7 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
 def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: int) -> Rotations:
     g = stats.geometry
     centering = "constant" if settings.key_centering == "auto" else settings.key_centering
-    c_q, c_s, mu_k, mu_v, mu_pre = stats.moments(centering, settings.center_values)
+    c_q, c_s, mu_k, mu_v, mu_pre = stats.moments(centering, settings.center_values, settings.rope_pairs)
     if settings.rotation_scope == "per-layer":
         c_q, c_s = c_q.mean(1, keepdim=True), c_s.mean(1, keepdim=True)
     heads = c_q.shape[1]
@@ -234,7 +256,7 @@ def choose_key_centering(rot: Rotations, stats: Statistics, settings: Calibratio
     mean INT2 attention error on the held-back probe by ROPE_GAIN.  Returns what was measured."""
     if settings.key_centering != "auto" or stats.rope is None:
         return {"chosen": settings.key_centering if settings.key_centering != "auto" else "constant"}
-    mu_k, mu_pre = stats.key_means("rope")
+    mu_k, mu_pre = stats.key_means("rope", settings.rope_pairs)
     candidate = Rotations(**{**{n: getattr(rot, n) for n in Rotations.TENSORS}, "k_mean": mu_k.float(),
                              "k_rope_mean": mu_pre.float()}, geometry=rot.geometry, group_size=rot.group_size)
     layers = range(rot.geometry.num_layers)

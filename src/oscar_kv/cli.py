@@ -87,6 +87,9 @@ def calibrate(
         KeyCentering.auto, help="'constant' subtracts the mean post-RoPE key (cancels in softmax, free); 'rope' subtracts "
         "RoPE_p(mean pre-RoPE key) per position and adds its logit back (for QKV-bias models such as Qwen2.5); "
         "'auto' picks rope when it lowers the held-back attention error by 5%."),
+    rope_pairs: int = typer.Option(16, help="With rope centering: channel pairs per KV head whose position-dependent "
+                                   "mean is kept (those that remove the most logit variance). Its cost in the "
+                                   "INT2 decode kernel grows with this number."),
     center_values: bool = typer.Option(True, help="Subtract the mean value before quantizing (folded into v_proj/o_proj)."),
     layer_policy: LayerPolicy = typer.Option(LayerPolicy.off, help="'auto' stores layers with outlying INT2 error at INT4."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
@@ -100,7 +103,7 @@ def calibrate(
     try:
         settings = CalibrationSettings(calib_tokens=calib_tokens, seq_len=seq_len, group_size=group_size,
                                        rotation_scope=rotation_scope.value, clip=clip.value, k_clip=k_clip,
-                                       v_clip=v_clip, key_centering=key_centering.value,
+                                       v_clip=v_clip, key_centering=key_centering.value, rope_pairs=rope_pairs,
                                        center_values=center_values,
                                        layer_policy=layer_policy.value)
     except ValueError as exc:
@@ -138,6 +141,10 @@ def inspect(directory: Path = typer.Argument(..., help="A rotation artifact dire
     typer.echo(f"clip      K {rot.k_clip.min():.2f}-{rot.k_clip.max():.2f}, V {rot.v_clip.min():.2f}-{rot.v_clip.max():.2f}")
     typer.echo(f"centering keys {rot.key_centering}: |mu_K| mean {rot.k_mean.norm(dim=-1).mean():.3f}, |mu_pre| mean "
                f"{rot.k_rope_mean.norm(dim=-1).mean():.3f}; |mu_V| mean {rot.v_mean.norm(dim=-1).mean():.3f}")
+    if rot.key_centering == "rope":
+        half = g.head_dim // 2
+        live = (rot.k_rope_mean[..., :half] != 0) | (rot.k_rope_mean[..., half:] != 0)
+        typer.echo(f"          mu_pre kept in at most {int(live.sum(-1).max())} of {half} channel pairs per head")
     choice = m.get("calibration", {}).get("key_centering_choice")
     if choice:
         typer.echo(f"          key centering chosen: {json.dumps(choice)}")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 STEP = 16  # the decode kernel rebuilds RoPE angles in steps of 16 positions (KernelRope)
+MIN_PAIRS = 8  # the kernels' dot over pairs needs 2 x pairs >= 16
+DEFAULT_PAIRS = 16  # pairs per KV head calibration keeps in mu_pre (CalibrationSettings.rope_pairs)
 TILE_MARGIN = 1024  # table rows beyond the last position (the largest kernel tile)
 
 
@@ -61,14 +63,45 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor
     return positions.double()[:, None] * inv_freq.double()[None, :]
 
 
+def keep_pairs(mu_pre: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """mu_pre [..., D] with the channel pairs (i, i + D/2) where ``keep`` [..., D/2] is false set to zero."""
+    keep = keep.to(mu_pre.dtype)
+    return mu_pre * torch.cat([keep, keep], -1)
+
+
+def random_pairs(heads: int, half: int, count: int, gen: torch.Generator) -> torch.Tensor:
+    """[heads, half] bool: ``count`` random pairs per head (tests and benchmarks of sparse mu_pre)."""
+    keep = torch.zeros(heads, half, dtype=torch.bool)
+    for i in range(heads):
+        keep[i, torch.randperm(half, generator=gen)[:count]] = True
+    return keep
+
+
+def kernel_pairs(mu_pre: torch.Tensor) -> torch.Tensor:
+    """[Hkv, R] int32: the channel pairs (i, i + D/2) the kernels visit per KV head.  Calibration keeps
+    mu_pre in a few pairs only (CalibrationSettings.rope_pairs); the others are zero and cost nothing when
+    skipped.  Live pairs first, padded with dead ones to a power of two >= MIN_PAIRS, sorted."""
+    half = mu_pre.shape[-1] // 2
+    live = (mu_pre[:, :half] != 0) | (mu_pre[:, half:] != 0)
+    count = int(live.sum(-1).max()) if live.numel() else 0
+    r = min(half, max(MIN_PAIRS, 1 << max(count - 1, 0).bit_length()))
+    order = torch.argsort((~live).to(torch.int8), dim=-1, stable=True)[:, :r]
+    return order.sort(-1).values.to(torch.int32).contiguous()
+
+
 @dataclass
 class KernelRope:
     """What the INT2 kernels take for position-aware centering (kernels/decode.py)."""
 
     mu_pre: torch.Tensor  # [Hkv, D]
+    pairs: torch.Tensor  # [Hkv, R] int32 (kernel_pairs): only these pairs of mu_pre may be nonzero
     table: torch.Tensor  # [N, D] float32: cos | sin of p * theta_i (times the RoPE scaling), p < N
     base: torch.Tensor  # [N / STEP + 1, D] float32: the same at p = 0, STEP, 2 STEP, ...
     steps: torch.Tensor  # [D, STEP] float32: rows 2i, 2i+1 = cos(v theta_i), -sin(v theta_i), v < STEP
+
+    @classmethod
+    def build(cls, mu_pre: torch.Tensor, inv_freq: torch.Tensor, scaling: float, n: int) -> "KernelRope":
+        return cls(mu_pre, kernel_pairs(mu_pre), *cls.tables(inv_freq, scaling, n, mu_pre.device))
 
     @staticmethod
     def tables(inv_freq: torch.Tensor, scaling: float, n: int, device) -> tuple[torch.Tensor, ...]:
@@ -132,12 +165,13 @@ class RopeTable:
         self._last = (positions, cos[positions], sin[positions])
         return self._last[1], self._last[2]
 
-    def kernel_rope(self, mu_pre: torch.Tensor, n: int) -> KernelRope:
-        """The kernels' argument for positions < n; the tables are shared by all layers, grown on demand."""
+    def kernel_rope(self, mu_pre: torch.Tensor, n: int, pairs: torch.Tensor | None = None) -> KernelRope:
+        """The kernels' argument for positions < n; the tables are shared by all layers, grown on demand.
+        ``pairs``: kernel_pairs(mu_pre), which callers keep per layer (computing it syncs the device)."""
         dev = mu_pre.device
         hit = self._kernel.get(dev)
         if hit is None or hit[0].shape[0] < n:
             grow = max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 1024)
             hit = KernelRope.tables(self.inv_freq, self.scaling, grow, dev)
             self._kernel[dev] = hit
-        return KernelRope(mu_pre, *hit)
+        return KernelRope(mu_pre, kernel_pairs(mu_pre) if pairs is None else pairs, *hit)

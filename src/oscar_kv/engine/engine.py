@@ -110,7 +110,7 @@ class LLMEngine:
         group = config.group_size or template.rotations.group_size
         for layer in self.layers:
             layer.group_size = group
-            for name in ("k_rotation", "k_mean", "k_clip", "v_clip", "k_rope_mean"):
+            for name in ("k_rotation", "k_mean", "k_clip", "v_clip", "k_rope_mean", "rope_pairs"):
                 if getattr(layer, name) is not None:
                     setattr(layer, name, getattr(layer, name).to(self.device))
         register_paged_attention()

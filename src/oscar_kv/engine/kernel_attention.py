@@ -194,7 +194,7 @@ def _rope(layer, positions: int, device):
     """The kernels' ``rope`` argument for a layer whose keys are centered per position, else None."""
     if layer.k_rope_mean is None:
         return None
-    return layer.rope.kernel_rope(layer.k_rope_mean, positions)
+    return layer.rope.kernel_rope(layer.k_rope_mean, positions, layer.rope_pairs)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:

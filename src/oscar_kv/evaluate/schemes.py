@@ -20,6 +20,8 @@ from ..memory import bits_per_element
 from ..models import AttentionGeometry
 
 STANDARD = ("bf16", "int4", "naive-int2", "quarot-int2", "kivi-2", "oscar")
+# OSCAR with KIVI-2's 128 BF16 tokens (64 sink + 64 recent): fewer bits than kivi-2 at every length
+EQUAL_WINDOWS = "oscar-w128"
 KIVI_GROUP = 32  # KIVI: keys per channel over groups of 32 tokens
 KIVI_RESIDUAL = 128  # KIVI: full-precision residual of the most recent tokens
 
@@ -58,7 +60,10 @@ def standard_scheme(name: str, geometry: AttentionGeometry, oscar: Rotations, ba
                       f"per-channel keys over {KIVI_GROUP}-token groups, per-token values, {KIVI_RESIDUAL}-token FP16 residual")
     if name == "oscar":
         return Scheme(name, oscar, base, "the shipped artifact")
-    raise ValueError(f"unknown method {name!r}; standard methods are {', '.join(STANDARD)}")
+    if name == EQUAL_WINDOWS:
+        return Scheme(name, oscar, replace(base, sink_size=KIVI_RESIDUAL // 2, recent_size=KIVI_RESIDUAL // 2),
+                      f"the shipped artifact with KIVI-2's {KIVI_RESIDUAL} BF16 tokens (half sink, half recent)")
+    raise ValueError(f"unknown method {name!r}; methods are {', '.join(STANDARD + (EQUAL_WINDOWS,))}")
 
 
 def with_value_covariance(oscar: Rotations, c_s: torch.Tensor) -> Rotations:

@@ -4,7 +4,7 @@ Feeding a text token by token through ``OscarCache`` is exact but slow.  Because
 quantized independently of the others (per-token rows; KIVI's per-channel keys per aligned page),
 the stored form of each key is fixed once it leaves the recent window, so one full-sequence
 forward can reproduce decoding: query i sees key p quantized iff p is in the quantized history
-after token i was appended, i.e. S0 <= p < S0 + n(i) with
+after token i was appended and p < i, i.e. S0 <= p < min(S0 + n(i), i) with
     n(i) = max(0, floor((i + 1 - S0 - W) / P)) * P
 and exact (window dtype) otherwise.  ``tests/test_evaluate.py`` checks this against the real cache.
 """
@@ -22,12 +22,14 @@ _active: list[OscarCache] = []
 
 
 def quantized_history_end(positions: torch.Tensor, layer: OscarCacheLayer) -> torch.Tensor:
-    """For queries at ``positions``, one past the last quantized key position (S0 when none)."""
+    """For queries at ``positions``, one past the last quantized key position (S0 when none).  A query's
+    own key is always exact (the cache attends to the step's keys as computed): without a recent window
+    its page may already be quantized."""
     s = layer.settings
     if not layer.quantizes:
         return torch.zeros_like(positions)
     n = ((positions + 1 - s.sink_size - s.recent_size).clamp_min(0) // s.page_size) * s.page_size
-    return s.sink_size + n
+    return torch.minimum(s.sink_size + n, positions.clamp_min(s.sink_size))
 
 
 def stored_forms(layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tensor):
@@ -55,28 +57,45 @@ def stored_forms(layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tenso
     return layer.restore_offsets(k_exact), layer.restore_offsets(k_q), v_exact, v_q
 
 
+QUERY_BLOCK = 256  # queries per block: the logits of one block are [g, QUERY_BLOCK, keys]
+
+
 def simulated_attention_from_forms(layer: OscarCacheLayer, query: torch.Tensor, forms, start: int = 0) -> torch.Tensor:
-    """Causal attention of ``query`` [B, Hq, T, D] (positions start..) under decode semantics -> [B, Hq, T, D]."""
+    """Causal attention of ``query`` [B, Hq, T, D] (positions start..) under decode semantics -> [B, Hq, T, D].
+
+    Query i sees keys [S0, h(i)) in their quantized form and all others exact, h(i) = max(S0, history end).
+    h grows with i, so within a block of queries the keys split into [0, S0) exact | [S0, h_min) quantized |
+    [h_min, h_max) a band where the form depends on the query | [h_max, ...) exact: each key segment is
+    multiplied once and only the band needs a per-query choice (the cost is one causal attention)."""
     k_e, k_q, v_e, v_q = forms
     b, hq, t, d = query.shape
-    hkv = k_e.shape[1]
+    hkv, n_keys = k_e.shape[1], k_e.shape[2]
     g = hq // hkv
-    scaling = d**-0.5
-    q = layer.rotate_queries(query).reshape(b, hkv, g * t, d)
-    pos_q = torch.arange(start, start + t, device=query.device)
-    pos_k = torch.arange(k_e.shape[2], device=query.device)
-    end = quantized_history_end(pos_q, layer)
-    use_q = (pos_k[None, :] >= layer.settings.sink_size) & (pos_k[None, :] < end[:, None])  # [T, N]
-    causal = pos_k[None, :] <= pos_q[:, None]
-    out = torch.empty(b, hkv, g * t, d)
-    for h in range(hkv):  # one KV head at a time keeps the T x T tensors small
-        qh = q[:, h]
-        logits = torch.where(use_q.repeat(g, 1), qh @ k_q[:, h].transpose(-1, -2), qh @ k_e[:, h].transpose(-1, -2))
-        logits = logits * scaling
-        logits = logits.masked_fill(~causal.repeat(g, 1), float("-inf"))
+    s0 = layer.settings.sink_size if layer.quantizes else 0
+    q = layer.rotate_queries(query).reshape(b, hkv, g, t, d) * d**-0.5
+    pos_q = torch.arange(start, start + t)
+    hist = quantized_history_end(pos_q, layer).clamp_min(s0)  # [T] on the CPU: segment bounds are host ints
+    out = torch.empty(b, hkv, g, t, d)
+    for i0 in range(0, t, QUERY_BLOCK):
+        i1 = min(i0 + QUERY_BLOCK, t)
+        n = min(n_keys, start + i1)  # keys past the block's last query are never seen
+        a, h0, h1 = min(s0, n), min(int(hist[i0]), n), min(int(hist[i1 - 1]), n)
+        band = torch.arange(h0, h1)[None, :] < hist[i0:i1, None]  # [nb, h1 - h0]: quantized for this query
+        qb = q[:, :, :, i0:i1]  # [B, Hkv, g, nb, D]
+
+        def dot(keys, lo, hi):
+            return qb @ keys[:, :, None, lo:hi].transpose(-1, -2)
+
+        # the segments cover keys [0, n) in order: column index = key position
+        logits = torch.cat([dot(k_e, 0, a), dot(k_q, a, h0), torch.where(band, dot(k_q, h0, h1), dot(k_e, h0, h1)),
+                            dot(k_e, h1, n)], -1)
+        c = start + i0  # keys from the block's first query on may lie in a query's future
+        logits[..., c:n].masked_fill_(torch.arange(c, n)[None, :] > pos_q[i0:i1, None], float("-inf"))
         probs = torch.softmax(logits, -1)
-        mask_q = use_q.repeat(g, 1).float()
-        out[:, h] = (probs * (1 - mask_q)) @ v_e[:, h] + (probs * mask_q) @ v_q[:, h]
+        p_band = probs[..., h0:h1]
+        out[:, :, :, i0:i1] = (probs[..., :a] @ v_e[:, :, None, :a] + probs[..., a:h0] @ v_q[:, :, None, a:h0]
+                               + (p_band * band) @ v_q[:, :, None, h0:h1] + (p_band * ~band) @ v_e[:, :, None, h0:h1]
+                               + probs[..., h1:n] @ v_e[:, :, None, h1:n])
     return out.reshape(b, hq, t, d)
 
 

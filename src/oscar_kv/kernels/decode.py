@@ -35,6 +35,7 @@ from .layout import PagedBatch, PagedKVPool
 install_interpreter_shim()
 
 LOG2E = 1.4426950408889634
+ROPE_CAPPED_PAIRS = 16  # the register cap holds the position-aware term up to this many pairs (run R4)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # One PTX block per 4 packed code bytes -> 4 slices x 4 float16 values (2 registers each).
@@ -87,44 +88,50 @@ def _load_query(Q, R, b, h, stride_qb, stride_qh, stride_rh, qk_scale,
 
 
 @triton.jit
-def _load_rope_ab(abrow, rmask, HALF: tl.constexpr):
-    """Rows [M, HALF] a and b of the position-aware key offset (see ``rope_query_terms``)."""
-    offs_i = tl.arange(0, HALF)
+def _load_rope_ab(abrow, rmask, R: tl.constexpr):
+    """Rows [M, R] a and b of the position-aware key offset over the R visited pairs (``rope_query_terms``)."""
+    offs_i = tl.arange(0, R)
     a = tl.load(abrow + offs_i[None, :], mask=rmask, other=0.0)
-    b = tl.load(abrow + HALF + offs_i[None, :], mask=rmask, other=0.0)
+    b = tl.load(abrow + R + offs_i[None, :], mask=rmask, other=0.0)
     return a, b
 
 
 @triton.jit
-def _rope_logits(ra, rb, CS, pos, valid, HALF: tl.constexpr):
-    """[M, N] logits q . RoPE_p(mu_pre) of keys at positions ``pos`` [N]: sum_i a_i cos(p t_i) + b_i sin(p t_i),
-    cos | sin read from the model's float32 table (rope.py), multiplied in float32 (exact add-back)."""
-    offs_i = tl.arange(0, HALF)
-    row = CS + pos.to(tl.int64)[None, :] * (2 * HALF) + offs_i[:, None]  # [HALF, N]
-    c = tl.load(row, mask=valid[None, :], other=0.0)
-    sn = tl.load(row + HALF, mask=valid[None, :], other=0.0)
-    return tl.dot(ra, c, input_precision="ieee") + tl.dot(rb, sn, input_precision="ieee")
+def _rope_logits(ra, rb, CS, PR, pos, valid, HALF: tl.constexpr):
+    """[M, N] logits q . RoPE_p(mu_pre) of keys at positions ``pos`` [N]: sum_i a_i cos(p t_i) + b_i sin(p t_i)
+    over the R pairs i listed at PR (rope.kernel_pairs; mu_pre is zero elsewhere), cos | sin read from the
+    float32 table [N, 2 HALF] (rope.py), multiplied in float32 (exact add-back).  One dot over 2R >= 16
+    (a_i, b_i interleaved against cos, sin rows)."""
+    M: tl.constexpr = ra.shape[0]
+    R: tl.constexpr = ra.shape[1]
+    x = tl.reshape(tl.join(ra, rb), (M, 2 * R))
+    offs_k = tl.arange(0, 2 * R)
+    col = tl.load(PR + offs_k // 2) + (offs_k % 2) * HALF
+    t = tl.load(CS + pos.to(tl.int64)[None, :] * (2 * HALF) + col[:, None], mask=valid[None, :], other=0.0)
+    return tl.dot(x, t, input_precision="ieee")
 
 
 @triton.jit
-def _rope_logits_tiled(ra, rb, BASE, STEPS, p0, N: tl.constexpr, HALF: tl.constexpr, F32DOT: tl.constexpr):
+def _rope_logits_tiled(ra, rb, BASE, STEPS, PR, p0, N: tl.constexpr, HALF: tl.constexpr, F32DOT: tl.constexpr):
     """_rope_logits for the N positions p0 .. p0 + N - 1 (p0 and N multiples of 16) without a per-position
     table: with p = p0 + 16u + v, a cos(p t) + b sin(p t) = Re(W_u e^{i v t}), W_u = (a - ib) e^{i (p0+16u) t}.
-    W needs one table row per 16 positions (BASE: cos | sin at multiples of 16); the sum over the D/2 pairs
-    and the 16 v's is one [G*N/16, D] x [D, 16] MMA against STEPS (rows 2i, 2i+1: cos(v t_i), -sin(v t_i)),
+    W needs one table row per 16 positions (BASE: cos | sin at multiples of 16); the sum over the R pairs
+    and the 16 v's is one [G*N/16, 2R] x [2R, 16] MMA against STEPS (rows 2i, 2i+1: cos(v t_i), -sin(v t_i)),
     at ~float32 precision (3xTF32)."""
     U: tl.constexpr = N // 16
     G: tl.constexpr = ra.shape[0]
+    R: tl.constexpr = ra.shape[1]
     offs_u = tl.arange(0, U)
-    offs_i = tl.arange(0, HALF)
-    row = BASE + (p0 // 16 + offs_u).to(tl.int64)[:, None] * (2 * HALF) + offs_i[None, :]
-    c0 = tl.load(row)[None, :, :]  # [1, U, HALF]
+    pr = tl.load(PR + tl.arange(0, R))
+    row = BASE + (p0 // 16 + offs_u).to(tl.int64)[:, None] * (2 * HALF) + pr[None, :]
+    c0 = tl.load(row)[None, :, :]  # [1, U, R]
     s0 = tl.load(row + HALF)[None, :, :]
     a = ra[:, None, :]
     b = rb[:, None, :]
-    x = tl.reshape(tl.join(a * c0 + b * s0, a * s0 - b * c0), (G * U, 2 * HALF))  # re, im interleaved per pair
-    offs_k = tl.arange(0, 2 * HALF)
-    f = tl.load(STEPS + offs_k[:, None] * 16 + tl.arange(0, 16)[None, :])
+    x = tl.reshape(tl.join(a * c0 + b * s0, a * s0 - b * c0), (G * U, 2 * R))  # re, im interleaved per pair
+    offs_k = tl.arange(0, 2 * R)
+    srow = 2 * tl.load(PR + offs_k // 2) + offs_k % 2
+    f = tl.load(STEPS + srow[:, None] * 16 + tl.arange(0, 16)[None, :])
     if F32DOT:
         out = tl.dot(x, f)
     else:
@@ -144,11 +151,11 @@ def _mm(a, b, acc, F32DOT: tl.constexpr):
 @triton.jit
 def _bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, stride_wp,
                 D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
-                ra=None, rb=None, CS=None, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
+                ra=None, rb=None, CS=None, ROPE: tl.constexpr = False, PR=None,
                 BASE=None, STEPS=None, TILED: tl.constexpr = False):
     """Online softmax over tokens [start, end) stored in BF16 window pages (logical page = t // P).
     SPLITQ: the query is q + ql (bf16 hi and lo parts), two MMAs per tile.  ROPE: add the position-aware
-    key offset's logits (ra, rb, CS: _rope_logits; TILED: _rope_logits_tiled from BASE / STEPS, start and
+    key offset's logits (ra, rb, CS, PR: _rope_logits; TILED: _rope_logits_tiled from BASE / STEPS, start and
     BLOCK multiples of 16)."""
     offs_d = tl.arange(0, D)
     for t0 in range(start, end, BLOCK):
@@ -162,9 +169,9 @@ def _bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, stri
             s = _mm(ql, tl.trans(k), s, F32DOT)
         if ROPE:
             if TILED:
-                s += _rope_logits_tiled(ra, rb, BASE, STEPS, t0, BLOCK, HALF, F32DOT)
+                s += _rope_logits_tiled(ra, rb, BASE, STEPS, PR, t0, BLOCK, D // 2, F32DOT)
             else:
-                s += _rope_logits(ra, rb, CS, offs, valid, HALF)
+                s += _rope_logits(ra, rb, CS, PR, offs, valid, D // 2)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -214,13 +221,14 @@ def _bf16_decode_kernel(Q, R, Kw, Vw, BT, SL, PO, PL, qk_scale,
 
 
 @triton.jit
-def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, BASE, STEPS, qk_scale,
+def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, BASE, STEPS, qk_scale,
                         stride_qb, stride_qh, stride_cp, stride_ch, stride_mp, stride_mh,
                         stride_wp, stride_wh, stride_bt, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                        stride_abb, stride_abh, chunk,
+                        stride_abb, stride_abh, stride_prh, chunk,
                         D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
                         GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                        USE_ASM: tl.constexpr, F32DOT: tl.constexpr, KT: tl.constexpr, ROPE: tl.constexpr):
+                        USE_ASM: tl.constexpr, F32DOT: tl.constexpr, KT: tl.constexpr, ROPE: tl.constexpr,
+                        R: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -232,11 +240,11 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, BASE,
     qrow = Q + b * stride_qb + (h * GQA + offs_h)[:, None] * stride_qh
     m_i = tl.full([H_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([H_PAD], tl.float32)
-    HALF: tl.constexpr = D // 2
     ra = None
     rb = None
+    pr = PR + h * stride_prh  # this KV head's visited RoPE pairs
     if ROPE:
-        ra, rb = _load_rope_ab(AB + b * stride_abb + (h * GQA + offs_h)[:, None] * stride_abh, hm, HALF)
+        ra, rb = _load_rope_ab(AB + b * stride_abb + (h * GQA + offs_h)[:, None] * stride_abh, hm, R)
     if s == 0:
         # ---- BF16 window: sink [0, min(T, S0)) then recent [S0 + P*nq, T).  The query is split into
         # bf16 hi + lo parts (two MMAs) so the logits keep ~16 bits, like the float32 reference.
@@ -248,10 +256,10 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, BASE,
         acc = tl.zeros([H_PAD, D], tl.float32)
         head_off = h.to(tl.int64) * stride_wh
         m_i, l_i, acc = _bf16_range(qh, ql, m_i, l_i, acc, 0, tl.minimum(seq_len, SINK), bt_row, Kw, Vw,
-                                    head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, None, ROPE, HALF,
+                                    head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, None, ROPE, pr,
                                     BASE, STEPS, True)
         m_i, l_i, acc = _bf16_range(qh, ql, m_i, l_i, acc, tl.minimum(SINK + nq * P, seq_len), seq_len, bt_row,
-                                    Kw, Vw, head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, None, ROPE, HALF,
+                                    Kw, Vw, head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, None, ROPE, pr,
                                     BASE, STEPS, True)
         _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                        0, D, GQA, H_PAD, True)
@@ -326,7 +334,7 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, BASE,
                 sc += _grp_scores(q3, k3, o3, t3s, Km, mrow, valid, (3 * D4) // G, NG)
                 sc = sc + bias[None, :]
             if ROPE:
-                sc += _rope_logits_tiled(ra, rb, BASE, STEPS, SINK_PAGES * P + t0, BLOCK_N, HALF, F32DOT)
+                sc += _rope_logits_tiled(ra, rb, BASE, STEPS, pr, SINK_PAGES * P + t0, BLOCK_N, D // 2, F32DOT)
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(sc - m_new[:, None])
@@ -492,36 +500,39 @@ def rotate_query(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads:
     return out
 
 
-def rope_query_terms(q: torch.Tensor, mu_pre: torch.Tensor, scale: float) -> torch.Tensor:
+def rope_query_terms(q: torch.Tensor, mu_pre: torch.Tensor, scale: float, pairs: torch.Tensor) -> torch.Tensor:
     """Per query row the coefficients that turn the position-aware key offset into logits:
     q . RoPE_p(mu) = sum_i a_i cos(p t_i) + b_i sin(p t_i) (rotate-half layout, i < D/2) with
-    a_i = q_i mu_i + q_{i+D/2} mu_{i+D/2}, b_i = q_{i+D/2} mu_i - q_i mu_{i+D/2}.
-    q [..., Hq, D] unrotated, mu_pre [Hkv, D] -> float32 [..., Hq, D] = [a | b] * scale."""
+    a_i = q_i mu_i + q_{i+D/2} mu_{i+D/2}, b_i = q_{i+D/2} mu_i - q_i mu_{i+D/2}, kept for the pairs the
+    kernels visit.  q [..., Hq, D] unrotated, mu_pre [Hkv, D], pairs [Hkv, R] -> float32 [..., Hq, 2R] =
+    [a | b] * scale."""
     hq, d = q.shape[-2:]
     half = d // 2
-    mu = mu_pre.float().repeat_interleave(hq // mu_pre.shape[0], 0)  # each query head's KV head
+    group = hq // mu_pre.shape[0]
+    mu = mu_pre.float().repeat_interleave(group, 0)  # each query head's KV head
+    idx = pairs.long().repeat_interleave(group, 0).expand(*q.shape[:-1], -1)
     qf = q.float()
     a = qf[..., :half] * mu[:, :half] + qf[..., half:] * mu[:, half:]
     b = qf[..., half:] * mu[:, :half] - qf[..., :half] * mu[:, half:]
-    return (torch.cat([a, b], -1) * scale).contiguous()
+    return (torch.cat([a.gather(-1, idx), b.gather(-1, idx)], -1) * scale).contiguous()
 
 
 def _rope_args(q: torch.Tensor, rope, scale: float, positions: int = 0):
-    """(AB, stride_b, stride_h, on) for the kernels; ``rope``: a rope.KernelRope or None.  ``positions``: the
-    kernel may read table rows up to this position (checked against the table)."""
+    """(AB, PR, stride_b, stride_h, stride_prh, R, on) for the kernels; ``rope``: a rope.KernelRope or None.
+    ``positions``: the kernel may read table rows up to this position (checked against the table)."""
     if rope is None:
-        return q, 0, 0, False
+        return q, q, 0, 0, 0, 1, False
     if rope.table.shape[0] < positions:
         raise ValueError(f"the RoPE table covers {rope.table.shape[0]} positions, the kernel reads {positions}")
-    ab = rope_query_terms(q, rope.mu_pre, scale)
-    return ab, ab.stride(0), ab.stride(-2), True
+    ab = rope_query_terms(q, rope.mu_pre, scale, rope.pairs)
+    return ab, rope.pairs, ab.stride(0), ab.stride(-2), rope.pairs.stride(0), rope.pairs.shape[1], True
 
 
 def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatch,
                 k_rotation: torch.Tensor | None = None, sm_scale: float | None = None, *, rope=None,
                 max_int2_pages: int | None = None, num_splits: int | None = None, block_n: int | None = None,
                 block_w: int = 64, num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
-                kt: bool = True, split_target: int | None = None, maxnreg: int | None = 128,
+                kt: bool = True, split_target: int | None = None, maxnreg: int | str | None = "auto",
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the mixed pool.  q: [B, Hq, D] (unrotated if k_rotation is given; any float
     dtype, float32 keeps the most precision) -> [B, Hq, D] in q's dtype.
@@ -530,7 +541,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     Tuning knobs (benchmark sweep): block_n tokens per INT2 tile, num_warps/num_stages, use_asm (PTX
     code conversion on GPU, default on), kt (keys loaded transposed), split_target (INT2 programs per SM;
     default 4 when batch x KV heads <= 8, else 8: measured best at 128K, bs 1 and bs 8, H100 run v5),
-    maxnreg (register cap per thread: 128 gives 4 programs per SM instead of 3).
+    maxnreg (register cap per thread: 128 gives 4 programs per SM instead of 3; "auto": 128 unless the
+    position-aware term visits more than ROPE_CAPPED_PAIRS pairs; None: no cap).
     ``rope`` (rope.KernelRope) when the keys were centered per position: the kernel adds q . RoPE_p(mu_pre)
     to every logit.  q must then be unrotated, and the page size a multiple of 16.
     """
@@ -558,19 +570,21 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     bt = batch.block_table
     h_pad = triton.next_power_of_2(gqa)
     # the position-aware term needs more registers: capped at 128 it spilled (2.5-6x slower, NOTES.md run R2)
-    extra = {"maxnreg": maxnreg} if (maxnreg and not _INTERPRET and rope is None) else {}
+    if maxnreg == "auto":  # capped, the full 64-pair term spilled (NOTES.md run R2)
+        maxnreg = 128 if rope is None or rope.pairs.shape[1] <= ROPE_CAPPED_PAIRS else None
+    extra = {"maxnreg": maxnreg} if (maxnreg and not _INTERPRET) else {}
     if rope is not None and (g.page_size % 16 or block_n % 16 or block_w % 16):
         raise ValueError("position-aware centering in the decode kernel needs page and block sizes that are multiples of 16")
     reach = g.sink_pages * g.page_size + max_int2_pages * g.page_size + g.recent_size + g.page_size + block_n + block_w
-    ab, stride_abb, stride_abh, on = _rope_args(q, rope, sm_scale * LOG2E, reach)
+    ab, pr, stride_abb, stride_abh, stride_prh, r, on = _rope_args(q, rope, sm_scale * LOG2E, reach)
     base, steps = (rope.base, rope.steps) if rope is not None else (q, q)
     _int2_decode_kernel[(bsz, h, ns + 1)](
-        qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, base, steps, sm_scale * LOG2E,
-        qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
+        qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, pr, base, steps,
+        sm_scale * LOG2E, qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
         kw.stride(0), kw.stride(1), bt.stride(0), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-        pl.stride(1), stride_abb, stride_abh, chunk,
+        pl.stride(1), stride_abb, stride_abh, stride_prh, chunk,
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_N=block_n,
-        BLOCK_W=block_w, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET, KT=kt, ROPE=on,
+        BLOCK_W=block_w, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET, KT=kt, ROPE=on, R=r,
         num_warps=num_warps, num_stages=num_stages, **extra)
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     return _merge(po, pl, out)

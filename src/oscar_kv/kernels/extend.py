@@ -64,7 +64,7 @@ def _cat4(a0, a1, a2, a3, M: tl.constexpr, D4: tl.constexpr):
 def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, head_c, head_m, stride_cp, stride_mp,
                   M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
                   BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, ra=None, rb=None, CS=None,
-                  ROPE: tl.constexpr = False):
+                  ROPE: tl.constexpr = False, PR=None):
     """Online softmax over INT2 history tokens [start, end), counted from the sink's end.
 
     qrow: pointers [M, 1] to the rotated float32 query rows.  Returns (m_i, l_i, acc [M, D]) with acc the
@@ -136,7 +136,7 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
             sc += _grp_scores(q2, k2, o2, t2s, Km, mrow, valid, (2 * D4) // G, NG)
             sc += _grp_scores(q3, k3, o3, t3s, Km, mrow, valid, (3 * D4) // G, NG)
         if ROPE:
-            sc += _rope_logits(ra, rb, CS, SINK_PAGES * P + offs, valid, D // 2)
+            sc += _rope_logits(ra, rb, CS, PR, SINK_PAGES * P + offs, valid, D // 2)
         sc = tl.where(valid[None, :], sc, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
         vraw = tl.load(Vc + crow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
@@ -171,7 +171,7 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
 @triton.jit
 def _chunk_causal(q, ql, m_i, l_i, acc, tok, n, end, Kn, Vn, stride_kt, stride_vt,
                   D: tl.constexpr, BLOCK: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
-                  first_pos=0, ra=None, rb=None, CS=None, ROPE: tl.constexpr = False):
+                  first_pos=0, ra=None, rb=None, CS=None, ROPE: tl.constexpr = False, PR=None):
     """Online softmax over the chunk's own keys [0, end) (Kn/Vn point at the sequence's first row and the
     KV head); row r (chunk token tok[r]) sees key j iff j <= tok[r] and j < n.  Chunk key j sits at
     position first_pos + j (for the position-aware key offset, ROPE)."""
@@ -185,7 +185,7 @@ def _chunk_causal(q, ql, m_i, l_i, acc, tok, n, end, Kn, Vn, stride_kt, stride_v
         if SPLITQ:
             s = _mm(ql, tl.trans(k), s, F32DOT)
         if ROPE:
-            s += _rope_logits(ra, rb, CS, first_pos + offs, valid, D // 2)
+            s += _rope_logits(ra, rb, CS, PR, first_pos + offs, valid, D // 2)
         s = tl.where(valid[None, :] & (offs[None, :] <= tok[:, None]), s, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         v = tl.load(Vn + offs.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=valid[:, None],
@@ -195,15 +195,15 @@ def _chunk_causal(q, ql, m_i, l_i, acc, tok, n, end, Kn, Vn, stride_kt, stride_v
 
 
 @triton.jit
-def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO, PL, AB, CS, qk_scale,
-                        stride_qt, stride_qh, stride_abt, stride_abh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO, PL, AB, PR, CS, qk_scale,
+                        stride_qt, stride_qh, stride_abt, stride_abh, stride_prh, stride_knt, stride_knh, stride_vnt, stride_vnh,
                         stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh, stride_bt,
                         stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
                         num_tiles, num_splits, split_len,
                         D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
                         GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                         USE_ASM: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
-                        PARTIAL: tl.constexpr, ROPE: tl.constexpr):
+                        PARTIAL: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr):
     tile = num_tiles - 1 - tl.program_id(0)  # last tiles of a chunk see the most keys: start them first
     b = tl.program_id(1)
     h = tl.program_id(2) // (num_splits + 1)
@@ -227,8 +227,9 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO
     bt_row = BT + b.to(tl.int64) * stride_bt
     ra = None
     rb = None
+    pr = PR + h * stride_prh  # this KV head's visited RoPE pairs
     if ROPE:  # the position-aware key offset's coefficients of every row (decode.rope_query_terms)
-        ra, rb = _load_rope_ab(AB + row_t[:, None] * stride_abt + qh[:, None] * stride_abh, rmask, D // 2)
+        ra, rb = _load_rope_ab(AB + row_t[:, None] * stride_abt + qh[:, None] * stride_abh, rmask, R)
     # Ranges by split: without splits (num_splits == 0) program s = 0 does everything; with splits, s = 0
     # does the BF16 window + chunk and s >= 1 one slice of the INT2 history each.  Empty ranges run no loop.
     # INT2 history is clipped to the history length: a chunk boundary may fall inside an INT2 page.
@@ -239,7 +240,7 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO
     # 1. INT2 history
     m_i, l_i, acc = _int2_history(qrow, rmask, qk_scale, i_lo, i_hi, bt_row, Kc, Km, Vc, Vm,
                                   h.to(tl.int64) * stride_ch, h.to(tl.int64) * stride_mh, stride_cp, stride_mp,
-                                  M, D, G, P, SINK_PAGES, BLOCK_N, USE_ASM, ra, rb, CS, ROPE)
+                                  M, D, G, P, SINK_PAGES, BLOCK_N, USE_ASM, ra, rb, CS, ROPE, pr)
     # 2. BF16 sink and recent pages; the float32 query as bf16 hi + lo parts
     offs_d = tl.arange(0, D)
     qf = tl.load(qrow + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32) * qk_scale
@@ -247,16 +248,16 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO
     q_lo = (qf - q_hi.to(tl.float32)).to(tl.bfloat16)
     head_w = h.to(tl.int64) * stride_wh
     m_i, l_i, acc = _bf16_range(q_hi, q_lo, m_i, l_i, acc, 0, tl.where(mine, tl.minimum(hist, SINK), 0), bt_row,
-                                Kw, Vw, head_w, stride_wp, D, P, BLOCK_N, F32DOT, SPLITQ, ra, rb, CS, ROPE, D // 2)
+                                Kw, Vw, head_w, stride_wp, D, P, BLOCK_N, F32DOT, SPLITQ, ra, rb, CS, ROPE, pr)
     m_i, l_i, acc = _bf16_range(q_hi, q_lo, m_i, l_i, acc, tl.minimum(SINK + nq * P, hist), tl.where(mine, hist, 0),
                                 bt_row, Kw, Vw, head_w, stride_wp, D, P, BLOCK_N, F32DOT, SPLITQ, ra, rb, CS, ROPE,
-                                D // 2)
+                                pr)
     # 3. the chunk, causally; keys beyond the tile's last token are never needed
     lo64 = lo.to(tl.int64)
     m_i, l_i, acc = _chunk_causal(q_hi, q_lo, m_i, l_i, acc, tok, n,
                                   tl.where(mine, tl.minimum(n, t_start + BLOCK_T), 0),
                                   Kn + lo64 * stride_knt + h * stride_knh, Vn + lo64 * stride_vnt + h * stride_vnh,
-                                  stride_knt, stride_vnt, D, BLOCK_N, F32DOT, SPLITQ, hist, ra, rb, CS, ROPE)
+                                  stride_knt, stride_vnt, D, BLOCK_N, F32DOT, SPLITQ, hist, ra, rb, CS, ROPE, pr)
     # rows of split 0 see at least chunk key 0 (l_i > 0); an INT2 split may be empty (l_i = 0, lse = -inf)
     ok = l_i > 0
     o = acc / tl.where(ok, l_i, 1.0)[:, None]
@@ -376,16 +377,17 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
     kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
     bt = batch.block_table
     cu32 = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    ab, stride_abt, stride_abh, on = _rope_args(q, rope, sm_scale * LOG2E)
+    ab, pr, stride_abt, stride_abh, stride_prh, r, on = _rope_args(q, rope, sm_scale * LOG2E)
     cs = rope.table if rope is not None else q
     _int2_extend_kernel[(num_tiles, bsz, h * (ns + 1))](
-        qr, k_new, v_new, cu32, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, out, po, pl, ab, cs,
-        sm_scale * LOG2E, qr.stride(0), qr.stride(1), stride_abt, stride_abh, k_new.stride(0), k_new.stride(1),
+        qr, k_new, v_new, cu32, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, out, po, pl, ab, pr, cs,
+        sm_scale * LOG2E, qr.stride(0), qr.stride(1), stride_abt, stride_abh, stride_prh, k_new.stride(0),
+        k_new.stride(1),
         v_new.stride(0),
         v_new.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         bt.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
         pl.stride(1), num_tiles, ns, split_len,
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_T=block_t,
         BLOCK_N=block_n, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET, SPLITQ=split_query,
-        PARTIAL=ns > 0, ROPE=on, num_warps=num_warps, num_stages=num_stages)
+        PARTIAL=ns > 0, ROPE=on, R=r, num_warps=num_warps, num_stages=num_stages)
     return _merge(po, pl, out) if ns else out
