@@ -355,3 +355,24 @@ def test_position_aware_centering_runs_the_int2_kernels(model, tokenizer, small_
     assert make_engine(model, tokenizer, small_rotations, attention_backend="triton").runner.kernels is not None
     with pytest.raises(ValueError, match="position-aware key offset"):
         make_engine(model, tokenizer, small_rotations, kv_cache_dtype="bf16", attention_backend="triton")
+
+
+def test_warm_up_runs_every_stage_and_leaves_no_trace(model, tokenizer, small_rotations):
+    """The server's start-up request (compiles the kernels on a GPU): it reaches the INT2 history and decodes,
+    then the engine serves as if fresh: no requests, zeroed counters, every page free, same outputs."""
+    ids = build_prompt(tokenizer, "Name three colours.")[0].tolist()
+    fresh = make_engine(model, tokenizer, small_rotations)
+    fresh.add_request("r", ids, SamplingParams(max_tokens=5, **GREEDY))
+    expected = text_of(run_all(fresh)["r"])
+    engine = make_engine(model, tokenizer, small_rotations)
+    steps = []
+    real_step = engine.runner.run
+    engine.runner.run = lambda batch: steps.append([(st.seq.int2_pages, st.num_tokens) for st in batch]) or real_step(batch)
+    assert engine.warm_up() > 0
+    assert steps[0][0][0] > 0 and steps[-1] == [(steps[-1][0][0], 1)]  # prefill reached INT2 pages; then decode
+    assert len(steps) == 3 and engine.pool.quant.cached == engine.pool.window.cached == 0
+    stats = engine.stats()
+    assert stats.prompt_tokens == stats.generation_tokens == 0 and not stats.finished and not engine.requests
+    assert engine.pool.all_free()
+    engine.add_request("r", ids, SamplingParams(max_tokens=5, **GREEDY))
+    assert text_of(run_all(engine)["r"]) == expected

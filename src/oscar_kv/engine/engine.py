@@ -27,6 +27,7 @@ from .sequence import SamplingParams, Sequence, SeqStatus
 log = logging.getLogger(__name__)
 
 GB = 1e9
+WARM_UP_ID = "oscar-kv-warm-up"  # the throwaway request of LLMEngine.warm_up
 
 
 @dataclass
@@ -163,9 +164,11 @@ class LLMEngine:
         backend = ("Triton kernels (paged decode; extend for prefill chunks)" if self.kernel_status is None
                    else f"torch reference ({self.kernel_status})")
         if self.kernel_status is None and any(layer.k_rope_mean is not None for layer in self.layers):
-            backend += ("; keys centered per position: the kernels add that term, ~2.2x the decode attention "
-                        "time of constant centering on an H100 (benchmarks/NOTES.md, run R3); "
-                        "calibrate with --key-centering constant for full kernel speed")
+            pairs = max(layer.rope_pairs.shape[1] for layer in self.layers if layer.rope_pairs is not None)
+            backend += (f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term "
+                        "(with 16 pairs 1.3-1.6x the decode attention time of constant centering at 128K on an "
+                        "H100, benchmarks/NOTES.md run R4); calibrate with --key-centering constant for full "
+                        "kernel speed")
         lines = [f"KV cache: {scheme}", f"attention: {backend}",
                  f"KV pool: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
                  f"({plan.window_bytes / GB:.3f} GB, {plan.window_pages * spec.page_size} tokens) + "
@@ -182,6 +185,26 @@ class LLMEngine:
                          f"{min(plan.window_pages // spec.window_pages_per_seq(), plan.total_bytes // per_seq)} such "
                          f"sequences, a BF16 pool {plan.total_bytes // bf16_seq}")
         return lines
+
+    def warm_up(self) -> float:
+        """Run one throwaway request so that the kernels are compiled before the first real one (Triton
+        compiles a kernel on its first call: seconds each).  Its prompt reaches past the sink and recent
+        windows, so prefill, the write path, migration and the decode kernel with an INT2 history all run;
+        counters are reset afterwards.  Returns the seconds it took."""
+        started = time.perf_counter()
+        spec = self.spec
+        n = max(1, min(self.max_model_len - 4, spec.sink_size + spec.recent_size + 4 * spec.page_size))
+        vocab = self.model.config.vocab_size
+        self.add_request(WARM_UP_ID, [(7 * i + 1) % vocab for i in range(n)],
+                         SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        while self.has_work():
+            self.step()
+        self.prompt_tokens = self.generation_tokens = 0
+        self.finished.clear()
+        self._recent.clear()
+        self.pool.reset_prefix_cache()  # its pages would never be hit again
+        self.pool.hit_tokens = self.pool.queried_tokens = 0
+        return time.perf_counter() - started
 
     # ---- requests ------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -148,6 +148,9 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
              f"{g.head_dim}; rotations {config.rotations or 'calibrated'}" if g else "BF16 cache, no rotations")
     for line in engine.describe():
         log.info(line)
+    if engine.kernel_status is None:  # Triton kernels: compile them now, not during the first request
+        log.info("warming up the kernels ...")
+        log.info("kernels ready in %.1f s", engine.warm_up())
     log.info("max model len %d, max num seqs %d, prefix caching %s", engine.max_model_len, config.max_num_seqs,
              "on" if config.enable_prefix_caching else "off")
     return EngineThread(engine)
