@@ -99,6 +99,7 @@ def main(argv=None) -> int:
         del model, server
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    os.makedirs(args.output, exist_ok=True)
     with open(os.path.join(args.output, "serve_load.json"), "w") as f:
         json.dump(results, f, indent=2)
     print("\nscheme  conc  req/s   tok/s   p50 s   p99 s  ttft p50")

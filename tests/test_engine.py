@@ -369,8 +369,11 @@ def test_warm_up_runs_every_stage_and_leaves_no_trace(model, tokenizer, small_ro
     real_step = engine.runner.run
     engine.runner.run = lambda batch: steps.append([(st.seq.int2_pages, st.num_tokens) for st in batch]) or real_step(batch)
     assert engine.warm_up() > 0
-    assert steps[0][0][0] > 0 and steps[-1] == [(steps[-1][0][0], 1)]  # prefill reached INT2 pages; then decode
-    assert len(steps) == 3 and engine.pool.quant.cached == engine.pool.window.cached == 0
+    assert steps[0][0][0] > 0 and steps[2] == [(steps[2][0][0], 1)]  # prefill reached INT2 pages; then decode
+    assert [len(s) for s in steps[3:]] == [3, 3, 3]  # then three at once, prefilling only past their shared prefix
+    first = sum(n for _, n in steps[0])
+    assert all(0 < n < first + extra for (_, n), extra in zip(sorted(steps[3], key=lambda x: x[1]), (1, 37, 90)))
+    assert engine.pool.quant.cached == engine.pool.window.cached == 0
     stats = engine.stats()
     assert stats.prompt_tokens == stats.generation_tokens == 0 and not stats.finished and not engine.requests
     assert engine.pool.all_free()

@@ -193,12 +193,21 @@ class LLMEngine:
         counters are reset afterwards.  Returns the seconds it took."""
         started = time.perf_counter()
         spec = self.spec
-        n = max(1, min(self.max_model_len - 4, spec.sink_size + spec.recent_size + 4 * spec.page_size))
+        n = max(1, min(self.max_model_len - 100, spec.sink_size + spec.recent_size + 4 * spec.page_size))
         vocab = self.model.config.vocab_size
-        self.add_request(WARM_UP_ID, [(7 * i + 1) % vocab for i in range(n)],
-                         SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        while self.has_work():
-            self.step()
+        prompt = [(7 * i + 1) % vocab for i in range(n)]
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        # alone (batch 1), then three together whose prompts extend the first one's (prefix hits: prefill
+        # chunks over a stored history): Triton compiles separate variants for some sizes
+        for batch in ([prompt], [prompt + prompt[:extra] for extra in (1, 37, 90)]):
+            for i, ids in enumerate(batch):
+                self.add_request(f"{WARM_UP_ID}-{i}", ids[:self.max_model_len - 4], params)
+            while self.has_work():
+                self.step()
+        if self.kernel_status is None and self.device.type == "cuda":
+            from ..kernels.decode import compile_merges
+
+            compile_merges(self.device, spec.head_dim)
         self.prompt_tokens = self.generation_tokens = 0
         self.finished.clear()
         self._recent.clear()

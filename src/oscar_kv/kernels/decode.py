@@ -399,7 +399,7 @@ def _grp_values(p, vk, acc, n, alpha, Vm, mrow, valid, g: tl.constexpr, NG: tl.c
     return acc, n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NS"])  # the split count varies per step: one compile per BLOCK_S only
 def _merge_kernel(PO, PL, O, NS, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
                   D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
@@ -455,6 +455,16 @@ def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor) -> torch.Tenso
                                     pl.stride(1), out.stride(0), out.stride(1), D=d,
                                     BLOCK_S=max(triton.next_power_of_2(ns), 2), BLOCK_D=bd, num_warps=4)
     return out
+
+
+def compile_merges(device: torch.device, head_dim: int, max_splits: int = 2048) -> None:
+    """Compile the merge kernel for every BLOCK_S up to ``max_splits`` (it follows the step's split count,
+    so long contexts meet new ones mid-request otherwise): the server's warm-up calls this."""
+    n = 2
+    while n <= max_splits:
+        po = torch.zeros(1, 1, n, head_dim, device=device)
+        _merge(po, torch.zeros(1, 1, n, device=device), torch.empty(1, 1, head_dim, device=device))
+        n *= 2
 
 
 def _use_asm(device: torch.device, use_asm: bool | None) -> bool:
