@@ -93,3 +93,18 @@ def test_serve_rejects_a_bad_dtype_before_loading_anything():
     result = runner.invoke(app, ["serve", "--kv-cache-dtype", "int3"])
     assert result.exit_code == 2
     assert "'bf16' or 'int2'" in result.output
+
+
+def test_calibrate_help_defaults_are_the_library_defaults():
+    """The CLI spells its defaults out for --help; they must be CalibrationSettings' (what the README measures)."""
+    import inspect
+
+    from oscar_kv.calibrate import CalibrationSettings
+    from oscar_kv.cli import calibrate
+
+    params = inspect.signature(calibrate).parameters
+    lib = CalibrationSettings()
+    for name in ("calib_tokens", "seq_len", "k_clip", "v_clip", "rope_pairs", "center_values"):
+        assert params[name].default.default == getattr(lib, name), name
+    for name in ("clip", "key_centering", "rotation_scope", "layer_policy"):
+        assert params[name].default.default.value == getattr(lib, name), name

@@ -87,7 +87,7 @@ def calibrate(
         KeyCentering.auto, help="'constant' subtracts the mean post-RoPE key (cancels in softmax, free); 'rope' subtracts "
         "RoPE_p(mean pre-RoPE key) per position and adds its logit back (for QKV-bias models such as Qwen2.5); "
         "'auto' picks rope when it lowers the held-back attention error by 5%."),
-    rope_pairs: int = typer.Option(16, help="With rope centering: channel pairs per KV head whose position-dependent "
+    rope_pairs: int = typer.Option(32, help="With rope centering: channel pairs per KV head whose position-dependent "
                                    "mean is kept (those that remove the most logit variance). Its cost in the "
                                    "INT2 decode kernel grows with this number."),
     center_values: bool = typer.Option(True, help="Subtract the mean value before quantizing (folded into v_proj/o_proj)."),

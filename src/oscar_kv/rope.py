@@ -21,7 +21,7 @@ import torch
 
 STEP = 16  # the decode kernel rebuilds RoPE angles in steps of 16 positions (KernelRope)
 MIN_PAIRS = 8  # the kernels' dot over pairs needs 2 x pairs >= 16
-DEFAULT_PAIRS = 16  # pairs per KV head calibration keeps in mu_pre (CalibrationSettings.rope_pairs)
+DEFAULT_PAIRS = 32  # pairs per KV head calibration keeps in mu_pre (CalibrationSettings.rope_pairs)
 TILE_MARGIN = 1024  # table rows beyond the last position (the largest kernel tile)
 
 

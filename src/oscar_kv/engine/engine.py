@@ -166,9 +166,9 @@ class LLMEngine:
         if self.kernel_status is None and any(layer.k_rope_mean is not None for layer in self.layers):
             pairs = max(layer.rope_pairs.shape[1] for layer in self.layers if layer.rope_pairs is not None)
             backend += (f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term "
-                        "(with 16 pairs 1.3-1.6x the decode attention time of constant centering at 128K on an "
-                        "H100, benchmarks/NOTES.md run R4); calibrate with --key-centering constant for full "
-                        "kernel speed")
+                        "(decode attention at 128K on an H100: 1.8-2.1x the time of constant centering with 32 "
+                        "pairs, 1.3-1.6x with 16; benchmarks/NOTES.md run R4); calibrate with --rope-pairs 16, "
+                        "or --key-centering constant for full kernel speed")
         lines = [f"KV cache: {scheme}", f"attention: {backend}",
                  f"KV pool: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
                  f"({plan.window_bytes / GB:.3f} GB, {plan.window_pages * spec.page_size} tokens) + "
