@@ -94,7 +94,7 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
     tl.store(Meta + mrow[:, None] + NG + offs_g[None, :], mn16, mask=rmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the step's token count: one compile for all counts (server warm-up)
 def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T,
                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rh,
                   stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh,
