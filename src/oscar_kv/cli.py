@@ -308,6 +308,7 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, help=_serve_help("served_model_name")),
     device: str = typer.Option("cpu", help=_serve_help("device")),
     attention_backend: str = typer.Option("auto", help=_serve_help("attention_backend")),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help=_serve_help("enforce_eager")),
     log_level: str = typer.Option("info", help=_serve_help("log_level")),
 ):
     """Serve the model behind an OpenAI-compatible API (/v1/chat/completions, /v1/completions) with a paged INT2 KV cache."""
@@ -320,7 +321,7 @@ def serve(
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          enable_prefix_caching=enable_prefix_caching, host=host, port=port, api_key=api_key,
                          served_model_name=served_model_name, device=device,
-                         attention_backend=attention_backend, log_level=log_level)
+                         attention_backend=attention_backend, enforce_eager=enforce_eager, log_level=log_level)
     try:
         run_server(config)
     except ServeError as exc:

@@ -268,7 +268,7 @@ def make_engine(model, scheme: str, rotations, args, max_model_len: int, budget_
                        page_size=args.page_size, max_model_len=max_model_len, kv_cache_memory=budget_gb,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=False,  # every sequence keeps private pages: honest memory traffic
-                       attention_backend=args.attention_backend)
+                       attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
     return LLMEngine(model, TokenIdsOnly(), rotations if scheme != "bf16" else None, cfg)
 
 
@@ -438,6 +438,7 @@ def breakdown(engine, seqs, steps: int, clock: Clock, profile_steps: int) -> dic
     with stack:
         stack.enter_context(patched(runner_mod, "PagedForward", RegionForward))
         stack.enter_context(patched(engine.runner, "run", wrap("runner", engine.runner.run)))
+        stack.enter_context(patched(engine.runner, "graphs", None))  # the regions are timed on eager steps
         stack.enter_context(patched(runner_mod, "sample", wrap("sampling", runner_mod.sample)))
         for layer in engine.layers:
             stack.enter_context(patched(layer, "rotate_keys", wrap("key_rotation", layer.rotate_keys)))
@@ -954,6 +955,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sink-size", type=int, default=64)
     ap.add_argument("--recent-size", type=int, default=256)
     ap.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--throughput-steps", type=int, default=8,
                     help="decode steps for the fixed-budget throughput run at the largest context (0: skip)")
     ap.add_argument("--max-batch", type=int, default=256, help="cap on the batch of the throughput run")

@@ -44,6 +44,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     window_dtype: torch.dtype = torch.bfloat16
     attention_backend: str = "auto"  # "auto": Triton kernels on CUDA, else the torch reference; "triton" / "torch"
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (graphs.py)
 
 
 @dataclass
@@ -134,8 +135,13 @@ class LLMEngine:
                                             rope_centered=template.rotations.key_centering == "rope")
         if config.attention_backend == "triton" and self.kernel_status is not None:
             raise ValueError(f"--attention-backend triton: {self.kernel_status}")
-        self.runner = ModelRunner(model, self.pool, self.layers,
-                                  PoolView(self.pool) if self.kernel_status is None else None)
+        view = PoolView(self.pool) if self.kernel_status is None else None
+        graphs = None
+        if view is not None and self.device.type == "cuda" and not config.enforce_eager:
+            from .graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(model, self.pool, self.layers, view, self.max_model_len)
+        self.runner = ModelRunner(model, self.pool, self.layers, view, graphs)
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
         self.stop_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -169,6 +175,8 @@ class LLMEngine:
                         "(decode attention at 128K on an H100: 1.8-2.1x the time of constant centering with 32 "
                         "pairs, 1.3-1.6x with 16; benchmarks/NOTES.md run R4); calibrate with --rope-pairs 16, "
                         "or --key-centering constant for full kernel speed")
+        if self.runner.graphs is not None:
+            backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
         lines = [f"KV cache: {scheme}", f"attention: {backend}",
                  f"KV pool: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
                  f"({plan.window_bytes / GB:.3f} GB, {plan.window_pages * spec.page_size} tokens) + "

@@ -123,17 +123,22 @@ class DecodeStep:
 
     reads_chunk = False  # the new tokens are read from the pool, ``keys`` / ``values`` are ignored
 
-    def __init__(self, view: PoolView, steps):
+    def __init__(self, view: PoolView, batch: PagedBatch, max_int2_pages: int, max_seq_len: int):
+        """``max_int2_pages`` / ``max_seq_len``: host bounds that fix the kernels' split plans (graphs.py
+        captures with bucketed bounds)."""
+        self.view, self.batch = view, batch
+        self.max_int2_pages, self.max_seq_len = max_int2_pages, max_seq_len
+
+    @classmethod
+    def of(cls, view: PoolView, steps) -> "DecodeStep":
         """``steps``: the step's ScheduledSeqs, one token each, already counted in their page tables."""
         seq_lens = [st.end for st in steps]
         int2_pages = [st.seq.int2_pages for st in steps]
         dev = view.pool.device
-        self.view = view
-        self.batch = PagedBatch(_block_table([st.seq.pages for st in steps], dev),
-                                torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                                torch.tensor(int2_pages, dtype=torch.int32, device=dev))
-        self.max_int2_pages = max(int2_pages)
-        self.max_seq_len = max(seq_lens)
+        batch = PagedBatch(_block_table([st.seq.pages for st in steps], dev),
+                           torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                           torch.tensor(int2_pages, dtype=torch.int32, device=dev))
+        return cls(view, batch, max(int2_pages), max(seq_lens))
 
     def attend(self, layer_idx: int, layer, query: torch.Tensor, keys=None, values=None,
                scaling: float | None = None) -> torch.Tensor:
@@ -205,4 +210,4 @@ def _token_rows(x: torch.Tensor) -> torch.Tensor:
 
 def kernel_step(view: PoolView, steps):
     """The kernel plan of a step: the decode kernel when every sequence computes one token."""
-    return (DecodeStep if all(st.num_tokens == 1 for st in steps) else ExtendStep)(view, steps)
+    return DecodeStep.of(view, steps) if all(st.num_tokens == 1 for st in steps) else ExtendStep(view, steps)

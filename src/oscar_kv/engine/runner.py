@@ -191,6 +191,29 @@ class PagedForward:
         self.fused_rotation = not self.kernel_step.reads_chunk and max(q, default=-1) < 0 and not rope
         self.migrations = torch.tensor([src, dst], dtype=torch.int32).to(dev) if src else None
 
+    @classmethod
+    def for_graph(cls, pool: PagePool, layers: list[OscarCacheLayer], view: PoolView, step, positions: torch.Tensor,
+                  win_slot: torch.Tensor, int2_slot: torch.Tensor) -> "PagedForward":
+        """A decode plan over static tensors (graphs.py fills them before each replay): fused write path,
+        migrations done by the caller before the replay."""
+        fwd = cls.__new__(cls)
+        fwd.pool, fwd.layers, fwd.steps, fwd.views = pool, layers, [], []
+        fwd.view, fwd.kernel_step, fwd.positions = view, step, positions
+        fwd.win_slot, fwd.int2_slot, fwd.num_tokens = win_slot, int2_slot, len(win_slot)
+        fwd.fused_rotation, fwd.migrations = True, None
+        return fwd
+
+    def run_migrations(self) -> None:
+        """Quantize the step's migrating recent pages, every layer (kernel mode; before the first layer writes)."""
+        from ..kernels.write import migrate_pages
+
+        if self.migrations is None:
+            return
+        for i, lay in enumerate(self.layers):
+            ck, cv = self.view.clips(i, lay)
+            migrate_pages(self.view.layer_pool(i), self.migrations[0], self.migrations[1], ck[None], cv[None])
+        self.migrations = None
+
     # ---- per layer -----------------------------------------------------------------------------
     def attend(self, layer_idx: int, query, key, value, scaling):
         layer = self.layers[layer_idx]
@@ -234,13 +257,9 @@ class PagedForward:
     def _write_kernels(self, li: int, layer: OscarCacheLayer, key, value):
         """Store layer li's step tokens (after every layer's migrations, with layer 0).  Returns the keys and
         values the extend kernel reads, [1, H, N, D] in the window dtype (keys None when write_kv rotated)."""
-        from ..kernels.write import migrate_pages, write_kv
+        from ..kernels.write import write_kv
 
-        if self.migrations is not None:  # first layer of the step: every layer's migrations
-            for i, lay in enumerate(self.layers):
-                ck, cv = self.view.clips(i, lay)
-                migrate_pages(self.view.layer_pool(i), self.migrations[0], self.migrations[1], ck[None], cv[None])
-            self.migrations = None
+        self.run_migrations()  # first layer of the step: every layer's migrations
         wdt = self.pool.spec.window_dtype
         values = value if value.dtype == wdt else value.to(wdt)  # stored form, quantized as such (as _write)
         v_rows = values[0].transpose(0, 1)  # [N, H, D] views
@@ -322,9 +341,11 @@ def _heads_first(rows: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """Runs a step's forward and samples the next token of each sequence that completed its tokens."""
 
-    def __init__(self, model, pool: PagePool, layers: list[OscarCacheLayer], kernels: PoolView | None = None):
+    def __init__(self, model, pool: PagePool, layers: list[OscarCacheLayer], kernels: PoolView | None = None,
+                 graphs=None):
         self.model, self.pool, self.layers, self.kernels = model, pool, layers, kernels
         self.device = next(model.parameters()).device
+        self.graphs = graphs  # graphs.DecodeGraphs, or None: every step eager
 
     @torch.inference_mode()
     def run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
@@ -335,9 +356,11 @@ class ModelRunner:
         for st in steps:
             ids += st.seq.tokens[st.start:st.end]
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        position_ids = fwd.positions.to(self.device)[None]  # the step's positions, built once by the plan
-        hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                  oscar_paged=fwd).last_hidden_state
+        hidden = self.graphs.run(fwd, input_ids) if self.graphs is not None else None
+        if hidden is None:
+            position_ids = fwd.positions.to(self.device)[None]  # the step's positions, built once by the plan
+            hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                      oscar_paged=fwd).last_hidden_state
         sampling = [st for st in steps if st.samples]
         if not sampling:
             return {}

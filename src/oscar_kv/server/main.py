@@ -56,6 +56,8 @@ class ServeConfig:
     device: str = _flag("cpu", "cpu or cuda.")
     attention_backend: str = _flag("auto", "Paged attention: 'triton' (kernels: decode + extend), 'torch' (reference), "
                                            "or 'auto' (Triton on CUDA, torch on CPU).")
+    enforce_eager: bool = _flag(False, "Run decode steps eagerly (no CUDA graphs; they are used with the Triton "
+                                       "kernels on CUDA otherwise).")
     log_level: str = _flag("info", "Log level of the server and uvicorn.")
 
     @classmethod
@@ -137,7 +139,7 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
     engine_config = EngineConfig(config.kv_cache_dtype, config.sink_size, config.recent_size, config.page_size,
                                  config.group_size, config.max_model_len, config.kv_cache_memory, config.max_num_seqs,
                                  config.max_num_batched_tokens, config.enable_prefix_caching,
-                                 attention_backend=config.attention_backend)
+                                 attention_backend=config.attention_backend, enforce_eager=config.enforce_eager)
     try:
         engine = LLMEngine(model, tokenizer, rotations, engine_config)
     except ValueError as exc:
