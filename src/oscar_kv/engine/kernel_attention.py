@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
 import torch
 
 from ..kernels.layout import PagedBatch, PagedKVPool, PoolGeometry, clip_indices
@@ -112,10 +113,11 @@ class PoolView:
 
 
 def _block_table(tables: list[list[int]], device) -> torch.Tensor:
-    table = torch.zeros(len(tables), max(1, max(len(t) for t in tables)), dtype=torch.int32)
+    # numpy fills rows from Python lists ~10x faster than torch.tensor per row (a 100K-token sequence has 6K pages)
+    table = np.zeros((len(tables), max(1, max(len(t) for t in tables))), dtype=np.int32)
     for i, t in enumerate(tables):
-        table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    return table.to(device)
+        table[i, :len(t)] = t
+    return torch.from_numpy(table).to(device)
 
 
 class DecodeStep:
