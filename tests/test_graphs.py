@@ -56,8 +56,8 @@ def _run(engine, prompts, lengths):
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("dtype", ["int2", "bf16"])
-def test_graph_replay_matches_eager_steps(dtype):
+@pytest.mark.parametrize("dtype,centering", [("int2", "constant"), ("bf16", "constant"), ("int2", "rope")])
+def test_graph_replay_matches_eager_steps(dtype, centering):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from oscar_kv.artifacts import Rotations
@@ -76,6 +76,13 @@ def test_graph_replay_matches_eager_steps(dtype):
 
     model.generation_config.eos_token_id = None
     rot = Rotations.data_free(AttentionGeometry.of(cfg), "hadamard", 64)
+    if centering == "rope":  # keys centered per position: rotated inside the graph, the kernels add the term back
+        from oscar_kv.rope import keep_pairs, random_pairs
+
+        gen = torch.Generator().manual_seed(1)
+        rot.k_rope_mean = torch.stack([keep_pairs(torch.randn(4, 64, generator=gen) * 3, random_pairs(4, 32, 12, gen))
+                                       for _ in range(3)])
+        assert rot.key_centering == "rope"
     # prompts around the windows (64 + 256) and far past them, INT2 pages migrating while decoding; the batch
     # shrinks 4 -> 3 -> 2 as requests finish (3 replays the bucket-4 graph with a stale row made padding)
     prompts = [[(5 * i + j) % 500 + 1 for j in range(n)] for i, n in enumerate((40, 330, 1500, 700))]
@@ -83,7 +90,7 @@ def test_graph_replay_matches_eager_steps(dtype):
     eager = _run(_engine(model, Tok(), rot, dtype, True), prompts, lengths)
     graphed_engine = _engine(model, Tok(), rot, dtype, False)
     graphed = _run(graphed_engine, prompts, lengths)
-    assert {b for b, _ in graphed_engine.runner.graphs.graphs} == {1, 2, 4}  # it replayed
+    assert {b for b, _, _ in graphed_engine.runner.graphs.graphs} == {1, 2, 4}  # it replayed
     for rid in eager:
         assert len(graphed[rid]) == len(eager[rid]) == lengths[int(rid[1:])]
         for step, (a, b) in enumerate(zip(eager[rid], graphed[rid])):

@@ -131,6 +131,7 @@ class RopeTable:
         self._on: dict = {}
         self._last = None  # (positions, cos, sin) of the latest call
         self._kernel: dict = {}
+        self.bound = None  # reserve(): positions are known to stay below it (no device max per call)
 
     @torch.no_grad()
     def _check(self) -> None:
@@ -153,7 +154,7 @@ class RopeTable:
         asks with the same tensor: the answer is kept for it (no device sync, no gather per layer)."""
         if self._last is not None and self._last[0] is positions:
             return self._last[1], self._last[2]
-        need = int(positions.max()) + 1 if positions.numel() else 0
+        need = 0 if self.bound is not None or not positions.numel() else int(positions.max()) + 1
         if self.cos is None or self.cos.shape[0] < need:
             n = max(need, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
             self.cos, self.sin = self._tables(n)
@@ -164,6 +165,19 @@ class RopeTable:
             self._on[dev] = (cos, sin)
         self._last = (positions, cos[positions], sin[positions])
         return self._last[1], self._last[2]
+
+    def reserve(self, n: int, device) -> None:
+        """Grow every table to positions < n on ``device`` now, and from then on trust callers that positions
+        stay below n (no device max per call: CUDA graph capture forbids the sync; engine/graphs.py)."""
+        self(torch.tensor([n - 1], device=device))
+        self.kernel_rope(torch.zeros(1, 2 * len(self.inv_freq), device=device), n)
+        self.bound = n
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the answer kept for the latest positions tensor (before a graph capture: the capture must
+        record the lookup, not reuse a result computed outside it)."""
+        self._last = None
 
     def kernel_rope(self, mu_pre: torch.Tensor, n: int, pairs: torch.Tensor | None = None) -> KernelRope:
         """The kernels' argument for positions < n; the tables are shared by all layers, grown on demand.

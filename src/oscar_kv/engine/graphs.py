@@ -9,8 +9,9 @@ kernels neither write nor read anything for them.
 
 The length bucket fixes what the kernels' split plans take as a host number (the longest INT2 history, or
 the longest sequence for a BF16 cache): a bound at most 25% above the step's.  The step's page migrations
-run eagerly before the replay.  Not graphed (eager, as before): prefill and mixed steps, the torch
-backend, and keys centered per position (their RoPE lookup runs on the host).
+run eagerly before the replay.  Keys centered per position are rotated inside the graph (RoPE tables
+reserved up to max-model-len first).  Not graphed (eager, as before): prefill and mixed steps, and the
+torch backend.
 """
 
 from __future__ import annotations
@@ -54,8 +55,7 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle()
 
     def accepts(self, fwd, batch: int) -> bool:
-        return (isinstance(fwd.kernel_step, DecodeStep) and fwd.fused_rotation and batch <= BATCH_BUCKETS[-1]
-                and all(layer.k_rope_mean is None for layer in self.layers))
+        return isinstance(fwd.kernel_step, DecodeStep) and batch <= BATCH_BUCKETS[-1]
 
     def run(self, fwd, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The step's last hidden states [1, B, hidden] by graph replay, or None when it must run eagerly.
@@ -67,7 +67,8 @@ class DecodeGraphs:
         bucket = next(x for x in BATCH_BUCKETS if x >= b)
         quantizes = self.pool.spec.quantizes
         length = length_bucket(step.max_int2_pages if quantizes else step.max_seq_len)
-        g = self.graphs.get((bucket, length)) or self._capture(bucket, length)
+        key = (bucket, length, fwd.fused_rotation)  # fused: write_kv rotates the keys (not with rope centering)
+        g = self.graphs.get(key) or self._capture(*key)
         fwd.run_migrations()
         static = g.fwd.kernel_step.batch
         src = step.batch
@@ -86,7 +87,7 @@ class DecodeGraphs:
         g.graph.replay()
         return g.hidden[:, :b]
 
-    def _capture(self, bucket: int, length: int) -> _Captured:
+    def _capture(self, bucket: int, length: int, fused: bool) -> _Captured:
         from .runner import PagedForward
 
         dev = self.pool.device
@@ -99,7 +100,11 @@ class DecodeGraphs:
         ids = torch.zeros(1, bucket, dtype=torch.long, device=dev)
         positions = torch.zeros(1, bucket, dtype=torch.long, device=dev)
         slots = torch.full((2, bucket), -1, dtype=torch.int32, device=dev)
-        fwd = PagedForward.for_graph(self.pool, self.layers, self.view, step, positions[0], slots[0], slots[1])
+        fwd = PagedForward.for_graph(self.pool, self.layers, self.view, step, positions[0], slots[0], slots[1], fused)
+        ropes = {id(layer.rope): layer.rope for layer in self.layers if layer.k_rope_mean is not None}
+        for rope in ropes.values():
+            if rope.bound is None:
+                rope.reserve(self.max_model_len + 1, dev)
 
         def forward():
             return self.model.model(input_ids=ids, position_ids=positions, use_cache=False,
@@ -111,9 +116,11 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             forward()
         torch.cuda.current_stream(dev).wait_stream(side)
+        for rope in ropes.values():
+            rope.forget()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             hidden = forward()
         captured = _Captured(graph, fwd, ids, positions, hidden)
-        self.graphs[(bucket, length)] = captured
+        self.graphs[(bucket, length, fused)] = captured
         return captured

@@ -193,14 +193,14 @@ class PagedForward:
 
     @classmethod
     def for_graph(cls, pool: PagePool, layers: list[OscarCacheLayer], view: PoolView, step, positions: torch.Tensor,
-                  win_slot: torch.Tensor, int2_slot: torch.Tensor) -> "PagedForward":
-        """A decode plan over static tensors (graphs.py fills them before each replay): fused write path,
-        migrations done by the caller before the replay."""
+                  win_slot: torch.Tensor, int2_slot: torch.Tensor, fused: bool) -> "PagedForward":
+        """A decode plan over static tensors (graphs.py fills them before each replay); ``fused``: write_kv
+        rotates the keys; migrations are done by the caller before the replay."""
         fwd = cls.__new__(cls)
         fwd.pool, fwd.layers, fwd.steps, fwd.views = pool, layers, [], []
         fwd.view, fwd.kernel_step, fwd.positions = view, step, positions
         fwd.win_slot, fwd.int2_slot, fwd.num_tokens = win_slot, int2_slot, len(win_slot)
-        fwd.fused_rotation, fwd.migrations = True, None
+        fwd.fused_rotation, fwd.migrations = fused, None
         return fwd
 
     def run_migrations(self) -> None:
