@@ -79,7 +79,8 @@ def test_prompt_longer_than_the_model_is_refused(artifact_dir):
 def test_serve_help_explains_the_flags():
     result = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    for flag in ("--rotations", "--kv-cache-dtype", "--kv-cache-memory", "--max-num-seqs", "--api-key", "--calibrate"):
+    for flag in ("--rotations", "--kv-cache-dtype", "--kv-cache-memory", "--max-num-seqs", "--api-key", "--calibrate",
+                 "--enforce-eager"):
         assert flag in result.output
 
 
