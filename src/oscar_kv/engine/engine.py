@@ -172,7 +172,7 @@ class LLMEngine:
         if self.kernel_status is None and any(layer.k_rope_mean is not None for layer in self.layers):
             pairs = max(layer.rope_pairs.shape[1] for layer in self.layers if layer.rope_pairs is not None)
             backend += (f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term "
-                        "(decode attention at 128K on an H100: 1.8-2.1x the time of constant centering with 32 "
+                        "(decode attention at 128K on an H100: 1.7-2.1x the time of constant centering with 32 "
                         "pairs, 1.3-1.6x with 16; benchmarks/NOTES.md run R4); calibrate with --rope-pairs 16, "
                         "or --key-centering constant for full kernel speed")
         if self.runner.graphs is not None:
@@ -195,10 +195,10 @@ class LLMEngine:
         return lines
 
     def warm_up(self) -> float:
-        """Run one throwaway request so that the kernels are compiled before the first real one (Triton
-        compiles a kernel on its first call: seconds each).  Its prompt reaches past the sink and recent
-        windows, so prefill, the write path, migration and the decode kernel with an INT2 history all run;
-        counters are reset afterwards.  Returns the seconds it took."""
+        """Run throwaway requests so that the kernels are compiled (and small decode graphs captured) before
+        the first real request (Triton compiles a kernel on its first call: seconds each).  The first prompt
+        reaches past the sink and recent windows, so prefill, the write path, migration and the decode kernel
+        with an INT2 history all run; counters and the prefix cache are reset afterwards.  Returns seconds."""
         started = time.perf_counter()
         spec = self.spec
         n = max(1, min(self.max_model_len - 100, spec.sink_size + spec.recent_size + 4 * spec.page_size))
