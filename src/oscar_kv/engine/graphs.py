@@ -3,8 +3,8 @@
 A decode-only step launches the same kernels every time; only its inputs change.  Run eagerly, the
 transformers modules cost tens of milliseconds of Python and launches per step, more than the GPU work at
 batch 1 (benchmarks/NOTES.md, run D1).  So each (batch bucket, length bucket, fused write) is captured
-once: the model forward over static buffers (token ids, positions, write slots, block tables, lengths) padded to the
-bucket.  A step copies its inputs in and replays.  Padding rows have length 0 and write slot -1: the
+once: the model forward over static buffers (token ids, positions, write slots, block tables, lengths)
+padded to the bucket.  A step copies its inputs in and replays.  Padding rows have length 0 and write slot -1: the
 kernels neither write nor read anything for them.
 
 The length bucket fixes what the kernels' split plans take as a host number (the longest INT2 history, or
