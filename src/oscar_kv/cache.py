@@ -89,6 +89,15 @@ class OscarCacheLayer(CacheLayerMixin):
         self.seq_len = 0
         self.chunk = None  # (keys, values, start) of the forward in flight, read once by attention
 
+    def keep_heads(self, heads: slice) -> None:
+        """Keep only KV heads ``heads`` (a tensor-parallel rank's block, parallel.py); a full slice is a no-op."""
+        for name in ("k_mean", "k_clip", "v_clip", "k_rope_mean", "rope_pairs"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value[heads])
+        if self.k_rotation.shape[0] > 1:  # one rotation per head, not one shared by all
+            self.k_rotation = self.k_rotation[heads]
+
     # ---- transformers' layer protocol ----------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
         b, h, _, d = key_states.shape

@@ -16,6 +16,7 @@ clip-ratio fitting on a held-back sequence, and a validation table of per-layer 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -30,6 +31,7 @@ from .activations import LayerSample, capture_samples, observing, quantized_atte
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
 from .corpus import load_calibration_text
 from .models import AttentionGeometry
+from .parallel import SINGLE, TensorParallel, shard_model
 from .rope import DEFAULT_PAIRS as DEFAULT_ROPE_PAIRS
 from .rope import RopeTable, RopeUnsupported, keep_pairs, remove_rope, rotate_half
 from .rotation import compose
@@ -116,6 +118,12 @@ class Statistics:
         self.rows[layer] += grouped_q.shape[1]
         self.tokens[layer] += b * t
 
+    def gather_heads(self, tp: TensorParallel, geometry: AttentionGeometry) -> None:
+        """Replace this rank's per-head sums by all ranks' (in head order); per-layer sums are the same on all."""
+        for name in ("qq", "oo", "o_sum", "k_sum", "v_sum", "k_pre_sum"):
+            setattr(self, name, tp.gather_heads(getattr(self, name), 1))
+        self.geometry = geometry
+
     def key_means(self, centering: str, pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(mu_K, mu_pre) per layer and KV head for a key centering "rope", "constant" or "off".
         ``pairs``: with "rope", mu_pre keeps only that many channel pairs per head (rope_pair_mask)."""
@@ -180,10 +188,20 @@ def token_sequences(tokenizer, texts: list[str], seq_len: int, count: int) -> li
 
 
 def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, calib_data: list[str] | None = None,
-              progress: bool = True) -> Rotations:
-    """Fit the OSCAR rotations for ``model`` and return them (not yet saved)."""
+              progress: bool = True, tp: TensorParallel = SINGLE, device: str | None = None) -> Rotations | None:
+    """Fit the OSCAR rotations for ``model`` and return them (not yet saved).
+
+    With ``tp`` (parallel.py; every rank calls this with the whole model, e.g. on the CPU): the model is sharded
+    and moved to ``device``, each rank accumulates the statistics and probe activations of its own KV heads,
+    rank 0 gathers them and fits the same artifact a single process would; the other ranks return None."""
     settings = settings or CalibrationSettings()
     geometry = AttentionGeometry.of(model.config)
+    fingerprint = model_fingerprint(model)  # of the whole weights, as serving checks them
+    if tp.size > 1:
+        shard_model(model, tp, device)
+        model.to(device)
+    elif device is not None:
+        model.to(device)
     group_size = settings.group_size or min(geometry.head_dim, 128)
     texts, source = load_calibration_text(calib_data)
     max_len = getattr(model.config, "max_position_embeddings", None) or settings.seq_len
@@ -203,12 +221,20 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
             raise
         log.info("no position-aware key centering: %s", exc)
         rope = None
-    stats = Statistics(geometry, rope)
+    heads = tp.heads(geometry.num_kv_heads)
+    stats = Statistics(dataclasses.replace(geometry, num_kv_heads=heads.stop - heads.start,
+                                           num_attention_heads=geometry.num_attention_heads // tp.size), rope)
     with torch.no_grad(), observing(model, stats.add):
-        for ids in tqdm(sequences, desc="calibrating", unit="seq", disable=not progress):
+        for ids in tqdm(sequences, desc="calibrating", unit="seq", disable=not progress or not tp.is_driver):
             model(ids.to(model.device), use_cache=False)
-    rotations = fit_rotations(stats, settings, group_size)
     probe = capture_samples(model, probe_ids)
+    if tp.size > 1:  # every rank saw its heads: put them together (rank 0 fits, as one process would)
+        stats.gather_heads(tp, geometry)
+        probe = [LayerSample(tp.gather_heads(s.q, 0), tp.gather_heads(s.k, 0), tp.gather_heads(s.v, 0), s.rope)
+                 for s in probe]
+        if not tp.is_driver:
+            return None
+    rotations = fit_rotations(stats, settings, group_size)
     centering = choose_key_centering(rotations, stats, settings, probe)
     if settings.clip == "fit":
         fit_clip_ratios(rotations, probe, progress)
@@ -218,7 +244,7 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
         rotations.layer_bits = torch.tensor(proposed, dtype=torch.int32)
     rotations.manifest = {
         "model": getattr(model, "oscar_model_name", getattr(model.config, "_name_or_path", "")),
-        "fingerprint": model_fingerprint(model),
+        "fingerprint": fingerprint,
         "calibration": {**asdict(settings), "group_size": group_size, "seq_len": seq_len,
                         "sequences": len(sequences), "tokens": int(stats.tokens[0]), "data": source,
                         "seconds": round(time.perf_counter() - started, 1), "key_centering_choice": centering},

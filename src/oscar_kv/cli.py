@@ -61,13 +61,25 @@ def _quiet_transformers():
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
-def _load(model: str, device: str):
+def _load(model: str, device: str, dtype=None):
     from .models import load_model
 
     try:
-        return load_model(model, device=device)
+        return load_model(model, device=device, dtype=dtype)
     except (FileNotFoundError, ValueError, OSError) as exc:
         _fail(str(exc))
+
+
+def _start_ranks(model: str, tp: int) -> None:
+    """--tp N outside torchrun: check the model splits, then run this very command as N processes (torchrun)
+    and exit with their status."""
+    from .parallel import TensorParallelError, check_model, relaunch
+
+    try:
+        check_model(model, tp)
+    except (TensorParallelError, FileNotFoundError, ValueError, OSError) as exc:
+        _fail(str(exc))
+    raise typer.Exit(relaunch(tp, sys.argv[1:]))
 
 
 @app.command()
@@ -93,12 +105,18 @@ def calibrate(
     center_values: bool = typer.Option(True, help="Subtract the mean value before quantizing (folded into v_proj/o_proj)."),
     layer_policy: LayerPolicy = typer.Option(LayerPolicy.off, help="'auto' stores layers with outlying INT2 error at INT4."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
+    tp: int = typer.Option(1, "--tp", "--tensor-parallel-size",
+                           help="Calibrate over N GPUs (or CPU processes), one process each through torchrun, for "
+                                "models too large for one GPU: each rank holds its share of the heads. The artifact "
+                                "is the one a single process writes."),
 ):
     """Fit OSCAR rotations from attention statistics and write an artifact directory."""
     _quiet_transformers()
+    from . import parallel
     from .artifacts import ArtifactError
     from .calibrate import CalibrationSettings, format_error_table, write_summary
     from .calibrate import calibrate as run_calibration
+    from .models import default_dtype
 
     try:
         settings = CalibrationSettings(calib_tokens=calib_tokens, seq_len=seq_len, group_size=group_size,
@@ -108,12 +126,26 @@ def calibrate(
                                        layer_policy=layer_policy.value)
     except ValueError as exc:
         _fail(str(exc))
-    lm, tokenizer = _load(model, device)
+    if tp > 1 and not parallel.launched():
+        _start_ranks(model, tp)
     try:
-        rotations = run_calibration(lm, tokenizer, settings, [str(p) for p in calib_data] if calib_data else None)
-        rotations.save(output_dir)
+        ranks = parallel.init(tp, device)
+    except parallel.TensorParallelError as exc:
+        _fail(str(exc))
+    # under --tp every rank reads the whole model into host memory and moves only its slices to its device
+    here = parallel.local_device(device, tp)
+    lm, tokenizer = _load(model, "cpu", default_dtype(here)) if tp > 1 else _load(model, device)
+    try:
+        rotations = run_calibration(lm, tokenizer, settings, [str(p) for p in calib_data] if calib_data else None,
+                                    progress=True, tp=ranks, device=here)
+        if rotations is not None:
+            rotations.save(output_dir)
     except (ValueError, FileNotFoundError, ArtifactError) as exc:
         _fail(str(exc))
+    finally:
+        parallel.shutdown(ranks)
+    if rotations is None:  # a rank > 0: rank 0 writes the artifact and reports
+        return
     write_summary(rotations, output_dir)
     cal = rotations.manifest["calibration"]
     table = rotations.manifest["validation"]["attention_relative_error"]
@@ -309,10 +341,12 @@ def serve(
     device: str = typer.Option("cpu", help=_serve_help("device")),
     attention_backend: str = typer.Option("auto", help=_serve_help("attention_backend")),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=_serve_help("enforce_eager")),
+    tp: int = typer.Option(1, "--tp", "--tensor-parallel-size", help=_serve_help("tp")),
     log_level: str = typer.Option("info", help=_serve_help("log_level")),
 ):
     """Serve the model behind an OpenAI-compatible API (/v1/chat/completions, /v1/completions) with a paged INT2 KV cache."""
     _quiet_transformers()
+    from .parallel import launched
     from .server.main import ServeConfig, ServeError, run_server
 
     config = ServeConfig(model=model, rotations=str(rotations) if rotations else None, kv_cache_dtype=kv_cache_dtype,
@@ -321,8 +355,12 @@ def serve(
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          enable_prefix_caching=enable_prefix_caching, host=host, port=port, api_key=api_key,
                          served_model_name=served_model_name, device=device,
-                         attention_backend=attention_backend, enforce_eager=enforce_eager, log_level=log_level)
+                         attention_backend=attention_backend, enforce_eager=enforce_eager, tp=tp,
+                         log_level=log_level)
     try:
+        if tp > 1 and not launched():
+            config.validate()
+            _start_ranks(model, tp)
         run_server(config)
     except ServeError as exc:
         _fail(str(exc))

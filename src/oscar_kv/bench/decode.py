@@ -80,8 +80,8 @@ SCHEMES = ("bf16", "int2")
 
 
 # ---------------------------------------------------------------------------------------------- model
-def build_model(arch: str, layers: int | None, device: torch.device):
-    """A causal LM with the architecture's public numbers and random bf16 weights, built on ``device``."""
+def build_model(arch: str, layers: int | None, device: torch.device, dtype: torch.dtype | None = None):
+    """A causal LM with the architecture's public numbers and random weights (bf16 on a GPU), built on ``device``."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -94,7 +94,7 @@ def build_model(arch: str, layers: int | None, device: torch.device):
         if getattr(config, "max_window_layers", None):
             config.max_window_layers = min(config.max_window_layers, config.num_hidden_layers)
     # bf16 as served on a GPU; float32 on the CPU, where bf16 matmuls are slow and timings are not meaningful anyway
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     started = time.perf_counter()
     # Parameters are created and initialized (normal_, std 0.02) on the device itself: seconds for 8B on a GPU.
     with torch.device(device):
@@ -269,7 +269,7 @@ def make_engine(model, scheme: str, rotations, args, max_model_len: int, budget_
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=False,  # every sequence keeps private pages: honest memory traffic
                        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
-    return LLMEngine(model, TokenIdsOnly(), rotations if scheme != "bf16" else None, cfg)
+    return LLMEngine(model, TokenIdsOnly(), rotations if scheme != "bf16" else None, cfg, args.ranks)
 
 
 def _params(max_tokens: int):
@@ -310,7 +310,7 @@ def _room(pool, spec, length: int, n: int) -> bool:
 @torch.no_grad()
 def clone_sequence(unit: Unit, src):
     """A new running sequence whose pages are fresh copies of ``src``'s pages (same tokens, same state)."""
-    from ..engine.block_pool import QUANT
+    from ..engine.block_pool import QUANT, WINDOW
     from ..engine.sequence import Sequence, SeqStatus
 
     engine, pool = unit.engine, unit.engine.pool
@@ -323,17 +323,9 @@ def clone_sequence(unit: Unit, src):
     new_q, new_w = iter(pool.quant.allocate(len(src_q))), iter(pool.window.allocate(len(src_w)))
     seq.pages = [next(new_q) if k == QUANT else next(new_w) for k in kinds]
     seq.int2_pages, seq.num_computed = src.int2_pages, src.num_computed
-    dev = pool.device
-    pairs = [(src_w, [p for p, k in zip(seq.pages, kinds) if k != QUANT], (pool.k_win, pool.v_win))]
+    engine.runner.copy_pages(WINDOW, src_w, [p for p, k in zip(seq.pages, kinds) if k != QUANT])  # on every rank
     if src_q:
-        pairs.append((src_q, [p for p, k in zip(seq.pages, kinds) if k == QUANT],
-                      (pool.k_codes, pool.v_codes, pool.k_meta, pool.v_meta)))
-    for s, d, groups in pairs:
-        s_idx = torch.tensor(s, dtype=torch.long, device=dev)
-        d_idx = torch.tensor(d, dtype=torch.long, device=dev)
-        for tensors in groups:
-            for t in tensors:
-                t.index_copy_(0, d_idx, t.index_select(0, s_idx))
+        engine.runner.copy_pages(QUANT, src_q, [p for p, k in zip(seq.pages, kinds) if k == QUANT])
     seq.status = SeqStatus.RUNNING
     engine.scheduler.running.append(seq)
     engine.requests[seq.request_id] = seq
@@ -555,7 +547,17 @@ class Deadline:
 
 
 def run(args) -> dict:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from .. import parallel
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # --tp N: every rank runs this function; rank 0 measures and reports, the others follow its engine steps
+    args.ranks = ranks = parallel.init(args.tp, device)
+    device = torch.device(parallel.local_device(device, args.tp))
+    if not ranks.is_driver:
+        args.output = None
+        sys.stdout = open(os.devnull, "w")
+    if ranks.size > 1:
+        args.breakdown_steps = args.profile_steps = 0  # the breakdown patches rank 0's forward only
     deadline = Deadline(args.time_limit)
     clock = Clock(device)
     contexts = sorted(set(_ints(args.contexts)))
@@ -572,9 +574,18 @@ def run(args) -> dict:
     result["timing_meaningful"] = device.type == "cuda"
     if device.type != "cuda":
         print("NOTE: running on the CPU (torch reference attention): timings are not meaningful", flush=True)
+    torch.manual_seed(args.seed)  # the same random weights on every rank
     model, minfo = build_model(args.arch, args.layers, device)
     geometry = AttentionGeometry.of(model.config)
+    parallel.check_geometry(geometry, ranks)
     budget = args.kv_cache_memory if args.kv_cache_memory is not None else default_budget(device, model)
+    budget = ranks.smallest(budget)  # per GPU
+    minfo["tensor_parallel"] = ranks.size
+    if ranks.size > 1:  # an engine shards its model for good: each engine gets a fresh one (measure_context)
+        model = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     rotations = Rotations.data_free(geometry, "hadamard", k_clip=DEFAULT_K_CLIP, v_clip=DEFAULT_V_CLIP)
     # Every batch starts from a prefilled sequence and decodes at most this many tokens past it.
     grow = 1 + args.warmup_steps + max(args.decode_steps, args.throughput_steps) + args.breakdown_steps \
@@ -670,14 +681,20 @@ def run(args) -> dict:
 def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_sizes, result, throughput, gen, clock,
                     deadline, warmed, prefill_history, grow, is_top, is_breakdown, save):
     """Everything at one (scheme, context): one engine, one prefilled template, the batches."""
-    vocab = model.config.vocab_size
     want_throughput = is_top and args.throughput_steps > 0
-    if not deadline.allows():
+    if not args.ranks.broadcast(deadline.allows()):  # rank 0's clock decides for all
         _skip_all(result, scheme, ctx, batch_sizes, f"--time-limit {args.time_limit} s reached")
         if want_throughput:
             throughput["schemes"][scheme] = dict(measured=False, note="--time-limit reached")
         return
+    if model is None:  # --tp: the same random weights again (run() seeds the first build alike)
+        torch.manual_seed(args.seed)
+        model, _ = build_model(args.arch, args.layers, clock.device)
+    vocab = model.config.vocab_size
     engine = make_engine(model, scheme, rotations, args, mml, budget)
+    if not args.ranks.is_driver:
+        engine.follow()
+        return
     unit = Unit(engine, scheme, ctx)
     spec, plan = engine.spec, engine.plan
     info = result["schemes"][scheme]
@@ -797,6 +814,7 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
             throughput["schemes"][scheme] = entry
     finally:
         release(unit, [s for s in list(engine.requests.values())])
+        engine.shutdown()
         del unit, engine
 
 
@@ -964,11 +982,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=300,
                     help="seconds; later work is skipped (and recorded) once exceeded (0: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallelism over N GPUs (N processes through torchrun; --kv-cache-memory is per "
+                         "GPU; no breakdown)")
     a = ap.parse_args(argv)
     if a.decode_steps < 1:
         ap.error("--decode-steps must be at least 1")
-    with torch.no_grad():
-        run(a)
+    from .. import parallel
+
+    if a.tp > 1 and not parallel.launched():
+        return parallel.relaunch(a.tp, ["bench", "decode", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        with torch.no_grad():
+            run(a)
+    finally:
+        if hasattr(a, "ranks"):
+            parallel.shutdown(a.ranks)
     return 0
 
 

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..cache import CacheSettings, OscarCache
+from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
 from .block_pool import PagePool, PoolPlan, PoolSpec, plan_pool
 from .kernel_attention import PoolView, kernel_support
 from .runner import ATTENTION_KEY, ModelRunner, register_paged_attention
@@ -99,10 +100,19 @@ def default_kv_cache_memory(device: torch.device) -> float:
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer, rotations, config: EngineConfig | None = None):
+    """The engine.  With ``tp`` (parallel.py) every rank builds one over the whole model: the model is folded,
+    then sharded, and this rank keeps its KV heads' rotations and pool.  Rank 0 is driven as usual; the others
+    call :meth:`follow` and run its steps until :meth:`shutdown`."""
+
+    def __init__(self, model, tokenizer, rotations, config: EngineConfig | None = None,
+                 tp: TensorParallel = SINGLE, device: torch.device | str | None = None):
+        """``device``: where to run (default: where the model is).  A model on the CPU is moved there after
+        folding and sharding, so that a rank's GPU only ever holds its slices (and one whole tensor at a time)."""
         self.config = config = config or EngineConfig()
-        self.model, self.tokenizer = model, tokenizer
-        self.device = next(model.parameters()).device
+        self.model, self.tokenizer, self.tp = model, tokenizer, tp
+        if is_sharded(model):
+            raise ValueError("this model was sharded for tensor parallelism by an earlier engine and holds only its "
+                             "slices; load it again for a new engine")
         settings = CacheSettings(config.kv_cache_dtype, config.sink_size, config.recent_size, config.page_size,
                                  config.window_dtype)
         # OscarCache validates the artifact, folds R_V / mu_V into the model and gives per-layer
@@ -110,15 +120,21 @@ class LLMEngine:
         template = OscarCache(model, rotations, settings)
         self.layers = template.layers
         group = config.group_size or template.rotations.group_size
+        geometry = template.rotations.geometry
+        heads = tp.heads(geometry.num_kv_heads)
+        shard_model(model, tp, device)  # after folding: the folded weights are what gets split
+        if device is not None:
+            model.to(device)
+        self.device = next(model.parameters()).device
         for layer in self.layers:
             layer.group_size = group
+            layer.keep_heads(heads)
             for name in ("k_rotation", "k_mean", "k_clip", "v_clip", "k_rope_mean", "rope_pairs"):
                 if getattr(layer, name) is not None:
                     setattr(layer, name, getattr(layer, name).to(self.device))
         register_paged_attention()
         model.set_attn_implementation(ATTENTION_KEY)
-        geometry = template.rotations.geometry
-        self.spec = PoolSpec(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, group, config.page_size,
+        self.spec = PoolSpec(geometry.num_layers, heads.stop - heads.start, geometry.head_dim, group, config.page_size,
                              config.sink_size, config.recent_size, tuple(layer.bits for layer in self.layers),
                              config.window_dtype)
         limit = getattr(model.config, "max_position_embeddings", None) or 8192
@@ -126,6 +142,7 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's context of {limit} tokens")
         memory = config.kv_cache_memory if config.kv_cache_memory is not None else default_kv_cache_memory(self.device)
+        memory = tp.smallest(memory)  # rank 0 places pages for all ranks: their pools must be equal
         self.plan = plan_pool(self.spec, int(memory * GB), self.max_model_len, config.max_num_seqs)
         self._check_plan(memory)
         self.pool = PagePool(self.plan, self.device)
@@ -141,7 +158,7 @@ class LLMEngine:
             from .graphs import DecodeGraphs
 
             graphs = DecodeGraphs(model, self.pool, self.layers, view, self.max_model_len)
-        self.runner = ModelRunner(model, self.pool, self.layers, view, graphs)
+        self.runner = ModelRunner(model, self.pool, self.layers, view, graphs, tp)
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
         self.stop_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -177,8 +194,10 @@ class LLMEngine:
                         "or --key-centering constant for full kernel speed")
         if self.runner.graphs is not None:
             backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
+        per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "
+                    f"on each of {self.tp.size} ranks)" if self.tp.size > 1 else "")
         lines = [f"KV cache: {scheme}", f"attention: {backend}",
-                 f"KV pool: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
+                 f"KV pool{per_rank}: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
                  f"({plan.window_bytes / GB:.3f} GB, {plan.window_pages * spec.page_size} tokens) + "
                  f"{plan.quant_pages} quantized pages ({plan.quant_bytes / GB:.3f} GB incl. scale/min, "
                  f"{plan.quant_pages * spec.page_size} tokens)",
@@ -193,6 +212,14 @@ class LLMEngine:
                          f"{min(plan.window_pages // spec.window_pages_per_seq(), plan.total_bytes // per_seq)} such "
                          f"sequences, a BF16 pool {plan.total_bytes // bf16_seq}")
         return lines
+
+    def follow(self) -> None:
+        """Ranks > 0 under tensor parallelism: run rank 0's steps until it shuts down."""
+        self.runner.follow()
+
+    def shutdown(self) -> None:
+        """Rank 0: release the other ranks (their ``follow`` returns)."""
+        self.runner.release_followers()
 
     def warm_up(self) -> float:
         """Run throwaway requests so that the kernels are compiled (and small decode graphs captured) before

@@ -38,14 +38,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 
 from ..cache import OscarCacheLayer, oscar_attention
+from ..parallel import SINGLE, TensorParallel
 from ..quant import QuantizedRows, dequantize_rows, quantize_rows
 from .block_pool import QUANT, WINDOW, PagePool
 from .kernel_attention import PoolView, kernel_step
-from .scheduler import ScheduledSeq
+from .scheduler import Migration, ScheduledSeq
 from .sequence import Sequence
 
 ATTENTION_KEY = "oscar_kv_paged"
@@ -339,34 +341,103 @@ def _heads_first(rows: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    """Runs a step's forward and samples the next token of each sequence that completed its tokens."""
+    """Runs a step's forward and samples the next token of each sequence that completed its tokens.
+
+    Under tensor parallelism rank 0 runs the scheduler and calls ``run``; before its forward it sends the
+    step (token ids, page tables, migrations) to the other ranks, which wait in ``follow`` and run the same
+    forward on their heads: the row-parallel all-reduces inside the model meet.  Only rank 0 samples."""
 
     def __init__(self, model, pool: PagePool, layers: list[OscarCacheLayer], kernels: PoolView | None = None,
-                 graphs=None):
+                 graphs=None, tp: TensorParallel = SINGLE):
         self.model, self.pool, self.layers, self.kernels = model, pool, layers, kernels
         self.device = next(model.parameters()).device
         self.graphs = graphs  # graphs.DecodeGraphs, or None: every step eager
+        self.tp = tp
 
     @torch.inference_mode()
     def run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
-        if self.model.config._attn_implementation != ATTENTION_KEY:  # someone ran generate() on the model
-            self.model.set_attn_implementation(ATTENTION_KEY)
         fwd = PagedForward(self.pool, self.layers, steps, self.kernels)
         ids = []
         for st in steps:
             ids += st.seq.tokens[st.start:st.end]
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        hidden = self.graphs.run(fwd, input_ids) if self.graphs is not None else None
-        if hidden is None:
-            position_ids = fwd.positions.to(self.device)[None]  # the step's positions, built once by the plan
-            hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                      oscar_paged=fwd).last_hidden_state
+        if self.tp.size > 1:
+            self.tp.broadcast(("step", _wire(steps, ids)))
+        hidden = self._forward(fwd, torch.tensor([ids], dtype=torch.long, device=self.device))
         sampling = [st for st in steps if st.samples]
         if not sampling:
             return {}
         last = torch.tensor([fwd.views[steps.index(st)].chunk[1] - 1 for st in sampling], device=self.device)
         logits = self.model.lm_head(hidden[0, last]).float()
         return {st.seq: sample(logits[i], st.seq) for i, st in enumerate(sampling)}
+
+    def _forward(self, fwd: PagedForward, input_ids: torch.Tensor) -> torch.Tensor:
+        """The last hidden states [1, N, hidden] of the step (graph replay, or eager)."""
+        if self.model.config._attn_implementation != ATTENTION_KEY:  # someone ran generate() on the model
+            self.model.set_attn_implementation(ATTENTION_KEY)
+        hidden = self.graphs.run(fwd, input_ids) if self.graphs is not None else None
+        if hidden is None:
+            position_ids = fwd.positions.to(self.device)[None]  # the step's positions, built once by the plan
+            hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                      oscar_paged=fwd).last_hidden_state
+        return hidden
+
+    @torch.inference_mode()
+    def copy_pages(self, kind: str, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages (every layer, K and V) of the window or quantized pool, on every rank."""
+        if self.tp.size > 1 and self.tp.is_driver:
+            self.tp.broadcast(("copy", (kind, src, dst)))
+        pool = self.pool
+        s_idx = torch.tensor(src, dtype=torch.long, device=pool.device)
+        d_idx = torch.tensor(dst, dtype=torch.long, device=pool.device)
+        groups = (pool.k_win, pool.v_win) if kind == WINDOW else (pool.k_codes, pool.v_codes, pool.k_meta,
+                                                                    pool.v_meta)
+        for tensors in groups:
+            for t in tensors:
+                t.index_copy_(0, d_idx, t.index_select(0, s_idx))
+
+    def release_followers(self) -> None:
+        """Rank 0: let the other ranks' ``follow`` return (the engine is done)."""
+        if self.tp.size > 1 and self.tp.is_driver:
+            self.tp.broadcast(("stop", None))
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's steps until it releases them."""
+        while True:
+            op, payload = self.tp.broadcast()
+            if op == "stop":
+                return
+            if op == "copy":
+                self.copy_pages(*payload)
+                continue
+            steps, ids = _unwire(payload)
+            fwd = PagedForward(self.pool, self.layers, steps, self.kernels)
+            self._forward(fwd, torch.tensor([ids], dtype=torch.long, device=self.device))
+
+
+@dataclass(eq=False)
+class _PageTable:
+    """What a following rank knows of a sequence: its page table as rank 0 scheduled the step."""
+
+    pages: np.ndarray
+    int2_pages: int
+    num_tokens: int
+
+
+def _wire(steps: list[ScheduledSeq], ids: list[int]) -> dict:
+    """A step as plain arrays (cheap to pickle: a 100K-token sequence has 6K pages)."""
+    return dict(ids=ids, starts=[st.start for st in steps], counts=[st.num_tokens for st in steps],
+                int2=[st.seq.int2_pages for st in steps],
+                pages=[np.asarray(st.seq.pages, dtype=np.int32) for st in steps],
+                migrations=[[(m.index, m.src, m.dst) for m in st.migrations] for st in steps])
+
+
+def _unwire(wire: dict) -> tuple[list[ScheduledSeq], list[int]]:
+    steps = []
+    for start, n, int2, pages, migs in zip(wire["starts"], wire["counts"], wire["int2"], wire["pages"],
+                                           wire["migrations"]):
+        steps.append(ScheduledSeq(_PageTable(pages, int2, start + n), start, n, [Migration(*m) for m in migs]))
+    return steps, wire["ids"]
 
 
 def sample(logits: torch.Tensor, seq: Sequence) -> int:

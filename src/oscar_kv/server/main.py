@@ -58,6 +58,9 @@ class ServeConfig:
                                            "or 'auto' (Triton on CUDA, torch on CPU).")
     enforce_eager: bool = _flag(False, "Run decode steps eagerly (no CUDA graphs; they are used with the Triton "
                                        "kernels on CUDA otherwise).")
+    tp: int = _flag(1, "Tensor parallelism: split the model, its KV heads and the KV pool over N GPUs, one process "
+                       "each (started through torchrun, or run this command under `torchrun --nproc-per-node N`). "
+                       "N must divide the KV and query heads; --kv-cache-memory is per GPU.")
     log_level: str = _flag("info", "Log level of the server and uvicorn.")
 
     @classmethod
@@ -78,6 +81,12 @@ class ServeConfig:
             raise ServeError("--kv-cache-memory must be a positive number of GB")
         if not 0 < self.port < 65536:
             raise ServeError(f"--port must lie in 1..65535, got {self.port}")
+        if self.tp < 1:
+            raise ServeError(f"--tp must be at least 1, got {self.tp}")
+        if self.tp > 1 and self.calibrate:
+            raise ServeError(f"--calibrate does not run under --tp; calibrate first (`oscar-kv calibrate --model "
+                             f"{self.model} --output-dir DIR`, add --tp {self.tp} if the model needs several GPUs) "
+                             f"and pass --rotations DIR")
 
     @property
     def model_name(self) -> str:
@@ -119,18 +128,24 @@ def load_rotations(config: ServeConfig, model, tokenizer):
     return rot
 
 
-def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None):
-    """Load (unless given) the model and artifact and build the engine; returns an ``EngineThread``."""
+def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None, tp=None):
+    """Load (unless given) the model and artifact and build the engine; returns an ``EngineThread``.
+    ``tp``: this process's parallel.TensorParallel (default: none); only rank 0 logs and warms up."""
     from ..engine import EngineConfig, EngineThread, LLMEngine
-    from ..models import load_model
+    from ..models import default_dtype, load_model
+    from ..parallel import SINGLE, local_device
 
+    tp = tp or SINGLE
     config.validate()
     if config.api_key is None:
         config.api_key = os.environ.get("OSCAR_KV_API_KEY") or None
+    device = local_device(config.device, tp.size)
     if model is None:
         started = time.perf_counter()
         try:
-            model, tokenizer = load_model(config.model, device=config.device)
+            # under --tp a rank loads the whole model on the CPU and moves only its slices to its GPU
+            model, tokenizer = load_model(config.model, device="cpu" if tp.size > 1 else device,
+                                          dtype=default_dtype(device))
         except (FileNotFoundError, ValueError, OSError) as exc:
             raise ServeError(str(exc)) from None
         log.info("loaded %s (%s) in %.1f s", config.model, type(model).__name__, time.perf_counter() - started)
@@ -141,13 +156,17 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
                                  config.max_num_batched_tokens, config.enable_prefix_caching,
                                  attention_backend=config.attention_backend, enforce_eager=config.enforce_eager)
     try:
-        engine = LLMEngine(model, tokenizer, rotations, engine_config)
+        engine = LLMEngine(model, tokenizer, rotations, engine_config, tp, device)
     except ValueError as exc:
         raise ServeError(str(exc)) from None
+    if not tp.is_driver:
+        return EngineThread(engine)  # it follows rank 0 (run_server); rank 0 logs and warms up for all
     g = rotations.geometry if rotations is not None else None
-    log.info("model %s: %s", config.model_name,
+    log.info("model %s: %s%s", config.model_name,
              f"{g.num_layers} layers, {g.num_attention_heads} query / {g.num_kv_heads} KV heads, head dim "
-             f"{g.head_dim}; rotations {config.rotations or 'calibrated'}" if g else "BF16 cache, no rotations")
+             f"{g.head_dim}; rotations {config.rotations or 'calibrated'}" if g else "BF16 cache, no rotations",
+             f"; tensor parallel over {tp.size} {'GPUs' if device.startswith('cuda') else 'processes'}"
+             if tp.size > 1 else "")
     for line in engine.describe():
         log.info(line)
     if engine.kernel_status is None:  # Triton kernels: compile them now, not during the first request
@@ -175,14 +194,30 @@ def run_server(config: ServeConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)  # the CLI configured warnings-only logging before
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    engine_thread = build_engine(config).start()
-    server = _uvicorn_server(config, engine_thread)
-    log.info("serving '%s' on http://%s:%d/v1 (OpenAI API)%s", config.model_name, config.host, config.port,
-             "; API key required" if config.api_key else "")
+    from .. import parallel
+
     try:
-        server.run()
+        tp = parallel.init(config.tp, config.device)
+    except parallel.TensorParallelError as exc:
+        raise ServeError(str(exc)) from None
+    if not tp.is_driver:
+        logging.getLogger().setLevel(logging.WARNING)  # rank 0 speaks for all
+    try:
+        engine_thread = build_engine(config, tp=tp)
+        if not tp.is_driver:
+            engine_thread.engine.follow()  # until rank 0 shuts down
+            return
+        engine_thread.start()
+        server = _uvicorn_server(config, engine_thread)
+        log.info("serving '%s' on http://%s:%d/v1 (OpenAI API)%s", config.model_name, config.host, config.port,
+                 "; API key required" if config.api_key else "")
+        try:
+            server.run()
+        finally:
+            engine_thread.stop()
+            engine_thread.engine.shutdown()
     finally:
-        engine_thread.stop()
+        parallel.shutdown(tp)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
