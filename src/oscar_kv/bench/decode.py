@@ -406,8 +406,17 @@ def time_decode(engine, seqs, steps: int, warmup: int, clock: Clock) -> dict:
 
 
 def breakdown(engine, seqs, steps: int, clock: Clock, profile_steps: int) -> dict:
-    """Where one decode step's time goes (average over ``steps`` steps), and a GPU kernel summary."""
+    """Where one decode step's time goes (average over ``steps`` steps), and a GPU kernel summary.  Under
+    tensor parallelism only the kernel summary (rank 0's GPU, graph-mode steps): the regions patch rank 0's
+    forward, which the other ranks would no longer match."""
     from ..engine import runner as runner_mod
+
+    if engine.tp.size > 1:
+        out = dict(steps=0, regions_ms={}, note="tensor parallel: GPU kernels of rank 0 only")
+        if clock.cuda and profile_steps:
+            out["gpu_kernels"] = kernel_summary(engine, seqs, profile_steps, clock, None)
+        out["step_ms"] = out.get("gpu_kernels", {}).get("step_ms", 0.0)
+        return out
 
     regions = Regions(clock)
     base = runner_mod.PagedForward
@@ -471,9 +480,12 @@ def kernel_summary(engine, seqs, steps: int, clock: Clock, step_ms: float) -> di
 
     timer = StepTimer(engine, clock)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = clock.now()
         for _ in range(steps):
             timer.step(seqs)
         clock.sync()
+        if step_ms is None:  # steps under the profiler: a little slower than unprofiled ones
+            step_ms = 1e3 * (clock.now() - started) / steps
     kernels = []
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None)
@@ -481,10 +493,12 @@ def kernel_summary(engine, seqs, steps: int, clock: Clock, step_ms: float) -> di
             us = getattr(e, "self_cuda_time_total", 0.0)
         if us and us > 0:
             kernels.append((e.key, us / steps / 1e3, e.count // steps))
-    groups = {"decode_attention": 0.0, "query_rotation": 0.0, "gemm": 0.0, "other": 0.0}
+    groups = {"decode_attention": 0.0, "query_rotation": 0.0, "gemm": 0.0, "all_reduce": 0.0, "other": 0.0}
     for name, ms, _ in kernels:
         low = name.lower()
-        if "_decode_kernel" in low or "_merge_kernel" in low:
+        if "nccl" in low or "allreduce" in low:
+            groups["all_reduce"] += ms
+        elif "_decode_kernel" in low or "_merge_kernel" in low:
             groups["decode_attention"] += ms
         elif "rotate_query" in low:
             groups["query_rotation"] += ms
@@ -494,7 +508,8 @@ def kernel_summary(engine, seqs, steps: int, clock: Clock, step_ms: float) -> di
             groups["other"] += ms
     total = sum(ms for _, ms, _ in kernels)
     top = sorted(kernels, key=lambda k: -k[1])[:12]
-    return dict(kernel_ms_per_step=round(total, 4), busy_fraction=round(total / step_ms, 3) if step_ms else None,
+    return dict(kernel_ms_per_step=round(total, 4), step_ms=round(step_ms, 4),
+                busy_fraction=round(total / step_ms, 3) if step_ms else None,
                 groups_ms={k: round(v, 4) for k, v in groups.items()},
                 top=[dict(name=n[:120], ms_per_step=round(ms, 4), launches_per_step=c) for n, ms, c in top])
 
@@ -556,8 +571,8 @@ def run(args) -> dict:
     if not ranks.is_driver:
         args.output = None
         sys.stdout = open(os.devnull, "w")
-    if ranks.size > 1:
-        args.breakdown_steps = args.profile_steps = 0  # the breakdown patches rank 0's forward only
+    if ranks.size > 1 and not args.profile_steps:
+        args.breakdown_steps = 0  # under --tp the breakdown is rank 0's kernel summary only
     deadline = Deadline(args.time_limit)
     clock = Clock(device)
     contexts = sorted(set(_ints(args.contexts)))

@@ -123,12 +123,15 @@ def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T,
         r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
         k = tl.dot(k, r, input_precision="ieee")
     tl.store(Kw + wrow[:, None] + offs_d[None, :], k.to(tl.bfloat16), mask=wmask[:, None])
-    _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT, RECIP3)
     # ---- values: already rotated
     v = tl.load(V + offs_t[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=tmask[:, None],
                 other=0.0).to(tl.float32)
     tl.store(Vw + wrow[:, None] + offs_d[None, :], v.to(tl.bfloat16), mask=wmask[:, None])
-    _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, crow, mrow, D, G, BLOCK_T, SORT, RECIP3)
+    # Quantizing sorts every row (the clip threshold): skipped unless a token of this block goes to INT2.
+    # Decode tokens never do (they enter the recent window), so decode steps pay only the rotation and stores.
+    if tl.max(qs) >= 0:
+        _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT, RECIP3)
+        _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, crow, mrow, D, G, BLOCK_T, SORT, RECIP3)
 
 
 @triton.jit
@@ -174,11 +177,14 @@ def _scalar_div_is_reciprocal(device: torch.device) -> bool:
 
 def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, win_slot: torch.Tensor,
              int2_slot: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
-             clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = 16, num_warps: int = 4) -> None:
+             clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = 16,
+             num_warps: int | None = None) -> None:
     """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D] (any float
     dtype; last dim contiguous); win_slot / int2_slot: int32 [T] flat slots (page*P + offset) or -1
     (layout.token_slots); k_rotation [Hr, D, D] (Hr in {1, H}) or None when keys arrive rotated;
-    k_mean [H, D] or None; clip_*_idx: int32 [H] (layout.clip_indices)."""
+    k_mean [H, D] or None; clip_*_idx: int32 [H] (layout.clip_indices).  num_warps: default 8 with a rotation
+    (its float32 D x D operand spills out of 4 warps' registers: 79 us a launch instead of 7 on an H200,
+    benchmarks/NOTES.md run W1), else 4."""
     g = pool.geometry
     t, h, d = k.shape
     if t == 0:
@@ -197,7 +203,7 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
         CENTER=k_mean is not None, SORT=not _INTERPRET, RECIP3=_scalar_div_is_reciprocal(k.device),
-        num_warps=num_warps)
+        num_warps=num_warps or (8 if k_rotation is not None else 4))
 
 
 def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
