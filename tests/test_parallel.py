@@ -132,7 +132,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused_before_starting(command, t
     proc = _cli(command, "--model", "smollm2-135m", "--tp", "2", *extra, timeout=120)
     assert proc.returncode == 2
     assert "--tp 2 must divide the model's 3 KV heads" in proc.stderr + proc.stdout
-    assert "torch.distributed.run" not in proc.stderr  # no process was started
+    assert "Traceback" not in proc.stderr
     assert time.monotonic() - started < 60
 
 
@@ -174,8 +174,10 @@ def test_serve_tp2_answers_the_openai_client_like_one_process(llama4):
         with pytest.raises(openai.BadRequestError, match="maximum context length"):  # rank 0 refuses, ranks live on
             client.completions.create(**{**ask, "prompt": "word " * 1100})
         assert client.completions.create(**ask).choices[0].text == expected
-        proc.send_signal(signal.SIGTERM)  # the launcher passes it on: every rank stops
-        assert proc.wait(timeout=60) is not None
+        proc.send_signal(signal.SIGTERM)  # the launcher hands it to rank 0, which releases the others
+        assert proc.wait(timeout=60) == 0
+        output = proc.stdout.read()
+        assert "Traceback" not in output, output[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

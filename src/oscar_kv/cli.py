@@ -71,7 +71,7 @@ def _load(model: str, device: str, dtype=None):
 
 
 def _start_ranks(model: str, tp: int) -> None:
-    """--tp N outside torchrun: check the model splits, then run this very command as N processes (torchrun)
+    """--tp N outside torchrun: check the model splits, then run this very command as N processes (one per rank)
     and exit with their status."""
     from .parallel import TensorParallelError, check_model, relaunch
 
@@ -106,7 +106,7 @@ def calibrate(
     layer_policy: LayerPolicy = typer.Option(LayerPolicy.off, help="'auto' stores layers with outlying INT2 error at INT4."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     tp: int = typer.Option(1, "--tp", "--tensor-parallel-size",
-                           help="Calibrate over N GPUs (or CPU processes), one process each through torchrun, for "
+                           help="Calibrate over N GPUs (or CPU processes), one process each (started by this command), for "
                                 "models too large for one GPU: each rank holds its share of the heads. The artifact "
                                 "is the one a single process writes."),
 ):

@@ -1,6 +1,7 @@
 """Tensor parallelism: one process per GPU, the KV heads split across them in contiguous blocks.
 
-The processes are started by torchrun, or by ``--tp N`` (which starts torchrun itself, :func:`relaunch`).
+The processes are started by ``--tp N`` itself (:func:`relaunch`, with the environment torchrun would set), or by
+torchrun.
 torch.distributed carries everything: NCCL between GPUs (gloo on the CPU) for the model's all-reduces, and a
 gloo group for the small Python messages rank 0 sends the others (the step plans, see engine/runner.py).
 The model is sharded with transformers' own tensor-parallel plan (``config.base_model_tp_plan``): q/k/v and
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +107,7 @@ def init(tp: int, device: str) -> TensorParallel:
                                   f"(torchrun --nproc-per-node {tp} -m oscar_kv.cli ...) or let --tp start it")
     world = int(os.environ["WORLD_SIZE"])
     if world != tp:
-        raise TensorParallelError(f"--tp {tp} but torchrun started {world} processes")
+        raise TensorParallelError(f"--tp {tp} but {world} processes were started (WORLD_SIZE)")
     cuda = device.startswith("cuda")
     if cuda:
         if torch.cuda.device_count() < tp:
@@ -189,19 +192,48 @@ def is_sharded(model) -> bool:
 
 
 def relaunch(tp: int, argv: list[str]) -> int:
-    """Run ``python -m oscar_kv.cli <argv>`` as ``tp`` processes under torchrun; returns its exit code.
-    SIGINT / SIGTERM are passed on, so stopping this process stops every rank."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-           "-m", "oscar_kv.cli", *argv]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.Popen(cmd, env=env)
+    """Run ``python -m oscar_kv.cli <argv>`` as ``tp`` processes, ranks 0..tp-1 (the environment torchrun sets),
+    and return rank 0's exit status.  SIGINT / SIGTERM go to rank 0 alone, which shuts down and releases the
+    others (a clean stop, no tracebacks); if any rank fails, the others are stopped."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp),
+                LOCAL_WORLD_SIZE=str(tp), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "oscar_kv.cli", *argv]
+    # own sessions: a terminal's Ctrl-C reaches this process only, which hands it to rank 0
+    ranks = [subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
+             for r in range(tp)]
+    stopping = []
 
     def forward(signum, _frame):
-        proc.send_signal(signum)
+        stopping.append(signum)
+        if ranks[0].poll() is None:
+            ranks[0].send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait()
+        while True:
+            codes = [p.poll() for p in ranks]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed and not stopping:  # a rank died: the others would wait for it forever
+                break
+            if codes[0] is not None:  # rank 0 is done: the others follow it out
+                break
+            time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while any(p.poll() is None for p in ranks) and time.monotonic() < deadline and not failed:
+            time.sleep(0.2)
+        code = ranks[0].poll()
+        if stopping and code in (0, -stopping[0]):
+            return 0  # stopped as asked
+        if not code:  # rank 0 fine (or still running): a failure elsewhere decides
+            return 1 if any(p.poll() not in (None, 0) for p in ranks) else 0
+        return code if code > 0 else 128 - code  # killed by signal n: 128 + n, as a shell reports it
     finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -998,7 +998,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds; later work is skipped (and recorded) once exceeded (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1,
-                    help="tensor parallelism over N GPUs (N processes through torchrun; --kv-cache-memory is per "
+                    help="tensor parallelism over N GPUs (N processes; --kv-cache-memory is per "
                          "GPU; no breakdown)")
     a = ap.parse_args(argv)
     if a.decode_steps < 1:

@@ -59,7 +59,7 @@ class ServeConfig:
     enforce_eager: bool = _flag(False, "Run decode steps eagerly (no CUDA graphs; they are used with the Triton "
                                        "kernels on CUDA otherwise).")
     tp: int = _flag(1, "Tensor parallelism: split the model, its KV heads and the KV pool over N GPUs, one process "
-                       "each (started through torchrun, or run this command under `torchrun --nproc-per-node N`). "
+                       "each (started by this command, or run it under `torchrun --nproc-per-node N`). "
                        "N must divide the KV and query heads; --kv-cache-memory is per GPU.")
     log_level: str = _flag("info", "Log level of the server and uvicorn.")
 
