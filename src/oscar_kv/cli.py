@@ -108,7 +108,8 @@ def calibrate(
     tp: int = typer.Option(1, "--tp", "--tensor-parallel-size",
                            help="Calibrate over N GPUs (or CPU processes), one process each (started by this command), for "
                                 "models too large for one GPU: each rank holds its share of the heads. The artifact "
-                                "is the one a single process writes."),
+                                "equals one process's up to rounding (in bf16, rounding can mix near-equal "
+                                "eigen-directions)."),
 ):
     """Fit OSCAR rotations from attention statistics and write an artifact directory."""
     _quiet_transformers()

@@ -156,7 +156,8 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
                                  config.max_num_batched_tokens, config.enable_prefix_caching,
                                  attention_backend=config.attention_backend, enforce_eager=config.enforce_eager)
     try:
-        engine = LLMEngine(model, tokenizer, rotations, engine_config, tp, device)
+        # under --tp the model is on the CPU until its slices move; otherwise the engine runs where the model is
+        engine = LLMEngine(model, tokenizer, rotations, engine_config, tp, device if tp.size > 1 else None)
     except ValueError as exc:
         raise ServeError(str(exc)) from None
     if not tp.is_driver:
