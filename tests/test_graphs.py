@@ -56,8 +56,10 @@ def _run(engine, prompts, lengths):
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("dtype,centering", [("int2", "constant"), ("bf16", "constant"), ("int2", "rope")])
-def test_graph_replay_matches_eager_steps(dtype, centering):
+@pytest.mark.parametrize("dtype,centering,head_dim", [("int2", "constant", 64), ("bf16", "constant", 64),
+                                                      ("int2", "rope", 64), ("int2", "constant", 128)])
+def test_graph_replay_matches_eager_steps(dtype, centering, head_dim):
+    """head_dim 128: the INT2 history runs in the CUDA kernel (int2_cuda.py), its window split on a side stream."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from oscar_kv.artifacts import Rotations
@@ -65,7 +67,7 @@ def test_graph_replay_matches_eager_steps(dtype, centering):
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=head_dim, max_position_embeddings=4096)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
 
     class Tok:
@@ -75,7 +77,7 @@ def test_graph_replay_matches_eager_steps(dtype, centering):
             return " ".join(map(str, ids))
 
     model.generation_config.eos_token_id = None
-    rot = Rotations.data_free(AttentionGeometry.of(cfg), "hadamard", 64)
+    rot = Rotations.data_free(AttentionGeometry.of(cfg), "hadamard", head_dim)
     if centering == "rope":  # keys centered per position: rotated inside the graph, the kernels add the term back
         from oscar_kv.rope import keep_pairs, random_pairs
 

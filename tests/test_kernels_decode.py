@@ -149,7 +149,80 @@ def test_int2_decode_variants_agree():
                      dict(block_n=128, num_warps=4, split_target=8)]
     first = None
     for v in variants:
-        out = int2_decode(q, pool, 0, batch, rot, **v)
+        out = int2_decode(q, pool, 0, batch, rot, backend="triton", **v)
         assert rel_err(out, want) < 1e-2, v
         first = out if first is None else first
         assert rel_err(out, first) < 3e-3, v
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_cuda_int2_history_matches_reference_and_triton(page_size):
+    """The CUDA history kernel (int2_cuda.py) against the float64 reference and the all-Triton kernel: GQA
+    1 / 3 / 4 / 8, a 128K sequence among short ones, a prefix hit with extra INT2 pages (short recent window),
+    histories that end mid-step (16-token tails), shuffled pages, NaN-poisoned output, a realistic query scale."""
+    from oscar_kv.kernels.decode import int2_decode
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=128, group_size=128, page_size=page_size,
+                        sink_size=64, recent_size=256)
+    gen = torch.Generator().manual_seed(31 + page_size)
+    seq_lens = [0, 7, 64, 64 + 256 + 3 * page_size + 5, 1000, 5003, 131072 + 77, 9000]
+    steady = [geom.int2_pages_for(n) for n in seq_lens]
+    steady[-1] = (9000 - 64 - 40) // page_size  # prefix hit: more INT2 pages, a 40-odd-token recent window
+    pool, batch, rot = build_pool(geom, seq_lens, gen, int2_pages=steady)
+    for gqa in (1, 3, 4, 8):
+        q = torch.randn(len(seq_lens), 4 * gqa, 128, generator=gen).to(DEV, torch.bfloat16)
+        want = ref.decode_reference(pool, 0, q, batch, rot, None)
+        out = torch.full_like(q, float("nan"))
+        int2_decode(q, pool, 0, batch, rot, backend="cuda", out=out)
+        assert not out.isnan().any(), gqa
+        assert out[0].abs().max() == 0  # empty sequence
+        assert rel_err(out, want) < 1e-2, gqa
+        tri = int2_decode(q, pool, 0, batch, rot, backend="triton")
+        assert rel_err(out, tri) < 3e-3, gqa
+        for target in (1, 16):  # one long split per sequence, and many short ones
+            o2 = int2_decode(q, pool, 0, batch, rot, backend="cuda", cuda_split_target=target)
+            assert rel_err(o2, want) < 1e-2, (gqa, target)
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
+def test_cuda_int2_backend_refuses_what_it_does_not_support():
+    from oscar_kv.kernels.decode import int2_decode
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size=64, page_size=16,
+                        sink_size=16, recent_size=32)
+    pool, batch, rot = build_pool(geom, [500], torch.Generator().manual_seed(2))
+    q = torch.randn(1, 8, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim 64"):
+        int2_decode(q, pool, 0, batch, rot, backend="cuda")
+    int2_decode(q, pool, 0, batch, rot)  # auto falls back to Triton
+
+
+def test_cuda_split_plan_covers_the_history_in_whole_steps():
+    """int2_cuda.split_plan (host side, runs anywhere): chunks of whole 32-token steps per warp, at most
+    MAX_PAGES pages, covering every token, and no more CTAs than one wave when the history allows."""
+    from oscar_kv.kernels import int2_cuda
+
+    for tokens in (16, 512, 4096 + 48, 131072 - 320, 1 << 20, 1 << 23):
+        for pairs in (1, 8, 64, 256):
+            splits, chunk = int2_cuda.split_plan(tokens, pairs, 16, 132, 3)
+            assert chunk % int2_cuda.TOKENS_PER_ROUND == 0
+            assert chunk <= int2_cuda.MAX_PAGES * 16
+            assert (splits - 1) * chunk < tokens <= splits * chunk
+            if tokens <= int2_cuda.MAX_PAGES * 16:
+                assert splits * pairs <= max(pairs, 3 * 132)
+    assert int2_cuda.split_plan(0, 8, 16, 132, 3) == (1, int2_cuda.TOKENS_PER_ROUND)
+
+
+def test_cuda_backend_is_refused_off_the_gpu():
+    from oscar_kv.kernels import int2_cuda
+    from oscar_kv.kernels.decode import _use_cuda
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=8, head_dim=128, group_size=128)
+    assert int2_cuda.unsupported(torch.device("cpu"), geom, 4, None) == "not a CUDA device"
+    assert not _use_cuda("auto", torch.device("cpu"), geom, 4, None)
+    with pytest.raises(ValueError, match="backend must be"):
+        _use_cuda("cudnn", torch.device("cpu"), geom, 4, None)
+    if not GPU:
+        with pytest.raises(ValueError, match="not a CUDA device"):
+            _use_cuda("cuda", torch.device("cpu"), geom, 4, None)

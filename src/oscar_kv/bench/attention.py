@@ -198,6 +198,11 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
     result["copy_bandwidth_GBps"] = bw / 1e9
     print(f"device {props.name}: device-to-device copy {bw / 1e9:.0f} GB/s (read + write)", flush=True)
 
+    from ..kernels import int2_cuda
+
+    why = int2_cuda.unsupported(device, geom, GEOMETRY["num_q_heads"] // geom.num_kv_heads, None)
+    cuda_ok = why is None
+    result["int2_backend"] = "cuda history + triton window" if cuda_ok else f"triton ({why})"
     best = {}
     if sweep:
         for sctx, sbs in ((max(contexts), 1), (max(contexts), 8)):
@@ -237,11 +242,17 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
             _fill_pool(pool)
             mp = geom.int2_pages_for(ctx)
             var = best.get(1 if bs == 1 else 8, {})
-            row["int2_variant"] = var
-            row["int2_ms"] = _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, **var))
+            backend = "cuda" if cuda_ok else "triton"
+            row["int2_variant"] = dict(var, backend=backend)
+            row["int2_ms"] = _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp,
+                                                             backend=backend, **var))
+            if backend == "cuda":  # the all-Triton kernel as well, for the record
+                row["int2_triton_ms"] = _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp,
+                                                                        backend="triton", **var))
             row["int2_prerotated_ms"] = _bench_call(lambda: int2_decode(q, pool, 0, batch, None, max_int2_pages=mp,
-                                                                        **var))
-            row["int2_eager_ms"] = _bench(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, **var))
+                                                                        backend=backend, **var))
+            row["int2_eager_ms"] = _bench(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp,
+                                                              backend=backend, **var))
             # keys centered per position (QKV-bias models, rope.py): the kernel adds q . RoPE_p(mu_pre) per key
             rope = KernelRope.build(_rope_mean(hkv, d, gen).to(device),
                                     1e6 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d), 1.0, ctx)
@@ -391,14 +402,14 @@ def _fmt_row(r: dict) -> str:
         v = r.get(k)
         return f"{v * 1e3:9.1f}" if v else "        -"
     return (f"{r['context']:>7} {r['batch']:>4} {f('sdpa_flash_ms')} {f('sdpa_cudnn_ms')} {f('sdpa_efficient_ms')} "
-            f"{f('bf16_paged_ms')} {f('int2_ms')} {f('int2_rope_ms')} {r['speedup']:7.2f}x {100 * r['int2_bw_fraction']:6.1f}% "
+            f"{f('bf16_paged_ms')} {f('int2_triton_ms')} {f('int2_ms')} {f('int2_rope_ms')} {r['speedup']:7.2f}x {100 * r['int2_bw_fraction']:6.1f}% "
             f"{100 * r['bf16_best_bw_fraction']:6.1f}%")
 
 
 def print_table(result: dict) -> None:
     print(f"\n{result['device']}  copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s; times in us per call "
           "(median, L2 flushed); speedup = best BF16 / INT2")
-    print(f"{'ctx':>7} {'bs':>4} {'sdpa-fa':>9} {'sdpa-cudnn':>9} {'sdpa-eff':>9} {'bf16-pg':>9} {'int2':>9} {'int2+rope':>9} "
+    print(f"{'ctx':>7} {'bs':>4} {'sdpa-fa':>9} {'sdpa-cudnn':>9} {'sdpa-eff':>9} {'bf16-pg':>9} {'int2-tri':>9} {'int2':>9} {'int2+rope':>9} "
           f"{'speedup':>8} {'int2-bw':>7} {'bf16-bw':>7}")
     for r in result["rows"]:
         print(_fmt_row(r))

@@ -1,0 +1,403 @@
+// INT2 history split of paged decode attention, written for the tensor cores' mma.sync fragments.
+// Host side, math and layout: int2_cuda.py.  Compiled at run time by NVRTC with these macros defined:
+//   D (head dim, 128), P (page size), GQA (query heads per KV head, <= 8), SINK_PAGES, NWARPS.
+//
+// One CTA = (split, KV head, sequence).  Its warps take 32-token steps in turn (two 16-token sub-tiles)
+// and keep their own online softmax; the CTA combines them at the end and writes one partial per query head.
+// Per sub-tile and warp:
+//   keys    S^T[16 tok, 8 heads] = C[16 tok, D] . q^T   m16n8k16: codes are the A operand (tokens = rows),
+//           the query the B operand.  The MMA's k order is free, so each thread feeds the bytes it loaded
+//           itself (8 contiguous bytes of two tokens) and its query fragment lists the same channels.
+//   values  O^T[D, 8 heads] += C^T[D, 16 tok] . PP[16 tok, 8 heads]: codes again the A operand (channels =
+//           rows, any order), PP = p * scale_v moved from the key MMA's output layout to the B layout by
+//           movmatrix.trans.
+// A code byte holds channels j, j + D/4, j + D/2, j + 3D/4 (slices 0..3, bits 2s..2s+1).  (x & (3 << 2s))
+// | 0x6400 is the float16 1024 + c * 4^s (exact): one LOP3 per two codes.  The 4^s is folded into the query
+// slice (keys) or undone at the end (values); the 1024 offset is removed by starting the key MMA at
+// -1024 * sum(q) and by an MMA of a constant-1024 A operand with PP (values).
+#define NT (NWARPS * 32)
+#define D4 (D / 4)
+#define KSTEPS (D / 16)
+#define NEG_INF __int_as_float(0xff800000)
+
+typedef unsigned int u32;
+
+static_assert(D == 128, "the CUDA INT2 kernel is written for head dim 128");
+static_assert(GQA >= 1 && GQA <= 8, "one n8 MMA column block holds at most 8 query heads");
+static_assert(P % 16 == 0, "pages hold whole 16-token sub-tiles");
+
+// (x & (3 << 2s)) | magic in both halves, magic = 0x64006400 held in a register: the mask is LOP3's one
+// immediate.  (With both constants as literals ptxas re-creates the mask in a register before every LOP3.)
+__device__ __forceinline__ u32 code_half2(u32 x, int slice, u32 magic) {
+  const u32 mask = (3u << (2 * slice)) * 0x00010001u;
+  return (x & mask) | magic;
+}
+
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, const float* c) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+  u32 r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float half_lo(u32 x) {
+  float f;
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(x));
+  return f;
+}
+
+__device__ __forceinline__ float half_hi(u32 x) {
+  float f;
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h;}" : "=f"(f) : "r"(x));
+  return f;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+  float r;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float warp_max_rows(float x) {  // over the 8 lanes of one column (lane % 4)
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+
+__device__ __forceinline__ float warp_sum_rows(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+
+
+// What one thread loads for one 16-token sub-tile.
+struct SubTile {
+  uint2 k[2];  // key code bytes 8t..8t+7 of tokens g and g+8
+  u32 v[4];    // value code bytes 4g..4g+3 of tokens 2t, 2t+1, 2t+8, 2t+9
+  u32 km[2];   // key (scale, min) float16 pair of tokens g and g+8
+  u32 vm[2];   // value (scale, min) of tokens g and g+8
+};
+
+// This thread's view of one (sequence, KV head): pointers with its own lane offsets folded in.
+struct Source {
+  const unsigned char* k;  // + g*D4 + 8t
+  const unsigned char* v;  // + 2t*D4 + 4g
+  const u32* km;           // + g
+  const u32* vm;
+  const int* pages;        // the CTA's page ids, in shared memory
+  unsigned long long cp, mp;  // page strides: code bytes, metadata words
+  int first;               // token index of pages[0]
+};
+
+__device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, int pos) {
+  const unsigned rel = (unsigned)(pos - src.first);
+  const unsigned phys = (unsigned)src.pages[rel / P], off = rel % P;
+  const unsigned long long oc = (unsigned long long)phys * src.cp + off * D4;
+  const unsigned long long om = (unsigned long long)phys * src.mp + off;
+  st.k[0] = __ldg(reinterpret_cast<const uint2*>(src.k + oc));
+  st.k[1] = __ldg(reinterpret_cast<const uint2*>(src.k + oc + 8 * D4));
+  st.v[0] = __ldg(reinterpret_cast<const u32*>(src.v + oc));
+  st.v[1] = __ldg(reinterpret_cast<const u32*>(src.v + oc + D4));
+  st.v[2] = __ldg(reinterpret_cast<const u32*>(src.v + oc + 8 * D4));
+  st.v[3] = __ldg(reinterpret_cast<const u32*>(src.v + oc + 9 * D4));
+  st.km[0] = __ldg(src.km + om);
+  st.km[1] = __ldg(src.km + om + 8);
+  st.vm[0] = __ldg(src.vm + om);
+  st.vm[1] = __ldg(src.vm + om + 8);
+}
+
+// One warp's running state: O^T fragments (block i: rows = channel combos 2i, 2i+1; cols = heads 2t, 2t+1),
+// running max m, and this thread's partial sums of p (l) and of p * min_v (n), per column.
+struct State {
+  float acc[KSTEPS][4];
+  float pend[4];  // 1024 * sum(PP) the value MMAs added to acc and that is not yet subtracted (C layout)
+  float m0, m1, l0, l1, n0, n1;
+  int since_flush;
+};
+
+#define FLUSH_STEPS 8
+
+__device__ __forceinline__ void flush_offset(State& st) {
+#pragma unroll
+  for (int i = 0; i < KSTEPS; ++i) {
+    st.acc[i][0] -= st.pend[0];
+    st.acc[i][1] -= st.pend[1];
+    st.acc[i][2] -= st.pend[2];
+    st.acc[i][3] -= st.pend[3];
+  }
+  st.pend[0] = st.pend[1] = st.pend[2] = st.pend[3] = 0.f;
+  st.since_flush = 0;
+}
+
+struct Query {
+  u32 qb[2 * KSTEPS];  // B fragments of the key MMAs
+  float koff0, koff1;  // 1024 * sum of the float16 B entries, heads 2t and 2t+1
+  float qsum0, qsum1;  // sum of the scaled query, heads 2t and 2t+1
+  u32 magic;           // 0x64006400, opaque to ptxas (see code_half2)
+};
+
+// One 32-token step: two sub-tiles, one softmax update.  HALF: only the first sub-tile holds tokens.
+template <bool HALF>
+__device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur) {
+  const float kinit[4] = {-q.koff0, -q.koff1, -q.koff0, -q.koff1};
+  float sc[2][4];  // logits: tokens (g, g, g+8, g+8) x heads (2t, 2t+1, 2t, 2t+1)
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    if (HALF && u == 1) {
+      sc[1][0] = sc[1][1] = sc[1][2] = sc[1][3] = NEG_INF;
+      continue;
+    }
+    float c[4];
+    const u32 x[2][2] = {{cur[u].k[0].x, cur[u].k[0].y}, {cur[u].k[1].x, cur[u].k[1].y}};
+#pragma unroll
+    for (int w = 0; w < 2; ++w)
+#pragma unroll
+      for (int hp = 0; hp < 2; ++hp) {
+        const u32 r0 = hp ? x[0][w] >> 8 : x[0][w];
+        const u32 r1 = hp ? x[1][w] >> 8 : x[1][w];
+#pragma unroll
+        for (int s = 0; s < 4; s += 2) {
+          const int i = 8 * w + 4 * hp + s;  // registers i (k = 2t, 2t+1) and i + 1 (k = 2t+8, 2t+9)
+          mma(c, code_half2(r0, s, q.magic), code_half2(r1, s, q.magic), code_half2(r0, s + 1, q.magic), code_half2(r1, s + 1, q.magic), q.qb[i],
+              q.qb[i + 1], i == 0 ? kinit : c);
+        }
+      }
+    const float ks0 = half_lo(cur[u].km[0]), kn0 = half_hi(cur[u].km[0]);
+    const float ks1 = half_lo(cur[u].km[1]), kn1 = half_hi(cur[u].km[1]);
+    sc[u][0] = ks0 * c[0] + kn0 * q.qsum0;
+    sc[u][1] = ks0 * c[1] + kn0 * q.qsum1;
+    sc[u][2] = ks1 * c[2] + kn1 * q.qsum0;
+    sc[u][3] = ks1 * c[3] + kn1 * q.qsum1;
+  }
+  // ---- online softmax over the step (columns 2t, 2t+1 of this thread).  Lazy: the reference max m moves
+  // (and acc, l, n are rescaled) only when a logit of the step exceeds it somewhere in the warp.
+  const float mx0 = warp_max_rows(fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])));
+  const float mx1 = warp_max_rows(fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3])));
+  if (__any_sync(0xffffffffu, mx0 > st.m0 || mx1 > st.m1)) {
+    const float mn0 = fmaxf(st.m0, mx0), mn1 = fmaxf(st.m1, mx1);
+    const float al0 = ex2(st.m0 - mn0), al1 = ex2(st.m1 - mn1);
+    st.m0 = mn0;
+    st.m1 = mn1;
+    st.l0 *= al0;
+    st.l1 *= al1;
+    st.n0 *= al0;
+    st.n1 *= al1;
+    const float p0 = st.pend[0] * al0, p1 = st.pend[1] * al1;
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {  // acc <- (acc - pending offset) * alpha
+      st.acc[i][0] = st.acc[i][0] * al0 - p0;
+      st.acc[i][1] = st.acc[i][1] * al1 - p1;
+      st.acc[i][2] = st.acc[i][2] * al0 - p0;
+      st.acc[i][3] = st.acc[i][3] * al1 - p1;
+    }
+    st.pend[0] = st.pend[1] = st.pend[2] = st.pend[3] = 0.f;
+    st.since_flush = 0;
+  } else if (++st.since_flush == FLUSH_STEPS) {
+    flush_offset(st);
+  }
+  u32 bv[2][2];  // value MMA B operand per sub-tile: PP of tokens (2t, 2t+1) and (2t+8, 2t+9), head g
+#pragma unroll
+  for (int u = 0; u < (HALF ? 1 : 2); ++u) {
+    const float p0 = ex2(sc[u][0] - st.m0), p1 = ex2(sc[u][1] - st.m1);
+    const float p2 = ex2(sc[u][2] - st.m0), p3 = ex2(sc[u][3] - st.m1);
+    st.l0 += p0 + p2;
+    st.l1 += p1 + p3;
+    const float vs0 = half_lo(cur[u].vm[0]), vn0 = half_hi(cur[u].vm[0]);
+    const float vs1 = half_lo(cur[u].vm[1]), vn1 = half_hi(cur[u].vm[1]);
+    st.n0 += p0 * vn0 + p2 * vn1;
+    st.n1 += p1 * vn0 + p3 * vn1;
+    bv[u][0] = transpose8x8(pack_half2(p0 * vs0, p1 * vs0));
+    bv[u][1] = transpose8x8(pack_half2(p2 * vs1, p3 * vs1));
+  }
+  // ---- pending offset += 1024 * sum(PP) per head, from the same float16 PP the value MMAs see.  It leaves acc
+  // every FLUSH_STEPS steps (256 tokens, as the Triton kernel's tile): the H100's MMA accumulation truncates, so
+  // acc must not carry ~1024x the signal for long.
+  mma(st.pend, 0x64006400u, 0x64006400u, 0x64006400u, 0x64006400u, bv[0][0], bv[0][1], st.pend);
+  if (!HALF) mma(st.pend, 0x64006400u, 0x64006400u, 0x64006400u, 0x64006400u, bv[1][0], bv[1][1], st.pend);
+  // ---- values: block i holds channel combos 2i (row g) and 2i+1 (row g+8); combo j = byte 4g + j/4, slice j%4
+#pragma unroll
+  for (int u = 0; u < (HALF ? 1 : 2); ++u) {
+#pragma unroll
+    for (int by = 0; by < 4; ++by) {
+      const u32 sel = by | (by << 4) | ((by + 4) << 8) | ((by + 4) << 12);
+      const u32 za = __byte_perm(cur[u].v[0], cur[u].v[1], sel);  // tokens 2t, 2t+1
+      const u32 zb = __byte_perm(cur[u].v[2], cur[u].v[3], sel);  // tokens 2t+8, 2t+9
+#pragma unroll
+      for (int s = 0; s < 4; s += 2) {
+        const int i = (4 * by + s) / 2;
+        mma(st.acc[i], code_half2(za, s, q.magic), code_half2(za, s + 1, q.magic), code_half2(zb, s, q.magic), code_half2(zb, s + 1, q.magic),
+            bv[u][0], bv[u][1], st.acc[i]);
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_history(
+    const float* __restrict__ Q, const unsigned char* __restrict__ Kc, const u32* __restrict__ Km,
+    const unsigned char* __restrict__ Vc, const u32* __restrict__ Vm, const int* __restrict__ BT,
+    const int* __restrict__ NQ, float* __restrict__ PO, float* __restrict__ PL, double qk_scale_d,
+    int stride_qb, int stride_qh, int stride_cp, int stride_ch, int stride_mp, int stride_mh, int stride_bt,
+    int stride_pob, int stride_poh, int stride_pos, int stride_plb, int stride_plh, int chunk, int magic) {
+  const int split = blockIdx.x + 1;  // split 0 is the BF16 window (Triton kernel)
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const float qk_scale = (float)qk_scale_d;
+  const int start = (split - 1) * chunk;
+  const int end = min(start + chunk, NQ[b] * P);
+
+  __shared__ int s_pages[MAX_PAGES];
+  __shared__ float s_acc[NWARPS][8][D];
+  __shared__ float s_m[NWARPS][8], s_l[NWARPS][8], s_n[NWARPS][8];
+  const int* bt_row = BT + (long long)b * stride_bt + SINK_PAGES + start / P;
+  for (int i = threadIdx.x; i < (end - start + P - 1) / P; i += NT) s_pages[i] = bt_row[i];
+
+  // ---- the query as the key MMAs' B operand (column = head g).  Register i = 8w + 4hp + s holds
+  // channels (j, j + 2) + D/4 * s with j = 8t + 4w + hp, divided by 4^s; the A side uses the same order.
+  Query q;
+  q.magic = (u32)__shfl_sync(0xffffffffu, magic, 0);
+  {
+    float off_part = 0.f, sum_part = 0.f;
+    const bool real = g < GQA;
+    const float* qrow = Q + (long long)b * stride_qb + (long long)(h * GQA + (real ? g : 0)) * stride_qh;
+#pragma unroll
+    for (int w = 0; w < 2; ++w)
+#pragma unroll
+      for (int hp = 0; hp < 2; ++hp)
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const int j = 8 * t + 4 * w + hp;
+          const float x0 = real ? qrow[j + D4 * s] * qk_scale : 0.f;
+          const float x1 = real ? qrow[j + 2 + D4 * s] * qk_scale : 0.f;
+          const float f = 1.f / (float)(1 << (2 * s));
+          const u32 q2 = pack_half2(x0 * f, x1 * f);
+          q.qb[8 * w + 4 * hp + s] = q2;
+          off_part += half_lo(q2) + half_hi(q2);
+          sum_part += x0 + x1;
+        }
+    off_part += __shfl_xor_sync(0xffffffffu, off_part, 1);
+    off_part += __shfl_xor_sync(0xffffffffu, off_part, 2);
+    sum_part += __shfl_xor_sync(0xffffffffu, sum_part, 1);
+    sum_part += __shfl_xor_sync(0xffffffffu, sum_part, 2);
+    // this thread's output columns are heads 2t and 2t + 1: their sums sit in rows 2t, 2t + 1
+    q.koff0 = 1024.f * __shfl_sync(0xffffffffu, off_part, 8 * t);
+    q.koff1 = 1024.f * __shfl_sync(0xffffffffu, off_part, 8 * t + 4);
+    q.qsum0 = __shfl_sync(0xffffffffu, sum_part, 8 * t);
+    q.qsum1 = __shfl_sync(0xffffffffu, sum_part, 8 * t + 4);
+  }
+
+  State st;
+#pragma unroll
+  for (int i = 0; i < KSTEPS; ++i) st.acc[i][0] = st.acc[i][1] = st.acc[i][2] = st.acc[i][3] = 0.f;
+  st.pend[0] = st.pend[1] = st.pend[2] = st.pend[3] = 0.f;
+  st.m0 = st.m1 = NEG_INF;
+  st.l0 = st.l1 = st.n0 = st.n1 = 0.f;
+  st.since_flush = 0;
+
+  Source src;
+  src.k = Kc + (long long)h * stride_ch + g * D4 + 8 * t;
+  src.v = Vc + (long long)h * stride_ch + 2 * t * D4 + 4 * g;
+  src.km = Km + (long long)h * (stride_mh / 2) + g;
+  src.vm = Vm + (long long)h * (stride_mh / 2) + g;
+  src.pages = s_pages;
+  src.cp = (unsigned long long)stride_cp;
+  src.mp = (unsigned long long)(stride_mp / 2);
+  src.first = start;
+  __syncthreads();
+
+  // ---- full 32-token steps, loads one step ahead in two alternating buffers; then at most one half step
+  SubTile buf0[2], buf1[2];
+  int pos = start + 32 * warp;
+  const int full_end = end - 31;  // pos < full_end <=> pos + 32 <= end
+  if (pos < full_end) {
+    load_sub_tile(buf0[0], src, pos);
+    load_sub_tile(buf0[1], src, pos + 16);
+  }
+  while (pos < full_end) {
+    int npos = pos + NT;
+    if (npos < full_end) {
+      load_sub_tile(buf1[0], src, npos);
+      load_sub_tile(buf1[1], src, npos + 16);
+    }
+    step<false>(st, q, buf0);
+    pos = npos;
+    if (pos >= full_end) break;
+    npos = pos + NT;
+    if (npos < full_end) {
+      load_sub_tile(buf0[0], src, npos);
+      load_sub_tile(buf0[1], src, npos + 16);
+    }
+    step<false>(st, q, buf1);
+    pos = npos;
+  }
+  if (pos < end) {  // 16 tokens left for this warp
+    load_sub_tile(buf0[0], src, pos);
+    step<true>(st, q, buf0);
+  }
+
+  // ---- combine the warps: O[h, ch] = sum_w e_w (acc_w[ch, h] / 4^s + n_w[h]) / sum_w e_w l_w[h]
+  flush_offset(st);
+  st.l0 = warp_sum_rows(st.l0);
+  st.l1 = warp_sum_rows(st.l1);
+  st.n0 = warp_sum_rows(st.n0);
+  st.n1 = warp_sum_rows(st.n1);
+  if (g == 0) {
+    s_m[warp][2 * t] = st.m0;
+    s_m[warp][2 * t + 1] = st.m1;
+    s_l[warp][2 * t] = st.l0;
+    s_l[warp][2 * t + 1] = st.l1;
+    s_n[warp][2 * t] = st.n0;
+    s_n[warp][2 * t + 1] = st.n1;
+  }
+#pragma unroll
+  for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int j = 2 * i + r, s = j % 4;
+      const int ch = 4 * g + j / 4 + D4 * s;
+      const float f = 1.f / (float)(1 << (2 * s));
+      s_acc[warp][2 * t][ch] = st.acc[i][2 * r] * f;
+      s_acc[warp][2 * t + 1][ch] = st.acc[i][2 * r + 1] * f;
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < GQA * D; idx += NT) {
+    const int hh = idx / D, ch = idx % D;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, s_m[w][hh]);
+    float num = 0.f, den = 0.f;
+    if (mx != NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < NWARPS; ++w) {
+        const float e = ex2(s_m[w][hh] - mx);
+        num += e * (s_acc[w][hh][ch] + s_n[w][hh]);
+        den += e * s_l[w][hh];
+      }
+    }
+    const long long row = (long long)b * stride_pob + (long long)(h * GQA + hh) * stride_poh +
+                          (long long)split * stride_pos;
+    PO[row + ch] = den > 0.f ? num / den : 0.f;
+    if (ch == 0)
+      PL[(long long)b * stride_plb + (long long)(h * GQA + hh) * stride_plh + split] =
+          den > 0.f ? mx + lg2(den) : NEG_INF;
+  }
+}
