@@ -20,7 +20,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="131072")
     ap.add_argument("--batch-sizes", default="1,8,32")
-    ap.add_argument("--targets", default="2,3,4,6,8,12,16")
+    ap.add_argument("--targets", default="3,6")
     ap.add_argument("--min-blocks", default="3")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
@@ -59,7 +59,7 @@ def main() -> None:
             int2_cuda.MIN_BLOCKS = int(a.min_blocks.split(",")[0])
             hq = q.shape[1]
             ns, chunk = int2_cuda.split_plan(mp * geom.page_size, bs * geom.num_kv_heads, geom.page_size,
-                                             _num_sms(dev), 4 if bs * geom.num_kv_heads <= 8 else 8)
+                                             _num_sms(dev), int2_cuda.MIN_BLOCKS)
             qr = rotate_query(q, rot, geom.num_kv_heads)
             po = torch.zeros(bs, hq, ns + 1, geom.head_dim, device=dev)
             pl = torch.zeros(bs, hq, ns + 1, device=dev)

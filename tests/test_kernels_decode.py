@@ -226,3 +226,19 @@ def test_cuda_backend_is_refused_off_the_gpu():
     if not GPU:
         with pytest.raises(ValueError, match="not a CUDA device"):
             _use_cuda("cuda", torch.device("cpu"), geom, 4, None)
+
+
+@pytest.mark.skipif(GPU, reason="checks the refusal on a machine without CUDA")
+def test_int2_kernel_environment_switch(monkeypatch):
+    """OSCAR_KV_INT2_KERNEL picks the backend when the caller does not: 'cuda' on the CPU is refused clearly."""
+    from oscar_kv.kernels.decode import int2_decode
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=128, group_size=128, page_size=16,
+                        sink_size=16, recent_size=32)
+    pool, batch, rot = build_pool(geom, [100], torch.Generator().manual_seed(4))
+    q = torch.randn(1, 8, 128)
+    monkeypatch.setenv("OSCAR_KV_INT2_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="cannot run this call: not a CUDA device"):
+        int2_decode(q, pool, 0, batch, rot)
+    monkeypatch.setenv("OSCAR_KV_INT2_KERNEL", "triton")
+    assert int2_decode(q, pool, 0, batch, rot).isfinite().all()

@@ -493,13 +493,16 @@ def kernel_summary(engine, seqs, steps: int, clock: Clock, step_ms: float) -> di
             us = getattr(e, "self_cuda_time_total", 0.0)
         if us and us > 0:
             kernels.append((e.key, us / steps / 1e3, e.count // steps))
-    groups = {"decode_attention": 0.0, "query_rotation": 0.0, "gemm": 0.0, "all_reduce": 0.0, "other": 0.0}
+    groups = {"decode_attention": 0.0, "query_rotation": 0.0, "kv_write": 0.0, "gemm": 0.0, "all_reduce": 0.0,
+              "other": 0.0}
     for name, ms, _ in kernels:
         low = name.lower()
         if "nccl" in low or "allreduce" in low:
             groups["all_reduce"] += ms
-        elif "_decode_kernel" in low or "_merge_kernel" in low:
+        elif "_decode_kernel" in low or "_merge_kernel" in low or "oscar_int2" in low:
             groups["decode_attention"] += ms
+        elif "_write_kernel" in low or "_migrate_kernel" in low:
+            groups["kv_write"] += ms
         elif "rotate_query" in low:
             groups["query_rotation"] += ms
         elif any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas")):

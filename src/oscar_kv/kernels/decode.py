@@ -543,7 +543,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
                 max_int2_pages: int | None = None, num_splits: int | None = None, block_n: int | None = None,
                 block_w: int = 64, num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
                 kt: bool = True, split_target: int | None = None, maxnreg: int | str | None = "auto",
-                backend: str = "auto", cuda_split_target: int | None = None,
+                backend: str | None = None, cuda_split_target: int | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the mixed pool.  q: [B, Hq, D] (unrotated if k_rotation is given; any float
     dtype, float32 keeps the most precision) -> [B, Hq, D] in q's dtype.
@@ -557,7 +557,9 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     ``rope`` (rope.KernelRope) when the keys were centered per position: the kernel adds q . RoPE_p(mu_pre)
     to every logit.  q must then be unrotated, and the page size a multiple of 16.
     ``backend``: "cuda" runs the INT2 history splits in the CUDA kernel (int2_cuda.py; the BF16 window stays
-    here), "triton" all of it in Triton, "auto" CUDA where int2_cuda supports the call.  ``cuda_split_target``:
+    here), "triton" all of it in Triton, "auto" CUDA where int2_cuda supports the call; None: the environment
+    variable OSCAR_KV_INT2_KERNEL, else "auto" (a server can be switched back to Triton without code).
+    ``cuda_split_target``:
     CUDA history CTAs per SM (default int2_cuda.MIN_BLOCKS, the CTAs that fit on an SM at once).
     """
     g = pool.geometry
@@ -574,7 +576,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         raise ValueError("block_n must be a multiple of the page size")
     if split_target is None:
         split_target = 4 if bsz * h <= 8 else 8
-    use_cuda = _use_cuda(backend, q.device, g, gqa, rope)
+    use_cuda = _use_cuda(backend or os.environ.get("OSCAR_KV_INT2_KERNEL", "auto"), q.device, g, gqa, rope)
     if use_cuda:
         from . import int2_cuda
 
