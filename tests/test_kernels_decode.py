@@ -242,3 +242,16 @@ def test_int2_kernel_environment_switch(monkeypatch):
         int2_decode(q, pool, 0, batch, rot)
     monkeypatch.setenv("OSCAR_KV_INT2_KERNEL", "triton")
     assert int2_decode(q, pool, 0, batch, rot).isfinite().all()
+
+
+def test_cuda_kernel_compile_failure_is_a_reason_not_a_crash(monkeypatch):
+    """A machine whose NVRTC cannot build the CUDA kernel gets a warning and the Triton kernel under 'auto'."""
+    from oscar_kv.kernels import int2_cuda
+
+    def fail(*args):
+        raise RuntimeError("libnvrtc.so.13: cannot open shared object file")
+
+    monkeypatch.setattr(int2_cuda, "_kernel", fail)
+    with pytest.warns(UserWarning, match="did not compile"):
+        why = int2_cuda._compile_error(12345, 128, 16, 4, 4)  # an index no real device has: not cached elsewhere
+    assert why.startswith("NVRTC compilation failed") and "libnvrtc" in why

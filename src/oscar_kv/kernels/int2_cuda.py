@@ -18,6 +18,7 @@ and decode._merge combines them.  Supported: head dim 128, one quantization grou
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,7 +49,22 @@ def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope) -> str
         return "position-aware key centering"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "needs compute capability >= 8.0 (mma.sync m16n8k16, movmatrix)"
+    return _compile_error(_index(device), geom.head_dim, geom.page_size, gqa, geom.sink_pages)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_error(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int) -> str | None:
+    """Compile once per geometry; a machine whose NVRTC fails gets the reason (and the Triton kernel), not a crash."""
+    try:
+        _kernel(device_index, head_dim, page_size, gqa, sink_pages, MIN_BLOCKS)
+    except Exception as e:  # NVRTC missing or refusing the source: reported, never fatal under "auto"
+        warnings.warn(f"oscar-kv: the CUDA INT2 decode kernel did not compile ({e!r:.300}); using the Triton kernel")
+        return f"NVRTC compilation failed: {e!r:.300}"
     return None
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,8 +103,7 @@ def history(qr: torch.Tensor, layer: dict[str, torch.Tensor], geom: PoolGeometry
     if kc.stride() != vc.stride() or km.stride() != vm.stride() or kc.stride(-1) != 1 or km.stride(-1) != 1:
         raise ValueError("the CUDA INT2 kernel needs K and V pools of one contiguous layout")
     bt = batch.block_table
-    kernel = _kernel(qr.device.index if qr.device.index is not None else torch.cuda.current_device(),
-                     d, geom.page_size, hq // h, geom.sink_pages, MIN_BLOCKS)
+    kernel = _kernel(_index(qr.device), d, geom.page_size, hq // h, geom.sink_pages, MIN_BLOCKS)
     kernel(grid=(splits, h, bsz), block=(NUM_WARPS * 32, 1, 1),
            args=[qr, kc, km, vc, vm, bt, batch.int2_pages, po, pl, float(qk_scale),
                  qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), bt.stride(0),
