@@ -18,6 +18,7 @@ and decode._merge combines them.  Supported: head dim 128, one quantization grou
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from pathlib import Path
 
@@ -77,17 +78,25 @@ def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pag
 
 
 def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: int, per_sm: int) -> tuple[int, int]:
-    """(splits, chunk) for the history: at most per_sm CTAs per SM over all (sequence, head) pairs (rounded
-    down, so that one wave is not followed by a small one), chunks of whole 32-token steps per warp
-    (multiples of TOKENS_PER_ROUND) of at least two rounds and at most MAX_PAGES pages."""
+    """(splits, chunk) for the history: chunks of whole 32-token steps per warp (multiples of TOKENS_PER_ROUND) of
+    at least two rounds and at most MAX_PAGES pages.  The CTAs (splits x programs_per_split) fill whole waves of
+    per_sm x sms slots: one wave (rounded down) when the history allows it; when MAX_PAGES forces more splits, the
+    count in [forced, 2 x forced] whose last wave is fullest (64K x 32 sequences: 3 splits, 1.94 waves, not 2 and
+    1.29)."""
     if int2_tokens <= 0:
         return 1, TOKENS_PER_ROUND
-    want = max(1, per_sm * sms // max(programs_per_split, 1))
-    splits = min(want, max(1, int2_tokens // (2 * TOKENS_PER_ROUND)))
-    splits = max(splits, -(-int2_tokens // (MAX_PAGES * page_size)))
+    pairs = max(programs_per_split, 1)
+    slots = per_sm * sms
+    forced = -(-int2_tokens // (MAX_PAGES * page_size // TOKENS_PER_ROUND * TOKENS_PER_ROUND))
+    splits = min(max(1, slots // pairs), max(1, int2_tokens // (2 * TOKENS_PER_ROUND)))
+    if splits < forced:
+        def fill(s: int) -> float:
+            waves = pairs * s / slots
+            return waves / math.ceil(waves)
+
+        splits = max(range(forced, 2 * forced + 1), key=lambda s: (fill(s), -s))
     chunk = -(-int2_tokens // splits)
     chunk = -(-chunk // TOKENS_PER_ROUND) * TOKENS_PER_ROUND
-    chunk = min(chunk, MAX_PAGES * page_size // TOKENS_PER_ROUND * TOKENS_PER_ROUND)
     return -(-int2_tokens // chunk), chunk
 
 
