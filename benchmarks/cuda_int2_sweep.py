@@ -10,10 +10,10 @@ import os
 
 import torch
 
-from oscar_kv.bench.attention import GEOMETRY, _bench_call, _fill_pool, _mixed_batch, _orthogonal, copy_bandwidth, int2_bytes
+from oscar_kv.bench.attention import GEOMETRY, _bench_call, copy_bandwidth, int2_bytes, int2_case
 from oscar_kv.kernels import int2_cuda
 from oscar_kv.kernels.decode import LOG2E, _merge, _num_sms, int2_decode, rotate_query
-from oscar_kv.kernels.layout import PagedKVPool, PoolGeometry
+from oscar_kv.kernels.layout import PoolGeometry
 
 
 def main() -> None:
@@ -34,12 +34,7 @@ def main() -> None:
     rows = []
     for ctx in map(int, a.contexts.split(",")):
         for bs in map(int, a.batch_sizes.split(",")):
-            batch, nq, nw = _mixed_batch(geom, bs, ctx, dev, gen)
-            pool = PagedKVPool.allocate(geom, nq, nw, device=dev)
-            _fill_pool(pool)
-            q = torch.randn(bs, GEOMETRY["num_q_heads"], geom.head_dim, device=dev, dtype=torch.bfloat16)
-            rot = _orthogonal(geom.num_kv_heads, geom.head_dim, dev)
-            mp = geom.int2_pages_for(ctx)
+            pool, batch, q, rot, mp = int2_case(geom, ctx, bs, dev, gen)
             nbytes = int2_bytes(geom, bs, ctx)
             tri = _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, backend="triton"))
             ref = int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, backend="triton").float()

@@ -150,9 +150,9 @@ VARIANTS = [dict(block_n=256, num_warps=4, num_stages=2, maxnreg=128, split_targ
 _KNOBS = ("block_n", "num_warps", "num_stages", "kt", "use_asm", "split_target", "maxnreg")
 
 
-def sweep_int2(geom, ctx: int, bs: int, device, gen) -> list[dict]:
-    """Time INT2 kernel variants (code conversion path, tile, warps, stages) at one point."""
-    from ..kernels.decode import int2_decode
+def int2_case(geom, ctx: int, bs: int, device, gen):
+    """One timing point: a filled mixed pool of bs sequences of ctx tokens, a bf16 query, per-head rotations.
+    Returns (pool, batch, q, rotations, max INT2 pages)."""
     from ..kernels.layout import PagedKVPool
 
     batch, nq, nw = _mixed_batch(geom, bs, ctx, device, gen)
@@ -160,7 +160,14 @@ def sweep_int2(geom, ctx: int, bs: int, device, gen) -> list[dict]:
     _fill_pool(pool)
     q = torch.randn(bs, GEOMETRY["num_q_heads"], geom.head_dim, device=device, dtype=torch.bfloat16)
     rot = _orthogonal(geom.num_kv_heads, geom.head_dim, device)
-    mp = geom.int2_pages_for(ctx)
+    return pool, batch, q, rot, geom.int2_pages_for(ctx)
+
+
+def sweep_int2(geom, ctx: int, bs: int, device, gen) -> list[dict]:
+    """Time INT2 kernel variants (code conversion path, tile, warps, stages) at one point."""
+    from ..kernels.decode import int2_decode
+
+    pool, batch, q, rot, mp = int2_case(geom, ctx, bs, device, gen)
     rows = []
     for v in VARIANTS:
         try:
