@@ -252,6 +252,9 @@ def test_cuda_kernel_compile_failure_is_a_reason_not_a_crash(monkeypatch):
         raise RuntimeError("libnvrtc.so.13: cannot open shared object file")
 
     monkeypatch.setattr(int2_cuda, "_kernel", fail)
+    monkeypatch.setattr(int2_cuda.torch.cuda, "_compile_kernel", fail, raising=False)  # CPU torch builds lack it
+    monkeypatch.setattr(int2_cuda.torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(int2_cuda.torch.version, "hip", None)
     with pytest.warns(UserWarning, match="did not compile"):
-        why = int2_cuda._compile_error(12345, 128, 16, 4, 4)  # an index no real device has: not cached elsewhere
+        why = int2_cuda._device_error(12345, 128, 16, 4, 4)  # an index no real device has: not cached elsewhere
     assert why.startswith("NVRTC compilation failed") and "libnvrtc" in why

@@ -35,27 +35,29 @@ _MAGIC = 0x64006400  # float16 1024 in both halves (see int2_history.cu)
 
 
 def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope) -> str | None:
-    """Why the CUDA kernel cannot run this call (None: it can)."""
+    """Why the CUDA kernel cannot run this call (None: it can).  Called on every decode call: the shape checks
+    are plain comparisons, the device and compiler checks are cached per device and geometry."""
     if device.type != "cuda":
         return "not a CUDA device"
-    if not hasattr(torch.cuda, "_compile_kernel"):
-        return f"torch {torch.__version__} has no torch.cuda._compile_kernel"
-    if torch.version.hip:
-        return "ROCm"
     if geom.head_dim != 128 or geom.group_size != geom.head_dim:
         return f"head dim {geom.head_dim} / group {geom.group_size} (the kernel is written for D = G = 128)"
     if not 1 <= gqa <= 8:
         return f"{gqa} query heads per KV head (at most 8)"
     if rope is not None:
         return "position-aware key centering"
-    if torch.cuda.get_device_capability(device) < (8, 0):
-        return "needs compute capability >= 8.0 (mma.sync m16n8k16, movmatrix)"
-    return _compile_error(_index(device), geom.head_dim, geom.page_size, gqa, geom.sink_pages)
+    return _device_error(_index(device), geom.head_dim, geom.page_size, gqa, geom.sink_pages)
 
 
 @functools.lru_cache(maxsize=None)
-def _compile_error(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int) -> str | None:
-    """Compile once per geometry; a machine whose NVRTC fails gets the reason (and the Triton kernel), not a crash."""
+def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int) -> str | None:
+    """The torch build, the GPU and one compile, once per device and geometry: a machine whose NVRTC fails gets
+    the reason (and the Triton kernel), not a crash."""
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return f"torch {torch.__version__} has no torch.cuda._compile_kernel"
+    if torch.version.hip:
+        return "ROCm"
+    if torch.cuda.get_device_capability(device_index) < (8, 0):
+        return "needs compute capability >= 8.0 (mma.sync m16n8k16, movmatrix)"
     try:
         _kernel(device_index, head_dim, page_size, gqa, sink_pages, MIN_BLOCKS)
     except Exception as e:  # NVRTC missing or refusing the source: reported, never fatal under "auto"

@@ -52,15 +52,10 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
   return r;
 }
 
-__device__ __forceinline__ float half_lo(u32 x) {
-  float f;
-  asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(x));
-  return f;
-}
-
-__device__ __forceinline__ float half_hi(u32 x) {
-  float f;
-  asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h;}" : "=f"(f) : "r"(x));
+// Both float16 halves of a word as floats (x = low: scale, y = high: minimum for a metadata word).
+__device__ __forceinline__ float2 halves(u32 x) {
+  float2 f;
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(f.x), "=f"(f.y) : "r"(x));
   return f;
 }
 
@@ -181,8 +176,8 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
               q.qb[i + 1], i == 0 ? kinit : c);
         }
       }
-    const float ks0 = half_lo(cur[u].km[0]), kn0 = half_hi(cur[u].km[0]);
-    const float ks1 = half_lo(cur[u].km[1]), kn1 = half_hi(cur[u].km[1]);
+    const float2 k0 = halves(cur[u].km[0]), k1 = halves(cur[u].km[1]);  // (scale, min) of tokens g, g+8
+    const float ks0 = k0.x, kn0 = k0.y, ks1 = k1.x, kn1 = k1.y;
     sc[u][0] = ks0 * c[0] + kn0 * q.qsum0;
     sc[u][1] = ks0 * c[1] + kn0 * q.qsum1;
     sc[u][2] = ks1 * c[2] + kn1 * q.qsum0;
@@ -221,8 +216,8 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
     const float p2 = ex2(sc[u][2] - st.m0), p3 = ex2(sc[u][3] - st.m1);
     st.l0 += p0 + p2;
     st.l1 += p1 + p3;
-    const float vs0 = half_lo(cur[u].vm[0]), vn0 = half_hi(cur[u].vm[0]);
-    const float vs1 = half_lo(cur[u].vm[1]), vn1 = half_hi(cur[u].vm[1]);
+    const float2 v0 = halves(cur[u].vm[0]), v1 = halves(cur[u].vm[1]);
+    const float vs0 = v0.x, vn0 = v0.y, vs1 = v1.x, vn1 = v1.y;
     st.n0 += p0 * vn0 + p2 * vn1;
     st.n1 += p1 * vn0 + p3 * vn1;
     bv[u][0] = transpose8x8(pack_half2(p0 * vs0, p1 * vs0));
@@ -290,7 +285,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_history(
           const float f = 1.f / (float)(1 << (2 * s));
           const u32 q2 = pack_half2(x0 * f, x1 * f);
           q.qb[8 * w + 4 * hp + s] = q2;
-          off_part += half_lo(q2) + half_hi(q2);
+          const float2 qh = halves(q2);
+          off_part += qh.x + qh.y;
           sum_part += x0 + x1;
         }
     off_part += __shfl_xor_sync(0xffffffffu, off_part, 1);
