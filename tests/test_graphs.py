@@ -59,7 +59,8 @@ def _run(engine, prompts, lengths):
 @pytest.mark.parametrize("dtype,centering,head_dim", [("int2", "constant", 64), ("bf16", "constant", 64),
                                                       ("int2", "rope", 64), ("int2", "constant", 128)])
 def test_graph_replay_matches_eager_steps(dtype, centering, head_dim):
-    """head_dim 128: the INT2 history runs in the CUDA kernel (int2_cuda.py), its window split on a side stream."""
+    """head_dim 128: INT2 decode attention runs as one CUDA launch (int2_cuda.py) whose last CTA per (sequence,
+    KV head) merges through counters that must be back at zero for the next replay."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from oscar_kv.artifacts import Rotations

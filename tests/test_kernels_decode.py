@@ -157,11 +157,15 @@ def test_int2_decode_variants_agree():
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
 @pytest.mark.parametrize("page_size", [16, 32])
-def test_cuda_int2_history_matches_reference_and_triton(page_size):
-    """The CUDA history kernel (int2_cuda.py) against the float64 reference and the all-Triton kernel: GQA
-    1 / 3 / 4 / 8, a 128K sequence among short ones, a prefix hit with extra INT2 pages (short recent window),
-    histories that end mid-step (16-token tails), shuffled pages, NaN-poisoned output, a realistic query scale."""
-    from oscar_kv.kernels.decode import int2_decode
+def test_cuda_int2_decode_matches_reference_and_triton(page_size):
+    """The one-launch CUDA decode (int2_cuda.py: rotation, window, history, merge) against the float64 reference
+    and the all-Triton path: GQA 1 / 3 / 4 / 8, a 128K sequence among short ones (empty, sink-only, window-only),
+    a prefix hit with extra INT2 pages (short recent window), histories that end mid-step (16-token tails),
+    shuffled pages, NaN-poisoned output, per-head / shared / no rotation, float32 / bfloat16 / float16 queries,
+    split counts from 1 to many per sequence, CTAs without INT2 tokens, and repeated calls (the merge counters
+    must return to zero)."""
+    from oscar_kv.kernels import int2_cuda
+    from oscar_kv.kernels.decode import LOG2E, int2_decode
 
     geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=128, group_size=128, page_size=page_size,
                         sink_size=64, recent_size=256)
@@ -183,6 +187,21 @@ def test_cuda_int2_history_matches_reference_and_triton(page_size):
         for target in (1, 16):  # one long split per sequence, and many short ones
             o2 = int2_decode(q, pool, 0, batch, rot, backend="cuda", cuda_split_target=target)
             assert rel_err(o2, want) < 1e-2, (gqa, target)
+        again = int2_decode(q, pool, 0, batch, rot, backend="cuda")
+        assert torch.equal(again, int2_decode(q, pool, 0, batch, rot, backend="cuda")), gqa
+        # more CTAs than the history needs: some with no INT2 tokens (window sub-tiles and the merge still run)
+        _, chunk = int2_cuda.split_plan(int(batch.int2_pages.max()) * page_size, 1, page_size, 12, 1)
+        o3 = torch.full_like(q, float("nan"))
+        int2_cuda.decode(q, rot, pool.layer(0), geom, batch, o3, 40, chunk, LOG2E / 128 ** 0.5)
+        assert rel_err(o3, want) < 1e-2, gqa
+    q = torch.randn(len(seq_lens), 16, 128, generator=gen).to(DEV)
+    for r in (rot[:1], None):  # one rotation shared by the heads; none (keys stored unrotated)
+        want = ref.decode_reference(pool, 0, q, batch, r, None)
+        for dtype in (torch.float32, torch.float16):
+            out = int2_decode(q.to(dtype), pool, 0, batch, r, backend="cuda")
+            assert out.dtype == dtype
+            assert rel_err(out, want) < 1e-2, (dtype, r is None)
+            assert rel_err(out, int2_decode(q.to(dtype), pool, 0, batch, r, backend="triton")) < 3e-3
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")

@@ -556,11 +556,11 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     position-aware term visits more than ROPE_CAPPED_PAIRS pairs; None: no cap).
     ``rope`` (rope.KernelRope) when the keys were centered per position: the kernel adds q . RoPE_p(mu_pre)
     to every logit.  q must then be unrotated, and the page size a multiple of 16.
-    ``backend``: "cuda" runs the INT2 history splits in the CUDA kernel (int2_cuda.py; the BF16 window stays
-    here), "triton" all of it in Triton, "auto" CUDA where int2_cuda supports the call; None: the environment
-    variable OSCAR_KV_INT2_KERNEL, else "auto" (a server can be switched back to Triton without code).
+    ``backend``: "cuda" runs the whole call as one CUDA launch (int2_cuda.py: rotation, window, history and
+    merge), "triton" as the Triton kernels here, "auto" CUDA where int2_cuda supports the call; None: the
+    environment variable OSCAR_KV_INT2_KERNEL, else "auto" (a server can be switched back to Triton without code).
     ``cuda_split_target``:
-    CUDA history CTAs per SM (default int2_cuda.MIN_BLOCKS, the CTAs that fit on an SM at once).
+    CUDA CTAs per SM (default int2_cuda.MIN_BLOCKS, the CTAs that fit on an SM at once).
     """
     g = pool.geometry
     bsz, hq, d = q.shape
@@ -576,16 +576,16 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         raise ValueError("block_n must be a multiple of the page size")
     if split_target is None:
         split_target = 4 if bsz * h <= 8 else 8
-    use_cuda = _use_cuda(backend or os.environ.get("OSCAR_KV_INT2_KERNEL", "auto"), q.device, g, gqa, rope)
-    if use_cuda:
+    if _use_cuda(backend or os.environ.get("OSCAR_KV_INT2_KERNEL", "auto"), q.device, g, gqa, rope, q.dtype):
         from . import int2_cuda
 
         per_sm = cuda_split_target or int2_cuda.MIN_BLOCKS  # one full wave: best at 128K, bs 1/8/32 (run C2)
         ns, chunk = int2_cuda.split_plan(max_int2_pages * g.page_size, bsz * h, g.page_size, _num_sms(q.device),
                                          per_sm)
-    else:
-        ns, chunk = _split_plan(max_int2_pages * g.page_size, bsz * h, q.device, block_n, num_splits=num_splits,
-                                per_sm=split_target)
+        out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
+        return int2_cuda.decode(q, k_rotation, pool.layer(layer), g, batch, out, ns, chunk, sm_scale * LOG2E)
+    ns, chunk = _split_plan(max_int2_pages * g.page_size, bsz * h, q.device, block_n, num_splits=num_splits,
+                            per_sm=split_target)
     qr = rotate_query(q, k_rotation, h)
     po = torch.empty(bsz, hq, ns + 1, d, device=q.device, dtype=torch.float32)
     pl = torch.empty(bsz, hq, ns + 1, device=q.device, dtype=torch.float32)
@@ -602,54 +602,26 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     reach = g.sink_pages * g.page_size + max_int2_pages * g.page_size + g.recent_size + g.page_size + block_n + block_w
     ab, pr, stride_abb, stride_abh, stride_prh, r, on = _rope_args(q, rope, sm_scale * LOG2E, reach)
     base, steps = (rope.base, rope.steps) if rope is not None else (q, q)
-    if use_cuda:
-        qr = qr.float().contiguous()
-
-    def window_and_triton_splits():
-        _int2_decode_kernel[(bsz, h, 1 if use_cuda else ns + 1)](  # under CUDA: the window split only
-            qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, pr, base, steps,
-            sm_scale * LOG2E, qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
-            kw.stride(0), kw.stride(1), bt.stride(0), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-            pl.stride(1), stride_abb, stride_abh, stride_prh, chunk,
-            D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_N=block_n,
-            BLOCK_W=block_w, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET, KT=kt, ROPE=on, R=r,
-            num_warps=num_warps, num_stages=num_stages, **extra)
-
-    if use_cuda:
-        # The window split (B x H programs) runs beside the history kernel on a second stream: at batch 1 it
-        # would otherwise add its whole latency.  The join comes before the merge, so every tensor both
-        # streams use outlives the side stream's work (no record_stream needed); graph capture keeps the fork.
-        main = torch.cuda.current_stream(q.device)
-        side = _side_stream(q.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            window_and_triton_splits()
-        int2_cuda.history(qr, L, g, batch, po, pl, ns, chunk, sm_scale * LOG2E)
-        main.wait_stream(side)
-    else:
-        window_and_triton_splits()
+    _int2_decode_kernel[(bsz, h, ns + 1)](
+        qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, pr, base, steps,
+        sm_scale * LOG2E, qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
+        kw.stride(0), kw.stride(1), bt.stride(0), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
+        pl.stride(1), stride_abb, stride_abh, stride_prh, chunk,
+        D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_N=block_n,
+        BLOCK_W=block_w, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET, KT=kt, ROPE=on, R=r,
+        num_warps=num_warps, num_stages=num_stages, **extra)
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     return _merge(po, pl, out)
 
 
-_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
-    return _SIDE_STREAMS[index]
-
-
-def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope) -> bool:
+def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16) -> bool:
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"backend must be auto, cuda or triton, got {backend!r}")
     if backend == "triton":
         return False
     from . import int2_cuda
 
-    why = int2_cuda.unsupported(device, geom, gqa, rope) or ("the Triton interpreter is on" if _INTERPRET else None)
+    why = int2_cuda.unsupported(device, geom, gqa, rope, dtype) or ("the Triton interpreter is on" if _INTERPRET else None)
     if why and backend == "cuda":
         raise ValueError(f"the CUDA INT2 kernel cannot run this call: {why}")
     return why is None

@@ -1,6 +1,6 @@
-"""The INT2 history splits of decode attention as a hand-written CUDA kernel (``int2_history.cu``).
+"""Decode attention over the mixed pool as one hand-written CUDA launch (``int2_decode.cu``).
 
-Why not Triton for this part: the Triton kernel (decode.py) needs ~3.1 SASS instructions per code and stays
+Why not Triton for this: the Triton kernel (decode.py) needs ~3.1 SASS instructions per code and stays
 instruction-bound at ~45% of the copy bandwidth (benchmarks/NOTES.md).  Its lowering replicates the 4 GQA
 query rows to the MMA's 16, gathers the value operand byte by byte from shared memory and converts codes
 through layout shuffles.  In CUDA each thread builds its mma.sync fragments straight from the bytes it loaded
@@ -8,11 +8,16 @@ through layout shuffles.  In CUDA each thread builds its mma.sync fragments stra
 the A operand (tokens or channels as rows, the <= 8 query heads as the n8 columns), and movmatrix moves the
 probabilities from the key MMA's output layout to the value MMA's input layout.
 
+One launch does what the Triton path does in four (query rotation, window split, history splits, merge): each
+CTA rotates its query group's rows, takes a share of the BF16 window and a chunk of the INT2 history, and the
+last CTA of a (sequence, KV head) to finish merges the partials (an atomic counter per pair, left at zero).  At
+128K tokens and batch 1 the separate launches cost ~15 of ~60 us (NOTES.md, run C3).
+
 The kernel is compiled at first use by NVRTC, through torch (``torch.cuda._compile_kernel``), once per
-device and geometry.  It computes splits 1.. of ``decode._int2_decode_kernel`` (same partial-output layout,
-same math: codes as float16 1024 + c*4^s, exact offset removal); split 0, the BF16 window, stays in Triton,
-and decode._merge combines them.  Supported: head dim 128, one quantization group per head (G = D), at most
-8 query heads per KV head, constant key centering.  Anything else runs the Triton kernel.
+device, geometry and dtype.  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
+offset removal; the window's query as bfloat16 hi + lo parts).  Supported: head dim 128, one quantization
+group per head (G = D), at most 8 query heads per KV head, constant key centering, float32 / bfloat16 /
+float16 queries.  Anything else runs the Triton kernels.
 """
 
 from __future__ import annotations
@@ -26,15 +31,18 @@ import torch
 
 from .layout import PagedBatch, PoolGeometry
 
-SOURCE = Path(__file__).with_name("int2_history.cu")
+SOURCE = Path(__file__).with_name("int2_decode.cu")
 NUM_WARPS = 4
 TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
 MIN_BLOCKS = 3  # CTAs per SM the register budget is set for (168 registers; 4 x 128 spilled: run C1)
-_MAGIC = 0x64006400  # float16 1024 in both halves (see int2_history.cu)
+MAX_SPLITS = 512  # the merge keeps GQA x splits weights in shared memory (at most 8 x 512)
+_MAGIC = 0x64006400  # float16 1024 in both halves (see int2_decode.cu)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope) -> str | None:
+def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope,
+                dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why the CUDA kernel cannot run this call (None: it can).  Called on every decode call: the shape checks
     are plain comparisons, the device and compiler checks are cached per device and geometry."""
     if device.type != "cuda":
@@ -45,6 +53,8 @@ def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope) -> str
         return f"{gqa} query heads per KV head (at most 8)"
     if rope is not None:
         return "position-aware key centering"
+    if dtype not in _DTYPES:
+        return f"{dtype} queries (float32, bfloat16 or float16)"
     return _device_error(_index(device), geom.head_dim, geom.page_size, gqa, geom.sink_pages)
 
 
@@ -59,7 +69,7 @@ def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, si
     if torch.cuda.get_device_capability(device_index) < (8, 0):
         return "needs compute capability >= 8.0 (mma.sync m16n8k16, movmatrix)"
     try:
-        _kernel(device_index, head_dim, page_size, gqa, sink_pages, MIN_BLOCKS)
+        _kernel(device_index, head_dim, page_size, gqa, sink_pages, MIN_BLOCKS, 1, 1)
     except Exception as e:  # NVRTC missing or refusing the source: reported, never fatal under "auto"
         warnings.warn(f"oscar-kv: the CUDA INT2 decode kernel did not compile ({e!r:.300}); using the Triton kernel")
         return f"NVRTC compilation failed: {e!r:.300}"
@@ -71,12 +81,14 @@ def _index(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int, min_blocks: int):
+def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int, min_blocks: int,
+            q_kind: int, o_kind: int, stamps: bool = False):
     defines = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=NUM_WARPS,
-                   MAX_PAGES=MAX_PAGES, MIN_BLOCKS=min_blocks)
+                   MAX_PAGES=MAX_PAGES, MIN_BLOCKS=min_blocks, Q_KIND=q_kind, O_KIND=o_kind,
+                   STAMPS=int(stamps))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.read_text()
     with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(source, "oscar_int2_history")
+        return torch.cuda._compile_kernel(source, "oscar_int2_decode")
 
 
 def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: int, per_sm: int) -> tuple[int, int]:
@@ -90,7 +102,7 @@ def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: i
     pairs = max(programs_per_split, 1)
     slots = per_sm * sms
     forced = -(-int2_tokens // (MAX_PAGES * page_size // TOKENS_PER_ROUND * TOKENS_PER_ROUND))
-    splits = min(max(1, slots // pairs), max(1, int2_tokens // (2 * TOKENS_PER_ROUND)))
+    splits = min(max(1, slots // pairs), max(1, int2_tokens // (2 * TOKENS_PER_ROUND)), MAX_SPLITS)
     if splits < forced:
         def fill(s: int) -> float:
             waves = pairs * s / slots
@@ -102,20 +114,79 @@ def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: i
     return -(-int2_tokens // chunk), chunk
 
 
-def history(qr: torch.Tensor, layer: dict[str, torch.Tensor], geom: PoolGeometry, batch: PagedBatch,
-            po: torch.Tensor, pl: torch.Tensor, splits: int, chunk: int, qk_scale: float) -> None:
-    """Write splits 1..splits of po [B, Hq, splits + 1, D] / pl [B, Hq, splits + 1] (float32) from the rotated,
-    unscaled float32 query qr [B, Hq, D]; qk_scale = sm_scale * log2(e)."""
-    bsz, hq, d = qr.shape
+_ROTATIONS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rotation_operand(k_rotation: torch.Tensor) -> torch.Tensor:
+    """R_K [Hr, D, D] as the kernel's A operand: float16 R^T (e-major), cached per tensor and version.  The entry
+    keeps its source alive, so a new tensor cannot reuse the address and meet a stale copy.  float16 entries of
+    an orthogonal matrix (|r| <= 1) err by <= 2^-11 relative, as the float16 query the INT2 MMAs use already."""
+    key = (k_rotation.data_ptr(), k_rotation._version, tuple(k_rotation.shape), tuple(k_rotation.stride()),
+           k_rotation.dtype, k_rotation.device)
+    hit = _ROTATIONS.get(key)
+    if hit is None:
+        if len(_ROTATIONS) >= 1024:
+            _ROTATIONS.clear()
+        hit = (k_rotation, k_rotation.transpose(-1, -2).to(torch.float16).contiguous())
+        _ROTATIONS[key] = hit
+    return hit[1]
+
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers stay alive: captured graphs may still point at them
+
+
+def _counters(device: torch.device, pairs: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), per device and stream (two streams must not share
+    them); the kernel leaves them at zero.  Grown by doubling, never freed."""
+    key = (_index(device), torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < pairs:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(4096, 2 * pairs), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, torch.Tensor], geom: PoolGeometry,
+           batch: PagedBatch, out: torch.Tensor, splits: int, chunk: int, qk_scale: float,
+           stamps: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention into out [B, Hq, D] (q's dtype) from the unrotated query q [B, Hq, D]: ``splits`` CTAs
+    per (sequence, KV head) with ``chunk`` INT2 tokens each (split_plan); qk_scale = sm_scale * log2(e).
+    ``stamps``: int64 [B, H, splits, 8] of %globaltimer stamps per CTA (a separately compiled variant;
+    benchmarks only)."""
+    bsz, hq, d = q.shape
     h = geom.num_kv_heads
-    if bsz == 0 or splits == 0:
-        return
-    kc, km, vc, vm = layer["k_codes"], layer["k_meta"], layer["v_codes"], layer["v_meta"]
-    if kc.stride() != vc.stride() or km.stride() != vm.stride() or kc.stride(-1) != 1 or km.stride(-1) != 1:
-        raise ValueError("the CUDA INT2 kernel needs K and V pools of one contiguous layout")
+    if bsz == 0:
+        return out
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"the CUDA decode kernel merges 1 .. {MAX_SPLITS} splits, got {splits}")
+    kc, km, vc, vm, kw, vw = (layer[k] for k in ("k_codes", "k_meta", "v_codes", "v_meta", "k_win", "v_win"))
+    if kc.stride() != vc.stride() or km.stride() != vm.stride() or kw.stride() != vw.stride() or \
+            kc.stride(-1) != 1 or km.stride(-1) != 1 or kw.stride(-1) != 1 or kw.stride(-2) != d:
+        raise ValueError("the CUDA decode kernel needs K and V pools of one contiguous layout")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    target = out if out.stride(-1) == 1 and out.dtype == q.dtype else torch.empty_like(q)
+    if k_rotation is None:
+        r, stride_rh = q, 0
+    else:
+        if k_rotation.dim() != 3 or k_rotation.shape[0] not in (1, h) or tuple(k_rotation.shape[1:]) != (d, d):
+            raise ValueError(f"k_rotation must be [1 or {h}, {d}, {d}], got {tuple(k_rotation.shape)}")
+        r = rotation_operand(k_rotation)
+        stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
+    po = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float16)
+    pl = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     bt = batch.block_table
-    kernel = _kernel(_index(qr.device), d, geom.page_size, hq // h, geom.sink_pages, MIN_BLOCKS)
+    kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, MIN_BLOCKS, _DTYPES[q.dtype],
+                     _DTYPES[target.dtype], stamps is not None)
     kernel(grid=(splits, h, bsz), block=(NUM_WARPS * 32, 1, 1),
-           args=[qr, kc, km, vc, vm, bt, batch.int2_pages, po, pl, float(qk_scale),
-                 qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), bt.stride(0),
-                 po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), chunk, _MAGIC])
+           args=[q, r, k_rotation is not None, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
+                 target, _counters(q.device, bsz * h), float(qk_scale), q.stride(0), q.stride(1), stride_rh,
+                 kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
+                 po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), target.stride(0),
+                 target.stride(1), chunk, _MAGIC, stamps if stamps is not None else po])
+    if target is not out:
+        out.copy_(target)
+    return out

@@ -1,0 +1,773 @@
+// Decode attention over the paged INT2 + BF16 pool in one launch, written for the tensor cores' mma.sync
+// fragments.  Host side, math and layout: int2_cuda.py.  Compiled at run time by NVRTC with these macros:
+//   D (head dim, 128), P (page size), GQA (query heads per KV head, <= 8), SINK_PAGES, NWARPS, MAX_PAGES,
+//   MIN_BLOCKS, Q_KIND / O_KIND (query / output dtype: 0 float32, 1 bfloat16, 2 float16).
+//
+// One CTA = (split, KV head, sequence).  It rotates the GQA group's query itself (q @ R_K, R from L2 while its
+// first code loads are in flight), takes its share of the BF16 window (16-token sub-tiles dealt round-robin
+// over the sequence's CTAs and warps), then its chunk of the INT2 history: warps take 32-token steps in turn
+// (two 16-token sub-tiles) and keep their own online softmax, the CTA combines them and writes one partial per
+// query head.  The last CTA of a (sequence, KV head) to finish (an atomic counter) merges the partials into
+// the output, so a decode call is this one launch.
+// Per INT2 sub-tile and warp:
+//   keys    S^T[16 tok, 8 heads] = C[16 tok, D] . q^T   m16n8k16: codes are the A operand (tokens = rows),
+//           the query the B operand.  The MMA's k order is free, so each thread feeds the bytes it loaded
+//           itself (8 contiguous bytes of two tokens) and its query fragment lists the same channels.
+//   values  O^T[D, 8 heads] += C^T[D, 16 tok] . PP[16 tok, 8 heads]: codes again the A operand (channels =
+//           rows, any order), PP = p * scale_v moved from the key MMA's output layout to the B layout by
+//           movmatrix.trans.
+// A code byte holds channels j, j + D/4, j + D/2, j + 3D/4 (slices 0..3, bits 2s..2s+1).  (x & (3 << 2s))
+// | 0x6400 is the float16 1024 + c * 4^s (exact): one LOP3 per two codes.  The 4^s is folded into the query
+// slice (keys) or undone at the end (values); the 1024 offset is removed by starting the key MMA at
+// -1024 * sum(q) and by an MMA of a constant-1024 A operand with PP (values).
+// BF16 window sub-tiles use the same fragments with bfloat16 MMAs (the query as hi + lo bfloat16 parts, ~16
+// bits like the float32 reference) and add into the same accumulator rows, their values times 4^s.
+#define NT (NWARPS * 32)
+#define D4 (D / 4)
+#define KSTEPS (D / 16)
+#define NEG_INF __int_as_float(0xff800000)
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#if Q_KIND == 0
+typedef float q_t;
+__device__ __forceinline__ float q_float(float x) { return x; }
+#else
+typedef u16 q_t;
+__device__ __forceinline__ float q_float(u16 x) {
+#if Q_KIND == 1
+  return __uint_as_float((u32)x << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+#endif
+}
+#endif
+
+#if O_KIND == 0
+typedef float o_t;
+__device__ __forceinline__ float o_from(float x) { return x; }
+#else
+typedef u16 o_t;
+__device__ __forceinline__ u16 o_from(float x) {
+  u16 r;
+#if O_KIND == 1
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#endif
+  return r;
+}
+#endif
+
+static_assert(D == 128, "the CUDA INT2 kernel is written for head dim 128");
+static_assert(NT == D, "the query rotation and the merge give each thread one channel");
+static_assert(GQA >= 1 && GQA <= 8, "one n8 MMA column block holds at most 8 query heads");
+static_assert(P % 16 == 0, "pages hold whole 16-token sub-tiles");
+
+// (x & (3 << 2s)) | magic in both halves, magic = 0x64006400 held in a register: the mask is LOP3's one
+// immediate.  (With both constants as literals ptxas re-creates the mask in a register before every LOP3.)
+__device__ __forceinline__ u32 code_half2(u32 x, int slice, u32 magic) {
+  const u32 mask = (3u << (2 * slice)) * 0x00010001u;
+  return (x & mask) | magic;
+}
+
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, const float* c) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+__device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, const float* c) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+  u32 r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Both bfloat16 halves times 4^s (exact: a power of two), as fma(x, 4^s, -0).
+__device__ __forceinline__ u32 bf16x2_times_4pow(u32 x, int s) {
+  if (s == 0) return x;
+  const u32 f = (0x3f80u + 0x100u * s) * 0x00010001u;  // bfloat16 4^s in both halves
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(f), "r"(0x80008000u));
+  return r;
+}
+
+// Both float16 halves of a word as floats (x = low: scale, y = high: minimum for a metadata word).
+__device__ __forceinline__ float2 halves(u32 x) {
+  float2 f;
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(f.x), "=f"(f.y) : "r"(x));
+  return f;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+  float r;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float warp_max_rows(float x) {  // over the 8 lanes of one column (lane % 4)
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+
+// ---- timing stamps (compiled in with STAMPS=1 only: benchmarks/cuda_int2_sweep.py --stamps)
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+#if STAMPS
+#define STAMP(k) \
+  if (threadIdx.x == 0) TS[(((long long)b * gridDim.y + h) * splits + split) * 8 + (k)] = global_ns()
+#else
+#define STAMP(k)
+#endif
+
+__device__ __forceinline__ float warp_max_all(float x) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum_all(float x) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum_rows(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+
+
+// What one thread loads for one 16-token sub-tile.
+struct SubTile {
+  uint2 k[2];  // key code bytes 8t..8t+7 of tokens g and g+8
+  u32 v[4];    // value code bytes 4g..4g+3 of tokens 2t, 2t+1, 2t+8, 2t+9
+  u32 km[2];   // key (scale, min) float16 pair of tokens g and g+8
+  u32 vm[2];   // value (scale, min) of tokens g and g+8
+};
+
+// This thread's view of one (sequence, KV head): pointers with its own lane offsets folded in.
+struct Source {
+  const unsigned char* k;  // + g*D4 + 8t
+  const unsigned char* v;  // + 2t*D4 + 4g
+  const u32* km;           // + g
+  const u32* vm;
+  const int* pages;        // the CTA's page ids, in shared memory
+  unsigned long long cp, mp;  // page strides: code bytes, metadata words
+  int first;               // token index of pages[0]
+};
+
+__device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, int pos) {
+  const unsigned rel = (unsigned)(pos - src.first);
+  const unsigned phys = (unsigned)src.pages[rel / P], off = rel % P;
+  const unsigned long long oc = (unsigned long long)phys * src.cp + off * D4;
+  const unsigned long long om = (unsigned long long)phys * src.mp + off;
+  st.k[0] = __ldg(reinterpret_cast<const uint2*>(src.k + oc));
+  st.k[1] = __ldg(reinterpret_cast<const uint2*>(src.k + oc + 8 * D4));
+  st.v[0] = __ldg(reinterpret_cast<const u32*>(src.v + oc));
+  st.v[1] = __ldg(reinterpret_cast<const u32*>(src.v + oc + D4));
+  st.v[2] = __ldg(reinterpret_cast<const u32*>(src.v + oc + 8 * D4));
+  st.v[3] = __ldg(reinterpret_cast<const u32*>(src.v + oc + 9 * D4));
+  st.km[0] = __ldg(src.km + om);
+  st.km[1] = __ldg(src.km + om + 8);
+  st.vm[0] = __ldg(src.vm + om);
+  st.vm[1] = __ldg(src.vm + om + 8);
+}
+
+// One warp's running state: O^T fragments (block i: rows = channel combos 2i, 2i+1; cols = heads 2t, 2t+1),
+// running max m, and this thread's partial sums of p (l) and of p * min_v (n), per column.
+struct State {
+  float acc[KSTEPS][4];
+  float pend[4];  // 1024 * sum(PP) the value MMAs added to acc and that is not yet subtracted (C layout)
+  float m0, m1, l0, l1, n0, n1;
+  int since_flush;
+};
+
+#define FLUSH_STEPS 8
+
+__device__ __forceinline__ void flush_offset(State& st) {
+#pragma unroll
+  for (int i = 0; i < KSTEPS; ++i) {
+    st.acc[i][0] -= st.pend[0];
+    st.acc[i][1] -= st.pend[1];
+    st.acc[i][2] -= st.pend[2];
+    st.acc[i][3] -= st.pend[3];
+  }
+  st.pend[0] = st.pend[1] = st.pend[2] = st.pend[3] = 0.f;
+  st.since_flush = 0;
+}
+
+// Online softmax, lazy: the reference max m of a column moves (and acc, l, n are rescaled, the pending offset
+// leaving acc on the way) only when a logit exceeds it somewhere in the warp.  mx0 / mx1: the step's column
+// maxima (heads 2t, 2t + 1).  Returns whether it rescaled.
+__device__ __forceinline__ bool raise_max(State& st, float mx0, float mx1) {
+  if (!__any_sync(0xffffffffu, mx0 > st.m0 || mx1 > st.m1)) return false;
+  const float mn0 = fmaxf(st.m0, mx0), mn1 = fmaxf(st.m1, mx1);
+  const float al0 = ex2(st.m0 - mn0), al1 = ex2(st.m1 - mn1);
+  st.m0 = mn0;
+  st.m1 = mn1;
+  st.l0 *= al0;
+  st.l1 *= al1;
+  st.n0 *= al0;
+  st.n1 *= al1;
+  const float p0 = st.pend[0] * al0, p1 = st.pend[1] * al1;
+#pragma unroll
+  for (int i = 0; i < KSTEPS; ++i) {  // acc <- (acc - pending offset) * alpha
+    st.acc[i][0] = st.acc[i][0] * al0 - p0;
+    st.acc[i][1] = st.acc[i][1] * al1 - p1;
+    st.acc[i][2] = st.acc[i][2] * al0 - p0;
+    st.acc[i][3] = st.acc[i][3] * al1 - p1;
+  }
+  st.pend[0] = st.pend[1] = st.pend[2] = st.pend[3] = 0.f;
+  st.since_flush = 0;
+  return true;
+}
+
+struct Query {
+  u32 qb[2 * KSTEPS];  // B fragments of the key MMAs
+  float koff0, koff1;  // 1024 * sum of the float16 B entries, heads 2t and 2t+1
+  float qsum0, qsum1;  // sum of the scaled query, heads 2t and 2t+1
+  u32 magic;           // 0x64006400, opaque to ptxas (see code_half2)
+};
+
+// One 32-token step: two sub-tiles, one softmax update.  HALF: only the first sub-tile holds tokens.
+template <bool HALF>
+__device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur) {
+  const float kinit[4] = {-q.koff0, -q.koff1, -q.koff0, -q.koff1};
+  float sc[2][4];  // logits: tokens (g, g, g+8, g+8) x heads (2t, 2t+1, 2t, 2t+1)
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    if (HALF && u == 1) {
+      sc[1][0] = sc[1][1] = sc[1][2] = sc[1][3] = NEG_INF;
+      continue;
+    }
+    float c[4];
+    const u32 x[2][2] = {{cur[u].k[0].x, cur[u].k[0].y}, {cur[u].k[1].x, cur[u].k[1].y}};
+#pragma unroll
+    for (int w = 0; w < 2; ++w)
+#pragma unroll
+      for (int hp = 0; hp < 2; ++hp) {
+        const u32 r0 = hp ? x[0][w] >> 8 : x[0][w];
+        const u32 r1 = hp ? x[1][w] >> 8 : x[1][w];
+#pragma unroll
+        for (int s = 0; s < 4; s += 2) {
+          const int i = 8 * w + 4 * hp + s;  // registers i (k = 2t, 2t+1) and i + 1 (k = 2t+8, 2t+9)
+          mma(c, code_half2(r0, s, q.magic), code_half2(r1, s, q.magic), code_half2(r0, s + 1, q.magic), code_half2(r1, s + 1, q.magic), q.qb[i],
+              q.qb[i + 1], i == 0 ? kinit : c);
+        }
+      }
+    const float2 k0 = halves(cur[u].km[0]), k1 = halves(cur[u].km[1]);  // (scale, min) of tokens g, g+8
+    const float ks0 = k0.x, kn0 = k0.y, ks1 = k1.x, kn1 = k1.y;
+    sc[u][0] = ks0 * c[0] + kn0 * q.qsum0;
+    sc[u][1] = ks0 * c[1] + kn0 * q.qsum1;
+    sc[u][2] = ks1 * c[2] + kn1 * q.qsum0;
+    sc[u][3] = ks1 * c[3] + kn1 * q.qsum1;
+  }
+  // ---- online softmax over the step (columns 2t, 2t+1 of this thread)
+  const float mx0 = warp_max_rows(fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])));
+  const float mx1 = warp_max_rows(fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3])));
+  if (!raise_max(st, mx0, mx1) && ++st.since_flush == FLUSH_STEPS) flush_offset(st);
+  u32 bv[2][2];  // value MMA B operand per sub-tile: PP of tokens (2t, 2t+1) and (2t+8, 2t+9), head g
+#pragma unroll
+  for (int u = 0; u < (HALF ? 1 : 2); ++u) {
+    const float p0 = ex2(sc[u][0] - st.m0), p1 = ex2(sc[u][1] - st.m1);
+    const float p2 = ex2(sc[u][2] - st.m0), p3 = ex2(sc[u][3] - st.m1);
+    st.l0 += p0 + p2;
+    st.l1 += p1 + p3;
+    const float2 v0 = halves(cur[u].vm[0]), v1 = halves(cur[u].vm[1]);
+    const float vs0 = v0.x, vn0 = v0.y, vs1 = v1.x, vn1 = v1.y;
+    st.n0 += p0 * vn0 + p2 * vn1;
+    st.n1 += p1 * vn0 + p3 * vn1;
+    bv[u][0] = transpose8x8(pack_half2(p0 * vs0, p1 * vs0));
+    bv[u][1] = transpose8x8(pack_half2(p2 * vs1, p3 * vs1));
+  }
+  // ---- pending offset += 1024 * sum(PP) per head, from the same float16 PP the value MMAs see.  It leaves acc
+  // every FLUSH_STEPS steps (256 tokens, as the Triton kernel's tile): the H100's MMA accumulation truncates, so
+  // acc must not carry ~1024x the signal for long.
+  mma(st.pend, 0x64006400u, 0x64006400u, 0x64006400u, 0x64006400u, bv[0][0], bv[0][1], st.pend);
+  if (!HALF) mma(st.pend, 0x64006400u, 0x64006400u, 0x64006400u, 0x64006400u, bv[1][0], bv[1][1], st.pend);
+  // ---- values: block i holds channel combos 2i (row g) and 2i+1 (row g+8); combo j = byte 4g + j/4, slice j%4
+#pragma unroll
+  for (int u = 0; u < (HALF ? 1 : 2); ++u) {
+#pragma unroll
+    for (int by = 0; by < 4; ++by) {
+      const u32 sel = by | (by << 4) | ((by + 4) << 8) | ((by + 4) << 12);
+      const u32 za = __byte_perm(cur[u].v[0], cur[u].v[1], sel);  // tokens 2t, 2t+1
+      const u32 zb = __byte_perm(cur[u].v[2], cur[u].v[3], sel);  // tokens 2t+8, 2t+9
+#pragma unroll
+      for (int s = 0; s < 4; s += 2) {
+        const int i = (4 * by + s) / 2;
+        mma(st.acc[i], code_half2(za, s, q.magic), code_half2(za, s + 1, q.magic), code_half2(zb, s, q.magic), code_half2(zb, s + 1, q.magic),
+            bv[u][0], bv[u][1], st.acc[i]);
+      }
+    }
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------------- BF16 window
+// The window of a sequence: sink tokens [0, sink_end) and recent tokens [r0, T), in 16-token sub-tiles (sink
+// sub-tiles first; both ranges start on page boundaries, so a sub-tile lies in one page).
+struct Window {
+  const u16* k;  // key window pool + head + 32t: this thread's key channels 32t .. 32t + 31
+  const u16* v;  // value window pool + head + 4g: this thread's value channels 4g + 32s .. + 3, s = 0..3
+  const int* bt;  // the sequence's block-table row
+  long long page_stride;  // elements
+  int n_sink, sink_end, r0, T, n;  // n: sub-tiles in all
+};
+
+// What one thread loads of a window sub-tile (bfloat16 pairs; zeros for tokens past the range).
+struct WinTile {
+  uint4 k[2][4];  // tokens g, g + 8: key channels 32t .. 32t + 31
+  uint2 v[4][4];  // tokens 2t, 2t + 1, 2t + 8, 2t + 9: value channels 4g + 32s .. 4g + 32s + 3
+  int base, limit;  // first token of the sub-tile, end of its range
+};
+
+__device__ __forceinline__ void load_win_tile(WinTile& w, const Window& win, int j, int g, int t) {
+  const bool sink = j < win.n_sink;
+  w.base = sink ? 16 * j : win.r0 + 16 * (j - win.n_sink);
+  w.limit = sink ? win.sink_end : win.T;
+  const long long row = (long long)win.bt[w.base / P] * win.page_stride + (w.base % P) * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int tok = g + 8 * r;
+    const bool ok = w.base + tok < w.limit;
+    const uint4* src = reinterpret_cast<const uint4*>(win.k + row + tok * D);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w.k[r][i] = ok ? __ldg(src + i) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int tok = 2 * t + (r & 1) + 8 * (r >> 1);
+    const bool ok = w.base + tok < w.limit;
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+      w.v[r][s] = ok ? __ldg(reinterpret_cast<const uint2*>(win.v + row + tok * D + D4 * s)) : make_uint2(0, 0);
+  }
+}
+
+__device__ __forceinline__ u32 word_of(const uint4* a, int m) {  // word m of 16 (m is a compile-time constant)
+  const uint4 x = a[m >> 2];
+  return (m & 3) == 0 ? x.x : (m & 3) == 1 ? x.y : (m & 3) == 2 ? x.z : x.w;
+}
+
+// One window sub-tile into the warp's running state.  Keys: logical k (2t, 2t+1) of k-step kk is channel
+// 32t + 4kk (+1), (2t+8, 2t+9) is 32t + 4kk + 2 (+3): a thread's words, and 4 consecutive query channels.
+// Values: accumulator block i holds, in row g, channel 4g + i/2 + D/2 (i % 2) times 4^(2 (i % 2)), in row g + 8
+// the channel D/4 above it times 4^(2 (i % 2) + 1), as the INT2 codes' slices (see step()).
+__device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u16* qhi, const u16* qlo, int g) {
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    const uint2 bh = *reinterpret_cast<const uint2*>(qhi + 4 * kk);
+    const uint2 bl = *reinterpret_cast<const uint2*>(qlo + 4 * kk);
+    const u32 a0 = word_of(w.k[0], 2 * kk), a1 = word_of(w.k[1], 2 * kk);
+    const u32 a2 = word_of(w.k[0], 2 * kk + 1), a3 = word_of(w.k[1], 2 * kk + 1);
+    mma_bf16(c, a0, a1, a2, a3, bh.x, bh.y, c);
+    mma_bf16(c, a0, a1, a2, a3, bl.x, bl.y, c);
+  }
+  const bool ok0 = w.base + g < w.limit, ok1 = w.base + g + 8 < w.limit;
+  const float s0 = ok0 ? c[0] : NEG_INF, s1 = ok0 ? c[1] : NEG_INF;
+  const float s2 = ok1 ? c[2] : NEG_INF, s3 = ok1 ? c[3] : NEG_INF;
+  raise_max(st, warp_max_rows(fmaxf(s0, s2)), warp_max_rows(fmaxf(s1, s3)));
+  const float p0 = ex2(s0 - st.m0), p1 = ex2(s1 - st.m1), p2 = ex2(s2 - st.m0), p3 = ex2(s3 - st.m1);
+  st.l0 += p0 + p2;
+  st.l1 += p1 + p3;
+  const u32 b0 = transpose8x8(pack_bf16x2(p0, p1)), b1 = transpose8x8(pack_bf16x2(p2, p3));
+#pragma unroll
+  for (int i = 0; i < KSTEPS; ++i) {
+    const int by = i >> 1, s = 2 * (i & 1);
+    const u32 sel = (by & 1) ? 0x7632u : 0x5410u;  // the high or the low bfloat16 of two tokens' words
+    u32 x[4][2];  // tokens (2t, 2t+1, 2t+8, 2t+9) x slices (s, s + 1): the word holding channel 4g + by
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      x[r][0] = by < 2 ? w.v[r][s].x : w.v[r][s].y;
+      x[r][1] = by < 2 ? w.v[r][s + 1].x : w.v[r][s + 1].y;
+    }
+    const u32 a0 = bf16x2_times_4pow(__byte_perm(x[0][0], x[1][0], sel), s);
+    const u32 a1 = bf16x2_times_4pow(__byte_perm(x[0][1], x[1][1], sel), s + 1);
+    const u32 a2 = bf16x2_times_4pow(__byte_perm(x[2][0], x[3][0], sel), s);
+    const u32 a3 = bf16x2_times_4pow(__byte_perm(x[2][1], x[3][1], sel), s + 1);
+    mma_bf16(st.acc[i], a0, a1, a2, a3, b0, b1, st.acc[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- the kernel
+extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
+    const q_t* __restrict__ Q, const u16* __restrict__ RT, int rotate, const unsigned char* __restrict__ Kc,
+    const u32* __restrict__ Km, const unsigned char* __restrict__ Vc, const u32* __restrict__ Vm,
+    const u16* __restrict__ Kw, const u16* __restrict__ Vw, const int* __restrict__ BT,
+    const int* __restrict__ SL, const int* __restrict__ NQ, u16* __restrict__ PO, float* __restrict__ PL,
+    o_t* __restrict__ O, int* __restrict__ CNT, double qk_scale_d, int stride_qb, int stride_qh, int stride_rh,
+    int stride_cp, int stride_ch, int stride_mp, int stride_mh, int stride_wp, int stride_wh, int stride_bt,
+    int stride_pob, int stride_poh, int stride_pos, int stride_plb, int stride_plh, int stride_ob, int stride_oh,
+    int chunk, int magic, unsigned long long* __restrict__ TS) {
+  const int split = blockIdx.x, splits = gridDim.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const float qk_scale = (float)qk_scale_d;
+  const int T = SL[b], nq = NQ[b];
+  const int start = split * chunk;
+  const int end = min(start + chunk, nq * P);
+  STAMP(0);
+
+  // ---- R^T rows of this warp's rotation tiles go out first (they need nothing), see "query rotation" below
+  uint4 ra[2][2][4];  // [m tile][row g, g + 8][16 bytes]: float16 R^T[e][32t .. 32t + 31]
+  if (rotate) {
+    const u16* rt = RT + (long long)h * stride_rh + 32 * t;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          ra[mt][r][i] = __ldg(reinterpret_cast<const uint4*>(rt + (32 * warp + 16 * mt + g + 8 * r) * D) + i);
+  }
+
+  __shared__ int s_pages[MAX_PAGES];
+  __shared__ float s_acc[NWARPS][8][D];  // rotation partials; the warps' outputs; the merge's weights
+  __shared__ __align__(16) float s_q[8][D];  // the query rows (then rotated and scaled)
+  __shared__ __align__(16) u16 s_qw[2][8][D];  // the same as bfloat16 hi and lo parts (window keys)
+  __shared__ float s_m[NWARPS][8], s_l[NWARPS][8], s_n[NWARPS][8];
+  __shared__ int s_last;
+
+  // ---- prologue: page ids and query rows to shared memory, this warp's first window sub-tile to registers
+  const int* bt_row = BT + (long long)b * stride_bt;
+  for (int i = threadIdx.x; i < (end - start + P - 1) / P; i += NT) s_pages[i] = bt_row[SINK_PAGES + start / P + i];
+  for (int i = threadIdx.x; i < 8 * D; i += NT) {
+    const int hh = i / D;
+    s_q[hh][i % D] = hh < GQA ? q_float(Q[(long long)b * stride_qb + (long long)(h * GQA + hh) * stride_qh + i % D])
+                              : 0.f;
+  }
+  Window win;
+  win.k = Kw + (long long)h * stride_wh + 32 * t;
+  win.v = Vw + (long long)h * stride_wh + 4 * g;
+  win.bt = bt_row;
+  win.page_stride = stride_wp;
+  win.sink_end = min(T, SINK_PAGES * P);
+  win.n_sink = (win.sink_end + 15) / 16;
+  win.r0 = min(SINK_PAGES * P + nq * P, T);
+  win.T = T;
+  win.n = win.n_sink + (T - win.r0 + 15) / 16;
+  int wj = split + splits * warp;  // window sub-tiles j of this warp: j % splits == split, (j / splits) % NWARPS == warp
+  WinTile wt;
+  if (wj < win.n) load_win_tile(wt, win, wj, g, t);
+  __syncthreads();
+  STAMP(1);
+
+  // ---- the query rotation on the tensor cores: qr^T[e, heads] = R^T[e, d] . q^T[d, heads], float16 R^T (A;
+  // warp w: rows e in [32w, 32w + 32)) times the query as float16 hi + lo parts (B, ~22 bits).  Logical k
+  // (2t, 2t+1) of k-step kk is channel d = 32t + 4kk (+1), (2t+8, 2t+9) is 32t + 4kk + 2 (+3), so each thread
+  // feeds the 64 contiguous bytes it loaded of each R^T row.
+  if (rotate) {
+    float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      const float4 x = *reinterpret_cast<const float4*>(&s_q[g][32 * t + 4 * kk]);
+      const u32 hi0 = pack_half2(x.x, x.y), hi1 = pack_half2(x.z, x.w);
+      const float2 h0 = halves(hi0), h1 = halves(hi1);
+      const u32 lo0 = pack_half2(x.x - h0.x, x.y - h0.y), lo1 = pack_half2(x.z - h1.x, x.w - h1.y);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const u32 a0 = word_of(ra[mt][0], 2 * kk), a1 = word_of(ra[mt][1], 2 * kk);
+        const u32 a2 = word_of(ra[mt][0], 2 * kk + 1), a3 = word_of(ra[mt][1], 2 * kk + 1);
+        mma(c[mt], a0, a1, a2, a3, hi0, hi1, c[mt]);
+        mma(c[mt], a0, a1, a2, a3, lo0, lo1, c[mt]);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {  // C: rows e (g, g + 8), columns heads (2t, 2t + 1)
+      const int e = 32 * warp + 16 * mt + g;
+      s_acc[0][2 * t][e] = c[mt][0];
+      s_acc[0][2 * t + 1][e] = c[mt][1];
+      s_acc[0][2 * t][e + 8] = c[mt][2];
+      s_acc[0][2 * t + 1][e + 8] = c[mt][3];
+    }
+  }
+  __syncthreads();
+  {
+    const int e = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float x = i < GQA ? (rotate ? s_acc[0][i][e] : s_q[i][e]) * qk_scale : 0.f;
+      s_q[i][e] = x;
+      u16 h16, l16;
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h16) : "f"(x));
+      const float xh = __uint_as_float((u32)h16 << 16);
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(l16) : "f"(x - xh));
+      s_qw[0][i][e] = h16;
+      s_qw[1][i][e] = l16;
+    }
+  }
+  __syncthreads();
+  STAMP(2);
+
+  // ---- the first INT2 loads go out before the window sub-tile is computed
+  Source src;
+  src.k = Kc + (long long)h * stride_ch + g * D4 + 8 * t;
+  src.v = Vc + (long long)h * stride_ch + 2 * t * D4 + 4 * g;
+  src.km = Km + (long long)h * (stride_mh / 2) + g;
+  src.vm = Vm + (long long)h * (stride_mh / 2) + g;
+  src.pages = s_pages;
+  src.cp = (unsigned long long)stride_cp;
+  src.mp = (unsigned long long)(stride_mp / 2);
+  src.first = start;
+  SubTile buf0[2], buf1[2];
+  int pos = start + 32 * warp;
+  const int full_end = end - 31;  // pos < full_end <=> pos + 32 <= end
+  if (pos < full_end) {
+    load_sub_tile(buf0[0], src, pos);
+    load_sub_tile(buf0[1], src, pos + 16);
+  }
+
+  State st;
+#pragma unroll
+  for (int i = 0; i < KSTEPS; ++i) st.acc[i][0] = st.acc[i][1] = st.acc[i][2] = st.acc[i][3] = 0.f;
+  st.pend[0] = st.pend[1] = st.pend[2] = st.pend[3] = 0.f;
+  st.m0 = st.m1 = NEG_INF;
+  st.l0 = st.l1 = st.n0 = st.n1 = 0.f;
+  st.since_flush = 0;
+
+  // ---- this warp's window sub-tiles (at most one unless the sequence has few splits)
+  if (wj < win.n) {
+    const u16* qhi = &s_qw[0][g][32 * t];
+    const u16* qlo = &s_qw[1][g][32 * t];
+    window_tile(st, wt, qhi, qlo, g);
+    for (wj += splits * NWARPS; wj < win.n; wj += splits * NWARPS) {
+      load_win_tile(wt, win, wj, g, t);
+      window_tile(st, wt, qhi, qlo, g);
+    }
+  }
+  STAMP(3);
+
+  // ---- the query as the key MMAs' B operand (column = head g).  Register i = 8w + 4hp + s holds
+  // channels (j, j + 2) + D/4 * s with j = 8t + 4w + hp, divided by 4^s; the A side uses the same order.
+  Query q;
+  q.magic = (u32)__shfl_sync(0xffffffffu, magic, 0);
+  {
+    float off_part = 0.f, sum_part = 0.f;
+    const float* qrow = s_q[g < GQA ? g : 0];
+#pragma unroll
+    for (int w = 0; w < 2; ++w)
+#pragma unroll
+      for (int hp = 0; hp < 2; ++hp)
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const int j = 8 * t + 4 * w + hp;
+          const float x0 = g < GQA ? qrow[j + D4 * s] : 0.f;
+          const float x1 = g < GQA ? qrow[j + 2 + D4 * s] : 0.f;
+          const float f = 1.f / (float)(1 << (2 * s));
+          const u32 q2 = pack_half2(x0 * f, x1 * f);
+          q.qb[8 * w + 4 * hp + s] = q2;
+          const float2 qh = halves(q2);
+          off_part += qh.x + qh.y;
+          sum_part += x0 + x1;
+        }
+    off_part += __shfl_xor_sync(0xffffffffu, off_part, 1);
+    off_part += __shfl_xor_sync(0xffffffffu, off_part, 2);
+    sum_part += __shfl_xor_sync(0xffffffffu, sum_part, 1);
+    sum_part += __shfl_xor_sync(0xffffffffu, sum_part, 2);
+    // this thread's output columns are heads 2t and 2t + 1: their sums sit in rows 2t, 2t + 1
+    q.koff0 = 1024.f * __shfl_sync(0xffffffffu, off_part, 8 * t);
+    q.koff1 = 1024.f * __shfl_sync(0xffffffffu, off_part, 8 * t + 4);
+    q.qsum0 = __shfl_sync(0xffffffffu, sum_part, 8 * t);
+    q.qsum1 = __shfl_sync(0xffffffffu, sum_part, 8 * t + 4);
+  }
+
+  // ---- full 32-token INT2 steps, loads one step ahead in two alternating buffers; then at most one half step
+  while (pos < full_end) {
+    int npos = pos + NT;
+    if (npos < full_end) {
+      load_sub_tile(buf1[0], src, npos);
+      load_sub_tile(buf1[1], src, npos + 16);
+    }
+    step<false>(st, q, buf0);
+    pos = npos;
+    if (pos >= full_end) break;
+    npos = pos + NT;
+    if (npos < full_end) {
+      load_sub_tile(buf0[0], src, npos);
+      load_sub_tile(buf0[1], src, npos + 16);
+    }
+    step<false>(st, q, buf1);
+    pos = npos;
+  }
+  if (pos < end) {  // 16 tokens left for this warp
+    load_sub_tile(buf0[0], src, pos);
+    step<true>(st, q, buf0);
+  }
+
+  STAMP(4);
+  // ---- combine the warps: O[h, ch] = sum_w e_w (acc_w[ch, h] / 4^s + n_w[h]) / sum_w e_w l_w[h]
+  flush_offset(st);
+  st.l0 = warp_sum_rows(st.l0);
+  st.l1 = warp_sum_rows(st.l1);
+  st.n0 = warp_sum_rows(st.n0);
+  st.n1 = warp_sum_rows(st.n1);
+  if (g == 0) {
+    s_m[warp][2 * t] = st.m0;
+    s_m[warp][2 * t + 1] = st.m1;
+    s_l[warp][2 * t] = st.l0;
+    s_l[warp][2 * t + 1] = st.l1;
+    s_n[warp][2 * t] = st.n0;
+    s_n[warp][2 * t + 1] = st.n1;
+  }
+#pragma unroll
+  for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int j = 2 * i + r, s = j % 4;
+      const int ch = 4 * g + j / 4 + D4 * s;
+      const float f = 1.f / (float)(1 << (2 * s));
+      s_acc[warp][2 * t][ch] = st.acc[i][2 * r] * f;
+      s_acc[warp][2 * t + 1][ch] = st.acc[i][2 * r + 1] * f;
+    }
+  }
+  __syncthreads();
+  const long long po_head = (long long)b * stride_pob + (long long)(h * GQA) * stride_poh;
+  const long long pl_head = (long long)b * stride_plb + (long long)(h * GQA) * stride_plh;
+  for (int idx = threadIdx.x; idx < GQA * D; idx += NT) {
+    const int hh = idx / D, ch = idx % D;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, s_m[w][hh]);
+    float num = 0.f, den = 0.f;
+    if (mx != NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < NWARPS; ++w) {
+        const float e = ex2(s_m[w][hh] - mx);
+        num += e * (s_acc[w][hh][ch] + s_n[w][hh]);
+        den += e * s_l[w][hh];
+      }
+    }
+    u16 o16;  // float16 partials: half the bytes for the merge to read (a partial is a weighted mean of values)
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(o16) : "f"(den > 0.f ? num / den : 0.f));
+    PO[po_head + (long long)hh * stride_poh + (long long)split * stride_pos + ch] = o16;
+    if (ch == 0) PL[pl_head + (long long)hh * stride_plh + split] = den > 0.f ? mx + lg2(den) : NEG_INF;
+  }
+
+  STAMP(5);
+  // ---- the last CTA of this (sequence, KV head) merges the partials (threadFenceReduction pattern)
+  __threadfence();
+  __syncthreads();
+  int* counter = CNT + (long long)b * gridDim.y + h;
+  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == splits - 1;
+  __syncthreads();
+  STAMP(6);
+  if (!s_last) return;
+  __threadfence();
+  // warp w merges splits w, w + NWARPS, ... (online, lane = 4 channels), MB splits' loads in flight at a time;
+  // then the warps' results are merged in order (deterministic)
+  constexpr int MB = 32 / GQA;
+  float m[GQA], tot[GQA];
+  float4 o[GQA];
+#pragma unroll
+  for (int hh = 0; hh < GQA; ++hh) {
+    m[hh] = NEG_INF;
+    tot[hh] = 0.f;
+    o[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int s0 = warp; s0 < splits; s0 += NWARPS * MB) {
+    float lse[MB][GQA];
+    uint2 p[MB][GQA];  // 4 float16 channels
+#pragma unroll
+    for (int u = 0; u < MB; ++u) {
+      const int s = s0 + NWARPS * u;
+#pragma unroll
+      for (int hh = 0; hh < GQA; ++hh) {
+        lse[u][hh] = s < splits ? __ldcg(PL + pl_head + (long long)hh * stride_plh + s) : NEG_INF;
+        p[u][hh] = s < splits ? __ldcg(reinterpret_cast<const uint2*>(
+                                    PO + po_head + (long long)hh * stride_poh + (long long)s * stride_pos) + lane)
+                              : make_uint2(0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < MB; ++u)
+#pragma unroll
+      for (int hh = 0; hh < GQA; ++hh) {
+        const float l = lse[u][hh];
+        if (l == NEG_INF) continue;  // an empty split (uniform over the warp)
+        if (l > m[hh]) {
+          const float sc = ex2(m[hh] - l);
+          o[hh].x *= sc;
+          o[hh].y *= sc;
+          o[hh].z *= sc;
+          o[hh].w *= sc;
+          tot[hh] *= sc;
+          m[hh] = l;
+        }
+        const float w = ex2(l - m[hh]);
+        const float2 p01 = halves(p[u][hh].x), p23 = halves(p[u][hh].y);
+        o[hh].x += w * p01.x;
+        o[hh].y += w * p01.y;
+        o[hh].z += w * p23.x;
+        o[hh].w += w * p23.y;
+        tot[hh] += w;
+      }
+  }
+#pragma unroll
+  for (int hh = 0; hh < GQA; ++hh) {
+    *reinterpret_cast<float4*>(&s_acc[warp][hh][4 * lane]) = o[hh];
+    if (lane == 0) {
+      s_m[warp][hh] = m[hh];
+      s_l[warp][hh] = tot[hh];
+    }
+  }
+  __syncthreads();
+  {
+    const int ch = threadIdx.x;
+#pragma unroll
+    for (int hh = 0; hh < GQA; ++hh) {
+      float mx = NEG_INF;
+#pragma unroll
+      for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, s_m[w][hh]);
+      float num = 0.f, den = 0.f;
+      if (mx != NEG_INF) {
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+          const float e = ex2(s_m[w][hh] - mx);
+          num += e * s_acc[w][hh][ch];
+          den += e * s_l[w][hh];
+        }
+      }
+      O[(long long)b * stride_ob + (long long)(h * GQA + hh) * stride_oh + ch] = o_from(den > 0.f ? num / den : 0.f);
+    }
+  }
+  if (threadIdx.x == 0) *counter = 0;  // every CTA of the pair has counted: ready for the next call
+  STAMP(7);
+}
