@@ -233,6 +233,22 @@ def test_cuda_split_plan_covers_the_history_in_whole_steps():
     assert int2_cuda.split_plan(0, 8, 16, 132, 3) == (1, int2_cuda.TOKENS_PER_ROUND)
 
 
+def test_cuda_rotation_operand_is_cached_per_tensor_version():
+    """int2_cuda.rotation_operand (host side): float16 R^T per head, converted once per tensor and version; an
+    in-place change to R (a new calibration loaded into the same buffer) gives a fresh copy, never a stale one."""
+    from oscar_kv.kernels import int2_cuda
+
+    r = random_orthogonal(3, 16, torch.Generator().manual_seed(5))
+    rt = int2_cuda.rotation_operand(r)
+    assert rt.dtype == torch.float16 and rt.is_contiguous() and rt.shape == (3, 16, 16)
+    assert torch.allclose(rt.float(), r.transpose(-1, -2), atol=1e-3)
+    assert int2_cuda.rotation_operand(r) is rt  # cached
+    r.mul_(-1)  # in place: same address, new version
+    again = int2_cuda.rotation_operand(r)
+    assert again is not rt and torch.allclose(again.float(), r.transpose(-1, -2), atol=1e-3)
+    assert int2_cuda.rotation_operand(r[:1]).shape == (1, 16, 16)  # a view of the first head: its own entry
+
+
 def test_cuda_backend_is_refused_off_the_gpu():
     from oscar_kv.kernels import int2_cuda
     from oscar_kv.kernels.decode import _use_cuda

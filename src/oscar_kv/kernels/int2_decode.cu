@@ -427,6 +427,26 @@ __device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u
   }
 }
 
+// The warps' results for head hh at channel ch: num = sum_w e_w (acc_w + n_w), den = sum_w e_w l_w with
+// e_w = 2^(m_w - mx), mx = max_w m_w (num = den = 0 where no warp saw a token).  WITH_N: add the n_w term.
+template <bool WITH_N>
+__device__ __forceinline__ void combine_warps(const float (*acc)[8][D], const float (*m)[8], const float (*l)[8],
+                                              const float (*n)[8], int hh, int ch, float& num, float& den,
+                                              float& mx) {
+  mx = NEG_INF;
+#pragma unroll
+  for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, m[w][hh]);
+  num = den = 0.f;
+  if (mx != NEG_INF) {
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) {
+      const float e = ex2(m[w][hh] - mx);
+      num += e * (WITH_N ? acc[w][hh][ch] + n[w][hh] : acc[w][hh][ch]);
+      den += e * l[w][hh];
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------- the kernel
 extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     const q_t* __restrict__ Q, const u16* __restrict__ RT, int rotate, const unsigned char* __restrict__ Kc,
@@ -663,18 +683,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   const long long pl_head = (long long)b * stride_plb + (long long)(h * GQA) * stride_plh;
   for (int idx = threadIdx.x; idx < GQA * D; idx += NT) {
     const int hh = idx / D, ch = idx % D;
-    float mx = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, s_m[w][hh]);
-    float num = 0.f, den = 0.f;
-    if (mx != NEG_INF) {
-#pragma unroll
-      for (int w = 0; w < NWARPS; ++w) {
-        const float e = ex2(s_m[w][hh] - mx);
-        num += e * (s_acc[w][hh][ch] + s_n[w][hh]);
-        den += e * s_l[w][hh];
-      }
-    }
+    float num, den, mx;
+    combine_warps<true>(s_acc, s_m, s_l, s_n, hh, ch, num, den, mx);
     u16 o16;  // float16 partials: half the bytes for the merge to read (a partial is a weighted mean of values)
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(o16) : "f"(den > 0.f ? num / den : 0.f));
     PO[po_head + (long long)hh * stride_poh + (long long)split * stride_pos + ch] = o16;
@@ -753,18 +763,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     const int ch = threadIdx.x;
 #pragma unroll
     for (int hh = 0; hh < GQA; ++hh) {
-      float mx = NEG_INF;
-#pragma unroll
-      for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, s_m[w][hh]);
-      float num = 0.f, den = 0.f;
-      if (mx != NEG_INF) {
-#pragma unroll
-        for (int w = 0; w < NWARPS; ++w) {
-          const float e = ex2(s_m[w][hh] - mx);
-          num += e * s_acc[w][hh][ch];
-          den += e * s_l[w][hh];
-        }
-      }
+      float num, den, mx;
+      combine_warps<false>(s_acc, s_m, s_l, s_n, hh, ch, num, den, mx);
       O[(long long)b * stride_ob + (long long)(h * GQA + hh) * stride_oh + ch] = o_from(den > 0.f ? num / den : 0.f);
     }
   }
