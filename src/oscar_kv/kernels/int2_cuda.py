@@ -36,7 +36,7 @@ NUM_WARPS = 4
 TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
 MIN_BLOCKS = 3  # CTAs per SM the register budget is set for (168 registers; 4 x 128 spilled: run C1)
-MAX_SPLITS = 512  # the merge keeps GQA x splits weights in shared memory (at most 8 x 512)
+MAX_SPLITS = 512  # CTAs per (sequence, KV head), all merged by the last one (one wave here is <= 3 x SMs CTAs)
 _MAGIC = 0x64006400  # float16 1024 in both halves (see int2_decode.cu)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 

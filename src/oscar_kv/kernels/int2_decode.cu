@@ -480,7 +480,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   }
 
   __shared__ int s_pages[MAX_PAGES];
-  __shared__ float s_acc[NWARPS][8][D];  // rotation partials; the warps' outputs; the merge's weights
+  __shared__ float s_acc[NWARPS][8][D];  // the rotated query; the warps' outputs (partial, merge)
   __shared__ __align__(16) float s_q[8][D];  // the query rows (then rotated and scaled)
   __shared__ __align__(16) u16 s_qw[2][8][D];  // the same as bfloat16 hi and lo parts (window keys)
   __shared__ float s_m[NWARPS][8], s_l[NWARPS][8], s_n[NWARPS][8];
