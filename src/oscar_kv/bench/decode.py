@@ -444,7 +444,8 @@ def breakdown(engine, seqs, steps: int, clock: Clock, profile_steps: int) -> dic
         for layer in engine.layers:
             stack.enter_context(patched(layer, "rotate_keys", wrap("key_rotation", layer.rotate_keys)))
             stack.enter_context(patched(layer, "rotate_queries", wrap("query_rotation", layer.rotate_queries)))
-        if engine.kernel_status is None:  # kernel path: the query is rotated by its own launch
+        if engine.kernel_status is None:  # Triton kernel path: the query is rotated by its own launch (the CUDA
+            # INT2 kernel rotates inside its one launch: counted as attention)
             from ..kernels import decode as kdecode
 
             stack.enter_context(patched(kdecode, "rotate_query", wrap("query_rotation", kdecode.rotate_query)))
