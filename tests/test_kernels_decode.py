@@ -249,6 +249,21 @@ def test_cuda_rotation_operand_is_cached_per_tensor_version():
     assert int2_cuda.rotation_operand(r[:1]).shape == (1, 16, 16)  # a view of the first head: its own entry
 
 
+def test_cuda_decode_rejects_bad_arguments_before_launching():
+    """int2_cuda.decode checks what it is handed (runs anywhere: the checks come before the launch)."""
+    from oscar_kv.kernels import int2_cuda
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=128, group_size=128, page_size=16,
+                        sink_size=16, recent_size=32)
+    pool, batch, rot = build_pool(geom, [100], torch.Generator().manual_seed(6))
+    q = torch.randn(1, 8, 128)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="k_rotation must be"):
+        int2_cuda.decode(q, rot[:, :64, :64], pool.layer(0), geom, batch, out, 1, 128, 0.1)
+    with pytest.raises(ValueError, match="splits"):
+        int2_cuda.decode(q, rot, pool.layer(0), geom, batch, out, int2_cuda.MAX_SPLITS + 1, 128, 0.1)
+
+
 def test_cuda_backend_is_refused_off_the_gpu():
     from oscar_kv.kernels import int2_cuda
     from oscar_kv.kernels.decode import _use_cuda
