@@ -7,7 +7,8 @@ online softmax; every KV tile is read once per KV head and used by all query hea
 split writes a normalized partial output and its log-sum-exp (base 2); ``_merge_kernel`` combines the
 splits exactly.  In the INT2 kernel split 0 is the BF16 window (sink + recent, <= S0 + W + P - 1 tokens)
 and splits 1.. share the INT2 history evenly.  The INT2 path takes the query already rotated
-(``rotate_query``: one small launch per call); the BF16 baseline rotates inside.
+(``rotate_query``: one small launch per call); the BF16 baseline rotates inside.  Where it applies,
+``int2_decode`` runs all of this as one CUDA launch instead (int2_cuda.py, int2_decode.cu).
 
 INT2 arithmetic (no dequantized tile is ever built):
   keys    q.k_hat = scale * (q.c) + min * sum(q)                 (per group of G channels)
