@@ -209,7 +209,7 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
 
     why = int2_cuda.unsupported(device, geom, GEOMETRY["num_q_heads"] // geom.num_kv_heads, None)
     cuda_ok = why is None
-    result["int2_backend"] = "cuda history + triton window" if cuda_ok else f"triton ({why})"
+    result["int2_backend"] = "cuda (one launch)" if cuda_ok else f"triton ({why})"
     best = {}
     if sweep:
         for sctx, sbs in ((max(contexts), 1), (max(contexts), 8)):
