@@ -2,31 +2,39 @@
 over the CUDA kernel's knobs (CTAs per SM in the split plan, register budget), and what the in-kernel query
 rotation costs (the same call without a rotation).  GPU only.
 
-    python3 benchmarks/cuda_int2_sweep.py [--contexts 131072] [--batch-sizes 1,8,32] [--output DIR] [--stamps]
+    python3 benchmarks/cuda_int2_sweep.py [--contexts 131072] [--batch-sizes 1,8,32] [--sources A.cu,B.cu]
+                                          [--output DIR] [--stamps]
 
+--sources times other versions of int2_decode.cu (same kernel signature) against the shipped one in the same
+run, interleaved: an A/B comparison free of the run-to-run spread between machines.
 --stamps also times the phases of each CTA inside one call (%globaltimer stamps from a separately compiled
 variant, after an L2 flush): when CTAs start, have their query, finish the window, the INT2 loop, the partial,
-and when the last one has merged.
+and, in the last CTA of each (sequence, KV head), when the merge starts, has its loads and math done, and ends.
 """
 
 import argparse
+import functools
 import json
 import os
+from pathlib import Path
 
 import torch
 
 from oscar_kv.bench.attention import GEOMETRY, _bench_call, copy_bandwidth, int2_bytes, int2_case
 from oscar_kv.kernels import int2_cuda
 from oscar_kv.kernels.decode import LOG2E, _num_sms, int2_decode
+from oscar_kv.kernels.layout import PoolGeometry
 
-PHASES = ("start", "prologue", "query", "window", "int2 loop", "partial", "counted", "merged")
+# stamp slot -> phase, in time order (slots 8, 9 and 7: the merging CTAs only)
+PHASES = ((0, "start"), (1, "prologue"), (2, "query"), (3, "window"), (4, "int2 loop"), (5, "partial"),
+          (6, "counted"), (8, "merge start"), (9, "merge math"), (7, "merged"))
 
 
 def stamp_phases(q, pool, batch, rot, geom, mp, dev) -> dict:
-    """Microseconds from the first CTA's start to each phase: median and max over CTAs (merged: last CTAs)."""
+    """Microseconds from the first CTA's start to each phase: median and max over CTAs (merge: last CTAs)."""
     ns, chunk = int2_cuda.split_plan(mp * geom.page_size, q.shape[0] * geom.num_kv_heads, geom.page_size,
                                      _num_sms(dev), int2_cuda.MIN_BLOCKS)
-    ts = torch.zeros(q.shape[0], geom.num_kv_heads, ns, 8, dtype=torch.int64, device=dev)
+    ts = torch.zeros(q.shape[0], geom.num_kv_heads, ns, 16, dtype=torch.int64, device=dev)
     out = torch.empty_like(q)
     flush = torch.empty(256 << 20, dtype=torch.int8, device=dev)
     for _ in range(3):  # compile, then the flushed call that counts
@@ -35,21 +43,62 @@ def stamp_phases(q, pool, batch, rot, geom, mp, dev) -> dict:
         int2_cuda.decode(q, rot, pool.layer(0), geom, batch, out, ns, chunk, LOG2E / geom.head_dim ** 0.5,
                          stamps=ts)
     torch.cuda.synchronize()
-    t = ts.view(-1, 8).double()
+    t = ts.view(-1, 16).double()
     t0 = t[:, 0].min()
     res = {}
-    for k, name in enumerate(PHASES):
+    for k, name in PHASES:
         col = t[:, k][t[:, k] > 0] - t0
         res[name] = (col.median().item() / 1e3, col.max().item() / 1e3)
+    # CTAs with a BF16 window sub-tile (split < the window's sub-tiles) against the others: partial written
+    t_len, nq = int(batch.seq_lens[0]), int(batch.int2_pages[0])
+    sink_end = min(t_len, geom.sink_pages * geom.page_size)
+    r0 = min(geom.sink_pages * geom.page_size + nq * geom.page_size, t_len)
+    n_win = -(-sink_end // 16) + -(-(t_len - r0) // 16)
+    part = (t[:, 5] - t0).view(q.shape[0], geom.num_kv_heads, ns) / 1e3
+    res["partial, CTAs with / without window"] = (part[:, :, :n_win].median().item(),
+                                                  part[:, :, n_win:].median().item() if n_win < ns else 0.0)
     return res
-from oscar_kv.kernels.layout import PoolGeometry
+
+
+SHIPPED = str(int2_cuda.SOURCE)
+
+
+def compare_sources(sources, q, rot, pool, geom, batch, ns, chunk) -> dict:
+    """Each kernel source's time for the same call, best of 3 rounds that alternate the sources."""
+    shipped = int2_cuda._kernel
+    kernels = {src: _kernel_from(src, shipped.__wrapped__) for src in sources}
+    best = {}
+    try:
+        for _ in range(3):
+            for src in sources:
+                int2_cuda._kernel = kernels[src]
+                us = 1e3 * _bench_call(lambda: int2_cuda.decode(q, rot, pool.layer(0), geom, batch,
+                                                                 torch.empty_like(q), ns, chunk,
+                                                                 LOG2E / geom.head_dim ** 0.5))
+                best[src] = min(best.get(src, us), us)
+    finally:
+        int2_cuda._kernel = shipped
+    return best
+
+
+def _kernel_from(src: str, compile_fn):
+    """int2_cuda._kernel for another source file, compiled once per argument set."""
+    @functools.lru_cache(maxsize=None)
+    def kernel(*args):
+        int2_cuda.SOURCE = Path(src)
+        try:
+            return compile_fn(*args)
+        finally:
+            int2_cuda.SOURCE = Path(SHIPPED)
+    return kernel
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="131072")
     ap.add_argument("--batch-sizes", default="1,8,32")
-    ap.add_argument("--targets", default="3,6")
+    ap.add_argument("--targets", default="3")
+    ap.add_argument("--sources", default="")
     ap.add_argument("--min-blocks", default="3")
     ap.add_argument("--output", default=None)
     ap.add_argument("--stamps", action="store_true")
@@ -82,7 +131,7 @@ def main() -> None:
             print(line, flush=True)
             # the default call, and the same without the query rotation (its in-kernel cost)
             int2_cuda.MIN_BLOCKS = int(a.min_blocks.split(",")[0])
-            ns, _ = int2_cuda.split_plan(mp * geom.page_size, bs * geom.num_kv_heads, geom.page_size,
+            ns, chunk = int2_cuda.split_plan(mp * geom.page_size, bs * geom.num_kv_heads, geom.page_size,
                                          _num_sms(dev), int2_cuda.MIN_BLOCKS)
             parts = dict(
                 full=_bench_call(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, backend="cuda")),
@@ -94,6 +143,11 @@ def main() -> None:
                 row["stamps_us"] = stamp_phases(q, pool, batch, rot, geom, mp, dev)
                 print("   phases, us from the first CTA's start (median / max over CTAs): " + ", ".join(
                     f"{k} {m:.1f}/{x:.1f}" for k, (m, x) in row["stamps_us"].items()), flush=True)
+            if a.sources:
+                row["sources_us"] = compare_sources([SHIPPED] + a.sources.split(","), q, rot, pool, geom, batch, ns,
+                                                    chunk)
+                print("   sources (us, best of 3 interleaved rounds): " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in row["sources_us"].items()), flush=True)
             rows.append(row)
             del pool
             torch.cuda.empty_cache()

@@ -154,7 +154,7 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
            stamps: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention into out [B, Hq, D] (q's dtype) from the unrotated query q [B, Hq, D]: ``splits`` CTAs
     per (sequence, KV head) with ``chunk`` INT2 tokens each (split_plan); qk_scale = sm_scale * log2(e).
-    ``stamps``: int64 [B, H, splits, 8] of %globaltimer stamps per CTA (a separately compiled variant;
+    ``stamps``: int64 [B, H, splits, 16] of %globaltimer stamps per CTA (a separately compiled variant;
     benchmarks only)."""
     bsz, hq, d = q.shape
     h = geom.num_kv_heads

@@ -149,7 +149,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
 
 #if STAMPS
 #define STAMP(k) \
-  if (threadIdx.x == 0) TS[(((long long)b * gridDim.y + h) * splits + split) * 8 + (k)] = global_ns()
+  if (threadIdx.x == 0) TS[(((long long)b * gridDim.y + h) * splits + split) * 16 + (k)] = global_ns()
 #else
 #define STAMP(k)
 #endif
@@ -692,71 +692,95 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   }
 
   STAMP(5);
-  // ---- the last CTA of this (sequence, KV head) merges the partials (threadFenceReduction pattern)
-  __threadfence();
+  // ---- the last CTA of this (sequence, KV head) merges the partials
+  // Thread 0's count is acq_rel at GPU scope: its release half publishes the CTA's partials (ordered before it
+  // by the barrier), its acquire half makes every CTA's partials visible to the loads after the next barrier
+  // (one fence in all: no membar on the merging side).
   __syncthreads();
   int* counter = CNT + (long long)b * gridDim.y + h;
-  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == splits - 1;
+  if (threadIdx.x == 0) {
+    int before;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+    s_last = before == splits - 1;
+  }
   __syncthreads();
   STAMP(6);
   if (!s_last) return;
-  __threadfence();
-  // warp w merges splits w, w + NWARPS, ... (online, lane = 4 channels), MB splits' loads in flight at a time;
-  // then the warps' results are merged in order (deterministic)
-  constexpr int MB = 32 / GQA;
-  float m[GQA], tot[GQA];
+  STAMP(8);
+  // Warp w merges splits w, w + NWARPS, ..., MU of them per round: all of a round's loads go out at once (one
+  // round up to NWARPS * MU splits), rounds combine online.  Pair k = u * GQA2 + hh (split u of the round,
+  // head hh; GQA2 = GQA rounded up to a power of two) has its lse in lane k % 32 of register k / 32, so lane
+  // i's lse values all belong to head i % GQA2 and the per-head max and sum are butterflies over the lanes
+  // i, i ^ GQA2, ...  Lane = 4 channels of the partials.  The warps' results are then merged in order
+  // (deterministic).
+  constexpr int GQA2 = GQA <= 1 ? 1 : GQA <= 2 ? 2 : GQA <= 4 ? 4 : 8;
+  constexpr int MU = (GQA2 <= 4 ? 64 : 48) / GQA2;  // uint2 loads in flight per thread: <= 64 (128 registers)
+  constexpr int LSE_REGS = (MU * GQA2 + 31) / 32;
   float4 o[GQA];
 #pragma unroll
-  for (int hh = 0; hh < GQA; ++hh) {
-    m[hh] = NEG_INF;
-    tot[hh] = 0.f;
-    o[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  for (int s0 = warp; s0 < splits; s0 += NWARPS * MB) {
-    float lse[MB][GQA];
-    uint2 p[MB][GQA];  // 4 float16 channels
+  for (int hh = 0; hh < GQA; ++hh) o[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float m_run = NEG_INF, tot_run = 0.f;  // head lane % GQA2: running max and weight sum
+  for (int s0 = warp; s0 < splits; s0 += NWARPS * MU) {
+    float lse[LSE_REGS];
 #pragma unroll
-    for (int u = 0; u < MB; ++u) {
+    for (int r = 0; r < LSE_REGS; ++r) {
+      const int kk = 32 * r + lane, u = kk / GQA2, hh = kk % GQA2, s = s0 + NWARPS * u;
+      lse[r] = u < MU && hh < GQA && s < splits ? __ldcg(PL + pl_head + (long long)hh * stride_plh + s) : NEG_INF;
+    }
+    uint2 p[MU][GQA];  // 4 float16 channels of split u, head hh
+#pragma unroll
+    for (int u = 0; u < MU; ++u) {
       const int s = s0 + NWARPS * u;
 #pragma unroll
-      for (int hh = 0; hh < GQA; ++hh) {
-        lse[u][hh] = s < splits ? __ldcg(PL + pl_head + (long long)hh * stride_plh + s) : NEG_INF;
+      for (int hh = 0; hh < GQA; ++hh)
         p[u][hh] = s < splits ? __ldcg(reinterpret_cast<const uint2*>(
                                     PO + po_head + (long long)hh * stride_poh + (long long)s * stride_pos) + lane)
-                              : make_uint2(0, 0);
-      }
+                              : make_uint2(0u, 0u);
+    }
+    float mx = lse[0];
+#pragma unroll
+    for (int r = 1; r < LSE_REGS; ++r) mx = fmaxf(mx, lse[r]);
+#pragma unroll
+    for (int o2 = GQA2; o2 < 32; o2 <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+    const float mn = fmaxf(m_run, mx);
+    const float alpha = mn == NEG_INF ? 1.f : ex2(m_run - mn);  // ex2(-inf) = 0: nothing before this round
+    float w[LSE_REGS], wsum = 0.f;
+#pragma unroll
+    for (int r = 0; r < LSE_REGS; ++r) {
+      w[r] = lse[r] == NEG_INF ? 0.f : ex2(lse[r] - mn);
+      wsum += w[r];
     }
 #pragma unroll
-    for (int u = 0; u < MB; ++u)
+    for (int o2 = GQA2; o2 < 32; o2 <<= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o2);
+    m_run = mn;
+    tot_run = tot_run * alpha + wsum;
 #pragma unroll
-      for (int hh = 0; hh < GQA; ++hh) {
-        const float l = lse[u][hh];
-        if (l == NEG_INF) continue;  // an empty split (uniform over the warp)
-        if (l > m[hh]) {
-          const float sc = ex2(m[hh] - l);
-          o[hh].x *= sc;
-          o[hh].y *= sc;
-          o[hh].z *= sc;
-          o[hh].w *= sc;
-          tot[hh] *= sc;
-          m[hh] = l;
-        }
-        const float w = ex2(l - m[hh]);
+    for (int hh = 0; hh < GQA; ++hh) {
+      const float a = __shfl_sync(0xffffffffu, alpha, hh);
+      o[hh].x *= a;
+      o[hh].y *= a;
+      o[hh].z *= a;
+      o[hh].w *= a;
+#pragma unroll
+      for (int u = 0; u < MU; ++u) {
+        const int kk = u * GQA2 + hh;
+        const float wu = __shfl_sync(0xffffffffu, w[kk / 32], kk % 32);
         const float2 p01 = halves(p[u][hh].x), p23 = halves(p[u][hh].y);
-        o[hh].x += w * p01.x;
-        o[hh].y += w * p01.y;
-        o[hh].z += w * p23.x;
-        o[hh].w += w * p23.y;
-        tot[hh] += w;
+        o[hh].x += wu * p01.x;
+        o[hh].y += wu * p01.y;
+        o[hh].z += wu * p23.x;
+        o[hh].w += wu * p23.y;
       }
+    }
   }
+  STAMP(9);
 #pragma unroll
   for (int hh = 0; hh < GQA; ++hh) {
     *reinterpret_cast<float4*>(&s_acc[warp][hh][4 * lane]) = o[hh];
-    if (lane == 0) {
-      s_m[warp][hh] = m[hh];
-      s_l[warp][hh] = tot[hh];
-    }
+  }
+  if (lane < GQA) {  // lane hh holds head hh's running max and sum
+    s_m[warp][lane] = m_run;
+    s_l[warp][lane] = tot_run;
   }
   __syncthreads();
   {
