@@ -30,36 +30,38 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 
+// Scalar conversions between float32 and the 16-bit formats (round to nearest even).
+__device__ __forceinline__ float bf16_to_f32(u16 x) { return __uint_as_float((u32)x << 16); }
+__device__ __forceinline__ float f16_to_f32(u16 x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+}
+__device__ __forceinline__ u16 f32_to_bf16(float x) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ u16 f32_to_f16(float x) {
+  u16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+
+// The query's and the output's element types (0 float32, 1 bfloat16, 2 float16)
 #if Q_KIND == 0
 typedef float q_t;
 __device__ __forceinline__ float q_float(float x) { return x; }
 #else
 typedef u16 q_t;
-__device__ __forceinline__ float q_float(u16 x) {
-#if Q_KIND == 1
-  return __uint_as_float((u32)x << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-  return f;
+__device__ __forceinline__ float q_float(u16 x) { return Q_KIND == 1 ? bf16_to_f32(x) : f16_to_f32(x); }
 #endif
-}
-#endif
-
 #if O_KIND == 0
 typedef float o_t;
 __device__ __forceinline__ float o_from(float x) { return x; }
 #else
 typedef u16 o_t;
-__device__ __forceinline__ u16 o_from(float x) {
-  u16 r;
-#if O_KIND == 1
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
-#endif
-  return r;
-}
+__device__ __forceinline__ u16 o_from(float x) { return O_KIND == 1 ? f32_to_bf16(x) : f32_to_f16(x); }
 #endif
 
 static_assert(D == 128, "the CUDA INT2 kernel is written for head dim 128");
@@ -546,12 +548,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     for (int i = 0; i < 8; ++i) {
       const float x = i < GQA ? (rotate ? s_acc[0][i][e] : s_q[i][e]) * qk_scale : 0.f;
       s_q[i][e] = x;
-      u16 h16, l16;
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h16) : "f"(x));
-      const float xh = __uint_as_float((u32)h16 << 16);
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(l16) : "f"(x - xh));
+      const u16 h16 = f32_to_bf16(x);
       s_qw[0][i][e] = h16;
-      s_qw[1][i][e] = l16;
+      s_qw[1][i][e] = f32_to_bf16(x - bf16_to_f32(h16));
     }
   }
   __syncthreads();
@@ -685,9 +684,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     const int hh = idx / D, ch = idx % D;
     float num, den, mx;
     combine_warps<true>(s_acc, s_m, s_l, s_n, hh, ch, num, den, mx);
-    u16 o16;  // float16 partials: half the bytes for the merge to read (a partial is a weighted mean of values)
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(o16) : "f"(den > 0.f ? num / den : 0.f));
-    PO[po_head + (long long)hh * stride_poh + (long long)split * stride_pos + ch] = o16;
+    // float16 partials: half the bytes for the merge to read (a partial is a weighted mean of values)
+    PO[po_head + (long long)hh * stride_poh + (long long)split * stride_pos + ch] =
+        f32_to_f16(den > 0.f ? num / den : 0.f);
     if (ch == 0) PL[pl_head + (long long)hh * stride_plh + split] = den > 0.f ? mx + lg2(den) : NEG_INF;
   }
 
