@@ -25,9 +25,11 @@ from oscar_kv.kernels import int2_cuda
 from oscar_kv.kernels.decode import LOG2E, _num_sms, int2_decode
 from oscar_kv.kernels.layout import PoolGeometry
 
-# stamp slot -> phase, in time order (slots 8, 9 and 7: the merging CTAs only)
-PHASES = ((0, "start"), (1, "prologue"), (2, "query"), (3, "window"), (4, "int2 loop"), (5, "partial"),
-          (6, "counted"), (8, "merge start"), (9, "merge math"), (7, "merged"))
+# stamp slot -> phase, in time order (slots 10-15: warp 0 after its n-th INT2 step; 8, 9 and 7: the merging
+# CTAs only)
+PHASES = ((0, "start"), (1, "prologue"), (2, "query"), (3, "window"), (10, "step 1"), (11, "step 2"), (12, "step 4"),
+          (13, "step 8"), (14, "step 16"), (15, "step 64"), (4, "int2 loop"), (5, "partial"), (6, "counted"),
+          (8, "merge start"), (9, "merge math"), (7, "merged"))
 
 
 def stamp_phases(q, pool, batch, rot, geom, mp, dev) -> dict:
@@ -48,6 +50,8 @@ def stamp_phases(q, pool, batch, rot, geom, mp, dev) -> dict:
     res = {}
     for k, name in PHASES:
         col = t[:, k][t[:, k] > 0] - t0
+        if col.numel() == 0:  # a phase this call does not reach (e.g. step 64 of a short chunk)
+            continue
         res[name] = (col.median().item() / 1e3, col.max().item() / 1e3)
     # CTAs with a BF16 window sub-tile (split < the window's sub-tiles) against the others: partial written
     t_len, nq = int(batch.seq_lens[0]), int(batch.int2_pages[0])
@@ -67,8 +71,14 @@ def compare_sources(sources, q, rot, pool, geom, batch, ns, chunk) -> dict:
     """Each kernel source's time for the same call, best of 3 rounds that alternate the sources."""
     shipped = int2_cuda._kernel
     kernels = {src: _kernel_from(src, shipped.__wrapped__) for src in sources}
-    best = {}
+    best, err = {}, {}
     try:
+        outs = {}
+        for src in sources:  # each source's output against the shipped one's (a variant must stay correct)
+            int2_cuda._kernel = kernels[src]
+            outs[src] = int2_cuda.decode(q, rot, pool.layer(0), geom, batch, torch.empty_like(q), ns, chunk,
+                                         LOG2E / geom.head_dim ** 0.5).float()
+            err[src] = ((outs[src] - outs[sources[0]]).norm() / outs[sources[0]].norm()).item()
         for _ in range(3):
             for src in sources:
                 int2_cuda._kernel = kernels[src]
@@ -78,7 +88,7 @@ def compare_sources(sources, q, rot, pool, geom, batch, ns, chunk) -> dict:
                 best[src] = min(best.get(src, us), us)
     finally:
         int2_cuda._kernel = shipped
-    return best
+    return {src: dict(us=best[src], err_vs_shipped=err[src]) for src in sources}
 
 
 def _kernel_from(src: str, compile_fn):
@@ -146,8 +156,20 @@ def main() -> None:
             if a.sources:
                 row["sources_us"] = compare_sources([SHIPPED] + a.sources.split(","), q, rot, pool, geom, batch, ns,
                                                     chunk)
+                if a.stamps:  # the phases of each other source as well
+                    shipped = int2_cuda._kernel
+                    for src in a.sources.split(","):
+                        int2_cuda._kernel = _kernel_from(src, shipped.__wrapped__)
+                        try:
+                            ph = stamp_phases(q, pool, batch, rot, geom, mp, dev)
+                        finally:
+                            int2_cuda._kernel = shipped
+                        row["sources_us"][src]["stamps_us"] = ph
+                        print(f"   phases of {Path(src).name}: " + ", ".join(
+                            f"{k} {m:.1f}/{x:.1f}" for k, (m, x) in ph.items()), flush=True)
                 print("   sources (us, best of 3 interleaved rounds): " + ", ".join(
-                    f"{k} {v:.1f}" for k, v in row["sources_us"].items()), flush=True)
+                    f"{Path(k).name} {v['us']:.1f} (err {v['err_vs_shipped']:.1e})" for k, v in row["sources_us"].items()),
+                      flush=True)
             rows.append(row)
             del pool
             torch.cuda.empty_cache()

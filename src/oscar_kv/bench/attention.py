@@ -50,15 +50,10 @@ def _bench(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
 USE_GRAPHS = True
 
 
-def _bench_call(fn) -> float:
-    """Time one decode call as a serving engine runs it: captured once in a CUDA graph, then replayed
-    (median, L2 flushed between replays).  Without the graph, a call of a few tens of microseconds
-    measures Python launch overhead (several launches per call) rather than the GPU.  Falls back to
-    eager timing when capture fails."""
+def _capture(fn):
+    """fn captured in a CUDA graph (after a warm-up on a side stream), or None when capture fails."""
     fn()
     torch.cuda.synchronize()
-    if not USE_GRAPHS:
-        return _bench(fn)
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -69,13 +64,57 @@ def _bench_call(fn) -> float:
         with torch.cuda.graph(graph):
             fn()
         torch.cuda.synchronize()
+        return graph
     except Exception as e:  # pragma: no cover - depends on the backend
         print(f"graph capture failed ({e!r:.80}); timing eagerly", flush=True)
         torch.cuda.synchronize()
-        return _bench(fn)
-    ms = _bench(graph.replay)
+        return None
+
+
+def _bench_call(fn) -> float:
+    """Time one decode call as a serving engine runs it: captured once in a CUDA graph, then replayed
+    (median, L2 flushed between replays).  Without the graph, a call of a few tens of microseconds
+    measures Python launch overhead (several launches per call) rather than the GPU.  Falls back to
+    eager timing when capture fails.  Events around a replay also count the graph's launch: an empty
+    kernel measures ~4.4 us this way on the H100 (``launch_floor_ms``; NOTES.md, C20)."""
+    graph = _capture(fn) if USE_GRAPHS else None
+    ms = _bench(graph.replay if graph is not None else fn)
     del graph
     return ms
+
+
+_FLUSH_KERNEL = 'extern "C" __global__ void oscar_l2_flush(int4* p, int n) { ' \
+    'for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = make_int4(0, 0, 0, 0); }'
+
+
+def _kernel_ms(fn, reps: int = 30) -> float | None:
+    """GPU time of the kernels one call runs (CUPTI kernel records through torch.profiler), median over
+    ``reps`` graph replays with an L2 flush before each: the call's cost inside a serving engine's step graph,
+    without the graph launch and the events that ``_bench_call`` also counts.  A call of several kernels is
+    the sum of its kernels (gaps between them not counted).  None where the profiler records no kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = _capture(fn)
+    flush_buf = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    flush = torch.cuda._compile_kernel(_FLUSH_KERNEL, "oscar_l2_flush")
+    n16 = flush_buf.numel() // 16
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush(grid=(1024, 1, 1), block=(256, 1, 1), args=[flush_buf, n16])
+            graph.replay() if graph is not None else fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.name, e.device_time) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0)
+    calls, cur = [], None
+    for _, name, us in kernels:  # split at the flushes: each call's kernels follow one flush
+        if name == "oscar_l2_flush":
+            cur = 0.0
+            calls.append(cur)
+        elif calls:
+            calls[-1] += us
+    del graph, flush_buf
+    calls = sorted(c for c in calls if c > 0)
+    return calls[len(calls) // 2] * 1e-3 if calls else None
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
@@ -204,6 +243,10 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
     bw = copy_bandwidth(device)
     result["copy_bandwidth_GBps"] = bw / 1e9
     print(f"device {props.name}: device-to-device copy {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    empty = torch.cuda._compile_kernel('extern "C" __global__ void oscar_empty() {}', "oscar_empty")
+    result["launch_floor_ms"] = _bench_call(lambda: empty(grid=(1, 1, 1), block=(32, 1, 1), args=[]))
+    print(f"an empty kernel times {result['launch_floor_ms'] * 1e3:.1f} us per call this way (graph launch + events)",
+          flush=True)
 
     from ..kernels import int2_cuda
 
@@ -253,6 +296,8 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
             row["int2_variant"] = dict(var, backend=backend)
             row["int2_ms"] = _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp,
                                                              backend=backend, **var))
+            row["int2_kernel_ms"] = _kernel_ms(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp,
+                                                                   backend=backend, **var))
             if backend == "cuda":  # the all-Triton kernel as well, for the record
                 row["int2_triton_ms"] = _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp,
                                                                         backend="triton", **var))
@@ -273,8 +318,10 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
             lens = torch.full((bs,), ctx, dtype=torch.int32, device=device)
             kw = torch.randn(bs * npages, hkv, geom.page_size, d, device=device, dtype=torch.bfloat16)
             vw = torch.randn_like(kw)
-            row["bf16_paged_ms"] = _bench_call(lambda: bf16_decode(q, kw, vw, table, lens, None, page_size=geom.page_size,
-                                                              max_seq_len=ctx))
+            bf16_fn = lambda: bf16_decode(q, kw, vw, table, lens, None, page_size=geom.page_size,  # noqa: E731
+                                          max_seq_len=ctx)
+            row["bf16_paged_ms"] = _bench_call(bf16_fn)
+            row["bf16_paged_kernel_ms"] = _kernel_ms(bf16_fn)
             del kw, vw, table
             torch.cuda.empty_cache()
             # ---- SDPA on a contiguous BF16 cache
@@ -287,6 +334,7 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
                         fn = lambda: torch.nn.functional.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True)  # noqa: E731
                         fn()
                         row[name + "_ms"] = _bench_call(fn)
+                        row[name + "_kernel_ms"] = _kernel_ms(fn)
                 except Exception as e:
                     row[name + "_ms"] = None
                     row[name + "_error"] = repr(e)[:160]
@@ -296,6 +344,11 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
                           if row.get(k)]
             row["best_bf16_ms"] = min(bf16_times)
             row["speedup"] = row["best_bf16_ms"] / row["int2_ms"]
+            bf16_kernel = [row.get(k + "_kernel_ms") for k in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "bf16_paged")]
+            bf16_kernel = [v for v in bf16_kernel if v]
+            if bf16_kernel and row.get("int2_kernel_ms"):  # the same ratio on GPU kernel time alone
+                row["best_bf16_kernel_ms"] = min(bf16_kernel)
+                row["kernel_speedup"] = row["best_bf16_kernel_ms"] / row["int2_kernel_ms"]
             row["int2_bytes"] = int2_bytes(geom, bs, ctx)
             row["int2_bw_fraction"] = row["int2_bytes"] / (row["int2_ms"] * 1e-3) / bw
             row["bf16_bytes"] = bf16_bytes(geom, bs, ctx)
@@ -410,14 +463,16 @@ def _fmt_row(r: dict) -> str:
         return f"{v * 1e3:9.1f}" if v else "        -"
     return (f"{r['context']:>7} {r['batch']:>4} {f('sdpa_flash_ms')} {f('sdpa_cudnn_ms')} {f('sdpa_efficient_ms')} "
             f"{f('bf16_paged_ms')} {f('int2_triton_ms')} {f('int2_ms')} {f('int2_rope_ms')} {r['speedup']:7.2f}x {100 * r['int2_bw_fraction']:6.1f}% "
-            f"{100 * r['bf16_best_bw_fraction']:6.1f}%")
+            f"{100 * r['bf16_best_bw_fraction']:6.1f}%" +
+            (f" | kernels {r['best_bf16_kernel_ms'] * 1e3:8.1f} {r['int2_kernel_ms'] * 1e3:7.1f} {r['kernel_speedup']:6.2f}x"
+             if r.get("kernel_speedup") else ""))
 
 
 def print_table(result: dict) -> None:
     print(f"\n{result['device']}  copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s; times in us per call "
-          "(median, L2 flushed); speedup = best BF16 / INT2")
+          f"(median, L2 flushed; an empty kernel: {result.get('launch_floor_ms', 0) * 1e3:.1f} us); speedup = best BF16 / INT2")
     print(f"{'ctx':>7} {'bs':>4} {'sdpa-fa':>9} {'sdpa-cudnn':>9} {'sdpa-eff':>9} {'bf16-pg':>9} {'int2-tri':>9} {'int2':>9} {'int2+rope':>9} "
-          f"{'speedup':>8} {'int2-bw':>7} {'bf16-bw':>7}")
+          f"{'speedup':>8} {'int2-bw':>7} {'bf16-bw':>7} | {'GPU kernel time only: best BF16, INT2, speedup'}")
     for r in result["rows"]:
         print(_fmt_row(r))
     for s in result["skipped"]:

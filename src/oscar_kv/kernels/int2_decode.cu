@@ -152,8 +152,13 @@ __device__ __forceinline__ unsigned long long global_ns() {
 #if STAMPS
 #define STAMP(k) \
   if (threadIdx.x == 0) TS[(((long long)b * gridDim.y + h) * splits + split) * 16 + (k)] = global_ns()
+// after this warp's 1st, 2nd, 4th, 8th, 16th and 64th INT2 step: slots 10-15
+#define STEP_STAMP(n) \
+  if (++(n) == 1 || (n) == 2 || (n) == 4 || (n) == 8 || (n) == 16 || (n) == 64) \
+    STAMP((n) == 64 ? 15 : 10 + __ffs(n) - 1)
 #else
 #define STAMP(k)
+#define STEP_STAMP(n)
 #endif
 
 __device__ __forceinline__ float warp_max_all(float x) {
@@ -194,21 +199,34 @@ struct Source {
   int first;               // token index of pages[0]
 };
 
+// Read-only loads that have L2 fetch the whole 256-byte block around the address: a sub-tile's 512 code bytes
+// arrive in two DRAM requests instead of one per 32-byte sector the warp touches (the V loads touch every other
+// row).  -2% at batch >= 8, within noise at batch 1 (NOTES.md, C23).
+__device__ __forceinline__ uint2 ldg_l2_256(const uint2* p) {
+  uint2 r;
+  asm("ld.global.nc.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 ldg_l2_256(const u32* p) {
+  u32 r;
+  asm("ld.global.nc.L2::256B.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
 __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, int pos) {
   const unsigned rel = (unsigned)(pos - src.first);
   const unsigned phys = (unsigned)src.pages[rel / P], off = rel % P;
   const unsigned long long oc = (unsigned long long)phys * src.cp + off * D4;
   const unsigned long long om = (unsigned long long)phys * src.mp + off;
-  st.k[0] = __ldg(reinterpret_cast<const uint2*>(src.k + oc));
-  st.k[1] = __ldg(reinterpret_cast<const uint2*>(src.k + oc + 8 * D4));
-  st.v[0] = __ldg(reinterpret_cast<const u32*>(src.v + oc));
-  st.v[1] = __ldg(reinterpret_cast<const u32*>(src.v + oc + D4));
-  st.v[2] = __ldg(reinterpret_cast<const u32*>(src.v + oc + 8 * D4));
-  st.v[3] = __ldg(reinterpret_cast<const u32*>(src.v + oc + 9 * D4));
-  st.km[0] = __ldg(src.km + om);
-  st.km[1] = __ldg(src.km + om + 8);
-  st.vm[0] = __ldg(src.vm + om);
-  st.vm[1] = __ldg(src.vm + om + 8);
+  st.k[0] = ldg_l2_256(reinterpret_cast<const uint2*>(src.k + oc));
+  st.k[1] = ldg_l2_256(reinterpret_cast<const uint2*>(src.k + oc + 8 * D4));
+  st.v[0] = ldg_l2_256(reinterpret_cast<const u32*>(src.v + oc));
+  st.v[1] = ldg_l2_256(reinterpret_cast<const u32*>(src.v + oc + D4));
+  st.v[2] = ldg_l2_256(reinterpret_cast<const u32*>(src.v + oc + 8 * D4));
+  st.v[3] = ldg_l2_256(reinterpret_cast<const u32*>(src.v + oc + 9 * D4));
+  st.km[0] = ldg_l2_256(src.km + om);
+  st.km[1] = ldg_l2_256(src.km + om + 8);
+  st.vm[0] = ldg_l2_256(src.vm + om);
+  st.vm[1] = ldg_l2_256(src.vm + om + 8);
 }
 
 // One warp's running state: O^T fragments (block i: rows = channel combos 2i, 2i+1; cols = heads 2t, 2t+1),
@@ -482,7 +500,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   }
 
   __shared__ int s_pages[MAX_PAGES];
-  __shared__ float s_acc[NWARPS][8][D];  // the rotated query; the warps' outputs (partial, merge)
+  __shared__ __align__(16) float s_acc[NWARPS][8][D];  // the rotated query; the warps' outputs (partial, merge)
   __shared__ __align__(16) float s_q[8][D];  // the query rows (then rotated and scaled)
   __shared__ __align__(16) u16 s_qw[2][8][D];  // the same as bfloat16 hi and lo parts (window keys)
   __shared__ float s_m[NWARPS][8], s_l[NWARPS][8], s_n[NWARPS][8];
@@ -629,6 +647,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   }
 
   // ---- full 32-token INT2 steps, loads one step ahead in two alternating buffers; then at most one half step
+#if STAMPS
+  int nsteps = 0;
+#endif
   while (pos < full_end) {
     int npos = pos + NT;
     if (npos < full_end) {
@@ -636,6 +657,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
       load_sub_tile(buf1[1], src, npos + 16);
     }
     step<false>(st, q, buf0);
+    STEP_STAMP(nsteps);
     pos = npos;
     if (pos >= full_end) break;
     npos = pos + NT;
@@ -644,6 +666,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
       load_sub_tile(buf0[1], src, npos + 16);
     }
     step<false>(st, q, buf1);
+    STEP_STAMP(nsteps);
     pos = npos;
   }
   if (pos < end) {  // 16 tokens left for this warp
