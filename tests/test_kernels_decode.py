@@ -233,6 +233,18 @@ def test_cuda_split_plan_covers_the_history_in_whole_steps():
     assert int2_cuda.split_plan(0, 8, 16, 132, 3) == (1, int2_cuda.TOKENS_PER_ROUND)
 
 
+def test_cuda_code_loads_are_evict_first_only_for_streams_of_about_two_l2s(monkeypatch):
+    """int2_cuda.stream_evict_first (host side): the H100's 50 MB L2 -> 128K tokens at batch 1 (76 MB of INT2
+    history) streams as evict_first, batch 8 (600 MB) with the normal priority."""
+    from oscar_kv.kernels import int2_cuda
+
+    monkeypatch.setattr(int2_cuda, "_l2_bytes", lambda device_index: 50 << 20)
+    per_pair = 49 * 2688 * 72  # splits x chunk x bytes per token, 128K tokens (C25)
+    assert int2_cuda.stream_evict_first(8 * per_pair, 0)
+    assert not int2_cuda.stream_evict_first(64 * per_pair, 0)
+    assert int2_cuda.stream_evict_first(100 << 20, 0) and not int2_cuda.stream_evict_first((100 << 20) + 1, 0)
+
+
 def test_cuda_rotation_operand_is_cached_per_tensor_version():
     """int2_cuda.rotation_operand (host side): float16 R^T per head, converted once per tensor and version; an
     in-place change to R (a new calibration loaded into the same buffer) gives a fresh copy, never a stale one."""

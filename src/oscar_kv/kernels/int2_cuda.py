@@ -37,6 +37,7 @@ TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
 MIN_BLOCKS = 3  # CTAs per SM the register budget is set for (168 registers; 4 x 128 spilled: run C1)
 MAX_SPLITS = 512  # CTAs per (sequence, KV head), all merged by the last one (one wave here is <= 3 x SMs CTAs)
+STREAM_EVICT_FIRST_L2S = 2.0  # code loads are evict_first while a call's INT2 bytes are <= this many L2s (C25)
 _MAGIC = 0x64006400  # float16 1024 in both halves (see int2_decode.cu)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -74,6 +75,19 @@ def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, si
         warnings.warn(f"oscar-kv: the CUDA INT2 decode kernel did not compile ({e!r:.300}); using the Triton kernel")
         return f"NVRTC compilation failed: {e!r:.300}"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+def stream_evict_first(int2_bytes: int, device_index: int) -> bool:
+    """Whether a call that streams ``int2_bytes`` of INT2 history loads its codes as L2 evict_first: it saves
+    the write-back of what L2 holds (at most one L2 of lines), so it pays only for streams of up to about two
+    L2s; beyond, losing L2 reuse of the 256-byte blocks costs more (128K: -4.3 us at batch 1, +2-3% at batch 8
+    and 32 on the H100, NOTES.md C25)."""
+    return int2_bytes <= STREAM_EVICT_FIRST_L2S * _l2_bytes(device_index)
 
 
 def _index(device: torch.device) -> int:
@@ -179,6 +193,7 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     po = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float16)
     pl = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     bt = batch.block_table
+    history_bytes = bsz * h * splits * chunk * (2 * d // 4 + 8)  # codes + (scale, min) of K and V, upper bound
     kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, MIN_BLOCKS, _DTYPES[q.dtype],
                      _DTYPES[target.dtype], stamps is not None)
     kernel(grid=(splits, h, bsz), block=(NUM_WARPS * 32, 1, 1),
@@ -186,7 +201,8 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
                  target, _counters(q.device, bsz * h), float(qk_scale), q.stride(0), q.stride(1), stride_rh,
                  kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
                  po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), target.stride(0),
-                 target.stride(1), chunk, _MAGIC, stamps if stamps is not None else po])
+                 target.stride(1), chunk, _MAGIC, stamps if stamps is not None else po,
+                 int(stream_evict_first(history_bytes, _index(q.device)))])
     if target is not out:
         out.copy_(target)
     return out

@@ -197,19 +197,36 @@ struct Source {
   const int* pages;        // the CTA's page ids, in shared memory
   unsigned long long cp, mp;  // page strides: code bytes, metadata words
   int first;               // token index of pages[0]
+  unsigned long long policy;  // L2 eviction policy of the code loads (stream_policy)
 };
 
 // Read-only loads that have L2 fetch the whole 256-byte block around the address: a sub-tile's 512 code bytes
 // arrive in two DRAM requests instead of one per 32-byte sector the warp touches (the V loads touch every other
 // row).  -2% at batch >= 8, within noise at batch 1 (NOTES.md, C23).
-__device__ __forceinline__ uint2 ldg_l2_256(const uint2* p) {
-  uint2 r;
-  asm("ld.global.nc.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
-  return r;
-}
 __device__ __forceinline__ u32 ldg_l2_256(const u32* p) {
   u32 r;
   asm("ld.global.nc.L2::256B.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+// The code bytes are read once per call by one CTA.  With evict_first their L2 lines go first when L2 needs room,
+// so the stream does not push out what L2 holds (dirty lines would first be written back).  That pays while a
+// call reads up to about twice the L2 (at most an L2 of lines to keep); longer streams lose more reuse of the
+// 256-byte blocks than they save, so the host picks (int2_cuda.STREAM_EVICT_FIRST_L2S).  The metadata keeps the
+// normal priority: four KV heads' CTAs share each 256-byte block of it.  NOTES.md, C24-C25.
+__device__ __forceinline__ unsigned long long stream_policy(int evict_first) {
+  unsigned long long first, normal;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(first));
+  asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(normal));
+  return evict_first ? first : normal;
+}
+__device__ __forceinline__ uint2 ldg_stream(const uint2* p, unsigned long long policy) {
+  uint2 r;
+  asm("ld.global.nc.L2::cache_hint.L2::256B.v2.u32 {%0, %1}, [%2], %3;" : "=r"(r.x), "=r"(r.y) : "l"(p), "l"(policy));
+  return r;
+}
+__device__ __forceinline__ u32 ldg_stream(const u32* p, unsigned long long policy) {
+  u32 r;
+  asm("ld.global.nc.L2::cache_hint.L2::256B.u32 %0, [%1], %2;" : "=r"(r) : "l"(p), "l"(policy));
   return r;
 }
 __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, int pos) {
@@ -217,12 +234,13 @@ __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, in
   const unsigned phys = (unsigned)src.pages[rel / P], off = rel % P;
   const unsigned long long oc = (unsigned long long)phys * src.cp + off * D4;
   const unsigned long long om = (unsigned long long)phys * src.mp + off;
-  st.k[0] = ldg_l2_256(reinterpret_cast<const uint2*>(src.k + oc));
-  st.k[1] = ldg_l2_256(reinterpret_cast<const uint2*>(src.k + oc + 8 * D4));
-  st.v[0] = ldg_l2_256(reinterpret_cast<const u32*>(src.v + oc));
-  st.v[1] = ldg_l2_256(reinterpret_cast<const u32*>(src.v + oc + D4));
-  st.v[2] = ldg_l2_256(reinterpret_cast<const u32*>(src.v + oc + 8 * D4));
-  st.v[3] = ldg_l2_256(reinterpret_cast<const u32*>(src.v + oc + 9 * D4));
+  const unsigned long long pol = src.policy;
+  st.k[0] = ldg_stream(reinterpret_cast<const uint2*>(src.k + oc), pol);
+  st.k[1] = ldg_stream(reinterpret_cast<const uint2*>(src.k + oc + 8 * D4), pol);
+  st.v[0] = ldg_stream(reinterpret_cast<const u32*>(src.v + oc), pol);
+  st.v[1] = ldg_stream(reinterpret_cast<const u32*>(src.v + oc + D4), pol);
+  st.v[2] = ldg_stream(reinterpret_cast<const u32*>(src.v + oc + 8 * D4), pol);
+  st.v[3] = ldg_stream(reinterpret_cast<const u32*>(src.v + oc + 9 * D4), pol);
   st.km[0] = ldg_l2_256(src.km + om);
   st.km[1] = ldg_l2_256(src.km + om + 8);
   st.vm[0] = ldg_l2_256(src.vm + om);
@@ -476,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     o_t* __restrict__ O, int* __restrict__ CNT, double qk_scale_d, int stride_qb, int stride_qh, int stride_rh,
     int stride_cp, int stride_ch, int stride_mp, int stride_mh, int stride_wp, int stride_wh, int stride_bt,
     int stride_pob, int stride_poh, int stride_pos, int stride_plb, int stride_plh, int stride_ob, int stride_oh,
-    int chunk, int magic, unsigned long long* __restrict__ TS) {
+    int chunk, int magic, unsigned long long* __restrict__ TS, int evict_first) {
   const int split = blockIdx.x, splits = gridDim.x;
   const int h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -584,6 +602,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   src.cp = (unsigned long long)stride_cp;
   src.mp = (unsigned long long)(stride_mp / 2);
   src.first = start;
+  src.policy = stream_policy(evict_first);
   SubTile buf0[2], buf1[2];
   int pos = start + 32 * warp;
   const int full_end = end - 31;  // pos < full_end <=> pos + 32 <= end
