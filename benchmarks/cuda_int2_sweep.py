@@ -13,6 +13,7 @@ and, in the last CTA of each (sequence, KV head), when the merge starts, has its
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -65,42 +66,55 @@ def stamp_phases(q, pool, batch, rot, geom, mp, dev) -> dict:
 
 
 SHIPPED = str(int2_cuda.SOURCE)
+_COMPILE = int2_cuda._kernel.__wrapped__  # the uncached compile of the shipped module
 
 
-def compare_sources(sources, q, rot, pool, geom, batch, ns, chunk) -> dict:
-    """Each kernel source's time for the same call, best of 3 rounds that alternate the sources."""
+@contextlib.contextmanager
+def _source(src: str):
+    """int2_cuda.decode runs the kernel compiled from ``src`` inside the block."""
     shipped = int2_cuda._kernel
-    kernels = {src: _kernel_from(src, shipped.__wrapped__) for src in sources}
-    best, err = {}, {}
+    int2_cuda._kernel = _kernel_from(src)
     try:
-        outs = {}
-        for src in sources:  # each source's output against the shipped one's (a variant must stay correct)
-            int2_cuda._kernel = kernels[src]
-            outs[src] = int2_cuda.decode(q, rot, pool.layer(0), geom, batch, torch.empty_like(q), ns, chunk,
-                                         LOG2E / geom.head_dim ** 0.5).float()
-            err[src] = ((outs[src] - outs[sources[0]]).norm() / outs[sources[0]].norm()).item()
-        for _ in range(3):
-            for src in sources:
-                int2_cuda._kernel = kernels[src]
-                us = 1e3 * _bench_call(lambda: int2_cuda.decode(q, rot, pool.layer(0), geom, batch,
-                                                                 torch.empty_like(q), ns, chunk,
-                                                                 LOG2E / geom.head_dim ** 0.5))
-                best[src] = min(best.get(src, us), us)
+        yield
     finally:
         int2_cuda._kernel = shipped
-    return {src: dict(us=best[src], err_vs_shipped=err[src]) for src in sources}
 
 
-def _kernel_from(src: str, compile_fn):
+@functools.lru_cache(maxsize=None)
+def _kernel_from(src: str):
     """int2_cuda._kernel for another source file, compiled once per argument set."""
     @functools.lru_cache(maxsize=None)
     def kernel(*args):
         int2_cuda.SOURCE = Path(src)
         try:
-            return compile_fn(*args)
+            return _COMPILE(*args)
         finally:
             int2_cuda.SOURCE = Path(SHIPPED)
     return kernel
+
+
+def compare_sources(sources, q, rot, pool, geom, batch, ns, chunk) -> dict:
+    """Each kernel source's time for the same call, best of 3 rounds that alternate the sources, and its
+    output's relative error against the first source's (a variant must stay correct)."""
+    def call():
+        return int2_cuda.decode(q, rot, pool.layer(0), geom, batch, torch.empty_like(q), ns, chunk,
+                                LOG2E / geom.head_dim ** 0.5)
+
+    outs, best = {}, {}
+    for src in sources:
+        with _source(src):
+            outs[src] = call().float()
+    for _ in range(3):
+        for src in sources:
+            with _source(src):
+                us = 1e3 * _bench_call(call)
+            best[src] = min(best.get(src, us), us)
+    ref = outs[sources[0]]
+    return {src: dict(us=best[src], err_vs_shipped=((outs[src] - ref).norm() / ref.norm()).item()) for src in sources}
+
+
+def _fmt_phases(phases: dict) -> str:
+    return ", ".join(f"{k} {m:.1f}/{x:.1f}" for k, (m, x) in phases.items())
 
 
 def main() -> None:
@@ -151,22 +165,17 @@ def main() -> None:
                   f" (splits {ns})", flush=True)
             if a.stamps:
                 row["stamps_us"] = stamp_phases(q, pool, batch, rot, geom, mp, dev)
-                print("   phases, us from the first CTA's start (median / max over CTAs): " + ", ".join(
-                    f"{k} {m:.1f}/{x:.1f}" for k, (m, x) in row["stamps_us"].items()), flush=True)
+                print("   phases, us from the first CTA's start (median / max over CTAs): " +
+                      _fmt_phases(row["stamps_us"]), flush=True)
             if a.sources:
                 row["sources_us"] = compare_sources([SHIPPED] + a.sources.split(","), q, rot, pool, geom, batch, ns,
                                                     chunk)
                 if a.stamps:  # the phases of each other source as well
-                    shipped = int2_cuda._kernel
                     for src in a.sources.split(","):
-                        int2_cuda._kernel = _kernel_from(src, shipped.__wrapped__)
-                        try:
+                        with _source(src):
                             ph = stamp_phases(q, pool, batch, rot, geom, mp, dev)
-                        finally:
-                            int2_cuda._kernel = shipped
                         row["sources_us"][src]["stamps_us"] = ph
-                        print(f"   phases of {Path(src).name}: " + ", ".join(
-                            f"{k} {m:.1f}/{x:.1f}" for k, (m, x) in ph.items()), flush=True)
+                        print(f"   phases of {Path(src).name}: " + _fmt_phases(ph), flush=True)
                 print("   sources (us, best of 3 interleaved rounds): " + ", ".join(
                     f"{Path(k).name} {v['us']:.1f} (err {v['err_vs_shipped']:.1e})" for k, v in row["sources_us"].items()),
                       flush=True)

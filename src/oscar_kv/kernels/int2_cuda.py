@@ -193,7 +193,7 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     po = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float16)
     pl = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     bt = batch.block_table
-    history_bytes = bsz * h * splits * chunk * (2 * d // 4 + 8)  # codes + (scale, min) of K and V, upper bound
+    history_bytes = bsz * h * splits * chunk * geom.int2_bytes_per_token()  # an upper bound (the last chunk)
     kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, MIN_BLOCKS, _DTYPES[q.dtype],
                      _DTYPES[target.dtype], stamps is not None)
     kernel(grid=(splits, h, bsz), block=(NUM_WARPS * 32, 1, 1),
