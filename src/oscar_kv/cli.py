@@ -282,13 +282,14 @@ def evaluate(
     output: Path = typer.Option(..., "--output", "-o", help="Directory for results.json, results.md and plots."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
     methods: str = typer.Option("bf16,int4,naive-int2,quarot-int2,kivi-2,oscar", help="Comma-separated schemes."),
-    tasks: str = typer.Option("kl,ppl,niah,attn", help="Comma-separated tasks: kl, ppl, niah, attn."),
+    tasks: str = typer.Option("kl,ppl,niah,attn", help="Comma-separated tasks: kl, ppl, niah, niah_multikey, attn."),
     context_lengths: str = typer.Option("1024,2048,4096", help="Comma-separated context lengths in tokens."),
     text: Optional[Path] = typer.Option(None, help="Evaluation text (.txt/.jsonl). Default: held-out part of the shipped corpus."),
     niah_samples: int = typer.Option(20, help="Needle-in-a-haystack samples per context length."),
     kl_docs: int = typer.Option(1, help="Text windows per context length for KL/perplexity."),
     ablations: bool = typer.Option(True, help="Also run the OSCAR ablations (fitted from the same calibration statistics)."),
     quick: bool = typer.Option(False, help="bf16/naive/quarot/oscar at 1024 tokens, 2 NIAH samples, no ablations (CI)."),
+    device: str = typer.Option("cpu", help="Where the model runs: cpu or cuda (bf16 weights on cuda)."),
 ):
     """Compare KV schemes on real text: KL and top-1 vs BF16, perplexity, NIAH, per-layer attention error."""
     _quiet_transformers()
@@ -304,7 +305,7 @@ def evaluate(
                                 ablations=ablations)
     except ValueError as exc:
         _fail(str(exc))
-    lm, tokenizer = _load(model, "cpu")
+    lm, tokenizer = _load(model, device)
     rot = _load_rotations(rotations, lm, "int2")
     try:
         results = run_eval(lm, tokenizer, rot, config, output)

@@ -71,7 +71,7 @@ def clip_rows(x: torch.Tensor, ratio: float | torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     sorted_abs = x.abs().sort(dim=-1).values
     if isinstance(ratio, torch.Tensor):
-        idx = (ratio.to(torch.float64) * d).floor().clamp(0, d - 1).long()
+        idx = (ratio.to(x.device, torch.float64) * d).floor().clamp(0, d - 1).long()
         idx = idx.expand(x.shape[:-1]).unsqueeze(-1)
         tau = sorted_abs.gather(-1, idx)
     else:

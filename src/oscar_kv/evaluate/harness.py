@@ -24,7 +24,7 @@ from .schemes import STANDARD, Scheme, ablation_schemes, standard_scheme
 
 log = logging.getLogger(__name__)
 
-TASKS = ("kl", "ppl", "niah", "attn")
+TASKS = ("kl", "ppl", "niah", "niah_multikey", "attn")
 # Calibration reads the shipped corpus from its start; evaluation text starts far past that.
 EVAL_TEXT_OFFSET = 150_000
 
@@ -107,12 +107,12 @@ def _calibration_statistics(model, tokenizer, oscar: Rotations):
     sequences = token_sequences(tokenizer, texts, seq_len, count + 1)
     with torch.no_grad(), observing(model, stats.add):
         for ids in tqdm(sequences[:count], desc="calibration statistics", leave=False):
-            model(ids, use_cache=False)
+            model(ids.to(model.device), use_cache=False)
     c_q, _, _, mu_v, _ = stats.moments(settings.key_centering, settings.center_values)
     proxy = AuthorsValueProxy(c_q, mu_v)
     with torch.no_grad(), observing(model, proxy.add):
         for ids in tqdm(sequences[:count], desc="authors' value proxy", leave=False):
-            model(ids, use_cache=False)
+            model(ids.to(model.device), use_cache=False)
     probe = capture_samples(model, sequences[-1][:, :settings.probe_tokens])
     return stats, settings, proxy.covariance(), probe
 
@@ -147,9 +147,8 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
         key = str(ctx)
         docs = _documents(all_ids, ctx, config.kl_docs)
         t0 = time.perf_counter()
-        refs = [tasks.reference_logits(model, d) for d in docs] if {"kl", "ppl"} & set(config.tasks) else []
+        refs = [tasks.reference_hidden(model, d) for d in docs] if {"kl", "ppl"} & set(config.tasks) else []
         samples = capture_samples(model, docs[0]) if "attn" in config.tasks else None
-        niah = _niah_inputs(model, tokenizer, text, ctx, config) if "niah" in config.tasks else []
         timings[f"reference@{ctx}"] = round(time.perf_counter() - t0, 1)
         for scheme in schemes:
             t0 = time.perf_counter()
@@ -168,13 +167,26 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
                 errs = tasks.layer_attention_errors(scheme, cache, samples)
                 row.setdefault("attn_error", {})[key] = errs
                 row.setdefault("attn_error_mean", {})[key] = sum(errs) / len(errs)
-            if niah and scheme.name in config.methods:  # ablations are scored on KL/ppl/attn only
-                hits = [number in tasks.niah_answer(model, tokenizer, scheme, kv, question)
-                        for kv, question, number in niah]
-                row.setdefault("niah", {})[key] = sum(hits) / len(hits)
             timings[f"{scheme.name}@{ctx}"] = round(time.perf_counter() - t0, 1)
             bar.update()
             bar.set_postfix_str(f"{scheme.name}@{ctx}")
+        del refs, samples
+        # ablations are scored on KL/ppl/attn only; each haystack is prefilled once and asked through every scheme
+        scored = [s for s in schemes if s.name in config.methods]
+        for task in ("niah", "niah_multikey"):
+            if task not in config.tasks:
+                continue
+            t0 = time.perf_counter()
+            hits = {s.name: [] for s in scored}
+            for prompt in _needle_prompts(tokenizer, text, ctx, config, multikey=task == "niah_multikey"):
+                kv = tasks.haystack_kv(model, prompt.haystack)
+                for scheme in scored:
+                    hits[scheme.name].append(prompt.answer in tasks.niah_answer(model, tokenizer, scheme, kv,
+                                                                                 prompt.question))
+                del kv
+            for name, h in hits.items():
+                results["methods"][name].setdefault(task, {})[key] = sum(h) / len(h)
+            timings[f"{task}@{ctx}"] = round(time.perf_counter() - t0, 1)
         # a long run keeps what it measured so far (the report and plots are written at the end)
         (output / "results.json").write_text(json.dumps(dict(results, timings=timings, partial=True), indent=1) + "\n")
     bar.close()
@@ -195,13 +207,15 @@ def _documents(all_ids: torch.Tensor, length: int, count: int) -> list[torch.Ten
     return [all_ids[:, i * stride:i * stride + length] for i in range(count) if i * stride + length <= total]
 
 
-def _niah_inputs(model, tokenizer, text: str, ctx: int, config: EvalConfig):
-    numbers = tasks.needle_numbers(config.niah_samples, config.seed + ctx)
-    out = []
+def _needle_prompts(tokenizer, text: str, ctx: int, config: EvalConfig, multikey: bool = False):
+    """NIAH prompts of about ``ctx`` tokens, each on a different stretch of filler: single needles cycle
+    through tasks.DEPTHS; multi-key prompts hide 4 keyed numbers and ask for one."""
     chars = len(text)
-    for i, number in enumerate(numbers):
-        start = (i * 7919 * 13) % max(chars - ctx * 8, 1)  # a different stretch of filler per sample
-        haystack, question = tasks.niah_prompt(tokenizer, text[start:start + ctx * 8], ctx,
-                                               tasks.DEPTHS[i % len(tasks.DEPTHS)], number)
-        out.append((tasks.haystack_kv(model, haystack), question, number))
-    return out
+    for i in range(config.niah_samples):
+        start = (i * 7919 * 13) % max(chars - ctx * 8, 1)
+        filler = text[start:start + ctx * 8]
+        if multikey:
+            yield tasks.multikey_prompt(tokenizer, filler, ctx, config.seed + ctx + i)
+        else:
+            number = tasks.needle_numbers(config.niah_samples, config.seed + ctx)[i]
+            yield tasks.niah_prompt(tokenizer, filler, ctx, tasks.DEPTHS[i % len(tasks.DEPTHS)], number)

@@ -9,6 +9,7 @@ log = logging.getLogger(__name__)
 
 COLUMNS = (("bits_per_element", "bits/elem", "{:.3f}"), ("kl", "KL vs bf16", "{:.4f}"),
            ("top1_agreement", "top-1", "{:.3f}"), ("ppl", "ppl", "{:.3f}"), ("niah", "NIAH", "{:.2f}"),
+           ("niah_multikey", "multi-key NIAH", "{:.2f}"),
            ("attn_error_mean", "attn err", "{:.4f}"))
 
 
@@ -40,7 +41,9 @@ def write_report(results: dict, output: Path) -> None:
         return
     ctxs = results["context_lengths"]
     for metric, ylabel, fname, logy in (("kl", "mean KL vs bf16", "kl_vs_context.png", True),
-                                        ("niah", "NIAH accuracy", "niah_vs_context.png", False)):
+                                        ("niah", "NIAH accuracy", "niah_vs_context.png", False),
+                                        ("niah_multikey", "multi-key NIAH accuracy", "niah_multikey_vs_context.png",
+                                         False)):
         rows = {n: m[metric] for n, m in results["methods"].items() if metric in m}
         if not rows:
             continue

@@ -39,6 +39,8 @@ def stored_forms(layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tenso
     computed from the window-dtype copies, as the cache quantizes its stored BF16 rows.
     """
     wdt = layer.settings.window_dtype
+    if not layer.is_initialized:  # moves the layer's rotation and means to the keys' device
+        layer.lazy_initialization(keys, values)
     k_exact = layer.rotate_keys(keys, torch.arange(keys.shape[2], device=keys.device)).to(wdt).float()
     v_exact = values.to(wdt).float()
     if not layer.quantizes:
@@ -73,14 +75,16 @@ def simulated_attention_from_forms(layer: OscarCacheLayer, query: torch.Tensor, 
     g = hq // hkv
     s0 = layer.settings.sink_size if layer.quantizes else 0
     q = layer.rotate_queries(query).reshape(b, hkv, g, t, d) * d**-0.5
+    dev = query.device
     pos_q = torch.arange(start, start + t)
     hist = quantized_history_end(pos_q, layer).clamp_min(s0)  # [T] on the CPU: segment bounds are host ints
-    out = torch.empty(b, hkv, g, t, d)
+    hist_dev, pos_dev = hist.to(dev), pos_q.to(dev)
+    out = torch.empty(b, hkv, g, t, d, device=dev)
     for i0 in range(0, t, QUERY_BLOCK):
         i1 = min(i0 + QUERY_BLOCK, t)
         n = min(n_keys, start + i1)  # keys past the block's last query are never seen
         a, h0, h1 = min(s0, n), min(int(hist[i0]), n), min(int(hist[i1 - 1]), n)
-        band = torch.arange(h0, h1)[None, :] < hist[i0:i1, None]  # [nb, h1 - h0]: quantized for this query
+        band = torch.arange(h0, h1, device=dev)[None, :] < hist_dev[i0:i1, None]  # [nb, h1 - h0]: quantized for this query
         qb = q[:, :, :, i0:i1]  # [B, Hkv, g, nb, D]
 
         def dot(keys, lo, hi):
@@ -90,7 +94,7 @@ def simulated_attention_from_forms(layer: OscarCacheLayer, query: torch.Tensor, 
         logits = torch.cat([dot(k_e, 0, a), dot(k_q, a, h0), torch.where(band, dot(k_q, h0, h1), dot(k_e, h0, h1)),
                             dot(k_e, h1, n)], -1)
         c = start + i0  # keys from the block's first query on may lie in a query's future
-        logits[..., c:n].masked_fill_(torch.arange(c, n)[None, :] > pos_q[i0:i1, None], float("-inf"))
+        logits[..., c:n].masked_fill_(torch.arange(c, n, device=dev)[None, :] > pos_dev[i0:i1, None], float("-inf"))
         probs = torch.softmax(logits, -1)
         p_band = probs[..., h0:h1]
         out[:, :, :, i0:i1] = (probs[..., :a] @ v_e[:, :, None, :a] + probs[..., a:h0] @ v_q[:, :, None, a:h0]

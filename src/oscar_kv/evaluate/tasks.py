@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import random
 import re
+from dataclasses import dataclass
 
 import torch
 
 from ..activations import LayerSample, causal_attention, relative_error
 from ..cache import OscarCache, prepare_model, unprepare_model
 from .schemes import Scheme
-from .simulate import simulated_attention_from_forms, simulated_logits, stored_forms
+from .simulate import simulated_attention_from_forms, simulating, stored_forms
 
 KL_START = 512  # positions before this are not scored (the cache is mostly BF16 there)
 
@@ -22,25 +23,38 @@ def prepare(model, scheme: Scheme) -> OscarCache:
     return OscarCache(model, scheme.rotations, scheme.settings)
 
 
+LOGIT_CHUNK = 1024  # positions per lm_head call: full logits at 32K x 150K vocab would take ~20 GB
+
+
 @torch.no_grad()
-def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
+def reference_hidden(model, ids: torch.Tensor) -> torch.Tensor:
+    """The exact model's final hidden states [T, H] (logits are formed chunk by chunk in ``kl_and_ppl``)."""
     unprepare_model(model)
-    return model(ids, use_cache=False).logits.float()
+    return model.model(ids.to(model.device), use_cache=False).last_hidden_state[0]
 
 
 @torch.no_grad()
-def kl_and_ppl(model, scheme: Scheme, ids: torch.Tensor, ref_logits: torch.Tensor) -> dict[str, float]:
+def kl_and_ppl(model, scheme: Scheme, ids: torch.Tensor, ref_hidden: torch.Tensor) -> dict[str, float]:
     """Mean KL(bf16 || scheme) and top-1 agreement after KL_START, and the scheme's perplexity."""
     cache = prepare(model, scheme)
-    logits = simulated_logits(model, cache, ids).float()
+    ids = ids.to(model.device)
+    with simulating(model, cache):
+        hidden = model.model(ids, use_cache=False).last_hidden_state[0]
     start = min(KL_START, ids.shape[1] // 2)
-    ref_lp = torch.log_softmax(ref_logits[:, start - 1:-1], -1)
-    lp = torch.log_softmax(logits[:, start - 1:-1], -1)
-    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).mean()
-    top1 = (ref_lp.argmax(-1) == lp.argmax(-1)).float().mean()
-    targets = ids[:, 1:]
-    nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, targets[..., None]).mean()
-    return {"kl": float(kl), "top1_agreement": float(top1), "ppl": float(torch.exp(nll))}
+    targets = ids[0, 1:]
+    kl = top1 = nll = 0.0
+    for c0 in range(0, ids.shape[1] - 1, LOGIT_CHUNK):
+        c1 = min(c0 + LOGIT_CHUNK, ids.shape[1] - 1)
+        lp = torch.log_softmax(model.lm_head(hidden[c0:c1]).float(), -1)
+        nll += float(-lp.gather(-1, targets[c0:c1, None]).sum())
+        s0 = max(c0, start - 1)
+        if s0 < c1:
+            ref_lp = torch.log_softmax(model.lm_head(ref_hidden[s0:c1]).float(), -1)
+            mine = lp[s0 - c0:]
+            kl += float((ref_lp.exp() * (ref_lp - mine)).sum())
+            top1 += float((ref_lp.argmax(-1) == mine.argmax(-1)).sum())
+    scored = ids.shape[1] - start
+    return {"kl": kl / scored, "top1_agreement": top1 / scored, "ppl": math.exp(nll / (ids.shape[1] - 1))}
 
 
 # ---- needle in a haystack ------------------------------------------------------------------------
@@ -48,12 +62,34 @@ NEEDLE = "The magic number is {number}. Remember it: the magic number is {number
 QUESTION = "What is the magic number mentioned in the text above? Reply with the 7-digit number only."
 ANSWER_PREFIX = "The magic number is"
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+# multi-key NIAH: several keyed needles, the question names one of them
+KEYED_NEEDLE = "The special magic number for {key} is {number}."
+KEYED_QUESTION = ("What is the special magic number for {key} mentioned in the text above? "
+                  "Reply with the 7-digit number only.")
+KEYED_ANSWER_PREFIX = "The special magic number for {key} is"
+KEYS = ("amber-falcon", "quiet-harbor", "silver-orchard", "paper-lantern", "copper-meadow", "northern-willow",
+        "velvet-canyon", "hollow-tide")
 
 
-def niah_prompt(tokenizer, filler: str, length: int, depth: float, number: str) -> tuple[list[int], list[int]]:
-    """(haystack ids, question ids) of a chat prompt of about ``length`` tokens with the needle at ``depth``."""
+@dataclass
+class NeedlePrompt:
+    """A haystack with needles, the question that follows it and the expected answer.
+
+    ``spans``: token ranges [start, end) of every needle sentence in ``haystack``; ``target`` indexes the
+    one the question asks about."""
+
+    haystack: list[int]
+    question: list[int]
+    answer: str
+    spans: list[tuple[int, int]]
+    target: int = 0
+
+
+def needle_prompt(tokenizer, filler: str, length: int, needles: list[tuple[float, str]], question: str,
+                  answer_prefix: str, answer: str, target: int = 0) -> NeedlePrompt:
+    """A chat prompt of about ``length`` tokens with each needle sentence inserted at its depth (0..1)."""
     sentences = re.split(r"(?<=[.!?])\s+", filler)
-    budget = length - 80  # room for the chat template, needle and question
+    budget = length - 60 - sum(len(tokenizer(n, add_special_tokens=False).input_ids) + 1 for _, n in needles)
     chosen, used = [], 0
     for s in sentences:
         n = len(tokenizer(s, add_special_tokens=False).input_ids) + 1
@@ -61,19 +97,50 @@ def niah_prompt(tokenizer, filler: str, length: int, depth: float, number: str) 
             break
         chosen.append(s)
         used += n
-    at = int(len(chosen) * depth)
-    haystack = " ".join(chosen[:at] + [NEEDLE.format(number=number)] + chosen[at:])
-    marker = "\n\n" + QUESTION
+    order = sorted(range(len(needles)), key=lambda i: needles[i][0])
+    parts, at = [], 0
+    for i in order:
+        cut = int(len(chosen) * needles[i][0])
+        parts += chosen[at:cut] + [needles[i][1]]
+        at = max(at, cut)
+    parts += chosen[at:]
+    haystack = " ".join(parts)
+    marker = "\n\n" + question
     content = haystack + marker
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
     else:
         text = content + "\n"
-    text += ANSWER_PREFIX  # the answer starts with the digits: fewer decode steps, same retrieval
+    text += answer_prefix  # the answer starts with the digits: fewer decode steps, same retrieval
     split = text.index(marker)
-    return (tokenizer(text[:split], add_special_tokens=False).input_ids,
-            tokenizer(text[split:], add_special_tokens=False).input_ids)
+    enc = tokenizer(text[:split], add_special_tokens=False, return_offsets_mapping=True)
+    spans = []
+    for _, sentence in needles:
+        c0 = text.index(sentence)
+        c1 = c0 + len(sentence)
+        toks = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if b > c0 and a < c1]
+        spans.append((toks[0], toks[-1] + 1))
+    return NeedlePrompt(enc["input_ids"], tokenizer(text[split:], add_special_tokens=False).input_ids, answer,
+                        spans, target)
+
+
+def niah_prompt(tokenizer, filler: str, length: int, depth: float, number: str) -> NeedlePrompt:
+    """Single-needle NIAH: one magic number at ``depth``."""
+    return needle_prompt(tokenizer, filler, length, [(depth, NEEDLE.format(number=number))], QUESTION,
+                         ANSWER_PREFIX, number)
+
+
+def multikey_prompt(tokenizer, filler: str, length: int, seed: int, keys: int = 4) -> NeedlePrompt:
+    """Multi-key NIAH: ``keys`` keyed numbers at spread depths; the question asks for one of them."""
+    rng = random.Random(seed)
+    names = rng.sample(KEYS, keys)
+    numbers = needle_numbers(keys, seed)
+    depths = [(i + rng.random()) / keys for i in range(keys)]
+    target = rng.randrange(keys)
+    needles = [(d, KEYED_NEEDLE.format(key=k, number=n)) for d, k, n in zip(depths, names, numbers)]
+    return needle_prompt(tokenizer, filler, length, needles, KEYED_QUESTION.format(key=names[target]),
+                         KEYED_ANSWER_PREFIX.format(key=names[target]), numbers[target], target)
 
 
 @torch.no_grad()
@@ -83,7 +150,7 @@ def haystack_kv(model, ids: list[int]):
 
     unprepare_model(model)
     cache = DynamicCache(config=model.config)
-    model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    model(torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -91,10 +158,20 @@ def fold_value_tensor(values: torch.Tensor, scheme: Scheme, layer: int) -> torch
     """(v - mu_V) @ R_V per head: what the folded v_proj produces, from raw values [B, Hkv, T, D]."""
     if scheme.rotations is None:
         return values
-    rot = scheme.rotations.v_rotation[layer].to(values.dtype)
+    rot = scheme.rotations.v_rotation[layer].to(values.device, values.dtype)
     rot = rot.expand(values.shape[1], *rot.shape[1:]) if rot.shape[0] == 1 else rot
-    mu = scheme.rotations.v_mean[layer].to(values.dtype)
+    mu = scheme.rotations.v_mean[layer].to(values.device, values.dtype)
     return torch.einsum("bhtd,hde->bhte", values - mu[None, :, None], rot)
+
+
+def stored_cache(model, scheme: Scheme, kv) -> OscarCache:
+    """The scheme's cache after storing the haystack's exact K/V (as after a prefix-cache hit)."""
+    cache = prepare(model, scheme)
+    for i, (k, v) in enumerate(kv):
+        layer = cache.layers[i]
+        layer.update(k, fold_value_tensor(v, scheme, i))
+        layer.chunk = None
+    return cache
 
 
 @torch.no_grad()
@@ -104,12 +181,8 @@ def niah_answer(model, tokenizer, scheme: Scheme, kv, question: list[int], max_n
     The haystack is prefilled once for all schemes (its hidden states are exact in every scheme, as
     in a prefix-cache hit); the question and the answer must read the needle from the stored cache.
     """
-    cache = prepare(model, scheme)
-    for i, (k, v) in enumerate(kv):
-        layer = cache.layers[i]
-        layer.update(k, fold_value_tensor(v, scheme, i))
-        layer.chunk = None
-    ids = torch.tensor([question])
+    cache = stored_cache(model, scheme, kv)
+    ids = torch.tensor([question], device=model.device)
     out = []
     for _ in range(max_new_tokens):
         token = int(model(ids, past_key_values=cache).logits[0, -1].argmax())
@@ -118,7 +191,7 @@ def niah_answer(model, tokenizer, scheme: Scheme, kv, question: list[int], max_n
         out.append(token)
         if re.search(r"\d{7}", tokenizer.decode(out)):  # an answer (right or wrong) is complete
             break
-        ids = torch.tensor([[token]])
+        ids = torch.tensor([[token]], device=model.device)
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
