@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--multikey", type=int, default=0, help="multi-key samples per context (4 keyed needles)")
     ap.add_argument("--int4-heads", type=float, default=0.2, help="share of KV heads given INT4 keys in that variant")
     ap.add_argument("--output", default="runs/needle")
+    ap.add_argument("--compare", action="append", default=[], metavar="NAME=DIR",
+                    help="another artifact scored as variant NAME (repeatable)")
+    ap.add_argument("--variants", default="", help="comma-separated variants to score (default: all)")
     args = ap.parse_args()
 
     model, tokenizer = load_model(args.model, args.device)
@@ -54,6 +57,13 @@ def main() -> None:
     for tokens in (32, 64):  # keys per channel over groups of tokens (KIVI's axis) in OSCAR's rotated space
         schemes[f"oscar-channel-keys-{tokens}"] = Scheme(f"oscar-channel-keys-{tokens}", rot,
                                                           replace(base, key_axis="channel", page_size=tokens))
+    for spec in args.compare:
+        name, directory = spec.split("=", 1)
+        schemes[name] = Scheme(name, Rotations.load(directory, geometry), base)
+    wanted = set(filter(None, args.variants.split(",")))
+    if wanted:  # the stored forms a wanted variant is made of
+        needs = wanted | {"bf16", "oscar"} | ({"oscar-int4"} if "oscar-int4-retrieval-keys" in wanted else set())
+        schemes = {k: v for k, v in schemes.items() if k in needs}
     text = evaluation_text(None)
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +84,7 @@ def main() -> None:
             prompts.append(("multikey", tasks.multikey_prompt(tokenizer, text[start:start + ctx * 8], ctx, ctx + i)))
         for kind, prompt in prompts:
             kv = tasks.haystack_kv(model, prompt.haystack)
-            stored = {name: needle.stored_haystack(model, s, kv) for name, s in schemes.items()}
+            stored = {name: needle.stored_haystack(model, s, kv, len(prompt.question)) for name, s in schemes.items()}
             del kv
             exact, oscar = stored["bf16"], stored["oscar"]
             queries = needle.answering_queries(model, prompt)
@@ -91,16 +101,16 @@ def main() -> None:
                 "oscar-keys-only": exact.mixed(oscar, keys_from_other=True),
                 "oscar-values-only": exact.mixed(oscar, values_from_other=True),
                 "oscar-bias": replace(oscar, logit_bias=needle.variance_bias(rep, hkv)),
-                "oscar-int4-retrieval-keys": oscar.mixed(stored["oscar-int4"], keys_from_other=top),
-                "oscar-int4": stored["oscar-int4"],
-                "kivi-2": stored["kivi-2"],
-                "oscar-no-key-clip": stored["oscar-no-key-clip"],
-                "oscar-half-group": stored["oscar-half-group"],
-                "oscar-channel-keys-32": stored["oscar-channel-keys-32"],
-                "oscar-channel-keys-64": stored["oscar-channel-keys-64"],
             }
-            for name in ("oscar-keys-only", "oscar-values-only", "oscar-bias", "oscar-no-key-clip"):
-                reports.setdefault(name, []).append(needle.head_report(queries, exact, variants[name], prompt))
+            if "oscar-int4" in stored:
+                variants["oscar-int4-retrieval-keys"] = oscar.mixed(stored["oscar-int4"], keys_from_other=top)
+            variants.update({name: stored[name] for name in schemes if name not in variants})
+            if wanted:
+                variants = {k: v for k, v in variants.items() if k in wanted or k in ("bf16", "oscar")}
+            for name in ("oscar-keys-only", "oscar-values-only", "oscar-bias", "oscar-no-key-clip",
+                         *[c.split("=")[0] for c in args.compare]):
+                if name in variants:
+                    reports.setdefault(name, []).append(needle.head_report(queries, exact, variants[name], prompt))
             reports.setdefault("oscar", []).append(rep)
             for name, st in variants.items():
                 s = needle.answer_score(model, tokenizer, st, prompt)

@@ -118,30 +118,91 @@ def _per_head(r: torch.Tensor, heads: int) -> torch.Tensor:
 
 def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mean, v_mean, k_clip, v_clip,
                               bits: int = 2, group_size: int | None = None,
-                              quantize_keys: bool = True, quantize_values: bool = True, sink_size: int = 64) -> float:
-    """Relative error of one layer's causal attention output when its K/V are stored quantized.
+                              quantize_keys: bool = True, quantize_values: bool = True, sink_size: int = 64,
+                              recent_size: int = 0, queries: int | None = None) -> float:
+    """Relative error of one layer's attention output when its K/V are stored quantized.
 
-    The first ``sink_size`` tokens stay exact (as the cache's sink does); every later token is
-    quantized (no recent window), so this isolates the quantizer + rotation quality.
+    Serving semantics: the first ``sink_size`` tokens stay exact, and so do the ``recent_size`` keys
+    before each query (the cache's recent window); every other key is quantized.  ``queries``: score
+    only the last that many positions (on a long probe: the queries whose attention reaches far back,
+    where retrieval happens); None scores every position.
     Rotations [H|1, D, D], clips [Hkv], v_mean [Hkv, D]; k_mean is the key offset: [Hkv, D] or
     per position [Hkv, T, D] (``LayerSample.key_offset``).  Attention adds the offset back exactly.
     """
     from .quant import fake_quantize  # local: quant is the lower layer
 
     hq, hkv = sample.q.shape[0], sample.k.shape[0]
+    t = sample.k.shape[1]
+    nq = t if queries is None else min(queries, t)
     rk, rv = _per_head(k_rotation.float(), hkv), _per_head(v_rotation.float(), hkv)
-    exact = causal_attention(sample.q, sample.k, sample.v)
     offset = k_mean[:, None] if k_mean.dim() == 2 else k_mean
     k_rot = torch.einsum("htd,hde->hte", sample.k - offset, rk)
     v_rot = torch.einsum("htd,hde->hte", sample.v - v_mean[:, None], rv)
-    q_rot = torch.einsum("hgtd,hde->hgte", sample.q.reshape(hkv, hq // hkv, *sample.q.shape[1:]), rk).reshape_as(sample.q)
-    s = sink_size
+    q = sample.q[:, t - nq:]
+    q_rot = torch.einsum("hgtd,hde->hgte", q.reshape(hkv, hq // hkv, nq, q.shape[-1]), rk).reshape_as(q)
+    s = min(sink_size, t)
+    last = max(t - 1 - recent_size, s)  # no query scored here sees keys from last on as quantized
+    k_q, v_q = k_rot.clone(), v_rot.clone()
     if quantize_keys:
-        k_rot = torch.cat([k_rot[:, :s], fake_quantize(k_rot[:, s:], bits, group_size, k_clip[:, None].float())], 1)
+        k_q[:, s:last] = fake_quantize(k_rot[:, s:last], bits, group_size, k_clip[:, None].float())
     if quantize_values:
-        v_rot = torch.cat([v_rot[:, :s], fake_quantize(v_rot[:, s:], bits, group_size, v_clip[:, None].float())], 1)
-    k_rot = k_rot + torch.einsum("htd,hde->hte", offset.expand_as(sample.k), rk)
-    out_rot = causal_attention(q_rot, k_rot, v_rot)  # [Hq, T, D] in value-rotated space
+        v_q[:, s:last] = fake_quantize(v_rot[:, s:last], bits, group_size, v_clip[:, None].float())
+    full_offset = torch.einsum("htd,hde->hte", offset.expand_as(sample.k), rk)
+    pos = torch.arange(t - nq, t)[:, None]
+    key = torch.arange(t)[None, :]
+    quantized = (key >= s) & (key < pos - recent_size)  # [nq, T]
     head_of = torch.arange(hq) // (hq // hkv)
+    scale = q.shape[-1] ** -0.5
+
+    exact = torch.softmax(torch.einsum("hqd,hkd->hqk", q, sample.k[head_of]).mul(scale)
+                          .masked_fill(key > pos, float("-inf")), -1) @ sample.v[head_of]
+    z_e = torch.einsum("hqd,hkd->hqk", q_rot, (k_rot + full_offset)[head_of])
+    z_q = torch.einsum("hqd,hkd->hqk", q_rot, (k_q + full_offset)[head_of])
+    z = torch.where(quantized, z_q, z_e).mul(scale).masked_fill(key > pos, float("-inf"))
+    p = torch.softmax(z, -1)
+    out_rot = (p * quantized) @ v_q[head_of] + (p * ~quantized) @ v_rot[head_of]
     out = torch.einsum("hte,hde->htd", out_rot, rv[head_of]) + v_mean[head_of][:, None]
     return relative_error(out, exact)
+
+
+def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation, k_offset, v_mean, which: str,
+                          candidates: torch.Tensor, bits: int = 2, group_size: int | None = None,
+                          sink_size: int = 64, recent_size: int = 0, queries: int | None = None) -> torch.Tensor:
+    """For KV head ``head`` of one layer: the attention-output error of its query group for every clip ratio in
+    ``candidates`` [C], quantizing only the keys (``which="k"``) or only the values ("v"), with the windows
+    and scored queries of ``quantized_attention_error``.  Returns [C] squared error norms (comparable across
+    candidates; the other heads' errors do not depend on this head's clip).  All candidates in one pass."""
+    from .quant import fake_quantize
+
+    hq, hkv = sample.q.shape[0], sample.k.shape[0]
+    g, t = hq // hkv, sample.k.shape[1]
+    nq = t if queries is None else min(queries, t)
+    rk = _per_head(k_rotation.float(), hkv)[head]
+    rv = _per_head(v_rotation.float(), hkv)[head]
+    off = (k_offset[:, None] if k_offset.dim() == 2 else k_offset)[head].expand(t, -1)
+    k_rot = (sample.k[head] - off) @ rk  # [T, D]
+    v_rot = (sample.v[head] - v_mean[head]) @ rv
+    q_rot = sample.q[head * g:(head + 1) * g, t - nq:] @ rk  # [g, nq, D]
+    off_rot = off @ rk
+    s = min(sink_size, t)
+    last = max(t - 1 - recent_size, s)
+    pos = torch.arange(t - nq, t)[:, None]
+    key = torch.arange(t)[None, :]
+    future = key > pos
+    quantized = (key >= s) & (key < pos - recent_size)  # [nq, T]
+    scale = q_rot.shape[-1] ** -0.5
+    z_exact = (q_rot @ (k_rot + off_rot).T * scale).masked_fill(future, float("-inf"))  # [g, nq, T]
+    p_exact = torch.softmax(z_exact, -1)
+    exact = p_exact @ v_rot  # rotated, centered space: the error's norm is the same as in the model's
+    c = candidates.reshape(-1, 1).float()
+    if which == "k":
+        body = fake_quantize(k_rot[s:last].expand(len(c), -1, -1), bits, group_size, c)  # [C, n, D]
+        z_body = torch.einsum("gqd,cnd->cgqn", q_rot, body + off_rot[s:last]) * scale
+        z = z_exact.expand(len(c), -1, -1, -1).clone()
+        z[..., s:last] = torch.where(quantized[:, s:last], z_body, z_exact[..., s:last])
+        out = torch.softmax(z, -1) @ v_rot
+    else:
+        body = fake_quantize(v_rot[s:last].expand(len(c), -1, -1), bits, group_size, c)
+        p_q = p_exact[..., s:last] * quantized[:, s:last]
+        out = exact + torch.einsum("gqn,cnd->cgqd", p_q, body) - p_q @ v_rot[s:last]
+    return ((out - exact) ** 2).sum((1, 2, 3))

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .activations import LayerSample, capture_samples, observing, quantized_attention_error
+from .activations import LayerSample, capture_samples, clip_candidate_errors, observing, quantized_attention_error
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
 from .corpus import load_calibration_text
 from .models import AttentionGeometry
@@ -42,6 +42,12 @@ CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80)
 SCOPES = ("per-head", "per-layer")
 KEY_CENTERINGS = ("auto", "rope", "constant", "off")
 ROPE_GAIN = 0.05  # "auto" picks position-aware centering when it cuts the probe's attention error by 5%
+# The held-back probe is scored as served: sink and recent window exact (the cache's defaults), the last
+# PROBE_QUERIES positions attending over thousands of INT2 keys.  Scored on all positions of a short probe with
+# every non-sink key INT2, clip fitting chose clips (0.80-0.92 on Qwen2.5) that shrink the logits of keys aligned
+# with the query: the needle lost ~1 nat at the retrieval heads (benchmarks/NOTES.md, "Long context").
+PROBE_QUERIES = 256
+PROBE_SINK, PROBE_RECENT = 64, 256
 
 
 @dataclass
@@ -59,7 +65,7 @@ class CalibrationSettings:
     k_clip: float = DEFAULT_K_CLIP
     v_clip: float = DEFAULT_V_CLIP
     layer_policy: str = "off"  # "auto" stores layers whose INT2 error is an outlier at INT4
-    probe_tokens: int = 512
+    probe_tokens: int = 4096
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:
@@ -187,6 +193,17 @@ def token_sequences(tokenizer, texts: list[str], seq_len: int, count: int) -> li
     return [torch.tensor(ids[i * seq_len:(i + 1) * seq_len]).unsqueeze(0) for i in range(min(count, available))]
 
 
+def split_probe(tokenizer, texts: list[str], seq_len: int, count: int, probe_tokens: int):
+    """(``count`` fitting sequences, the probe [1, <= probe_tokens]): the text after the fitting sequences is
+    held back, so clip fitting and validation never see the fitting data."""
+    held = math.ceil(probe_tokens / seq_len)
+    sequences = token_sequences(tokenizer, texts, seq_len, count + held)
+    if len(sequences) < 2:
+        raise ValueError("the calibration text is too short to hold back a validation sequence")
+    held = min(held, len(sequences) - 1)
+    return sequences[:-held], torch.cat(sequences[-held:], 1)[:, :probe_tokens]
+
+
 def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, calib_data: list[str] | None = None,
               progress: bool = True, tp: TensorParallel = SINGLE, device: str | None = None) -> Rotations | None:
     """Fit the OSCAR rotations for ``model`` and return them (not yet saved).
@@ -207,11 +224,7 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     max_len = getattr(model.config, "max_position_embeddings", None) or settings.seq_len
     seq_len = min(settings.seq_len, max_len, settings.calib_tokens)
     count = math.ceil(settings.calib_tokens / seq_len)
-    # One extra sequence is held back: clip fitting and validation must not see the fitting data.
-    sequences = token_sequences(tokenizer, texts, seq_len, count + 1)
-    if len(sequences) < 2:
-        raise ValueError("the calibration text is too short to hold back a validation sequence")
-    probe_ids, sequences = sequences[-1][:, :settings.probe_tokens], sequences[:-1]
+    sequences, probe_ids = split_probe(tokenizer, texts, seq_len, count, min(settings.probe_tokens, max_len))
 
     started = time.perf_counter()
     try:
@@ -299,33 +312,28 @@ def _layer_error(rot: Rotations, sample: LayerSample, layer: int, k_clip=None, v
         sample, rot.k_rotation[layer], rot.v_rotation[layer],
         sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer]), rot.v_mean[layer],
         rot.k_clip[layer] if k_clip is None else k_clip, rot.v_clip[layer] if v_clip is None else v_clip,
-        bits=2, group_size=rot.group_size, **kwargs)
+        bits=2, group_size=rot.group_size, sink_size=PROBE_SINK, recent_size=PROBE_RECENT, queries=PROBE_QUERIES,
+        **kwargs)
 
 
 def fit_clip_ratios(rot: Rotations, probe: list[LayerSample], progress: bool = True) -> None:
     """Pick, per layer (and KV head when rotations are per head), the clip ratio that minimizes the
-    attention output error on the held-back sequence, keys and values separately."""
+    attention output error on the held-back probe, keys and values separately (all candidates at once)."""
     hkv = rot.geometry.num_kv_heads
     per_head = rot.scope == "per-head"
+    candidates = torch.tensor(CLIP_CANDIDATES)
     for layer in tqdm(range(rot.geometry.num_layers), desc="fitting clip ratios", disable=not progress):
+        sample = probe[layer]
+        offset = sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer])
         for which in ("k", "v"):
-            heads = range(hkv) if per_head else [None]
-            for h in heads:
-                best, best_err = None, math.inf
-                for c in CLIP_CANDIDATES:
-                    ratios = getattr(rot, f"{which}_clip")[layer].clone()
-                    if h is None:
-                        ratios[:] = c
-                    else:
-                        ratios[h] = c
-                    err = _layer_error(rot, probe[layer], layer, **{f"{which}_clip": ratios},
-                                       quantize_keys=which == "k", quantize_values=which == "v")
-                    if err < best_err:
-                        best, best_err = c, err
-                if h is None:
-                    getattr(rot, f"{which}_clip")[layer, :] = best
-                else:
-                    getattr(rot, f"{which}_clip")[layer, h] = best
+            errors = torch.stack([clip_candidate_errors(
+                sample, h, rot.k_rotation[layer], rot.v_rotation[layer], offset, rot.v_mean[layer], which,
+                candidates, 2, rot.group_size, PROBE_SINK, PROBE_RECENT, PROBE_QUERIES) for h in range(hkv)])
+            clips = getattr(rot, f"{which}_clip")
+            if per_head:
+                clips[layer] = candidates[errors.argmin(-1)]
+            else:  # one clip for the layer's heads
+                clips[layer, :] = candidates[errors.sum(0).argmin()]
 
 
 def error_table(rot: Rotations, probe: list[LayerSample]) -> dict[str, list[float]]:

@@ -103,6 +103,9 @@ def calibrate(
                                    "mean is kept (those that remove the most logit variance). Its cost in the "
                                    "INT2 decode kernel grows with this number."),
     center_values: bool = typer.Option(True, help="Subtract the mean value before quantizing (folded into v_proj/o_proj)."),
+    probe_tokens: int = typer.Option(4096, help="Held-back tokens on which clips and centering are chosen, scored as "
+                                     "served (sink and recent window exact, the last 256 queries over the INT2 "
+                                     "history); capped by the model's context."),
     layer_policy: LayerPolicy = typer.Option(LayerPolicy.off, help="'auto' stores layers with outlying INT2 error at INT4."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     tp: int = typer.Option(1, "--tp", "--tensor-parallel-size",
@@ -123,7 +126,7 @@ def calibrate(
         settings = CalibrationSettings(calib_tokens=calib_tokens, seq_len=seq_len, group_size=group_size,
                                        rotation_scope=rotation_scope.value, clip=clip.value, k_clip=k_clip,
                                        v_clip=v_clip, key_centering=key_centering.value, rope_pairs=rope_pairs,
-                                       center_values=center_values,
+                                       center_values=center_values, probe_tokens=probe_tokens,
                                        layer_policy=layer_policy.value)
     except ValueError as exc:
         _fail(str(exc))

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from ..activations import capture_samples, observing
 from ..artifacts import Rotations
 from ..cache import CacheSettings, unprepare_model
-from ..calibrate import CalibrationSettings, Statistics, token_sequences
+from ..calibrate import CalibrationSettings, Statistics, split_probe
 from ..corpus import DEFAULT_CORPUS, load_calibration_text, read_text_file
 from ..models import AttentionGeometry
 from ..rope import RopeTable, RopeUnsupported
@@ -104,16 +104,17 @@ def _calibration_statistics(model, tokenizer, oscar: Rotations):
         rope = None
     stats = Statistics(geometry, rope)
     unprepare_model(model)
-    sequences = token_sequences(tokenizer, texts, seq_len, count + 1)
+    max_len = getattr(model.config, "max_position_embeddings", None) or settings.probe_tokens
+    sequences, probe_ids = split_probe(tokenizer, texts, seq_len, count, min(settings.probe_tokens, max_len))
     with torch.no_grad(), observing(model, stats.add):
-        for ids in tqdm(sequences[:count], desc="calibration statistics", leave=False):
+        for ids in tqdm(sequences, desc="calibration statistics", leave=False):
             model(ids.to(model.device), use_cache=False)
     c_q, _, _, mu_v, _ = stats.moments(settings.key_centering, settings.center_values)
     proxy = AuthorsValueProxy(c_q, mu_v)
     with torch.no_grad(), observing(model, proxy.add):
-        for ids in tqdm(sequences[:count], desc="authors' value proxy", leave=False):
+        for ids in tqdm(sequences, desc="authors' value proxy", leave=False):
             model(ids.to(model.device), use_cache=False)
-    probe = capture_samples(model, sequences[-1][:, :settings.probe_tokens])
+    probe = capture_samples(model, probe_ids)
     return stats, settings, proxy.covariance(), probe
 
 

@@ -67,10 +67,16 @@ def _model_space(layer: OscarCacheLayer, scheme: Scheme, index: int, n: int):
 
 
 @torch.no_grad()
-def stored_haystack(model, scheme: Scheme, kv) -> StoredHaystack:
-    """Store the exact haystack K/V ``kv`` (tasks.haystack_kv) in ``scheme``'s cache and read it back."""
+def stored_haystack(model, scheme: Scheme, kv, appended: int = 0) -> StoredHaystack:
+    """Store the exact haystack K/V ``kv`` (tasks.haystack_kv) in ``scheme``'s cache and read it back as it
+    stands once ``appended`` more tokens (the question) have entered the cache: they push the oldest pages of
+    the recent window into the INT2 history before the question's attention reads it."""
     cache = stored_cache(model, scheme, kv)
     n = kv[0][0].shape[2]
+    if appended:
+        for layer, (k, v) in zip(cache.layers, kv):
+            layer.update(k.new_zeros(*k.shape[:2], appended, k.shape[3]), v.new_zeros(*v.shape[:2], appended, v.shape[3]))
+            layer.chunk = None
     keys, values = [], []
     for i, layer in enumerate(cache.layers):
         k, v = _model_space(layer, scheme, i, n)
