@@ -122,8 +122,8 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
                               recent_size: int = 0, queries: int | None = None) -> float:
     """Relative error of one layer's attention output when its K/V are stored quantized.
 
-    Serving semantics: the first ``sink_size`` tokens stay exact, and so do the ``recent_size`` keys
-    before each query (the cache's recent window); every other key is quantized.  ``queries``: score
+    The first ``sink_size`` tokens stay exact, and so do the ``recent_size`` most recent keys of each query
+    (the cache's recent window; 0: every key past the sink is quantized, the query's own too).  ``queries``: score
     only the last that many positions (on a long probe: the queries whose attention reaches far back,
     where retrieval happens); None scores every position.
     Rotations [H|1, D, D], clips [Hkv], v_mean [Hkv, D]; k_mean is the key offset: [Hkv, D] or
@@ -141,7 +141,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     q = sample.q[:, t - nq:]
     q_rot = torch.einsum("hgtd,hde->hgte", q.reshape(hkv, hq // hkv, nq, q.shape[-1]), rk).reshape_as(q)
     s = min(sink_size, t)
-    last = max(t - 1 - recent_size, s)  # no query scored here sees keys from last on as quantized
+    last = max(t - recent_size, s)  # no query scored here sees keys from last on as quantized
     k_q, v_q = k_rot.clone(), v_rot.clone()
     if quantize_keys:
         k_q[:, s:last] = fake_quantize(k_rot[:, s:last], bits, group_size, k_clip[:, None].float())
@@ -150,7 +150,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     full_offset = torch.einsum("htd,hde->hte", offset.expand_as(sample.k), rk)
     pos = torch.arange(t - nq, t)[:, None]
     key = torch.arange(t)[None, :]
-    quantized = (key >= s) & (key < pos - recent_size)  # [nq, T]
+    quantized = (key >= s) & (key <= pos - recent_size)  # [nq, T]
     head_of = torch.arange(hq) // (hq // hkv)
     scale = q.shape[-1] ** -0.5
 
@@ -185,11 +185,11 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
     q_rot = sample.q[head * g:(head + 1) * g, t - nq:] @ rk  # [g, nq, D]
     off_rot = off @ rk
     s = min(sink_size, t)
-    last = max(t - 1 - recent_size, s)
+    last = max(t - recent_size, s)
     pos = torch.arange(t - nq, t)[:, None]
     key = torch.arange(t)[None, :]
     future = key > pos
-    quantized = (key >= s) & (key < pos - recent_size)  # [nq, T]
+    quantized = (key >= s) & (key <= pos - recent_size)  # [nq, T]
     scale = q_rot.shape[-1] ** -0.5
     z_exact = (q_rot @ (k_rot + off_rot).T * scale).masked_fill(future, float("-inf"))  # [g, nq, T]
     p_exact = torch.softmax(z_exact, -1)

@@ -42,12 +42,12 @@ CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80)
 SCOPES = ("per-head", "per-layer")
 KEY_CENTERINGS = ("auto", "rope", "constant", "off")
 ROPE_GAIN = 0.05  # "auto" picks position-aware centering when it cuts the probe's attention error by 5%
-# The held-back probe is scored as served: sink and recent window exact (the cache's defaults), the last
-# PROBE_QUERIES positions attending over thousands of INT2 keys.  Scored on all positions of a short probe with
-# every non-sink key INT2, clip fitting chose clips (0.80-0.92 on Qwen2.5) that shrink the logits of keys aligned
-# with the query: the needle lost ~1 nat at the retrieval heads (benchmarks/NOTES.md, "Long context").
-PROBE_QUERIES = 256
-PROBE_SINK, PROBE_RECENT = 64, 256
+# How the held-back probe is scored: every position, every key past the sink INT2.  Scoring it as served
+# instead (4096 tokens, recent window exact, the last 256 queries) chose harsher key clips on Qwen2.5 that shrank
+# the needle's logit more (-1.5 -> -1.7 nats at the retrieval heads) and did not retrieve better
+# (benchmarks/NOTES.md, "Long context"); the attention-output error favours clipping that retrieval pays for.
+PROBE_QUERIES = None
+PROBE_SINK, PROBE_RECENT = 64, 0
 
 
 @dataclass
@@ -65,7 +65,7 @@ class CalibrationSettings:
     k_clip: float = DEFAULT_K_CLIP
     v_clip: float = DEFAULT_V_CLIP
     layer_policy: str = "off"  # "auto" stores layers whose INT2 error is an outlier at INT4
-    probe_tokens: int = 4096
+    probe_tokens: int = 512
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:

@@ -103,9 +103,8 @@ def calibrate(
                                    "mean is kept (those that remove the most logit variance). Its cost in the "
                                    "INT2 decode kernel grows with this number."),
     center_values: bool = typer.Option(True, help="Subtract the mean value before quantizing (folded into v_proj/o_proj)."),
-    probe_tokens: int = typer.Option(4096, help="Held-back tokens on which clips and centering are chosen, scored as "
-                                     "served (sink and recent window exact, the last 256 queries over the INT2 "
-                                     "history); capped by the model's context."),
+    probe_tokens: int = typer.Option(512, help="Held-back tokens (after the calibration text) on which clip ratios "
+                                     "and key centering are chosen; capped by the model's context."),
     layer_policy: LayerPolicy = typer.Option(LayerPolicy.off, help="'auto' stores layers with outlying INT2 error at INT4."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     tp: int = typer.Option(1, "--tp", "--tensor-parallel-size",
