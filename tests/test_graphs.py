@@ -99,3 +99,45 @@ def test_graph_replay_matches_eager_steps(dtype, centering, head_dim):
         for step, (a, b) in enumerate(zip(eager[rid], graphed[rid])):
             assert torch.isfinite(b).all()
             assert (a - b).norm() <= 2e-2 * a.norm(), (rid, step)
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
+def test_graphs_decode_per_position_centering_up_to_max_model_len():
+    """Issue 23's crash: under graphs the INT2 page bound is a bucket up to 25% above the history, so the
+    kernels' old reach (bucket x page + windows + tiles) passed the RoPE table sized for max-model-len
+    ("the RoPE table covers N positions, the kernel reads M").  A sequence whose history sits just past a bucket
+    boundary (~266 pages -> bucket 320) decodes to the last position max-model-len allows, graphed as eager."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from oscar_kv.artifacts import Rotations
+    from oscar_kv.engine import EngineConfig, LLMEngine
+    from oscar_kv.models import AttentionGeometry
+    from oscar_kv.rope import keep_pairs, random_pairs
+
+    torch.manual_seed(0)
+    limit = 4608
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=limit)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+
+    class Tok:
+        eos_token_id = None
+
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+    model.generation_config.eos_token_id = None
+    rot = Rotations.data_free(AttentionGeometry.of(cfg), "hadamard", 128)
+    gen = torch.Generator().manual_seed(2)
+    rot.k_rope_mean = torch.stack([keep_pairs(torch.randn(4, 128, generator=gen) * 3, random_pairs(4, 64, 32, gen))
+                                   for _ in range(2)])
+    prompt = [(3 * j) % 500 + 1 for j in range(limit - 28)]
+    outs = []
+    for eager in (True, False):
+        engine = LLMEngine(model, Tok(), rot, EngineConfig(kv_cache_dtype="int2", kv_cache_memory=1.0,
+                                                           max_model_len=limit, enable_prefix_caching=False,
+                                                           enforce_eager=eager))
+        outs.append(_run(engine, [prompt], [limit - len(prompt)])["r0"])
+    assert len(outs[1]) == len(outs[0]) == 28
+    for a, b in zip(*outs):
+        assert torch.isfinite(b).all() and (a - b).norm() <= 2e-2 * a.norm()

@@ -88,6 +88,30 @@ def test_int2_decode_adds_the_position_aware_key_offset(live):
     assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) > 0.1  # the term matters here
 
 
+def test_rope_table_bound_is_the_sequence_length_not_the_split_plan():
+    """Under CUDA graphs the INT2 page bound is a bucket up to 25% above the history (engine/graphs.py); the
+    RoPE table is sized for max-model-len.  The table's check must follow the keys' positions, so a call whose
+    page bound reaches far past the table but whose sequences end at its last row is served (it raised before:
+    "the RoPE table covers N positions, the kernel reads M" at 100K through the engine); a length past the
+    table is refused."""
+    from oscar_kv.kernels.decode import int2_decode
+    from oscar_kv.rope import TILE_MARGIN
+
+    geom = list(small_geoms())[0]
+    gen = torch.Generator().manual_seed(22)
+    seq_lens = [geom.sink_size + geom.recent_size + 7 * 16 + 5, 40] if not GPU else [70001, 300]
+    pool, batch, rot = build_pool(geom, seq_lens, gen)
+    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(seq_lens), gen, live=5)
+    assert rope.covers >= max(seq_lens) and rope.covers - max(seq_lens) < 16
+    q = torch.randn(len(seq_lens), geom.num_kv_heads * 2, geom.head_dim, generator=gen).to(DEV)
+    want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope)
+    bucket = int(batch.int2_pages.max()) + 2 * TILE_MARGIN // geom.page_size  # a bound far past the table
+    out = int2_decode(q, pool, 0, batch, rot, rope=rope, max_int2_pages=bucket, max_seq_len=max(seq_lens))
+    assert rel_err(out, want) < 1e-2
+    with pytest.raises(ValueError, match="RoPE table covers"):
+        int2_decode(q, pool, 0, batch, rot, rope=rope, max_int2_pages=bucket, max_seq_len=rope.covers + 1)
+
+
 def test_int2_decode_many_splits_and_prerotated_query():
     """D=64, G=32 (two groups), realistic query scale 1.0; the pre-rotated query is passed in float32."""
     from oscar_kv.kernels.decode import int2_decode
