@@ -104,6 +104,8 @@ class KernelRope:
     table: torch.Tensor  # [N, D] float32: cos | sin of p * theta_i (times the RoPE scaling), p < N
     base: torch.Tensor  # [N / STEP + 1, D] float32: the same at p = 0, STEP, 2 STEP, ...
     steps: torch.Tensor  # [D, STEP] float32: rows 2i, 2i+1 = cos(v theta_i), -sin(v theta_i), v < STEP
+    phases: torch.Tensor  # [N / STEP, D/2, 2] float32: base as (cos, sin) pairs (the CUDA kernel's loads)
+    tile: torch.Tensor  # [2 STEP, D/2, 2] float32: (cos, sin) of v theta_i, v < 2 STEP, unscaled
 
     @property
     def covers(self) -> int:
@@ -123,14 +125,19 @@ class KernelRope:
 
     @staticmethod
     def tables(inv_freq: torch.Tensor, scaling: float, n: int, device) -> tuple[torch.Tensor, ...]:
-        """(table, base, steps) for keys at positions < n: table_rows(n) rows (a kernel tile may run past the
+        """(table, base, steps, phases, tile) for keys at positions < n: table_rows(n) rows (a kernel tile may run past the
         last key; its extra rows are read, then masked), float64 angles."""
         n = table_rows(n)
         ang = rope_angles(torch.arange(n), inv_freq)
         table = (torch.cat([ang.cos(), ang.sin()], 1) * scaling).float()
         step = rope_angles(torch.arange(STEP), inv_freq)  # [STEP, D/2]
         steps = torch.stack([step.cos(), -step.sin()], -1).reshape(STEP, -1).T.float()  # [D, STEP] interleaved
-        return table.to(device), table[::STEP].contiguous().to(device), steps.contiguous().to(device)
+        base = table[::STEP].contiguous()
+        half = base.shape[1] // 2
+        phases = torch.stack([base[:, :half], base[:, half:]], -1)
+        tile = rope_angles(torch.arange(2 * STEP), inv_freq)
+        tile = torch.stack([tile.cos(), tile.sin()], -1).float()
+        return tuple(x.contiguous().to(device) for x in (table, base, steps, phases, tile))
 
 
 class RopeTable:

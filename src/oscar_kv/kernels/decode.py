@@ -592,7 +592,10 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         ns, chunk = int2_cuda.split_plan(max_int2_pages * g.page_size, bsz * h, g.page_size, _num_sms(q.device),
                                          per_sm)
         out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
-        return int2_cuda.decode(q, k_rotation, pool.layer(layer), g, batch, out, ns, chunk, sm_scale * LOG2E)
+        if rope is not None:
+            rope.check(max_seq_len)
+        return int2_cuda.decode(q, k_rotation, pool.layer(layer), g, batch, out, ns, chunk, sm_scale * LOG2E,
+                                rope=rope)
     ns, chunk = _split_plan(max_int2_pages * g.page_size, bsz * h, q.device, block_n, num_splits=num_splits,
                             per_sm=split_target)
     qr = rotate_query(q, k_rotation, h)
