@@ -200,9 +200,9 @@ class LLMEngine:
         if self.kernel_status is None and any(layer.k_rope_mean is not None for layer in self.layers):
             pairs = max(layer.rope_pairs.shape[1] for layer in self.layers if layer.rope_pairs is not None)
             backend += (f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term "
-                        "(decode attention at 128K on an H100: 1.7-2.1x the time of constant centering with 32 "
-                        "pairs, 1.3-1.6x with 16; benchmarks/NOTES.md run R4); calibrate with --rope-pairs 16, "
-                        "or --key-centering constant for full kernel speed")
+                        "(the one-launch CUDA decode kernel for head dim 128 and <= 32 pairs, benchmarks/NOTES.md "
+                        "run F1; the Triton kernels otherwise, 1.7-2.1x the time of constant centering at 32 "
+                        "pairs, run R4)")
         if self.runner.graphs is not None:
             backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
         per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "

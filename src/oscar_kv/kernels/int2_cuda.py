@@ -196,10 +196,10 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
         stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
     if rope is None:
         mu = pairs = phases = tile = q  # not read
-        r = 0
+        rope_r = 0
     else:
-        r = rope.pairs.shape[1]
-        if r % 8 or r > MAX_ROPE_PAIRS or tuple(rope.mu_pre.shape) != (h, d) or rope.pairs.shape[0] != h:
+        rope_r = rope.pairs.shape[1]
+        if rope_r % 8 or rope_r > MAX_ROPE_PAIRS or tuple(rope.mu_pre.shape) != (h, d) or rope.pairs.shape[0] != h:
             raise ValueError(f"rope: mu_pre must be [{h}, {d}] with 8 .. {MAX_ROPE_PAIRS} pairs (a multiple of 8) "
                              f"per head, got {tuple(rope.mu_pre.shape)} and {tuple(rope.pairs.shape)}")
         mu = rope.mu_pre if rope.mu_pre.dtype == torch.float32 else rope.mu_pre.float()
@@ -210,7 +210,7 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     bt = batch.block_table
     history_bytes = bsz * h * splits * chunk * geom.int2_bytes_per_token()  # an upper bound (the last chunk)
     kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, MIN_BLOCKS, _DTYPES[q.dtype],
-                     _DTYPES[target.dtype], stamps is not None, r)
+                     _DTYPES[target.dtype], stamps is not None, rope_r)
     kernel(grid=(splits, h, bsz), block=(NUM_WARPS * 32, 1, 1),
            args=[q, r, k_rotation is not None, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
                  target, _counters(q.device, bsz * h), float(qk_scale), q.stride(0), q.stride(1), stride_rh,
