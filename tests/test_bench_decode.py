@@ -27,6 +27,8 @@ def test_decode_benchmark_writes_json_with_positive_numbers(tmp_path):
     assert data["timing_meaningful"] is False  # CPU
     assert data["errors"] == []
     assert data["model"]["arch"] == "tiny" and data["model"]["num_layers"] == 2
+    # the INT2 artifact is shaped as calibrate ships it (issue 23): per-position key means by default
+    assert data["settings"]["int2_rotations"] == "synthetic" and data["settings"]["key_centering"] == "rope"
     for scheme in ("bf16", "int2"):
         plan = data["schemes"][scheme]["plan"]
         assert plan["capacity_tokens"] > 0 and plan["total_bytes"] <= 0.004e9
@@ -74,3 +76,23 @@ def test_context_beyond_the_budget_is_reported_not_crashed(tmp_path):
         assert e["max_batch"] == 0 and not e["measured"]
     big_speedups = [s for s in data["speedup"] if s["context"] == 50000]
     assert big_speedups and all(s["engine_step"] is None and s["note"] for s in big_speedups)
+
+
+def test_calibrated_like_artifact_has_the_shipped_shape():
+    """bench.attention.calibrated_like: per-head orthogonal rotations, a constant key mean and per-position
+    means live in 32 pairs per head, large as a k_proj bias makes them; it validates as an artifact."""
+    import torch
+
+    from oscar_kv.bench.attention import calibrated_like, load_rotations
+    from oscar_kv.models import AttentionGeometry
+    from oscar_kv.rope import kernel_pairs
+
+    g = AttentionGeometry("qwen3", 3, 8, 4, 64)
+    rot = calibrated_like(g)
+    assert rot.key_centering == "rope" and rot.scope == "per-head"
+    live = (rot.k_rope_mean[..., :32] != 0) | (rot.k_rope_mean[..., 32:] != 0)
+    assert (live.sum(-1) == 32).all()  # D/2 = 32: every pair
+    assert rot.k_rope_mean.abs().max() > 20 and (rot.k_mean != 0).any()
+    assert kernel_pairs(rot.k_rope_mean[0]).shape == (4, 32)
+    assert not torch.equal(rot.k_rotation[0, 0], rot.k_rotation[0, 1])
+    assert load_rotations("hadamard", g).key_centering == "off"

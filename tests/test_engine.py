@@ -348,13 +348,18 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
                 assert torch.allclose(x[decoded].float(), y[decoded].float(), rtol=2 ** -7, atol=1e-4), (name, li)
 
 
-def test_position_aware_centering_runs_the_int2_kernels(model, tokenizer, small_rotations):
-    """The INT2 kernels add the per-position key offset; only the BF16 decode kernel lacks it (refused, said so)."""
+def test_position_aware_centering_runs_the_kernels_int2_and_bf16(model, tokenizer, small_rotations, caplog):
+    """The INT2 kernels add the per-position key offset.  A BF16 cache given the same artifact ignores the
+    per-position means (BF16 keys need no centering) and runs its kernels, not the torch reference (issue 23:
+    that fallback ran out of memory at 32K on the GPU); it says so once."""
     pytest.importorskip("triton")
     assert small_rotations.key_centering == "rope"
     assert make_engine(model, tokenizer, small_rotations, attention_backend="triton").runner.kernels is not None
-    with pytest.raises(ValueError, match="position-aware key offset"):
-        make_engine(model, tokenizer, small_rotations, kv_cache_dtype="bf16", attention_backend="triton")
+    with caplog.at_level("INFO", logger="oscar_kv.engine.engine"):
+        bf16 = make_engine(model, tokenizer, small_rotations, kv_cache_dtype="bf16", attention_backend="triton")
+    assert bf16.kernel_status is None and bf16.runner.kernels is not None
+    assert all(layer.k_rope_mean is None for layer in bf16.layers)
+    assert sum("per-position key means are not used" in r.message for r in caplog.records) == 1
 
 
 def test_warm_up_runs_every_stage_and_leaves_no_trace(model, tokenizer, small_rotations):

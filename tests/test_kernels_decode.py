@@ -88,6 +88,30 @@ def test_int2_decode_adds_the_position_aware_key_offset(live):
     assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) > 0.1  # the term matters here
 
 
+def test_rope_table_bound_is_the_sequence_length_not_the_split_plan():
+    """Under CUDA graphs the INT2 page bound is a bucket up to 25% above the history (engine/graphs.py); the
+    RoPE table is sized for max-model-len.  The table's check must follow the keys' positions, so a call whose
+    page bound reaches far past the table but whose sequences end at its last row is served (it raised before:
+    "the RoPE table covers N positions, the kernel reads M" at 100K through the engine); a length past the
+    table is refused."""
+    from oscar_kv.kernels.decode import int2_decode
+    from oscar_kv.rope import TILE_MARGIN
+
+    geom = list(small_geoms())[0]
+    gen = torch.Generator().manual_seed(22)
+    seq_lens = [geom.sink_size + geom.recent_size + 7 * 16 + 5, 40] if not GPU else [70001, 300]
+    pool, batch, rot = build_pool(geom, seq_lens, gen)
+    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(seq_lens), gen, live=5)
+    assert rope.covers >= max(seq_lens) and rope.covers - max(seq_lens) < 16
+    q = torch.randn(len(seq_lens), geom.num_kv_heads * 2, geom.head_dim, generator=gen).to(DEV)
+    want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope)
+    bucket = int(batch.int2_pages.max()) + 2 * TILE_MARGIN // geom.page_size  # a bound far past the table
+    out = int2_decode(q, pool, 0, batch, rot, rope=rope, max_int2_pages=bucket, max_seq_len=max(seq_lens))
+    assert rel_err(out, want) < 1e-2
+    with pytest.raises(ValueError, match="RoPE table covers"):
+        int2_decode(q, pool, 0, batch, rot, rope=rope, max_int2_pages=bucket, max_seq_len=rope.covers + 1)
+
+
 def test_int2_decode_many_splits_and_prerotated_query():
     """D=64, G=32 (two groups), realistic query scale 1.0; the pre-rotated query is passed in float32."""
     from oscar_kv.kernels.decode import int2_decode
@@ -205,6 +229,37 @@ def test_cuda_int2_decode_matches_reference_and_triton(page_size):
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
+@pytest.mark.parametrize("sink,live,scale", [(64, 32, 20.0), (48, 3, 900.0), (64, 12, 300.0)])
+def test_cuda_int2_decode_adds_the_position_aware_key_offset(sink, live, scale):
+    """Per-position key centering in the one-launch CUDA kernel (rope_terms): against the float32 reference and
+    the Triton kernel, for 8 .. 32 visited pairs, |mu_pre| up to 900 (a k_proj bias: the term is hundreds of
+    logit units, so float16 operands alone would not do), a sink that ends mid 32-token step (48), window-only
+    and long sequences, GQA 4 / 8, under a page bound far past the history (CUDA graphs' buckets)."""
+    from oscar_kv.kernels.decode import int2_decode
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=128, group_size=128, page_size=16,
+                        sink_size=sink, recent_size=256)
+    gen = torch.Generator().manual_seed(41 + live)
+    seq_lens = [7, sink + 100, sink + 256 + 16 * 5 + 3, 20000 + 16 * 3 + 5, 131072 + 77]
+    pool, batch, rot = build_pool(geom, seq_lens, gen)
+    rope = rope_case(4, 128, max(seq_lens), gen, live=live, scale=scale)
+    for gqa in (4, 8):
+        q = torch.randn(len(seq_lens), 4 * gqa, 128, generator=gen).to(DEV, torch.bfloat16)
+        want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope)
+        out = torch.full_like(q, float("nan"))
+        int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", out=out,
+                    max_int2_pages=int(batch.int2_pages.max()) + 999, max_seq_len=max(seq_lens))
+        assert not out.isnan().any()
+        assert rel_err(out, want) < 1e-2, gqa
+        tri = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="triton")
+        assert rel_err(out, tri) < 5e-3, gqa
+        for target in (1, 16):
+            o2 = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", cuda_split_target=target)
+            assert rel_err(o2, want) < 1e-2, (gqa, target)
+    assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) > 0.1  # the term matters
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
 def test_cuda_int2_backend_refuses_what_it_does_not_support():
     from oscar_kv.kernels.decode import int2_decode
 
@@ -274,6 +329,11 @@ def test_cuda_decode_rejects_bad_arguments_before_launching():
         int2_cuda.decode(q, rot[:, :64, :64], pool.layer(0), geom, batch, out, 1, 128, 0.1)
     with pytest.raises(ValueError, match="splits"):
         int2_cuda.decode(q, rot, pool.layer(0), geom, batch, out, int2_cuda.MAX_SPLITS + 1, 128, 0.1)
+    gen = torch.Generator().manual_seed(7)
+    wide = rope_case(2, 128, 100, gen, device="cpu")  # all 64 pairs: more than the kernel's shared tables hold
+    with pytest.raises(ValueError, match="pairs"):
+        int2_cuda.decode(q, rot, pool.layer(0), geom, batch, out, 1, 128, 0.1, rope=wide)
+    assert "64 pairs" in int2_cuda.unsupported(torch.device("cuda"), geom, 4, wide)
 
 
 def test_cuda_backend_is_refused_off_the_gpu():

@@ -83,3 +83,46 @@ def test_rope_centering_rescues_a_key_bias_and_auto_picks_it(biased_model, token
     assert choice["chosen"] == "rope" and auto.key_centering == "rope" and const.key_centering == "constant"
     # a constant post-RoPE mean leaves the rotating bias in the INT2 range; per position it is gone
     assert choice["probe_error"]["rope"] < 0.6 * choice["probe_error"]["constant"], choice
+
+
+def _split16(x):
+    hi = x.half().float()
+    return hi, (x - hi).half().float()
+
+
+def test_cuda_rope_term_scheme_is_exact_enough_with_a_large_bias():
+    """The CUDA kernel's position-aware term (int2_decode.cu, rope_terms), emulated in torch: per 16 keys at p0 + v,
+    W = (a - ib) e^{i p0 t} in float32 from KernelRope.phases, then W . [cos vt, -sin vt] (KernelRope.tile) with both
+    operands as float16 hi + lo parts and three products.  With |mu_pre| ~ 900 (a k_proj bias) the term is
+    hundreds of logit units: one float16 product would err by ~0.1, the split must stay below 1e-3."""
+    from oscar_kv.kernels.decode import rope_query_terms
+    from oscar_kv.rope import KernelRope, kernel_pairs, keep_pairs, random_pairs
+
+    gen = torch.Generator().manual_seed(3)
+    d, n = 128, 70000
+    inv_freq = 1e6 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    mu = keep_pairs(torch.randn(1, d, generator=gen) * 900, random_pairs(1, d // 2, 32, gen))
+    rope = KernelRope.build(mu, inv_freq, 1.0, n)
+    assert torch.equal(rope.phases[5], torch.stack([rope.table[80, :64], rope.table[80, 64:]], -1))
+    q = torch.randn(1, d, generator=gen)
+    scale = 1.4426950408889634 / d ** 0.5
+    ab = rope_query_terms(q, mu, scale, kernel_pairs(mu))[0].double()  # [2R]: a | b
+    r = ab.shape[0] // 2
+    a, b = ab[:r], ab[r:]
+    pairs = kernel_pairs(mu)[0].long()
+    pos = torch.arange(n - 4000, n, dtype=torch.float64)
+    ang = pos[:, None] * inv_freq[pairs][None, :]
+    exact = (a * ang.cos() + b * ang.sin()).sum(-1)
+    p0 = (pos.long() // 16) * 16
+    v = pos.long() - p0
+    ph = rope.phases[p0 // 16][:, pairs].float()  # [N, R, 2]
+    af, bf = a.float(), b.float()
+    w_re, w_im = af * ph[..., 0] + bf * ph[..., 1], af * ph[..., 1] - bf * ph[..., 0]
+    t = rope.tile[v][:, pairs]  # [N, R, 2] (cos, sin)
+    c, s = t[..., 0], -t[..., 1]
+    (wrh, wrl), (wih, wil), (ch, cl), (sh, sl) = _split16(w_re), _split16(w_im), _split16(c), _split16(s)
+    three = (wrh * ch + wih * sh) + (wrl * ch + wil * sh) + (wrh * cl + wih * sl)
+    one = wrh * ch + wih * sh
+    assert exact.abs().max() > 100  # the term is large here
+    assert (three.sum(-1).double() - exact).abs().max() < 1e-3
+    assert (one.sum(-1).double() - exact).abs().max() > 1e-2

@@ -22,7 +22,7 @@ import torch
 STEP = 16  # the decode kernel rebuilds RoPE angles in steps of 16 positions (KernelRope)
 MIN_PAIRS = 8  # the kernels' dot over pairs needs 2 x pairs >= 16
 DEFAULT_PAIRS = 32  # pairs per KV head calibration keeps in mu_pre (CalibrationSettings.rope_pairs)
-TILE_MARGIN = 1024  # table rows beyond the last position (the largest kernel tile)
+TILE_MARGIN = 1024  # table rows beyond the last key position: no kernel tile may reach further past it
 
 
 class RopeUnsupported(ValueError):
@@ -89,6 +89,12 @@ def kernel_pairs(mu_pre: torch.Tensor) -> torch.Tensor:
     return order.sort(-1).values.to(torch.int32).contiguous()
 
 
+def table_rows(positions: int) -> int:
+    """Rows of the kernels' tables for keys at positions < ``positions``: TILE_MARGIN more (the furthest any
+    kernel tile reads past its last key), a whole number of STEP rows."""
+    return -(-(max(positions, 1) + TILE_MARGIN) // STEP) * STEP
+
+
 @dataclass
 class KernelRope:
     """What the INT2 kernels take for position-aware centering (kernels/decode.py)."""
@@ -98,6 +104,20 @@ class KernelRope:
     table: torch.Tensor  # [N, D] float32: cos | sin of p * theta_i (times the RoPE scaling), p < N
     base: torch.Tensor  # [N / STEP + 1, D] float32: the same at p = 0, STEP, 2 STEP, ...
     steps: torch.Tensor  # [D, STEP] float32: rows 2i, 2i+1 = cos(v theta_i), -sin(v theta_i), v < STEP
+    phases: torch.Tensor  # [N / STEP, D/2, 2] float32: base as (cos, sin) pairs (the CUDA kernel's loads)
+    tile: torch.Tensor  # [2 STEP, D/2, 2] float32: (cos, sin) of v theta_i, v < 2 STEP, unscaled
+
+    @property
+    def covers(self) -> int:
+        """Keys at positions < covers may be scored: every kernel tile reads at most TILE_MARGIN rows past its
+        last key, and the tables hold those rows too."""
+        return self.table.shape[0] - TILE_MARGIN
+
+    def check(self, positions: int) -> None:
+        """The one bound check of the kernels: keys at positions < ``positions`` (a host bound) are scored."""
+        if positions > self.covers:
+            raise ValueError(f"the RoPE table covers keys at positions < {self.covers}, the call scores keys up "
+                             f"to position {positions - 1}")
 
     @classmethod
     def build(cls, mu_pre: torch.Tensor, inv_freq: torch.Tensor, scaling: float, n: int) -> "KernelRope":
@@ -105,14 +125,19 @@ class KernelRope:
 
     @staticmethod
     def tables(inv_freq: torch.Tensor, scaling: float, n: int, device) -> tuple[torch.Tensor, ...]:
-        """(table, base, steps) for positions < n + TILE_MARGIN (a kernel tile may run past the last
-        position; its extra rows are read, then masked), float64 angles."""
-        n = -(-(max(n, 1) + TILE_MARGIN) // STEP) * STEP
+        """(table, base, steps, phases, tile) for keys at positions < n: table_rows(n) rows (a kernel tile may run past the
+        last key; its extra rows are read, then masked), float64 angles."""
+        n = table_rows(n)
         ang = rope_angles(torch.arange(n), inv_freq)
         table = (torch.cat([ang.cos(), ang.sin()], 1) * scaling).float()
         step = rope_angles(torch.arange(STEP), inv_freq)  # [STEP, D/2]
         steps = torch.stack([step.cos(), -step.sin()], -1).reshape(STEP, -1).T.float()  # [D, STEP] interleaved
-        return table.to(device), table[::STEP].contiguous().to(device), steps.contiguous().to(device)
+        base = table[::STEP].contiguous()
+        half = base.shape[1] // 2
+        phases = torch.stack([base[:, :half], base[:, half:]], -1)
+        tile = rope_angles(torch.arange(2 * STEP), inv_freq)
+        tile = torch.stack([tile.cos(), tile.sin()], -1).float()
+        return tuple(x.contiguous().to(device) for x in (table, base, steps, phases, tile))
 
 
 class RopeTable:
@@ -184,7 +209,7 @@ class RopeTable:
         ``pairs``: kernel_pairs(mu_pre), which callers keep per layer (computing it syncs the device)."""
         dev = mu_pre.device
         hit = self._kernel.get(dev)
-        if hit is None or hit[0].shape[0] < n:
+        if hit is None or hit[0].shape[0] < table_rows(n):
             grow = max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 1024)
             hit = KernelRope.tables(self.inv_freq, self.scaling, grow, dev)
             self._kernel[dev] = hit

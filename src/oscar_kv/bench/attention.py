@@ -143,6 +143,45 @@ def _rope_mean(h: int, d: int, gen: torch.Generator, pairs: int = DEFAULT_PAIRS)
     return keep_pairs(torch.randn(h, d, generator=gen) * 20, random_pairs(h, d // 2, pairs, gen))
 
 
+def calibrated_like(geometry, seed: int = 0, pairs: int = DEFAULT_PAIRS):
+    """A synthetic artifact shaped like the one ``calibrate`` ships (issue 23), for random-weight models: per-head
+    orthogonal key and value rotations, a constant key mean plus per-position means live in ``pairs`` RoPE pairs
+    per head (magnitude as _rope_mean), default clips.  Speed depends on this shape, not on the numbers."""
+    from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
+
+    g = geometry
+    gen = torch.Generator().manual_seed(seed)
+    rot = Rotations.data_free(g, "hadamard", k_clip=DEFAULT_K_CLIP, v_clip=DEFAULT_V_CLIP)
+    for name in ("k_rotation", "v_rotation"):
+        q, _ = torch.linalg.qr(torch.randn(g.num_layers * g.num_kv_heads, g.head_dim, g.head_dim, generator=gen,
+                                           dtype=torch.float64))
+        setattr(rot, name, q.float().view(g.num_layers, g.num_kv_heads, g.head_dim, g.head_dim))
+    rot.k_mean = torch.randn(g.num_layers, g.num_kv_heads, g.head_dim, generator=gen)
+    rot.k_rope_mean = torch.stack([_rope_mean(g.num_kv_heads, g.head_dim, gen, pairs) for _ in range(g.num_layers)])
+    rot.manifest = {"calibration": {"composition": "synthetic calibrated-like (bench.attention.calibrated_like)",
+                                    "key_centering": "rope", "rope_pairs": pairs}}
+    rot.validate()
+    return rot
+
+
+def load_rotations(spec: str | None, geometry, validate: bool = True):
+    """``--rotations`` of the benchmarks: an artifact directory, ``synthetic`` (default: calibrated_like) or
+    ``hadamard`` (data-free, no centering: what the README's tables measured before issue 23).  ``validate``:
+    a directory's artifact must be for ``geometry`` exactly (else only its KV heads and head dim)."""
+    from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
+
+    if spec in (None, "", "synthetic"):
+        return calibrated_like(geometry)
+    if spec == "hadamard":
+        return Rotations.data_free(geometry, "hadamard", k_clip=DEFAULT_K_CLIP, v_clip=DEFAULT_V_CLIP)
+    rot = Rotations.load(spec)
+    g = rot.geometry
+    if (g.num_kv_heads, g.head_dim) != (geometry.num_kv_heads, geometry.head_dim) or \
+            (validate and g.as_dict() != geometry.as_dict()):
+        raise SystemExit(f"--rotations {spec}: the artifact is for {g.as_dict()}, the benchmark runs {geometry.as_dict()}")
+    return rot
+
+
 def _mixed_batch(geom, bs: int, ctx: int, device, gen: torch.Generator):
     """Uniform-length batch with shuffled physical pages; returns (PagedBatch, int2 pages, window pages)."""
     from ..kernels.layout import PagedBatch
@@ -228,7 +267,8 @@ def sweep_int2(geom, ctx: int, bs: int, device, gen) -> list[dict]:
 
 
 def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, sweep: bool = True,
-        write_path: bool = True, extend_contexts: list[int] = (), extend_chunks: list[int] = ()) -> dict:
+        write_path: bool = True, extend_contexts: list[int] = (), extend_chunks: list[int] = (),
+        rotations: str | None = None, layer: int = 0) -> dict:
     import triton  # noqa: F401  (GPU only)
 
     from ..kernels.decode import bf16_decode, int2_decode
@@ -282,6 +322,15 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
         result["skipped"].append(f"sdpa backends unavailable: {e!r}")
 
     hq, hkv, d = GEOMETRY["num_q_heads"], geom.num_kv_heads, geom.head_dim
+    from ..models import AttentionGeometry
+
+    # the artifact's layer ``layer``: its key rotation in every INT2 row, its per-position means in int2+rope
+    art = load_rotations(rotations, AttentionGeometry("qwen3", GEOMETRY["num_layers"], hq, hkv, d), validate=False)
+    art_rot = art.k_rotation[layer].float().to(device)
+    art_mu = art.k_rope_mean[layer].float().to(device)
+    result["rotations"] = dict(source=rotations or "synthetic", layer=layer, key_centering=art.key_centering,
+                               manifest=art.manifest.get("calibration", {}))
+    inv_freq = 1e6 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # Qwen3's RoPE base
     for ctx in contexts:
         for bs in batch_sizes:
             need = bf16_bytes(geom, bs, ctx) + int2_bytes(geom, bs, ctx)
@@ -292,7 +341,7 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
                 continue
             row = dict(context=ctx, batch=bs)
             q = torch.randn(bs, hq, d, device=device, dtype=torch.bfloat16)
-            rot = _orthogonal(hkv, d, device)
+            rot = art_rot
             # ---- INT2 mixed pool
             batch, nq, nw = _mixed_batch(geom, bs, ctx, device, gen)
             pool = PagedKVPool.allocate(geom, nq, nw, device=device)
@@ -312,11 +361,18 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
                                                                         backend=backend, **var))
             row["int2_eager_ms"] = _bench(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp,
                                                               backend=backend, **var))
-            # keys centered per position (QKV-bias models, rope.py): the kernel adds q . RoPE_p(mu_pre) per key
-            rope = KernelRope.build(_rope_mean(hkv, d, gen).to(device),
-                                    1e6 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d), 1.0, ctx)
-            row["int2_rope_ms"] = _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, rope=rope, max_int2_pages=mp,
-                                                                  **var))
+            # keys centered per position (what calibrate ships, rope.py): the kernel adds q . RoPE_p(mu_pre) per key
+            if art.key_centering == "rope":
+                rope = KernelRope.build(art_mu, inv_freq, 1.0, ctx)
+                row["rope_pairs"] = rope.pairs.shape[1]
+                rope_fn = lambda: int2_decode(q, pool, 0, batch, rot, rope=rope, max_int2_pages=mp,  # noqa: E731
+                                              max_seq_len=ctx, **var)
+                row["int2_rope_ms"] = _bench_call(rope_fn)
+                row["int2_rope_kernel_ms"] = _kernel_ms(rope_fn)
+                if backend == "cuda":
+                    row["int2_rope_triton_ms"] = _bench_call(
+                        lambda: int2_decode(q, pool, 0, batch, rot, rope=rope, max_int2_pages=mp, max_seq_len=ctx,
+                                            backend="triton", **var))
             del pool, batch
             torch.cuda.empty_cache()
             # ---- BF16 paged (all pages BF16)
@@ -351,6 +407,9 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
                           if row.get(k)]
             row["best_bf16_ms"] = min(bf16_times)
             row["speedup"] = row["best_bf16_ms"] / row["int2_ms"]
+            if row.get("int2_rope_ms"):  # per-position centering: vs BF16 and vs constant centering
+                row["rope_speedup"] = row["best_bf16_ms"] / row["int2_rope_ms"]
+                row["rope_over_constant"] = row["int2_rope_ms"] / row["int2_ms"]
             bf16_kernel = [row.get(k + "_kernel_ms") for k in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "bf16_paged")]
             bf16_kernel = [v for v in bf16_kernel if v]
             if bf16_kernel and row.get("int2_kernel_ms"):  # the same ratio on GPU kernel time alone
@@ -471,6 +530,8 @@ def _fmt_row(r: dict) -> str:
     return (f"{r['context']:>7} {r['batch']:>4} {f('sdpa_flash_ms')} {f('sdpa_cudnn_ms')} {f('sdpa_efficient_ms')} "
             f"{f('bf16_paged_ms')} {f('int2_triton_ms')} {f('int2_ms')} {f('int2_rope_ms')} {r['speedup']:7.2f}x {100 * r['int2_bw_fraction']:6.1f}% "
             f"{100 * r['bf16_best_bw_fraction']:6.1f}%" +
+            (f" | rope {r['rope_speedup']:5.2f}x bf16, {r['rope_over_constant']:5.2f}x const"
+             if r.get("rope_speedup") else "") +
             (f" | kernels {r['best_bf16_kernel_ms'] * 1e3:8.1f} {r['int2_kernel_ms'] * 1e3:7.1f} {r['kernel_speedup']:6.2f}x"
              if r.get("kernel_speedup") else ""))
 
@@ -530,11 +591,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     ap.add_argument("--extend-contexts", default="", help="also time the extend kernel after these cached lengths")
     ap.add_argument("--extend-chunks", default="16,512,2048", help="new tokens per extend call")
+    ap.add_argument("--rotations", default="synthetic",
+                    help="artifact directory (Qwen3-8B attention geometry), 'synthetic' (a calibrated-like artifact: "
+                         "per-head rotations, per-position key means in 32 RoPE pairs) or 'hadamard'")
+    ap.add_argument("--layer", type=int, default=0, help="the artifact's layer to time")
     a = ap.parse_args(argv)
     global USE_GRAPHS
     USE_GRAPHS = not a.eager
     run(_ints(a.contexts), _ints(a.batch_sizes), a.output, sweep=not a.no_sweep, write_path=not a.no_write_path,
-        extend_contexts=_ints(a.extend_contexts), extend_chunks=_ints(a.extend_chunks))
+        extend_contexts=_ints(a.extend_contexts), extend_chunks=_ints(a.extend_chunks), rotations=a.rotations,
+        layer=a.layer)
     return 0
 
 

@@ -5,7 +5,8 @@
 
 The model is built from the public architecture numbers of the chosen model with random bf16 weights
 on the device (no download; decode speed does not depend on weight values).  Rotations for INT2 are
-the data-free Hadamard ones (``Rotations.data_free``); BF16 runs the engine exactly as
+``--rotations``: by default a synthetic artifact shaped like the one ``calibrate`` ships (per-head rotations,
+per-position key means in 32 RoPE pairs: bench.attention.calibrated_like); BF16 runs the engine exactly as
 ``oscar-kv serve --kv-cache-dtype bf16`` does (no artifact).  Same model, same contexts, same KV
 memory: only the KV scheme differs.  Three measurements:
 
@@ -585,7 +586,7 @@ def run(args) -> dict:
     bad = [s for s in schemes if s not in SCHEMES]
     if bad or not schemes or not contexts or not batch_sizes:
         raise SystemExit(f"--kv-cache-dtype takes {','.join(SCHEMES)}; contexts and batch sizes must not be empty")
-    from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
+    from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP
     from ..engine.block_pool import plan_pool
     from ..models import AttentionGeometry
 
@@ -605,7 +606,9 @@ def run(args) -> dict:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    rotations = Rotations.data_free(geometry, "hadamard", k_clip=DEFAULT_K_CLIP, v_clip=DEFAULT_V_CLIP)
+    from .attention import load_rotations
+
+    rotations = load_rotations(args.rotations, geometry)
     # Every batch starts from a prefilled sequence and decodes at most this many tokens past it.
     grow = 1 + args.warmup_steps + max(args.decode_steps, args.throughput_steps) + args.breakdown_steps \
         + args.profile_steps + args.page_size
@@ -613,7 +616,8 @@ def run(args) -> dict:
         contexts=contexts, batch_sizes=batch_sizes, schemes=schemes, decode_steps=args.decode_steps,
         warmup_steps=args.warmup_steps, kv_cache_memory_gb=budget, page_size=args.page_size,
         sink_size=args.sink_size, recent_size=args.recent_size, group_size=min(geometry.head_dim, 128),
-        int2_rotations="data-free Hadamard", k_clip=DEFAULT_K_CLIP, v_clip=DEFAULT_V_CLIP,
+        int2_rotations=args.rotations, key_centering=rotations.key_centering, k_clip=DEFAULT_K_CLIP,
+        v_clip=DEFAULT_V_CLIP,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend, prefill=args.prefill, prefix_caching=False,
         timing="median over decode steps of wall time around LLMEngine.step with device synchronize; "
@@ -992,6 +996,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sink-size", type=int, default=64)
     ap.add_argument("--recent-size", type=int, default=256)
     ap.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
+    ap.add_argument("--rotations", default="synthetic",
+                    help="INT2 artifact: a directory from `oscar-kv calibrate`, 'synthetic' (default: calibrated-like "
+                         "for the random-weight model, per-position key means in 32 RoPE pairs) or 'hadamard' "
+                         "(data-free, no centering)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--throughput-steps", type=int, default=8,
                     help="decode steps for the fixed-budget throughput run at the largest context (0: skip)")

@@ -126,6 +126,12 @@ class LLMEngine:
         if device is not None:
             model.to(device)
         self.device = next(model.parameters()).device
+        if config.kv_cache_dtype == "bf16" and any(layer.k_rope_mean is not None for layer in self.layers):
+            # BF16 keys need no centering (softmax is exact without it) and the BF16 kernel does not add the
+            # position-aware term back: drop it rather than fall back to the torch reference (issue 23)
+            log.info("BF16 KV cache: the artifact's per-position key means are not used (they serve INT2 only)")
+            for layer in self.layers:
+                layer.k_rope_mean = layer.rope_pairs = None
         for layer in self.layers:
             layer.group_size = group
             layer.keep_heads(heads)
@@ -149,9 +155,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_prefix_caching)
         self.kernel_status = kernel_support(self.pool, config.attention_backend,
-                                            rope_centered=template.rotations.key_centering == "rope")
+                                            rope_centered=any(layer.k_rope_mean is not None for layer in self.layers))
         if config.attention_backend == "triton" and self.kernel_status is not None:
             raise ValueError(f"--attention-backend triton: {self.kernel_status}")
+        if self.kernel_status is not None and self.device.type == "cuda" and config.attention_backend != "torch":
+            # the torch reference materializes [heads, tokens] logits in float32: slow, and out of memory at
+            # long context; say so once, at start-up, never silently
+            log.warning("attention runs on the torch reference path on the GPU (slow, memory-hungry at long "
+                        "context): %s", self.kernel_status)
         view = PoolView(self.pool) if self.kernel_status is None else None
         graphs = None
         if view is not None and self.device.type == "cuda" and not config.enforce_eager:
@@ -189,9 +200,9 @@ class LLMEngine:
         if self.kernel_status is None and any(layer.k_rope_mean is not None for layer in self.layers):
             pairs = max(layer.rope_pairs.shape[1] for layer in self.layers if layer.rope_pairs is not None)
             backend += (f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term "
-                        "(decode attention at 128K on an H100: 1.7-2.1x the time of constant centering with 32 "
-                        "pairs, 1.3-1.6x with 16; benchmarks/NOTES.md run R4); calibrate with --rope-pairs 16, "
-                        "or --key-centering constant for full kernel speed")
+                        "(the one-launch CUDA decode kernel for head dim 128 and <= 32 pairs, benchmarks/NOTES.md "
+                        "run F1; the Triton kernels otherwise, 1.7-2.1x the time of constant centering at 32 "
+                        "pairs, run R4)")
         if self.runner.graphs is not None:
             backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
         per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "

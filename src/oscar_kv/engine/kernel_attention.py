@@ -150,7 +150,8 @@ class DecodeStep:
         q = query[0].transpose(0, 1)  # [B, Hq, D]
         if self.view.pool.spec.quantizes:
             out = int2_decode(q, self.view, layer_idx, self.batch, layer.k_rotation, scaling,
-                              rope=_rope(layer, self.max_seq_len, q.device), max_int2_pages=self.max_int2_pages)
+                              rope=_rope(layer, self.max_seq_len, q.device), max_int2_pages=self.max_int2_pages,
+                              max_seq_len=self.max_seq_len)
         else:
             p = self.view.pool
             out = bf16_decode(q, p.k_win[layer_idx], p.v_win[layer_idx], self.batch.block_table, self.batch.seq_lens,

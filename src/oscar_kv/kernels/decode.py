@@ -528,13 +528,17 @@ def rope_query_terms(q: torch.Tensor, mu_pre: torch.Tensor, scale: float, pairs:
     return (torch.cat([a.gather(-1, idx), b.gather(-1, idx)], -1) * scale).contiguous()
 
 
-def _rope_args(q: torch.Tensor, rope, scale: float, positions: int = 0):
+def _rope_args(q: torch.Tensor, rope, scale: float, positions: int, *blocks: int):
     """(AB, PR, stride_b, stride_h, stride_prh, R, on) for the kernels; ``rope``: a rope.KernelRope or None.
-    ``positions``: the kernel may read table rows up to this position (checked against the table)."""
+    ``positions``: a host bound on the positions of the keys the call scores (rope.KernelRope.check); its
+    tiles (``blocks`` keys each) read past the last key by less than rope.TILE_MARGIN rows."""
     if rope is None:
         return q, q, 0, 0, 0, 1, False
-    if rope.table.shape[0] < positions:
-        raise ValueError(f"the RoPE table covers {rope.table.shape[0]} positions, the kernel reads {positions}")
+    from ..rope import TILE_MARGIN
+
+    if max(blocks, default=0) > TILE_MARGIN:
+        raise ValueError(f"tiles of {max(blocks)} keys read past rope.TILE_MARGIN = {TILE_MARGIN} table rows")
+    rope.check(positions)
     ab = rope_query_terms(q, rope.mu_pre, scale, rope.pairs)
     return ab, rope.pairs, ab.stride(0), ab.stride(-2), rope.pairs.stride(0), rope.pairs.shape[1], True
 
@@ -545,11 +549,13 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
                 block_w: int = 64, num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
                 kt: bool = True, split_target: int | None = None, maxnreg: int | str | None = "auto",
                 backend: str | None = None, cuda_split_target: int | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                max_seq_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the mixed pool.  q: [B, Hq, D] (unrotated if k_rotation is given; any float
     dtype, float32 keeps the most precision) -> [B, Hq, D] in q's dtype.
 
-    ``max_int2_pages`` (host int) avoids a device sync for the split plan; the engine knows it.
+    ``max_int2_pages`` (host int) avoids a device sync for the split plan; the engine knows it.  It may be
+    any upper bound (CUDA graphs capture with a bucketed one).  ``max_seq_len`` (host int) bounds the sequences'
+    lengths, i.e. the RoPE table rows a ``rope`` call reads (rope.KernelRope.check; None: a device sync).
     Tuning knobs (benchmark sweep): block_n tokens per INT2 tile, num_warps/num_stages, use_asm (PTX
     code conversion on GPU, default on), kt (keys loaded transposed), split_target (INT2 programs per SM;
     default 4 when batch x KV heads <= 8, else 8: measured best at 128K, bs 1 and bs 8, H100 run v5),
@@ -572,6 +578,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if max_int2_pages is None:
         max_int2_pages = int(batch.int2_pages.max()) if bsz else 0
+    if rope is not None and max_seq_len is None:
+        max_seq_len = int(batch.seq_lens.max()) if bsz else 0
     block_n = block_n or max(g.page_size, 256)
     if block_n % g.page_size:
         raise ValueError("block_n must be a multiple of the page size")
@@ -584,7 +592,10 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         ns, chunk = int2_cuda.split_plan(max_int2_pages * g.page_size, bsz * h, g.page_size, _num_sms(q.device),
                                          per_sm)
         out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
-        return int2_cuda.decode(q, k_rotation, pool.layer(layer), g, batch, out, ns, chunk, sm_scale * LOG2E)
+        if rope is not None:
+            rope.check(max_seq_len)
+        return int2_cuda.decode(q, k_rotation, pool.layer(layer), g, batch, out, ns, chunk, sm_scale * LOG2E,
+                                rope=rope)
     ns, chunk = _split_plan(max_int2_pages * g.page_size, bsz * h, q.device, block_n, num_splits=num_splits,
                             per_sm=split_target)
     qr = rotate_query(q, k_rotation, h)
@@ -600,8 +611,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     extra = {"maxnreg": maxnreg} if (maxnreg and not _INTERPRET) else {}
     if rope is not None and (g.page_size % 16 or block_n % 16 or block_w % 16):
         raise ValueError("position-aware centering in the decode kernel needs page and block sizes that are multiples of 16")
-    reach = g.sink_pages * g.page_size + max_int2_pages * g.page_size + g.recent_size + g.page_size + block_n + block_w
-    ab, pr, stride_abb, stride_abh, stride_prh, r, on = _rope_args(q, rope, sm_scale * LOG2E, reach)
+    ab, pr, stride_abb, stride_abh, stride_prh, r, on = _rope_args(q, rope, sm_scale * LOG2E, max_seq_len, block_n,
+                                                                   block_w)
     base, steps = (rope.base, rope.steps) if rope is not None else (q, q)
     _int2_decode_kernel[(bsz, h, ns + 1)](
         qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, pr, base, steps,

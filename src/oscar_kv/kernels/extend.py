@@ -377,7 +377,8 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
     kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
     bt = batch.block_table
     cu32 = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    ab, pr, stride_abt, stride_abh, stride_prh, r, on = _rope_args(q, rope, sm_scale * LOG2E)
+    # the extend kernel reads table rows of valid positions only (masked loads): its bound is exact
+    ab, pr, stride_abt, stride_abh, stride_prh, r, on = _rope_args(q, rope, sm_scale * LOG2E, 0)
     cs = rope.table if rope is not None else q
     _int2_extend_kernel[(num_tiles, bsz, h * (ns + 1))](
         qr, k_new, v_new, cu32, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, out, po, pl, ab, pr, cs,

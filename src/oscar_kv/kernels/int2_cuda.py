@@ -16,8 +16,9 @@ last CTA of a (sequence, KV head) to finish merges the partials (an atomic count
 The kernel is compiled at first use by NVRTC, through torch (``torch.cuda._compile_kernel``), once per
 device, geometry and dtype.  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
 offset removal; the window's query as bfloat16 hi + lo parts).  Supported: head dim 128, one quantization
-group per head (G = D), at most 8 query heads per KV head, constant key centering, float32 / bfloat16 /
-float16 queries.  Anything else runs the Triton kernels.
+group per head (G = D), at most 8 query heads per KV head, float32 / bfloat16 / float16 queries, constant key
+centering or per-position centering over at most MAX_ROPE_PAIRS pairs (the term q . RoPE_p(mu_pre) as one more
+small MMA per 16 keys; int2_decode.cu, rope_terms).  Anything else runs the Triton kernels.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at mos
 MIN_BLOCKS = 3  # CTAs per SM the register budget is set for (168 registers; 4 x 128 spilled: run C1)
 MAX_SPLITS = 512  # CTAs per (sequence, KV head), all merged by the last one (one wave here is <= 3 x SMs CTAs)
 STREAM_EVICT_FIRST_L2S = 2.0  # code loads are evict_first while a call's INT2 bytes are <= this many L2s (C25)
+MAX_ROPE_PAIRS = 32  # the position-aware term's shared tables for more pairs pass the 48 KB static limit
 _MAGIC = 0x64006400  # float16 1024 in both halves (see int2_decode.cu)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -52,8 +54,8 @@ def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope,
         return f"head dim {geom.head_dim} / group {geom.group_size} (the kernel is written for D = G = 128)"
     if not 1 <= gqa <= 8:
         return f"{gqa} query heads per KV head (at most 8)"
-    if rope is not None:
-        return "position-aware key centering"
+    if rope is not None and rope.pairs.shape[1] > MAX_ROPE_PAIRS:
+        return f"position-aware key centering over {rope.pairs.shape[1]} pairs (at most {MAX_ROPE_PAIRS})"
     if dtype not in _DTYPES:
         return f"{dtype} queries (float32, bfloat16 or float16)"
     return _device_error(_index(device), geom.head_dim, geom.page_size, gqa, geom.sink_pages)
@@ -96,10 +98,10 @@ def _index(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int, min_blocks: int,
-            q_kind: int, o_kind: int, stamps: bool = False):
+            q_kind: int, o_kind: int, stamps: bool = False, rope_pairs: int = 0):
     defines = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=NUM_WARPS,
                    MAX_PAGES=MAX_PAGES, MIN_BLOCKS=min_blocks, Q_KIND=q_kind, O_KIND=o_kind,
-                   STAMPS=int(stamps))
+                   STAMPS=int(stamps), ROPE_R=rope_pairs)
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.read_text()
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(source, "oscar_int2_decode")
@@ -165,9 +167,11 @@ def _counters(device: torch.device, pairs: int) -> torch.Tensor:
 
 def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, torch.Tensor], geom: PoolGeometry,
            batch: PagedBatch, out: torch.Tensor, splits: int, chunk: int, qk_scale: float,
-           stamps: torch.Tensor | None = None) -> torch.Tensor:
+           stamps: torch.Tensor | None = None, rope=None) -> torch.Tensor:
     """Decode attention into out [B, Hq, D] (q's dtype) from the unrotated query q [B, Hq, D]: ``splits`` CTAs
     per (sequence, KV head) with ``chunk`` INT2 tokens each (split_plan); qk_scale = sm_scale * log2(e).
+    ``rope``: a rope.KernelRope when keys are centered per position (its tables must cover the sequences:
+    KernelRope.check, done by the caller).
     ``stamps``: int64 [B, H, splits, 16] of %globaltimer stamps per CTA (a separately compiled variant;
     benchmarks only)."""
     bsz, hq, d = q.shape
@@ -190,19 +194,30 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
             raise ValueError(f"k_rotation must be [1 or {h}, {d}, {d}], got {tuple(k_rotation.shape)}")
         r = rotation_operand(k_rotation)
         stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
+    if rope is None:
+        mu = pairs = phases = tile = q  # not read
+        rope_r = 0
+    else:
+        rope_r = rope.pairs.shape[1]
+        if rope_r % 8 or rope_r > MAX_ROPE_PAIRS or tuple(rope.mu_pre.shape) != (h, d) or rope.pairs.shape[0] != h:
+            raise ValueError(f"rope: mu_pre must be [{h}, {d}] with 8 .. {MAX_ROPE_PAIRS} pairs (a multiple of 8) "
+                             f"per head, got {tuple(rope.mu_pre.shape)} and {tuple(rope.pairs.shape)}")
+        mu = rope.mu_pre if rope.mu_pre.dtype == torch.float32 else rope.mu_pre.float()
+        mu, pairs = mu.contiguous(), rope.pairs.to(torch.int32).contiguous()
+        phases, tile = rope.phases, rope.tile
     po = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float16)
     pl = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     bt = batch.block_table
     history_bytes = bsz * h * splits * chunk * geom.int2_bytes_per_token()  # an upper bound (the last chunk)
     kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, MIN_BLOCKS, _DTYPES[q.dtype],
-                     _DTYPES[target.dtype], stamps is not None)
+                     _DTYPES[target.dtype], stamps is not None, rope_r)
     kernel(grid=(splits, h, bsz), block=(NUM_WARPS * 32, 1, 1),
            args=[q, r, k_rotation is not None, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
                  target, _counters(q.device, bsz * h), float(qk_scale), q.stride(0), q.stride(1), stride_rh,
                  kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
                  po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), target.stride(0),
                  target.stride(1), chunk, _MAGIC, stamps if stamps is not None else po,
-                 int(stream_evict_first(history_bytes, _index(q.device)))])
+                 int(stream_evict_first(history_bytes, _index(q.device))), mu, pairs, phases, tile])
     if target is not out:
         out.copy_(target)
     return out

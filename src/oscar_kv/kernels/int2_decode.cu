@@ -22,6 +22,8 @@
 // -1024 * sum(q) and by an MMA of a constant-1024 A operand with PP (values).
 // BF16 window sub-tiles use the same fragments with bfloat16 MMAs (the query as hi + lo bfloat16 parts, ~16
 // bits like the float32 reference) and add into the same accumulator rows, their values times 4^s.
+// ROPE_R > 0 (keys centered per position, rope.py): every logit also gets q . RoPE_p(mu_pre) =
+// sum_j a_j cos(p t_j) + b_j sin(p t_j) over the R kept pairs j; see rope_terms.
 #define NT (NWARPS * 32)
 #define D4 (D / 4)
 #define KSTEPS (D / 16)
@@ -296,6 +298,98 @@ __device__ __forceinline__ bool raise_max(State& st, float mx0, float mx1) {
   return true;
 }
 
+// ---------------------------------------------------------------------------------- position-aware term
+// For the 16 keys at p0 + v (p0 a multiple of 16, v < 16, or v < 32 for the two sub-tiles of a step):
+//   a cos((p0+v)t) + b sin((p0+v)t) = W_re cos(vt) - W_im sin(vt),  W = (a - ib) e^{i p0 t}
+// W (per head and pair) is turned by the phase at p0 in float32, from a table of (cos, sin) at multiples of
+// 16 positions (PH, the same float64-angle numbers the write side subtracted, times the RoPE scaling); then
+// one m16n8k16 MMA per 8 pairs sums over pairs and v against the constant in-tile table A[v, 2j + c] =
+// (cos vt_j, -sin vt_j) of this KV head's pairs, kept in shared memory as float16 fragments.  Both operands
+// are float16 hi + lo parts and three MMAs take hi.hi + hi.lo + lo.hi (~22 bits): with |mu_pre| near 900 (a
+// k_proj bias) the term is hundreds of logit units and one float16 rounding would cost ~0.1 of them.
+#if ROPE_R
+#define RK (ROPE_R / 8)  // MMA k-steps of the term (8 pairs each)
+static_assert(ROPE_R % 8 == 0 && ROPE_R <= 32, "the CUDA kernel visits 8 .. 32 pairs, a multiple of 8");
+__shared__ __align__(16) float4 s_rab[8][4][RK];     // head g, t, kk: (a, b) of pairs 8kk + t, 8kk + t + 4
+__shared__ __align__(16) uint4 s_rta[2][RK][32][2];  // sub-tile u, kk, lane: A fragments (hi, lo), rows 16u + v
+__shared__ __align__(16) float2 s_rph[NWARPS][2][ROPE_R];  // per warp, two steps: the phases of the R pairs
+
+// Fill the shared tables (all threads; a __syncthreads must follow).  q: the unrotated query rows in shared
+// memory; MU [D] mu_pre of this KV head; PRh [R] its pairs; TL [32][D/2] (cos, sin) of v t_i.
+__device__ void rope_prologue(const float (*q)[D], const float* __restrict__ MU, const int* __restrict__ PRh,
+                              const float2* __restrict__ TL, float scale) {
+  for (int i = threadIdx.x; i < 8 * 4 * RK; i += NT) {
+    const int hh = i / (4 * RK), tt = (i / RK) % 4, kk = i % RK;
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int pr = PRh[8 * kk + tt + 4 * e];
+      const float m0 = MU[pr], m1 = MU[pr + D / 2], q0 = q[hh][pr], q1 = q[hh][pr + D / 2];
+      v[2 * e] = (q0 * m0 + q1 * m1) * scale;
+      v[2 * e + 1] = (q1 * m0 - q0 * m1) * scale;
+    }
+    s_rab[hh][tt][kk] = make_float4(v[0], v[1], v[2], v[3]);
+  }
+  for (int i = threadIdx.x; i < 2 * RK * 32; i += NT) {
+    const int u = i / (RK * 32), kk = (i / 32) % RK, ln = i % 32, gg = ln >> 2, tt = ln & 3;
+    u32 hi[4], lo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // reg r: row gg (+8 for odd r), pair 8kk + tt (+4 for r >= 2)
+      const float2 cs = TL[(16 * u + gg + 8 * (r & 1)) * (D / 2) + PRh[8 * kk + tt + 4 * (r >> 1)]];
+      hi[r] = pack_half2(cs.x, -cs.y);
+      const float2 h = halves(hi[r]);
+      lo[r] = pack_half2(cs.x - h.x, -cs.y - h.y);
+    }
+    s_rta[u][kk][ln][0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    s_rta[u][kk][ln][1] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  }
+}
+
+// The phases at p0 (a multiple of 16) of the R pairs into this warp's buffer: lane j < R copies pair j's
+// (cos, sin) by cp.async (no registers held while in flight), one commit group per call (empty when !go).
+// ``pair``: PR[j] of this lane.
+__device__ __forceinline__ void rope_stage(const float2* __restrict__ PH, int p0, int buf, int pair, bool go) {
+  const int lane = threadIdx.x & 31;
+  if (go && lane < ROPE_R) {
+    const float2* src = PH + (long long)(p0 >> 4) * (D / 2) + pair;
+    unsigned dst;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+        : "=r"(dst) : "l"(&s_rph[threadIdx.x >> 5][buf][lane]));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// sc[u] (C layout: keys 16u + g, 16u + g + 8 x heads 2t, 2t + 1) += the term for keys p0 + 16u + v, u < NSUB,
+// with the phases at p0 in this warp's buffer ``buf``.  PENDING: the newer commit groups allowed in flight.
+template <int NSUB, int PENDING>
+__device__ __forceinline__ void rope_terms(float (*sc)[4], int buf) {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+  __syncwarp();
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const float2* ph = s_rph[threadIdx.x >> 5][buf];
+  // not unrolled: unrolled, ptxas hoists every k-step's operands and spills ~900 bytes at 168 registers
+#pragma unroll 1
+  for (int kk = 0; kk < RK; ++kk) {
+    const float4 ab = s_rab[g][t][kk];
+    const float2 c0 = ph[8 * kk + t], c1 = ph[8 * kk + t + 4];
+    const float re0 = ab.x * c0.x + ab.y * c0.y, im0 = ab.x * c0.y - ab.y * c0.x;
+    const float re1 = ab.z * c1.x + ab.w * c1.y, im1 = ab.z * c1.y - ab.w * c1.x;
+    const u32 bh0 = pack_half2(re0, im0), bh1 = pack_half2(re1, im1);
+    const float2 h0 = halves(bh0), h1 = halves(bh1);
+    const u32 bl0 = pack_half2(re0 - h0.x, im0 - h0.y), bl1 = pack_half2(re1 - h1.x, im1 - h1.y);
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+      const uint4 ah = s_rta[u][kk][lane][0], al = s_rta[u][kk][lane][1];
+      mma(sc[u], ah.x, ah.y, ah.z, ah.w, bh0, bh1, sc[u]);
+      mma(sc[u], ah.x, ah.y, ah.z, ah.w, bl0, bl1, sc[u]);
+      mma(sc[u], al.x, al.y, al.z, al.w, bh0, bh1, sc[u]);
+    }
+  }
+  __syncwarp();  // every lane is done with ``buf`` before it is staged again
+}
+#endif
+
 struct Query {
   u32 qb[2 * KSTEPS];  // B fragments of the key MMAs
   float koff0, koff1;  // 1024 * sum of the float16 B entries, heads 2t and 2t+1
@@ -305,7 +399,7 @@ struct Query {
 
 // One 32-token step: two sub-tiles, one softmax update.  HALF: only the first sub-tile holds tokens.
 template <bool HALF>
-__device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur) {
+__device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur, int rbuf) {
   const float kinit[4] = {-q.koff0, -q.koff1, -q.koff0, -q.koff1};
   float sc[2][4];  // logits: tokens (g, g, g+8, g+8) x heads (2t, 2t+1, 2t, 2t+1)
 #pragma unroll
@@ -336,6 +430,9 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
     sc[u][2] = ks1 * c[2] + kn1 * q.qsum0;
     sc[u][3] = ks1 * c[3] + kn1 * q.qsum1;
   }
+#if ROPE_R
+  rope_terms<HALF ? 1 : 2, HALF ? 0 : 1>(sc, rbuf);  // a full step's successor may be in flight, a half's not
+#endif
   // ---- online softmax over the step (columns 2t, 2t+1 of this thread)
   const float mx0 = warp_max_rows(fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])));
   const float mx1 = warp_max_rows(fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3])));
@@ -428,7 +525,8 @@ __device__ __forceinline__ u32 word_of(const uint4* a, int m) {  // word m of 16
 // 32t + 4kk (+1), (2t+8, 2t+9) is 32t + 4kk + 2 (+3): a thread's words, and 4 consecutive query channels.
 // Values: accumulator block i holds, in row g, channel 4g + i/2 + D/2 (i % 2) times 4^(2 (i % 2)), in row g + 8
 // the channel D/4 above it times 4^(2 (i % 2) + 1), as the INT2 codes' slices (see step()).
-__device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u16* qhi, const u16* qlo, int g) {
+__device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u16* qhi, const u16* qlo, int g,
+                                            const float2* __restrict__ PH, int pair) {
   float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
@@ -439,6 +537,11 @@ __device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u
     mma_bf16(c, a0, a1, a2, a3, bh.x, bh.y, c);
     mma_bf16(c, a0, a1, a2, a3, bl.x, bl.y, c);
   }
+#if ROPE_R
+  // buffer 1: the first INT2 step's phases may be on their way into buffer 0
+  rope_stage(PH, w.base, 1, pair, true);
+  rope_terms<1, 0>(&c, 1);
+#endif
   const bool ok0 = w.base + g < w.limit, ok1 = w.base + g + 8 < w.limit;
   const float s0 = ok0 ? c[0] : NEG_INF, s1 = ok0 ? c[1] : NEG_INF;
   const float s2 = ok1 ? c[2] : NEG_INF, s3 = ok1 ? c[3] : NEG_INF;
@@ -494,7 +597,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     o_t* __restrict__ O, int* __restrict__ CNT, double qk_scale_d, int stride_qb, int stride_qh, int stride_rh,
     int stride_cp, int stride_ch, int stride_mp, int stride_mh, int stride_wp, int stride_wh, int stride_bt,
     int stride_pob, int stride_poh, int stride_pos, int stride_plb, int stride_plh, int stride_ob, int stride_oh,
-    int chunk, int magic, unsigned long long* __restrict__ TS, int evict_first) {
+    int chunk, int magic, unsigned long long* __restrict__ TS, int evict_first, const float* __restrict__ RMU,
+    const int* __restrict__ PR, const float2* __restrict__ PH, const float2* __restrict__ TL) {
   const int split = blockIdx.x, splits = gridDim.x;
   const int h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -547,6 +651,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   if (wj < win.n) load_win_tile(wt, win, wj, g, t);
   __syncthreads();
   STAMP(1);
+#if ROPE_R
+  rope_prologue(s_q, RMU + (long long)h * D, PR + (long long)h * ROPE_R, TL, qk_scale);  // before s_q is rotated
+#endif
 
   // ---- the query rotation on the tensor cores: qr^T[e, heads] = R^T[e, d] . q^T[d, heads], float16 R^T (A;
   // warp w: rows e in [32w, 32w + 32)) times the query as float16 hi + lo parts (B, ~22 bits).  Logical k
@@ -610,6 +717,15 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     load_sub_tile(buf0[0], src, pos);
     load_sub_tile(buf0[1], src, pos + 16);
   }
+#if ROPE_R
+  const int rpair = PR[(long long)h * ROPE_R + min(lane, ROPE_R - 1)];  // the pair whose phases this lane stages
+#define ROPE_STAGE(p, buf) rope_stage(PH, SINK_PAGES * P + (p), buf, rpair, (p) < end)
+#else
+  const int rpair = 0;
+#define ROPE_STAGE(p, buf)
+#endif
+  ROPE_STAGE(pos, 0);
+  int half_buf = 0;  // the phase buffer of the half step at the end (if any)
 
   State st;
 #pragma unroll
@@ -623,10 +739,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   if (wj < win.n) {
     const u16* qhi = &s_qw[0][g][32 * t];
     const u16* qlo = &s_qw[1][g][32 * t];
-    window_tile(st, wt, qhi, qlo, g);
+    window_tile(st, wt, qhi, qlo, g, PH, rpair);
     for (wj += splits * NWARPS; wj < win.n; wj += splits * NWARPS) {
       load_win_tile(wt, win, wj, g, t);
-      window_tile(st, wt, qhi, qlo, g);
+      window_tile(st, wt, qhi, qlo, g, PH, rpair);
     }
   }
   STAMP(3);
@@ -635,6 +751,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   // channels (j, j + 2) + D/4 * s with j = 8t + 4w + hp, divided by 4^s; the A side uses the same order.
   Query q;
   q.magic = (u32)__shfl_sync(0xffffffffu, magic, 0);
+
   {
     float off_part = 0.f, sum_part = 0.f;
     const float* qrow = s_q[g < GQA ? g : 0];
@@ -675,22 +792,27 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
       load_sub_tile(buf1[0], src, npos);
       load_sub_tile(buf1[1], src, npos + 16);
     }
-    step<false>(st, q, buf0);
+    ROPE_STAGE(npos, 1);
+    step<false>(st, q, buf0, 0);
     STEP_STAMP(nsteps);
     pos = npos;
-    if (pos >= full_end) break;
+    if (pos >= full_end) {
+      half_buf = 1;
+      break;
+    }
     npos = pos + NT;
     if (npos < full_end) {
       load_sub_tile(buf0[0], src, npos);
       load_sub_tile(buf0[1], src, npos + 16);
     }
-    step<false>(st, q, buf1);
+    ROPE_STAGE(npos, 0);
+    step<false>(st, q, buf1, 1);
     STEP_STAMP(nsteps);
     pos = npos;
   }
   if (pos < end) {  // 16 tokens left for this warp
     load_sub_tile(buf0[0], src, pos);
-    step<true>(st, q, buf0);
+    step<true>(st, q, buf0, half_buf);
   }
 
   STAMP(4);
