@@ -139,3 +139,22 @@ def test_batched_clip_errors_rank_candidates_as_the_layer_error_does(which):
     layer = torch.tensor(layer)
     assert torch.allclose(layer - layer[0], batched - batched[0], rtol=1e-3, atol=1e-4 * float(layer[0]))
     assert int(layer.argmin()) == int(batched.argmin())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_generate_cache_migrates_to_int2_on_cuda(smol, rotations):
+    """On CUDA the cache quantizes with per-head clip ratios that live on the CPU (once a device-mismatch crash)."""
+    from oscar_kv.cache import OscarCache
+
+    lm, _ = smol
+    lm.cuda()
+    try:
+        cache = OscarCache(lm, rotations, CacheSettings("int2", sink_size=16, recent_size=32, page_size=16))
+        ids = torch.randint(0, 1000, (1, 120), device="cuda")
+        out = lm(ids, past_key_values=cache).logits
+        out = lm(ids[:, :1], past_key_values=cache).logits
+        assert cache.layers[0].history_len > 0 and torch.isfinite(out).all()
+    finally:
+        unprepare_model(lm)
+        lm.cpu()
