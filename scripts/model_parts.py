@@ -22,11 +22,8 @@ PART_BYTES = 55 * 1000 * 1000  # under the 64 MiB a call carries, with room for 
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def split(path: Path, parts_dir: Path, part_bytes: int = PART_BYTES) -> dict:
