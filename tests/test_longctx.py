@@ -158,3 +158,14 @@ def test_generate_cache_migrates_to_int2_on_cuda(smol, rotations):
     finally:
         unprepare_model(lm)
         lm.cpu()
+
+
+def test_clip_candidates_in_chunks_equal_one_batch(monkeypatch):
+    import oscar_kv.activations as act
+
+    s = _sample(t=200, hq=4, hkv=2, d=16, seed=9)
+    eye = torch.eye(16).expand(1, 16, 16)
+    args = (s, 0, eye, eye, torch.zeros(2, 16), torch.zeros(2, 16), "k", torch.tensor([1.0, 0.9, 0.8]), 2, 8, 8)
+    whole = clip_candidate_errors(*args)
+    monkeypatch.setattr(act, "CANDIDATE_BATCH_ELEMENTS", 2 * 200 * 200)  # one candidate per chunk
+    assert torch.allclose(clip_candidate_errors(*args), whole)

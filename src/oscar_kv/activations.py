@@ -165,6 +165,9 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     return relative_error(out, exact)
 
 
+CANDIDATE_BATCH_ELEMENTS = 1 << 26  # logits held at once by clip_candidate_errors (256 MB of float32)
+
+
 def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation, k_offset, v_mean, which: str,
                           candidates: torch.Tensor, bits: int = 2, group_size: int | None = None,
                           sink_size: int = 64, recent_size: int = 0, queries: int | None = None) -> torch.Tensor:
@@ -194,6 +197,12 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
     z_exact = (q_rot @ (k_rot + off_rot).T * scale).masked_fill(future, float("-inf"))  # [g, nq, T]
     p_exact = torch.softmax(z_exact, -1)
     exact = p_exact @ v_rot  # rotated, centered space: the error's norm is the same as in the model's
+    per_candidate = g * nq * t
+    if len(candidates) > 1 and len(candidates) * per_candidate > CANDIDATE_BATCH_ELEMENTS:  # bound the logits' memory
+        step = max(1, CANDIDATE_BATCH_ELEMENTS // per_candidate)
+        return torch.cat([clip_candidate_errors(sample, head, k_rotation, v_rotation, k_offset, v_mean, which,
+                                                candidates[i:i + step], bits, group_size, sink_size, recent_size,
+                                                queries) for i in range(0, len(candidates), step)])
     c = candidates.reshape(-1, 1).float()
     if which == "k":
         body = fake_quantize(k_rot[s:last].expand(len(c), -1, -1), bits, group_size, c)  # [C, n, D]
