@@ -109,3 +109,18 @@ def test_calibrate_help_defaults_are_the_library_defaults():
         assert params[name].default.default == getattr(lib, name), name
     for name in ("clip", "key_centering", "rotation_scope", "layer_policy"):
         assert params[name].default.default.value == getattr(lib, name), name
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`oscar-kv --help` answers at once: the heavy imports wait for a command that needs them."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom oscar_kv.cli import app\nfor args in (['--help'], ['serve', '--help']):\n"
+            "    try:\n        app(args)\n    except SystemExit:\n        pass\n"
+            "print('heavy:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "--shutdown-timeout" in out.stdout and out.stdout.strip().endswith("heavy: []")
