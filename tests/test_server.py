@@ -13,7 +13,7 @@ from oscar_kv.artifacts import Rotations  # noqa: E402
 from oscar_kv.models import AttentionGeometry  # noqa: E402
 from oscar_kv.server import BackgroundServer, ServeConfig, ServeError  # noqa: E402
 from oscar_kv.server.main import build_engine  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from server_utils import metric, read_metrics  # noqa: E402
 
 KEY = "test-key"
 MODEL = "smollm2-135m"
@@ -60,11 +60,7 @@ def chat_ids(server, content):
 
 
 def metrics(server) -> dict:
-    """{(sample name, ((label, value), ...) without model_name): value} from the real /metrics text."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "le")))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples
-            if "le" not in s.labels}
+    return read_metrics(server.url)
 
 
 def test_models_health_and_metrics(server, client):
@@ -198,12 +194,11 @@ def test_metrics_count_outcomes_latencies_and_an_idle_rate_of_zero(server, clien
     before = metrics(server)
 
     def delta(name, **labels):
-        key = ("oscar_kv_" + name, tuple(sorted(labels.items())))
-        return after[key] - before.get(key, 0.0)
+        return metric(after, name, **labels) - metric(before, name, **labels)
 
     client.completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=8, temperature=0,
                               extra_body={"ignore_eos": True})
-    busy = metrics(server)[("oscar_kv_generation_tokens_per_second", ())]
+    busy = metric(metrics(server), "generation_tokens_per_second")
     leave_a_stream_after_its_first_chunk(server)
     wait_idle(server, timeout=10)
     after = metrics(server)
@@ -216,7 +211,7 @@ def test_metrics_count_outcomes_latencies_and_an_idle_rate_of_zero(server, clien
     assert delta("generation_tokens_total") >= 9 and delta("prompt_tokens_total") > 0
     assert busy > 0
     time.sleep(2.2)
-    assert metrics(server)[("oscar_kv_generation_tokens_per_second", ())] == 0
+    assert metric(metrics(server), "generation_tokens_per_second") == 0
 
 
 def test_prefix_reuse_gives_the_same_output_and_a_hit_rate(server, client):

@@ -95,7 +95,7 @@ def create_app(engine: EngineThread, model_name: str, api_key: str | None = None
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics_endpoint():
+    def metrics_endpoint():  # a worker thread: reading the engine's state waits for the step in progress
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
