@@ -85,9 +85,32 @@ def test_serve_help_explains_the_flags():
 
 
 def test_serve_int2_without_rotations_refuses_with_advice():
-    result = runner.invoke(app, ["serve", "--kv-cache-dtype", "int2", "--port", "1"])
+    result = runner.invoke(app, ["serve", "--kv-cache-dtype", "int2", "--port", "0"])
     assert result.exit_code == 2
     assert "oscar-kv calibrate" in result.output and "--calibrate" in result.output
+
+
+def test_serve_finds_a_taken_port_before_loading_the_model(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # a model that cannot load: the port must be the error
+        result = runner.invoke(app, ["serve", "--model", str(tmp_path / "nope.gguf"), "--kv-cache-dtype", "bf16",
+                                     "--port", str(port)])
+    assert result.exit_code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.output and "--port" in result.output
+
+
+@pytest.mark.parametrize("flag,value,fragment", [("--shutdown-timeout", "-1", "--shutdown-timeout"),
+                                                 ("--max-body-mb", "0", "--max-body-mb"),
+                                                 ("--port", "70000", "--port"), ("--host", "nohost.invalid", "--host")])
+def test_serve_refuses_bad_flags_before_loading_anything(tmp_path, flag, value, fragment):
+    result = runner.invoke(app, ["serve", "--model", str(tmp_path / "nope.gguf"), "--kv-cache-dtype", "bf16",
+                                 "--port", "0", flag, value])
+    assert result.exit_code == 2 and fragment in result.output, result.output
 
 
 def test_serve_rejects_a_bad_dtype_before_loading_anything():

@@ -21,6 +21,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine import EngineThread, RequestOutput
 from .metrics import ServerMetrics
@@ -65,6 +66,10 @@ def create_app(engine: EngineThread, model_name: str, api_key: str | None = None
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
         return JSONResponse(error_body(exc.message, param=exc.param, code=exc.code), status_code=400)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):  # left while sending its body: nothing to log
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
