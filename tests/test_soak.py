@@ -80,8 +80,9 @@ def wait_idle(url: str, timeout: float = 120) -> dict:
 def plan(rng: random.Random, tokenizer, ids: list[int]) -> list[dict]:
     """What each request does; drawn up front so that a run is reproducible."""
     kinds = ["chat", "stream", "completion", "leave_stream", "leave_request", "leave_body", "cancel", "bad"]
-    # first a burst of 40-token prompts (3 pages) growing to 5 pages each: together they outgrow the 22 window pages
-    out = [{"kind": "grow", "prompt": tokenizer.decode(ids[i * 40:(i + 1) * 40]), "max_tokens": 28, "temperature": 0.0,
+    # first a burst of 40-token prompts (3 pages) growing to 6 pages each: at most 5 are admitted together, and
+    # 5 x 6 pages outgrow the 22 window pages
+    out = [{"kind": "grow", "prompt": tokenizer.decode(ids[i * 40:(i + 1) * 40]), "max_tokens": 42, "temperature": 0.0,
             "seed": 0, "delay": 0.0} for i in range(GROW)]
     for _ in range(REQUESTS - GROW):
         length = rng.choice([4, 12, 40, 80]) if rng.random() < 0.96 else rng.randint(340, 400)  # some reach INT2
