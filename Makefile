@@ -6,6 +6,8 @@ STAMP     := $(VENV)/.installed
 # The CPU build of torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH     ?= torch==2.13.0
 TRITON    ?= triton==3.6.0
+# `make run PORT=8000` serves elsewhere
+PORT      ?= 30000
 
 .PHONY: install run test clean
 
@@ -23,8 +25,8 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	# Calibrates once (cached under .oscar-cache), then serves the embedded model with the INT2 cache on :30000.
-	$(BIN)/oscar-kv serve --calibrate
+	# Calibrates once (cached under .oscar-cache), then serves the embedded model with the INT2 cache on :$(PORT).
+	$(BIN)/oscar-kv serve --calibrate --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -85,9 +85,32 @@ def test_serve_help_explains_the_flags():
 
 
 def test_serve_int2_without_rotations_refuses_with_advice():
-    result = runner.invoke(app, ["serve", "--kv-cache-dtype", "int2", "--port", "1"])
+    result = runner.invoke(app, ["serve", "--kv-cache-dtype", "int2", "--port", "0"])
     assert result.exit_code == 2
     assert "oscar-kv calibrate" in result.output and "--calibrate" in result.output
+
+
+def test_serve_finds_a_taken_port_before_loading_the_model(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # a model that cannot load: the port must be the error
+        result = runner.invoke(app, ["serve", "--model", str(tmp_path / "nope.gguf"), "--kv-cache-dtype", "bf16",
+                                     "--port", str(port)])
+    assert result.exit_code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.output and "--port" in result.output
+
+
+@pytest.mark.parametrize("flag,value,fragment", [("--shutdown-timeout", "-1", "--shutdown-timeout"),
+                                                 ("--max-body-mb", "0", "--max-body-mb"),
+                                                 ("--port", "70000", "--port"), ("--host", "nohost.invalid", "--host")])
+def test_serve_refuses_bad_flags_before_loading_anything(tmp_path, flag, value, fragment):
+    result = runner.invoke(app, ["serve", "--model", str(tmp_path / "nope.gguf"), "--kv-cache-dtype", "bf16",
+                                 "--port", "0", flag, value])
+    assert result.exit_code == 2 and fragment in result.output, result.output
 
 
 def test_serve_rejects_a_bad_dtype_before_loading_anything():
@@ -109,3 +132,18 @@ def test_calibrate_help_defaults_are_the_library_defaults():
         assert params[name].default.default == getattr(lib, name), name
     for name in ("clip", "key_centering", "rotation_scope", "layer_policy"):
         assert params[name].default.default.value == getattr(lib, name), name
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`oscar-kv --help` answers at once: the heavy imports wait for a command that needs them."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom oscar_kv.cli import app\nfor args in (['--help'], ['serve', '--help']):\n"
+            "    try:\n        app(args)\n    except SystemExit:\n        pass\n"
+            "print('heavy:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "--shutdown-timeout" in out.stdout and out.stdout.strip().endswith("heavy: []")

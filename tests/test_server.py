@@ -12,7 +12,8 @@ openai = pytest.importorskip("openai")
 from oscar_kv.artifacts import Rotations  # noqa: E402
 from oscar_kv.models import AttentionGeometry  # noqa: E402
 from oscar_kv.server import BackgroundServer, ServeConfig, ServeError  # noqa: E402
-from oscar_kv.server.main import build_engine, free_port  # noqa: E402
+from oscar_kv.server.main import build_engine  # noqa: E402
+from server_utils import metric, read_metrics  # noqa: E402
 
 KEY = "test-key"
 MODEL = "smollm2-135m"
@@ -30,7 +31,8 @@ def server(tmp_path_factory):
     rot_dir = tmp_path_factory.mktemp("rotations")
     Rotations.data_free(AttentionGeometry.of(lm.config), "hadamard", k_clip=0.96, v_clip=0.92).save(rot_dir)
     config = ServeConfig(model=MODEL, rotations=str(rot_dir), kv_cache_dtype="int2", kv_cache_memory=0.1,
-                         max_model_len=1024, max_num_seqs=16, port=free_port(), api_key=KEY, log_level="warning")
+                         max_model_len=1024, max_num_seqs=16, port=0, api_key=KEY, max_body_mb=4,
+                         log_level="warning")
     srv = BackgroundServer(config, lm, tok).start()
     yield srv
     srv.stop()
@@ -57,14 +59,20 @@ def chat_ids(server, content):
                                    return_dict=True)["input_ids"]
 
 
+def metrics(server) -> dict:
+    return read_metrics(server.url)
+
+
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    for name in ("oscar_kv_num_requests_running", "oscar_kv_num_requests_waiting", "oscar_kv_kv_pool_used_tokens",
-                 "oscar_kv_kv_pool_capacity_bytes", "oscar_kv_prefix_cache_hit_rate",
-                 "oscar_kv_generation_tokens_per_second"):
-        assert name in text
+    names = {name for name, _ in metrics(server)}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_pool_used_tokens",
+                 "kv_pool_capacity_bytes", "prefix_cache_hit_rate", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "generation_tokens_per_second",
+                 "request_success_total", "request_failure_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count"):
+        assert "oscar_kv_" + name in names, name
 
 
 def test_chat_streaming_equals_non_streaming(server, client):
@@ -146,8 +154,8 @@ def test_16_concurrent_streams_finish_with_correct_usage_and_free_the_pool(serve
     assert stats.pool_used_tokens == 0 and server.engine.pool.all_free()
 
 
-def test_client_disconnect_mid_stream_frees_the_pages(server):
-    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 200, "stream": True,
+def leave_a_stream_after_its_first_chunk(server, max_tokens=200):
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": max_tokens, "stream": True,
             "temperature": 0, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT,
                       headers={"Authorization": f"Bearer {KEY}"}) as response:
@@ -155,9 +163,55 @@ def test_client_disconnect_mid_stream_frees_the_pages(server):
         lines = response.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
-    stats = wait_idle(server)  # aborted long before 200 tokens
+
+
+def test_client_disconnect_mid_stream_frees_the_pages(server):
+    leave_a_stream_after_its_first_chunk(server)
+    stats = wait_idle(server, timeout=10)  # aborted long before 200 tokens
     assert stats.finished.get("abort", 0) >= 1
     assert server.engine.pool.all_free()
+
+
+def test_client_gone_mid_request_frees_the_pages_without_streaming(server, client):
+    """Tokens keep flowing to a non-streaming request; its client's disconnect must still end it at once."""
+    aborts = server.engine_thread.stats().finished.get("abort", 0)
+    with pytest.raises(openai.APITimeoutError):  # the client closes the connection after 1.5 s
+        client.with_options(timeout=1.5).completions.create(
+            model=MODEL, prompt="Tell me a very long story.", max_tokens=1000, temperature=0,
+            extra_body={"ignore_eos": True})
+    gone = time.monotonic()
+    stats = wait_idle(server, timeout=5)  # 1000 tokens would take a minute or more
+    print(f"\nnon-streaming request ended {time.monotonic() - gone:.2f} s after its client left")
+    assert stats.finished.get("abort", 0) == aborts + 1 and stats.pool_used_tokens == 0
+    assert server.engine.pool.all_free()
+
+
+def test_metrics_count_outcomes_latencies_and_an_idle_rate_of_zero(server, client, monkeypatch):
+    import oscar_kv.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "RATE_WINDOW_S", 2.0)  # the tokens/s window (10 s in service)
+    wait_idle(server)
+    before = metrics(server)
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    client.completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=8, temperature=0,
+                              extra_body={"ignore_eos": True})
+    busy = metric(metrics(server), "generation_tokens_per_second")
+    leave_a_stream_after_its_first_chunk(server)
+    wait_idle(server, timeout=10)
+    after = metrics(server)
+    assert delta("request_success_total", finished_reason="length") == 1
+    assert delta("request_success_total", finished_reason="stop") == 0  # aborts are no success
+    assert delta("request_failure_total", reason="abort") == 1
+    assert delta("e2e_request_latency_seconds_count") == 1  # the request that finished
+    assert delta("time_to_first_token_seconds_count") == 2  # both got a first token
+    assert delta("inter_token_latency_seconds_count") >= 7
+    assert delta("generation_tokens_total") >= 9 and delta("prompt_tokens_total") > 0
+    assert busy > 0
+    time.sleep(2.2)
+    assert metric(metrics(server), "generation_tokens_per_second") == 0
 
 
 def test_prefix_reuse_gives_the_same_output_and_a_hit_rate(server, client):
@@ -179,31 +233,122 @@ def post(server, path, content, key=KEY):
     return httpx.post(server.url + path, content=content, headers=headers, timeout=30)
 
 
-@pytest.mark.parametrize("body,status,fragment", [
-    ('{"model": "smollm2-135m", "messages": [', 400, "malformed JSON"),
-    ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400,
-     "temperature"),
-    ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "colour": 1}', 400,
-     "unknown field 'colour'"),
-    ('{"model": "smollm2-135m", "messages": "hi"}', 400, "messages"),
-    ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400,
-     "max_tokens must be at least 1"),
-    ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}', 400,
-     "max_tokens"),
-    ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
-     "temperature"),
-    ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', 400,
-     "temperature"),
-    ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n=1"),
-    ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', 400,
-     "maximum context length"),
-    ('{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "does not exist"),
+HI = '"messages": [{"role": "user", "content": "hi"}]'
+
+
+@pytest.mark.parametrize("body,status,fragment,param", [
+    ('{"model": "smollm2-135m", "messages": [', 400, "malformed JSON", None),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "malformed JSON",
+     None),
+    ('[' * 100_000, 400, "nested too deeply", None),
+    ('[]', 400, "valid dictionary", None),
+    ('{"model": "smollm2-135m", %s, "temperature": "hot"}' % HI, 400, "temperature", "temperature"),
+    ('{"model": "smollm2-135m", %s, "colour": 1}' % HI, 400, "unknown field 'colour'", "colour"),
+    ('{"model": "smollm2-135m", "messages": "hi"}', 400, "messages", "messages"),
+    ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "surrogate",
+     "messages[0].content"),
+    ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
+     400, "surrogate", "messages[0].content[0].text"),
+    ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
+     "'text'", "messages[0].content"),
+    ('{"model": "smollm2-135m", "messages": [{"role": "tool", "content": "hi"}]}', 400, "'user'",
+     "messages[0].role"),
+    ('{"model": "smollm2-135m", %s, "seed": 1e23}' % HI, 400, "seed", "seed"),
+    ('{"model": "smollm2-135m", %s, "seed": 1%s}' % (HI, "0" * 5000), 400, "malformed JSON", None),
+    ('{"model": "smollm2-135m", %s, "max_tokens": 0}' % HI, 400, "max_tokens must be at least 1", "max_tokens"),
+    ('{"model": "smollm2-135m", %s, "max_tokens": -3}' % HI, 400, "max_tokens", "max_tokens"),
+    ('{"model": "smollm2-135m", %s, "temperature": NaN}' % HI, 400, "temperature", "temperature"),
+    ('{"model": "smollm2-135m", %s, "temperature": Infinity}' % HI, 400, "temperature", "temperature"),
+    ('{"model": "smollm2-135m", %s, "top_p": 0}' % HI, 400, "top_p", "top_p"),
+    ('{"model": "smollm2-135m", %s, "n": 2}' % HI, 400, "n=1", "n"),
+    ('{"model": "smollm2-135m", %s, "stop": ["a", "b", "c", "d", "e"]}' % HI, 400, "stop", "stop"),
+    ('{"model": "smollm2-135m", %s, "stream_options": {"include_usage": true}}' % HI, 400, "stream=true",
+     "stream_options"),
+    ('{"model": "smollm2-135m", %s, "logprobs": true}' % HI, 400, "not supported", "logprobs"),
+    ('{"model": "smollm2-135m", %s, "presence_penalty": 0.5}' % HI, 400, "not supported", "presence_penalty"),
+    ('{"model": "smollm2-135m", %s, "max_tokens": 5000}' % HI, 400, "maximum context length", "max_tokens"),
+    ('{"model": "smollm2-135m", %s, "max_completion_tokens": 5000}' % HI, 400, "maximum context length",
+     "max_completion_tokens"),
+    ('{"model": "gpt-4", %s}' % HI, 404, "does not exist", "model"),
 ])
-def test_bad_chat_input_gets_an_openai_error(server, body, status, fragment):
+def test_bad_chat_input_gets_an_openai_error(server, body, status, fragment, param):
     r = post(server, "/v1/chat/completions", body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert fragment in err["message"] and err["type"]
+    assert fragment in err["message"] and err["type"] and err["param"] == param, err
+
+
+@pytest.mark.parametrize("body,fragment,param", [
+    ('{"model": "smollm2-135m", "prompt": [1, 2, 99999999]}', "token ids", "prompt"),
+    ('{"model": "smollm2-135m", "prompt": [1, -2]}', "token ids", "prompt"),
+    ('{"model": "smollm2-135m", "prompt": ["a", "b"]}', "one prompt", "prompt"),
+    ('{"model": "smollm2-135m", "prompt": ""}', "at least 1", "prompt"),
+    ('{"model": "smollm2-135m", "prompt": "\\udbff tail"}', "surrogate", "prompt"),
+    ('{"model": "smollm2-135m", "prompt": "hi", "stop": "\\ud800"}', "surrogate", "stop"),
+    ('{"model": "smollm2-135m", "prompt": "hi", "echo": true}', "not supported", "echo"),
+    ('{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 1e400}', "max_tokens", "max_tokens"),
+])
+def test_bad_completion_input_gets_an_openai_error(server, body, fragment, param):
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["param"] == param, err
+
+
+def test_auth_is_checked_before_the_body(server):
+    for key in (None, "wrong"):
+        r = post(server, "/v1/chat/completions", '{"model": "smollm2-135m", "messages": [', key=key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = post(server, "/v1/completions", b"x" * (5 * 2**20), key=None)  # over the 4 MB limit, and no key
+    assert r.status_code == 401
+
+
+def test_a_body_over_the_limit_gets_413(server):
+    r = post(server, "/v1/completions", json.dumps({"model": MODEL, "prompt": "a" * (4 * 2**20)}))
+    assert r.status_code == 413, r.text
+    assert "4 MB" in r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
+
+    def chunks():  # no Content-Length: the limit applies while the body arrives
+        yield b'{"model": "smollm2-135m", "prompt": "'
+        for _ in range(5):
+            yield b"a" * 2**20
+        yield b'"}'
+
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+
+
+def test_health_answers_while_a_huge_body_is_tokenized(server):
+    """Parsing and tokenizing a 3.5 MB prompt take seconds, in a worker thread: /health must not wait for them."""
+    body = json.dumps({"model": MODEL, "prompt": "All work and no play makes Jack a dull boy. " * 80_000})
+    result = {}
+
+    def big():
+        started = time.perf_counter()
+        result["response"] = post(server, "/v1/completions", body)
+        result["seconds"] = time.perf_counter() - started
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+        started = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        latencies.append(time.perf_counter() - started)
+        time.sleep(0.02)
+    thread.join()
+    r = result["response"]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert result["seconds"] > 0.5, "the body was handled too fast to show anything; make it larger"
+    # were the loop blocked, one /health would wait for most of the tokenization
+    assert len(latencies) >= 3 and max(latencies) < result["seconds"] / 4, (latencies, result["seconds"])
+
+
+def test_a_tiny_temperature_is_greedy_not_nan(client):
+    greedy = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0)
+    tiny = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=1e-300)
+    assert tiny.choices[0].text == greedy.choices[0].text
 
 
 def test_prompt_longer_than_max_model_len_and_auth(server, client):

@@ -346,12 +346,14 @@ def serve(
     attention_backend: str = typer.Option("auto", help=_serve_help("attention_backend")),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=_serve_help("enforce_eager")),
     tp: int = typer.Option(1, "--tp", "--tensor-parallel-size", help=_serve_help("tp")),
+    shutdown_timeout: float = typer.Option(30.0, help=_serve_help("shutdown_timeout")),
+    max_body_mb: float = typer.Option(16.0, help=_serve_help("max_body_mb")),
     log_level: str = typer.Option("info", help=_serve_help("log_level")),
 ):
     """Serve the model behind an OpenAI-compatible API (/v1/chat/completions, /v1/completions) with a paged INT2 KV cache."""
     _quiet_transformers()
     from .parallel import launched
-    from .server.main import ServeConfig, ServeError, run_server
+    from .server.main import ServeConfig, ServeError, listen_socket, run_server
 
     config = ServeConfig(model=model, rotations=str(rotations) if rotations else None, kv_cache_dtype=kv_cache_dtype,
                          calibrate=calibrate_now, sink_size=sink_size, recent_size=recent_size, group_size=group_size,
@@ -360,10 +362,11 @@ def serve(
                          enable_prefix_caching=enable_prefix_caching, host=host, port=port, api_key=api_key,
                          served_model_name=served_model_name, device=device,
                          attention_backend=attention_backend, enforce_eager=enforce_eager, tp=tp,
-                         log_level=log_level)
+                         shutdown_timeout=shutdown_timeout, max_body_mb=max_body_mb, log_level=log_level)
     try:
         if tp > 1 and not launched():
             config.validate()
+            listen_socket(config).close()  # a taken port fails here, before N processes load the model
             _start_ranks(model, tp)
         run_server(config)
     except ServeError as exc:

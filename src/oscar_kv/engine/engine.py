@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 GB = 1e9
 WARM_UP_ID = "oscar-kv-warm-up"  # the throwaway request of LLMEngine.warm_up
+RATE_WINDOW_S = 10.0  # tokens/s is measured over this many seconds
 
 
 @dataclass
@@ -287,11 +288,12 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """End a request: as "abort" (its client went away), or as "error" with ``error`` (the server stops)."""
         seq = self.requests.get(request_id)
         if seq is None or seq.finished:
             return None
-        return self._finish(seq, "abort")
+        return self._finish(seq, "abort" if error is None else "error", error)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -318,7 +320,7 @@ class LLMEngine:
             outputs.append(self._append_token(st.seq, token))
         self.generation_tokens += new_tokens
         self._recent.append((now, new_tokens))
-        while self._recent and now - self._recent[0][0] > 10.0:
+        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
         return outputs
 
@@ -358,8 +360,11 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         pool, plan = self.pool, self.plan
+        now = time.monotonic()
+        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:  # no steps run while idle: forget here too
+            self._recent.popleft()
         window = sum(n for _, n in self._recent)
-        span = (time.monotonic() - self._recent[0][0]) if len(self._recent) > 1 else 0.0
+        span = (now - self._recent[0][0]) if len(self._recent) > 1 else 0.0
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             pool_used_tokens=pool.used_tokens, pool_capacity_tokens=plan.capacity_tokens,
@@ -416,6 +421,11 @@ class EngineThread:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def abort_all(self, error: str) -> None:
+        """End every request submitted so far with finish reason "error" and ``error`` (graceful shutdown)."""
+        self._inbox.put(("abort_all", error))
+        self._wake.set()
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self.engine.stats()
@@ -447,10 +457,13 @@ class EngineThread:
                         self._callbacks[rid] = callback
                     except ValueError as exc:
                         callback(RequestOutput(rid, "", [], True, "error", len(prompt), 0, str(exc)))
-                else:
+                elif item[0] == "abort":
                     out = self.engine.abort_request(item[1])
                     if out is not None:
                         self._emit(out)
+                else:
+                    for rid in list(self.engine.requests):
+                        self._emit(self.engine.abort_request(rid, item[1]))
 
     def _emit(self, out: RequestOutput) -> None:
         callback = self._callbacks.get(out.request_id)

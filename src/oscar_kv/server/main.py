@@ -7,6 +7,7 @@ in a thread (tests, notebooks).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -49,7 +50,7 @@ class ServeConfig:
                                               "chunks of this size.")
     enable_prefix_caching: bool = _flag(True, "Reuse cached KV pages of shared prompt prefixes.")
     host: str = _flag("127.0.0.1", "Address to listen on.")
-    port: int = _flag(30000, "Port to listen on.")
+    port: int = _flag(30000, "Port to listen on (checked before the model loads; 0: any free port).")
     api_key: str | None = _flag(None, "If set, requests must send 'Authorization: Bearer <key>' "
                                       "(default: $OSCAR_KV_API_KEY, else no auth).")
     served_model_name: str | None = _flag(None, "Model name clients must send (default: --model).")
@@ -61,6 +62,10 @@ class ServeConfig:
     tp: int = _flag(1, "Tensor parallelism: split the model, its KV heads and the KV pool over N GPUs, one process "
                        "each (started by this command, or run it under `torchrun --nproc-per-node N`). "
                        "N must divide the KV and query heads; --kv-cache-memory is per GPU.")
+    shutdown_timeout: float = _flag(30.0, "On SIGTERM / SIGINT: stop admitting, give requests in flight this many "
+                                          "seconds to finish, then end the rest with an error (streams get an error "
+                                          "event and [DONE]). A second signal stops at once.")
+    max_body_mb: float = _flag(16.0, "Largest request body in MB (2**20 bytes); larger ones get 413.")
     log_level: str = _flag("info", "Log level of the server and uvicorn.")
 
     @classmethod
@@ -79,8 +84,12 @@ class ServeConfig:
             raise ServeError("--max-model-len must be at least 2")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ServeError("--kv-cache-memory must be a positive number of GB")
-        if not 0 < self.port < 65536:
-            raise ServeError(f"--port must lie in 1..65535, got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ServeError(f"--port must lie in 0..65535, got {self.port}")
+        if not self.shutdown_timeout >= 0:
+            raise ServeError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if not self.max_body_mb > 0:
+            raise ServeError(f"--max-body-mb must be a positive number, got {self.max_body_mb}")
         if self.tp < 1:
             raise ServeError(f"--tp must be at least 1, got {self.tp}")
         if self.tp > 1 and self.calibrate:
@@ -178,23 +187,64 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
     return EngineThread(engine)
 
 
+def listen_socket(config: ServeConfig) -> socket.socket:
+    """Bind --host:--port now, before the model loads, so that a taken port fails in a second with advice (the
+    server listens on this very socket later).  Port 0 takes a free port and writes it into ``config``."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ServeError(f"--host {config.host}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait for TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hint = ("another server (an earlier oscar-kv serve?) listens there; stop it or choose another --port "
+                "(make run PORT=...)" if exc.errno == errno.EADDRINUSE else exc.strerror)
+        raise ServeError(f"cannot listen on {config.host}:{config.port}: {hint}") from None
+    config.port = sock.getsockname()[1]
+    return sock
+
+
 def _uvicorn_server(config: ServeConfig, engine_thread):
     import uvicorn
 
     from .app import create_app
 
-    app = create_app(engine_thread, config.model_name, config.api_key)
+    app = create_app(engine_thread, config.model_name, config.api_key, config.max_body_mb)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # uvicorn would raise the signal again after its shutdown, killing the process before run_server's
+            # cleanup (engine thread, tensor-parallel ranks); a graceful stop exits normally instead
+            self.force_exit = self.should_exit
+            self.should_exit = True
+
+        async def shutdown(self, sockets=None) -> None:
+            log.info("shutting down: no new requests; %g s for those in flight", config.shutdown_timeout)
+            app.state.drain(config.shutdown_timeout)
+            await super().shutdown(sockets)
+
+    # uvicorn's own grace period only backs ours up: by then drain() has ended every request with an error
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-                        timeout_graceful_shutdown=5)
-    return uvicorn.Server(uv)
+                        timeout_graceful_shutdown=config.shutdown_timeout + 5)
+    return Server(uv)
+
+
+def _report_pool(engine) -> None:
+    pool = engine.pool
+    log.info("stopped; KV pages still referenced: %d window + %d quantized", pool.window.used, pool.quant.used)
 
 
 def run_server(config: ServeConfig) -> None:
-    """Start the OpenAI-compatible server and block until interrupted.  Raises ServeError with a
-    message for the user when the configuration cannot work."""
+    """Start the OpenAI-compatible server and block until SIGTERM / SIGINT (graceful: --shutdown-timeout).
+    Raises ServeError with a message for the user when the configuration cannot work."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)  # the CLI configured warnings-only logging before
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    config.validate()
     from .. import parallel
 
     try:
@@ -203,6 +253,7 @@ def run_server(config: ServeConfig) -> None:
         raise ServeError(str(exc)) from None
     if not tp.is_driver:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 speaks for all
+    sock = listen_socket(config) if tp.is_driver else None
     try:
         engine_thread = build_engine(config, tp=tp)
         if not tp.is_driver:
@@ -213,11 +264,14 @@ def run_server(config: ServeConfig) -> None:
         log.info("serving '%s' on http://%s:%d/v1 (OpenAI API)%s", config.model_name, config.host, config.port,
                  "; API key required" if config.api_key else "")
         try:
-            server.run()
+            server.run(sockets=[sock])
         finally:
             engine_thread.stop()
             engine_thread.engine.shutdown()
+            _report_pool(engine_thread.engine)
     finally:
+        if sock is not None:
+            sock.close()
         parallel.shutdown(tp)
 
 
@@ -232,10 +286,16 @@ class BackgroundServer:
 
     def __init__(self, config: ServeConfig, model=None, tokenizer=None, rotations=None):
         self.config = config
-        self.engine_thread = build_engine(config, model, tokenizer, rotations).start()
-        self.server = _uvicorn_server(config, self.engine_thread)
-        self.server.config.install_signal_handlers = False  # uvicorn >= 0.29 ignores signals off the main thread
-        self._thread = threading.Thread(target=self.server.run, name="oscar-kv-http", daemon=True)
+        config.validate()
+        self._socket = listen_socket(config)
+        try:
+            self.engine_thread = build_engine(config, model, tokenizer, rotations).start()
+        except BaseException:
+            self._socket.close()
+            raise
+        self.server = _uvicorn_server(config, self.engine_thread)  # signals: uvicorn listens on the main thread only
+        self._thread = threading.Thread(target=self.server.run, args=([self._socket],), name="oscar-kv-http",
+                                        daemon=True)
 
     @property
     def engine(self):
@@ -255,7 +315,9 @@ class BackgroundServer:
             time.sleep(0.05)
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Shut down as on SIGTERM (requests in flight get --shutdown-timeout); wait at most ``timeout`` seconds."""
         self.server.should_exit = True
-        self._thread.join(timeout)
-        self.engine_thread.stop(timeout)
+        self._thread.join(self.config.shutdown_timeout + 10 if timeout is None else timeout)
+        self.engine_thread.stop(10.0)
+        self._socket.close()

@@ -1,15 +1,29 @@
-"""OpenAI request models (pydantic) and the error body.  Unknown fields are refused; fields the
-engine does not implement are accepted only at their neutral value, so clients fail loudly."""
+"""OpenAI request models (pydantic), request parsing and the error body.  Unknown fields are refused; fields
+the engine does not implement are accepted only at their neutral value, so clients fail loudly.  Every
+refusal names the offending field (``param``), as OpenAI's API does."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+import re
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..engine import SamplingParams
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=-2**63, lt=2**63)]  # what torch's generators take
+# Below this a temperature is greedy: the logits divided by it would overflow to inf (and sampling to NaN).
+GREEDY_BELOW = 1e-5
+
+
+class RequestError(ValueError):
+    """A client mistake: ``param`` names the field (``messages[0].content``), None for the body as a whole."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
 
 
 class _Strict(BaseModel):
@@ -37,6 +51,18 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+def _at_least_one(cls, v, info):
+    if v is not None and v < 1:
+        raise ValueError(f"{info.field_name} must be at least 1, got {v}")
+    return v
+
+
+def _unsupported(cls, v, info):
+    if v and not (info.field_name == "best_of" and v == 1):
+        raise ValueError(f"{info.field_name} is not supported")
+    return v
+
+
 class _Sampling(_Strict):
     model: str
     max_tokens: int | None = None
@@ -47,33 +73,58 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: Finite = 0.0
     frequency_penalty: Finite = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension (vLLM): keep generating past the end-of-sequence token
 
-    @model_validator(mode="after")
-    def _check(self):
-        if self.n != 1:
+    _positive = field_validator("max_tokens")(_at_least_one)
+    _neutral = field_validator("presence_penalty", "frequency_penalty", "logit_bias")(_unsupported)
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v):
+        if v != 1:
             raise ValueError("only n=1 is supported")
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature is not None and not 0 <= self.temperature <= 2:
-            raise ValueError(f"temperature must lie in [0, 2], got {self.temperature}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            raise ValueError("presence_penalty, frequency_penalty and logit_bias are not supported")
-        if self.stream_options is not None and not self.stream:
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        if v is not None and not 0 <= v <= 2:
+            raise ValueError(f"temperature must lie in [0, 2], got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v):
+        if v is not None and not 0 < v <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v is not None and v < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {v}")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _with_stream(cls, v, info):
+        if v is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed with stream=true")
-        stops = self.stops()
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
-        return self
+        return v
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -83,9 +134,13 @@ class _Sampling(_Strict):
     def wanted_tokens(self) -> int | None:
         return self.max_tokens
 
+    def tokens_param(self) -> str:
+        return "max_tokens"
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        temperature = 1.0 if self.temperature is None else self.temperature
         return SamplingParams(max_tokens=self.wanted_tokens() or default_max_tokens,
-                              temperature=1.0 if self.temperature is None else self.temperature,
+                              temperature=0.0 if temperature < GREEDY_BELOW else temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                               seed=self.seed, stop=self.stops(), ignore_eos=self.ignore_eos)
 
@@ -101,16 +156,27 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     parallel_tool_calls: bool | None = None
 
-    @model_validator(mode="after")
-    def _check_chat(self):
-        if self.max_completion_tokens is not None and self.max_completion_tokens <= 0:
-            raise ValueError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}")
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs are not supported")
-        return self
+    prompt_param: ClassVar[str] = "messages"
+    _positive_chat = field_validator("max_completion_tokens")(_at_least_one)
+    _neutral_chat = field_validator("logprobs", "top_logprobs")(_unsupported)
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        from jinja2 import TemplateError
+
+        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
+        if not getattr(tokenizer, "chat_template", None):
+            return list(tokenizer("\n".join(m["content"] for m in messages)).input_ids)
+        try:
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      return_dict=True)["input_ids"])
+        except TemplateError as exc:  # templates may refuse an order of roles
+            raise RequestError(f"the model's chat template refuses these messages: {exc}", "messages") from None
 
 
 class CompletionRequest(_Sampling):
@@ -120,14 +186,88 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     logprobs: int | None = None
 
-    @model_validator(mode="after")
-    def _check_completion(self):
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
-        if self.echo or self.suffix or self.logprobs or (self.best_of or 1) != 1:
-            raise ValueError("echo, suffix, logprobs and best_of are not supported")
-        return self
+    prompt_param: ClassVar[str] = "prompt"
+    _neutral_completion = field_validator("echo", "suffix", "best_of", "logprobs")(_unsupported)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and isinstance(v[0], str) and len(v) != 1:
+            raise ValueError("only one prompt per request is supported")
+        return v
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return list(tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
+
+
+def parse_request(cls: type[_Sampling], raw: bytes) -> _Sampling:
+    """The request in ``raw`` (JSON) as ``cls``, or a RequestError that says what is wrong and where."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise RequestError("malformed JSON body: nested too deeply") from None
+    except ValueError as exc:  # also bytes that are not UTF-8, and integers of more than 4300 digits
+        raise RequestError(f"malformed JSON body: {exc}") from None
+    where = _lone_surrogate(data)
+    if where is not None:  # JSON may escape one ("\ud800"); no tokenizer can encode it
+        param = _param(where)
+        raise RequestError(f"{param or 'the body'}: the text holds a lone UTF-16 surrogate, which is not valid "
+                           "Unicode", param)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise RequestError(*_describe(exc)) from None
+
+
+def _lone_surrogate(data, path: tuple = ()) -> tuple | None:
+    """The path of the first string (value or key) that cannot be encoded as UTF-8."""
+    if isinstance(data, str):
+        try:
+            data.encode()
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(data, list):
+        for i, item in enumerate(data):
+            found = _lone_surrogate(item, path + (i,))
+            if found is not None:
+                return found
+    elif isinstance(data, dict):
+        for key, item in data.items():
+            found = _lone_surrogate(key, path) or _lone_surrogate(item, path + (key,))
+            if found is not None:
+                return found
+    return None
+
+
+# pydantic names the member of a union it tried (`str`, `list[int]`, `TextPart`) in an error's location
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*|[A-Z]\w*)$")
+
+
+def _param(loc) -> str | None:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _UNION_MEMBER.match(part):
+            out += f".{part}" if out else part
+    return out or None
+
+
+def _describe(exc: ValidationError) -> tuple[str, str | None]:
+    parts: dict[str, list[str]] = {}  # "param: " -> its messages (a union's members each add one)
+    first = None
+    for err in exc.errors():
+        param = _param(err["loc"])
+        first = first or param
+        if err["type"] == "extra_forbidden":
+            parts.setdefault(f"unknown field '{param}'", [])
+        else:
+            parts.setdefault(f"{param}: " if param else "", []).append(err["msg"].removeprefix("Value error, "))
+    message = "; ".join(head + " / ".join(dict.fromkeys(msgs)) for head, msgs in parts.items())
+    return message or "invalid request", first
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
