@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	# Calibrates once (cached under .oscar-cache), then serves the embedded model with the INT2 cache on :$(PORT).
+	# Serves the embedded model with the INT2 cache and the artifact shipped for it on :$(PORT) (calibrates once,
+	# cached under .oscar-cache, only if the shipped artifact does not match the model).
 	$(BIN)/oscar-kv serve --calibrate --port $(PORT)
 
 test: $(STAMP)

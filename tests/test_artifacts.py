@@ -112,3 +112,22 @@ def test_import_of_the_authors_checkpoint(tmp_path):
     torch.save({"layers": {"0": {}}}, tmp_path / "short.pt")
     with pytest.raises(ArtifactError, match="lacks layers"):
         import_reference_checkpoint(tmp_path / "short.pt", tmp_path / "v.pt", GEOM)
+
+
+@pytest.mark.slow
+def test_the_shipped_artifact_matches_the_embedded_model(model):
+    """The artifact in the package was calibrated on exactly the embedded weights (serving checks the fingerprint)."""
+    from oscar_kv.artifacts import load_shipped, model_fingerprint, shipped_artifact
+
+    assert shipped_artifact("smollm2-135m") is not None and shipped_artifact("no-such-model") is None
+    rot = load_shipped("smollm2-135m", model)
+    assert rot is not None and rot.manifest["fingerprint"] == model_fingerprint(model)
+    assert rot.key_centering == "rope" and rot.manifest["calibration"]["clip"] == "fit"
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    saved = weight.detach().clone()
+    with torch.no_grad():  # other weights: not used
+        weight[0, 0] += 1.0
+        try:
+            assert load_shipped("smollm2-135m", model) is None
+        finally:
+            weight.copy_(saved)

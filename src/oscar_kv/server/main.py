@@ -104,7 +104,7 @@ class ServeConfig:
 
 def load_rotations(config: ServeConfig, model, tokenizer):
     """The artifact for ``config`` (validated against the model), None for bf16 without one."""
-    from ..artifacts import ArtifactError, Rotations, model_fingerprint
+    from ..artifacts import ArtifactError, Rotations, load_shipped, model_fingerprint
     from ..models import AttentionGeometry
 
     geometry = AttentionGeometry.of(model.config)
@@ -115,6 +115,10 @@ def load_rotations(config: ServeConfig, model, tokenizer):
             raise ServeError(str(exc)) from None
     if config.kv_cache_dtype == "bf16":
         return None
+    shipped = load_shipped(config.model, model)  # the embedded models' artifacts come with the package
+    if shipped is not None:
+        log.info("using the rotation artifact shipped for %s", config.model)
+        return shipped
     if not config.calibrate:
         raise ServeError(f"--kv-cache-dtype {config.kv_cache_dtype} needs --rotations DIR. Calibrate once with "
                          f"`oscar-kv calibrate --model {config.model} --output-dir DIR` and pass --rotations DIR, "
