@@ -204,14 +204,21 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
                                                 candidates[i:i + step], bits, group_size, sink_size, recent_size,
                                                 queries) for i in range(0, len(candidates), step)])
     c = candidates.reshape(-1, 1).float()
+
+    def clipped(x):  # [C, n, D]: x clipped at each candidate's quantile of |x| per row (one sort for all)
+        sorted_abs = x.abs().sort(-1).values
+        idx = (c.double() * x.shape[-1]).floor().clamp(0, x.shape[-1] - 1).long()  # as quant.clip_rows
+        tau = sorted_abs[:, idx[:, 0]].permute(1, 0)[..., None]  # [C, n, 1]
+        return torch.maximum(torch.minimum(x, tau), -tau)
+
     if which == "k":
-        body = fake_quantize(k_rot[s:last].expand(len(c), -1, -1), bits, group_size, c)  # [C, n, D]
+        body = fake_quantize(clipped(k_rot[s:last]), bits, group_size)  # [C, n, D]
         z_body = torch.einsum("gqd,cnd->cgqn", q_rot, body + off_rot[s:last]) * scale
         z = z_exact.expand(len(c), -1, -1, -1).clone()
         z[..., s:last] = torch.where(quantized[:, s:last], z_body, z_exact[..., s:last])
         out = torch.softmax(z, -1) @ v_rot
     else:
-        body = fake_quantize(v_rot[s:last].expand(len(c), -1, -1), bits, group_size, c)
+        body = fake_quantize(clipped(v_rot[s:last]), bits, group_size)
         p_q = p_exact[..., s:last] * quantized[:, s:last]
         out = exact + torch.einsum("gqn,cnd->cgqd", p_q, body) - p_q @ v_rot[s:last]
     return ((out - exact) ** 2).sum((1, 2, 3))
