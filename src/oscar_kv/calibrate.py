@@ -193,6 +193,19 @@ def token_sequences(tokenizer, texts: list[str], seq_len: int, count: int) -> li
     return [torch.tensor(ids[i * seq_len:(i + 1) * seq_len]).unsqueeze(0) for i in range(min(count, available))]
 
 
+class _PhaseReport:
+    """One line per finished calibration phase with its time (the long phases also have progress bars)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.last = enabled, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        if self.enabled:
+            tqdm.write(f"calibrate: {what} ({now - self.last:.1f} s)")
+        self.last = now
+
+
 def split_probe(tokenizer, texts: list[str], seq_len: int, count: int, probe_tokens: int):
     """(``count`` fitting sequences, the probe [1, <= probe_tokens]): the text after the fitting sequences is
     held back, so clip fitting and validation never see the fitting data."""
@@ -227,6 +240,7 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     sequences, probe_ids = split_probe(tokenizer, texts, seq_len, count, min(settings.probe_tokens, max_len))
 
     started = time.perf_counter()
+    say = _PhaseReport(progress and tp.is_driver)
     try:
         rope = RopeTable(model, geometry.head_dim)
     except RopeUnsupported as exc:
@@ -240,7 +254,9 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     with torch.no_grad(), observing(model, stats.add):
         for ids in tqdm(sequences, desc="calibrating", unit="seq", disable=not progress or not tp.is_driver):
             model(ids.to(model.device), use_cache=False)
+    say(f"statistics over {sum(ids.shape[1] for ids in sequences)} tokens")
     probe = capture_samples(model, probe_ids)
+    say(f"held-back probe of {probe_ids.shape[1]} tokens captured")
     if tp.size > 1:  # every rank saw its heads: put them together (rank 0 fits, as one process would)
         stats.gather_heads(tp, geometry)
         probe = [LayerSample(tp.gather_heads(s.q, 0), tp.gather_heads(s.k, 0), tp.gather_heads(s.v, 0), s.rope)
@@ -248,10 +264,14 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
         if not tp.is_driver:
             return None
     rotations = fit_rotations(stats, settings, group_size)
+    say("rotations fitted (eigen-decompositions)")
     centering = choose_key_centering(rotations, stats, settings, probe)
+    say(f"key centering: {centering['chosen']}")
     if settings.clip == "fit":
         fit_clip_ratios(rotations, probe, progress)
+        say("clip ratios fitted")
     table = error_table(rotations, probe)
+    say("validation table")
     proposed = propose_layer_bits(table["oscar"])
     if settings.layer_policy == "auto":
         rotations.layer_bits = torch.tensor(proposed, dtype=torch.int32)
