@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .activations import LayerSample, capture_samples, clip_candidate_errors, observing, quantized_attention_error
+from .activations import (LayerSample, capture_samples, clip_candidate_errors, observing, quantized_attention_error,
+                          run_layers)
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
 from .corpus import load_calibration_text
 from .models import AttentionGeometry
@@ -253,7 +254,7 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
                                            num_attention_heads=geometry.num_attention_heads // tp.size), rope)
     with torch.no_grad(), observing(model, stats.add):
         for ids in tqdm(sequences, desc="calibrating", unit="seq", disable=not progress or not tp.is_driver):
-            model(ids.to(model.device), use_cache=False)
+            run_layers(model, ids)
     say(f"statistics over {sum(ids.shape[1] for ids in sequences)} tokens")
     probe = capture_samples(model, probe_ids)
     say(f"held-back probe of {probe_ids.shape[1]} tokens captured")

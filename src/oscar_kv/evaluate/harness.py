@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..activations import capture_samples, observing
+from ..activations import capture_samples, observing, run_layers
 from ..artifacts import Rotations
 from ..cache import CacheSettings, unprepare_model
 from ..calibrate import CalibrationSettings, Statistics, split_probe
@@ -108,12 +108,12 @@ def _calibration_statistics(model, tokenizer, oscar: Rotations):
     sequences, probe_ids = split_probe(tokenizer, texts, seq_len, count, min(settings.probe_tokens, max_len))
     with torch.no_grad(), observing(model, stats.add):
         for ids in tqdm(sequences, desc="calibration statistics", leave=False):
-            model(ids.to(model.device), use_cache=False)
+            run_layers(model, ids)
     c_q, _, _, mu_v, _ = stats.moments(settings.key_centering, settings.center_values)
     proxy = AuthorsValueProxy(c_q, mu_v)
     with torch.no_grad(), observing(model, proxy.add):
         for ids in tqdm(sequences, desc="authors' value proxy", leave=False):
-            model(ids.to(model.device), use_cache=False)
+            run_layers(model, ids)
     probe = capture_samples(model, probe_ids)
     return stats, settings, proxy.covariance(), probe
 
