@@ -123,6 +123,15 @@ def _per_head(r: torch.Tensor, heads: int) -> torch.Tensor:
     return r.expand(heads, *r.shape[1:]) if r.shape[0] == 1 else r
 
 
+def _served_windows(t: int, nq: int, sink_size: int, recent_size: int):
+    """For the last ``nq`` of ``t`` positions: (sink end, end of the keys any scored query sees quantized,
+    future [nq, T], quantized [nq, T]): key j is INT2 for the query at p iff sink <= j and p - j >= recent_size."""
+    s = min(sink_size, t)
+    pos = torch.arange(t - nq, t)[:, None]
+    key = torch.arange(t)[None, :]
+    return s, max(t - recent_size, s), key > pos, (key >= s) & (key <= pos - recent_size)
+
+
 def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mean, v_mean, k_clip, v_clip,
                               bits: int = 2, group_size: int | None = None,
                               quantize_keys: bool = True, quantize_values: bool = True, sink_size: int = 64,
@@ -147,25 +156,21 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     v_rot = torch.einsum("htd,hde->hte", sample.v - v_mean[:, None], rv)
     q = sample.q[:, t - nq:]
     q_rot = torch.einsum("hgtd,hde->hgte", q.reshape(hkv, hq // hkv, nq, q.shape[-1]), rk).reshape_as(q)
-    s = min(sink_size, t)
-    last = max(t - recent_size, s)  # no query scored here sees keys from last on as quantized
+    s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size)
     k_q, v_q = k_rot.clone(), v_rot.clone()
     if quantize_keys:
         k_q[:, s:last] = fake_quantize(k_rot[:, s:last], bits, group_size, k_clip[:, None].float())
     if quantize_values:
         v_q[:, s:last] = fake_quantize(v_rot[:, s:last], bits, group_size, v_clip[:, None].float())
     full_offset = torch.einsum("htd,hde->hte", offset.expand_as(sample.k), rk)
-    pos = torch.arange(t - nq, t)[:, None]
-    key = torch.arange(t)[None, :]
-    quantized = (key >= s) & (key <= pos - recent_size)  # [nq, T]
     head_of = torch.arange(hq) // (hq // hkv)
     scale = q.shape[-1] ** -0.5
 
     exact = torch.softmax(torch.einsum("hqd,hkd->hqk", q, sample.k[head_of]).mul(scale)
-                          .masked_fill(key > pos, float("-inf")), -1) @ sample.v[head_of]
+                          .masked_fill(future, float("-inf")), -1) @ sample.v[head_of]
     z_e = torch.einsum("hqd,hkd->hqk", q_rot, (k_rot + full_offset)[head_of])
     z_q = torch.einsum("hqd,hkd->hqk", q_rot, (k_q + full_offset)[head_of])
-    z = torch.where(quantized, z_q, z_e).mul(scale).masked_fill(key > pos, float("-inf"))
+    z = torch.where(quantized, z_q, z_e).mul(scale).masked_fill(future, float("-inf"))
     p = torch.softmax(z, -1)
     out_rot = (p * quantized) @ v_q[head_of] + (p * ~quantized) @ v_rot[head_of]
     out = torch.einsum("hte,hde->htd", out_rot, rv[head_of]) + v_mean[head_of][:, None]
@@ -194,12 +199,7 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
     v_rot = (sample.v[head] - v_mean[head]) @ rv
     q_rot = sample.q[head * g:(head + 1) * g, t - nq:] @ rk  # [g, nq, D]
     off_rot = off @ rk
-    s = min(sink_size, t)
-    last = max(t - recent_size, s)
-    pos = torch.arange(t - nq, t)[:, None]
-    key = torch.arange(t)[None, :]
-    future = key > pos
-    quantized = (key >= s) & (key <= pos - recent_size)  # [nq, T]
+    s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size)
     scale = q_rot.shape[-1] ** -0.5
     z_exact = (q_rot @ (k_rot + off_rot).T * scale).masked_fill(future, float("-inf"))  # [g, nq, T]
     p_exact = torch.softmax(z_exact, -1)

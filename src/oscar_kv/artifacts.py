@@ -56,6 +56,7 @@ class Rotations:
     group_size: int
     manifest: dict = field(default_factory=dict)
     k_rope_mean: torch.Tensor | None = None  # None reads as zeros: no position-aware centering
+    source: str | None = field(default=None, compare=False)  # the directory it was loaded from (None: made here)
 
     TENSORS = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_mean", "v_mean",
                "k_clip", "v_clip", "layer_bits")
@@ -181,7 +182,7 @@ class Rotations:
             raise ArtifactError(f"{manifest_path} lacks the model geometry or group size") from exc
         optional = {t: tensors[t] for t in cls.OPTIONAL_TENSORS if t in tensors}
         art = cls(**{t: tensors[t] for t in cls.TENSORS}, **optional, geometry=art_geometry, group_size=group_size,
-                  manifest=manifest)
+                  manifest=manifest, source=str(directory))
         art.validate(geometry)
         stored = manifest.get("fingerprint")
         if fingerprint and stored and stored != fingerprint:

@@ -8,7 +8,6 @@ in a thread (tests, notebooks).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import socket
@@ -142,16 +141,6 @@ def load_rotations(config: ServeConfig, model, tokenizer):
     return rot
 
 
-def _artifact_source(config: ServeConfig, rotations) -> str:
-    from ..artifacts import shipped_artifact
-
-    shipped = shipped_artifact(config.model)
-    if shipped is not None and rotations.manifest.get("fingerprint") == json.loads(
-            (shipped / "manifest.json").read_text()).get("fingerprint"):
-        return "shipped with the package"
-    return "calibrated (cached in .oscar-cache)"
-
-
 def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None, tp=None):
     """Load (unless given) the model and artifact and build the engine; returns an ``EngineThread``.
     ``tp``: this process's parallel.TensorParallel (default: none); only rank 0 logs and warms up."""
@@ -189,7 +178,7 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
     g = rotations.geometry if rotations is not None else None
     log.info("model %s: %s%s", config.model_name,
              f"{g.num_layers} layers, {g.num_attention_heads} query / {g.num_kv_heads} KV heads, head dim "
-             f"{g.head_dim}; rotations {config.rotations or _artifact_source(config, rotations)}" if g
+             f"{g.head_dim}; rotations {rotations.source or 'calibrated now'}" if g
              else "BF16 cache, no rotations",
              f"; tensor parallel over {tp.size} {'GPUs' if device.startswith('cuda') else 'processes'}"
              if tp.size > 1 else "")
