@@ -27,7 +27,9 @@ class RequestError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON's types as written, so `"max_tokens": true`, `"stream": "yes"` or `"prompt": [true]` are refused
+    # instead of read as 1, True and token 1
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -42,8 +44,15 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _required(cls, v, info):  # only an assistant's turn may come without content (OpenAI: tool calls)
+        if v is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"content is required for a message of role '{info.data['role']}'")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -236,9 +245,9 @@ def _lone_surrogate(data, path: tuple = ()) -> tuple | None:
                 return found
     elif isinstance(data, dict):
         for key, item in data.items():
-            found = _lone_surrogate(key, path) or _lone_surrogate(item, path + (key,))
-            if found is not None:
-                return found
+            for found in (_lone_surrogate(key, path), _lone_surrogate(item, path + (key,))):  # a key: name its parent
+                if found is not None:  # () (the body itself) is a finding too
+                    return found
     return None
 
 
