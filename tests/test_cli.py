@@ -97,17 +97,22 @@ def test_serve_int2_without_rotations_refuses_with_advice():
 
 
 def test_serve_finds_a_taken_port_before_loading_the_model(tmp_path):
+    """In a fresh process: the taken port is the error, before torch is even imported (seconds)."""
     import socket
+    import subprocess
+    import sys
 
+    code = ("import sys\nfrom oscar_kv.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'heavy:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        # a model that cannot load: the port must be the error
-        result = runner.invoke(app, ["serve", "--model", str(tmp_path / "nope.gguf"), "--kv-cache-dtype", "bf16",
-                                     "--port", str(port)])
-    assert result.exit_code == 2
-    assert f"cannot listen on 127.0.0.1:{port}" in result.output and "--port" in result.output
+        # the embedded model: the port must fail first
+        out = subprocess.run([sys.executable, "-c", code, "serve", "--port", str(port)], capture_output=True,
+                             text=True, timeout=60)
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr, out.stderr
+    assert out.stdout.strip() == "exit 2 heavy: []", out.stdout
 
 
 @pytest.mark.parametrize("flag,value,fragment", [("--shutdown-timeout", "-1", "--shutdown-timeout"),

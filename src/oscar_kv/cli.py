@@ -36,6 +36,12 @@ class KeyCentering(str, Enum):
     off = "off"
 
 
+class Rescale(str, Enum):
+    keys = "keys"
+    keys_values = "keys+values"
+    none = "none"
+
+
 class LayerPolicy(str, Enum):
     off = "off"
     auto = "auto"
@@ -106,6 +112,10 @@ def calibrate(
     probe_tokens: int = typer.Option(512, help="Held-back tokens (after the calibration text) on which clip ratios "
                                      "and key centering are chosen; capped by the model's context."),
     layer_policy: LayerPolicy = typer.Option(LayerPolicy.off, help="'auto' stores layers with outlying INT2 error at INT4."),
+    rescale: Rescale = typer.Option(
+        Rescale.keys, help="Rescale each INT2 row's float16 scale and minimum so that its reconstruction keeps the "
+        "row's length along itself: clipping otherwise shrinks the logit of the query aligned with a key (the needle "
+        "at long context). Free in storage and kernels."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     tp: int = typer.Option(1, "--tp", "--tensor-parallel-size",
                            help="Calibrate over N GPUs (or CPU processes), one process each (started by this command), for "
@@ -126,7 +136,7 @@ def calibrate(
                                        rotation_scope=rotation_scope.value, clip=clip.value, k_clip=k_clip,
                                        v_clip=v_clip, key_centering=key_centering.value, rope_pairs=rope_pairs,
                                        center_values=center_values, probe_tokens=probe_tokens,
-                                       layer_policy=layer_policy.value)
+                                       layer_policy=layer_policy.value, rescale=rescale.value)
     except ValueError as exc:
         _fail(str(exc))
     if tp > 1 and not parallel.launched():
@@ -173,7 +183,8 @@ def inspect(directory: Path = typer.Argument(..., help="A rotation artifact dire
     typer.echo(f"geometry  {g.model_type}: {g.num_layers} layers, {g.num_attention_heads} query heads, "
                f"{g.num_kv_heads} KV heads, head dim {g.head_dim}")
     typer.echo(f"rotations {rot.scope}, group size {rot.group_size}, layer bits {sorted(set(rot.layer_bits.tolist()))}")
-    typer.echo(f"clip      K {rot.k_clip.min():.2f}-{rot.k_clip.max():.2f}, V {rot.v_clip.min():.2f}-{rot.v_clip.max():.2f}")
+    typer.echo(f"clip      K {rot.k_clip.min():.2f}-{rot.k_clip.max():.2f}, V {rot.v_clip.min():.2f}-{rot.v_clip.max():.2f}; "
+               f"rescaled rows: keys {rot.k_rescale}, values {rot.v_rescale}")
     typer.echo(f"centering keys {rot.key_centering}: |mu_K| mean {rot.k_mean.norm(dim=-1).mean():.3f}, |mu_pre| mean "
                f"{rot.k_rope_mean.norm(dim=-1).mean():.3f}; |mu_V| mean {rot.v_mean.norm(dim=-1).mean():.3f}")
     if rot.key_centering == "rope":
@@ -336,7 +347,7 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None, help=_serve_help("max_model_len")),
     kv_cache_memory: Optional[float] = typer.Option(None, help=_serve_help("kv_cache_memory")),
     max_num_seqs: int = typer.Option(64, help=_serve_help("max_num_seqs")),
-    max_num_batched_tokens: int = typer.Option(2048, help=_serve_help("max_num_batched_tokens")),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help=_serve_help("max_num_batched_tokens")),
     enable_prefix_caching: bool = typer.Option(True, help=_serve_help("enable_prefix_caching")),
     host: str = typer.Option("127.0.0.1", help=_serve_help("host")),
     port: int = typer.Option(30000, help=_serve_help("port")),
@@ -351,9 +362,7 @@ def serve(
     log_level: str = typer.Option("info", help=_serve_help("log_level")),
 ):
     """Serve the model behind an OpenAI-compatible API (/v1/chat/completions, /v1/completions) with a paged INT2 KV cache."""
-    _quiet_transformers()
-    from .parallel import launched
-    from .server.main import ServeConfig, ServeError, listen_socket, run_server
+    from .server.main import ServeConfig, ServeError, listen_socket, run_server  # light: no torch yet
 
     config = ServeConfig(model=model, rotations=str(rotations) if rotations else None, kv_cache_dtype=kv_cache_dtype,
                          calibrate=calibrate_now, sink_size=sink_size, recent_size=recent_size, group_size=group_size,
@@ -363,12 +372,20 @@ def serve(
                          served_model_name=served_model_name, device=device,
                          attention_backend=attention_backend, enforce_eager=enforce_eager, tp=tp,
                          shutdown_timeout=shutdown_timeout, max_body_mb=max_body_mb, log_level=log_level)
+    # bad flags and a taken port fail now, before torch is imported (seconds) and the model loads; under torchrun
+    # only rank 0 listens (parallel.launched() without importing torch)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
-        if tp > 1 and not launched():
-            config.validate()
-            listen_socket(config).close()  # a taken port fails here, before N processes load the model
+        config.validate()
+        sock = listen_socket(config) if not launched or os.environ["RANK"] == "0" else None
+    except ServeError as exc:
+        _fail(str(exc))
+    _quiet_transformers()
+    try:
+        if tp > 1 and not launched:
+            sock.close()  # rank 0 of the N processes binds it again
             _start_ranks(model, tp)
-        run_server(config)
+        run_server(config, sock)
     except ServeError as exc:
         _fail(str(exc))
 
