@@ -30,9 +30,10 @@ def server(tmp_path_factory):
     lm, tok = load_model(MODEL)  # the server's own copy: the engine folds rotations into it
     rot_dir = tmp_path_factory.mktemp("rotations")
     Rotations.data_free(AttentionGeometry.of(lm.config), "hadamard", k_clip=0.96, v_clip=0.92).save(rot_dir)
+    # 2048 batched tokens (not the CPU default): the greedy comparison with generate() needs one prefill forward
     config = ServeConfig(model=MODEL, rotations=str(rot_dir), kv_cache_dtype="int2", kv_cache_memory=0.1,
-                         max_model_len=1024, max_num_seqs=16, port=0, api_key=KEY, max_body_mb=4,
-                         log_level="warning")
+                         max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=2048, port=0, api_key=KEY,
+                         max_body_mb=4, log_level="warning")
     srv = BackgroundServer(config, lm, tok).start()
     yield srv
     srv.stop()
@@ -214,6 +215,31 @@ def test_metrics_count_outcomes_latencies_and_an_idle_rate_of_zero(server, clien
     assert metric(metrics(server), "generation_tokens_per_second") == 0
 
 
+def test_metrics_do_not_wait_out_a_long_step(server, client):
+    """A 900-token prefill is one engine step of seconds on a CPU; a scrape meanwhile answers at once, with the
+    state after the last step (reading the engine's state would wait for the step)."""
+    from oscar_kv.corpus import DEFAULT_CORPUS
+
+    ids = server.engine.tokenizer(DEFAULT_CORPUS.read_text()[300_000:310_000]).input_ids[:900]  # read by no other test
+    metrics(server)  # a first reading to fall back on
+    done = {}
+    thread = threading.Thread(target=lambda: done.update(out=client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, temperature=0)))
+    started = time.perf_counter()
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+        t = time.perf_counter()
+        values = metrics(server)
+        latencies.append(time.perf_counter() - t)
+        assert metric(values, "num_requests_running") in (0, 1)
+    thread.join()
+    seconds = time.perf_counter() - started
+    print(f"\n900-token prefill {seconds:.1f} s; /metrics max {max(latencies):.2f} s over {len(latencies)} scrapes")
+    assert done["out"].usage.prompt_tokens == 900
+    assert max(latencies) < 1.5, latencies  # waits 0.5 s at most for a fresh reading
+
+
 def test_prefix_reuse_gives_the_same_output_and_a_hit_rate(server, client):
     prompt = "Here is a list of fruits: apple, banana, cherry, date, elderberry, fig, grape. The third one is"
     before = server.engine_thread.stats().prefix_hit_tokens
@@ -270,6 +296,12 @@ HI = '"messages": [{"role": "user", "content": "hi"}]'
     ('{"model": "smollm2-135m", %s, "max_completion_tokens": 5000}' % HI, 400, "maximum context length",
      "max_completion_tokens"),
     ('{"model": "gpt-4", %s}' % HI, 404, "does not exist", "model"),
+    # JSON types are taken as written: no bool read as 1, no string as a bool
+    ('{"model": "smollm2-135m", %s, "max_tokens": true}' % HI, 400, "valid integer", "max_tokens"),
+    ('{"model": "smollm2-135m", %s, "stream": "yes"}' % HI, 400, "valid boolean", "stream"),
+    ('{"model": "smollm2-135m", "messages": [{"role": "user"}], "max_tokens": 2}', 400, "content is required",
+     "messages[0].content"),
+    ('{"model": "smollm2-135m", %s, "\\ud800": 1}' % HI, 400, "surrogate", None),  # a key, not a value
 ])
 def test_bad_chat_input_gets_an_openai_error(server, body, status, fragment, param):
     r = post(server, "/v1/chat/completions", body)
@@ -287,6 +319,7 @@ def test_bad_chat_input_gets_an_openai_error(server, body, status, fragment, par
     ('{"model": "smollm2-135m", "prompt": "hi", "stop": "\\ud800"}', "surrogate", "stop"),
     ('{"model": "smollm2-135m", "prompt": "hi", "echo": true}', "not supported", "echo"),
     ('{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 1e400}', "max_tokens", "max_tokens"),
+    ('{"model": "smollm2-135m", "prompt": [true, 2]}', "valid integer", "prompt"),
 ])
 def test_bad_completion_input_gets_an_openai_error(server, body, fragment, param):
     r = post(server, "/v1/completions", body)
