@@ -31,7 +31,7 @@ class StatsReader:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="oscar-kv-stats")
         self._mutex = threading.Lock()
         self._pending = None
-        self._last = None
+        self._last = engine.stats()  # now, while no request runs: no scrape ever waits out a step
 
     def read(self):
         with self._mutex:
@@ -39,7 +39,7 @@ class StatsReader:
                 self._pending = self._reader.submit(self.engine.stats)
             pending = self._pending
         try:
-            self._last = pending.result(timeout=None if self._last is None else self.wait)
+            self._last = pending.result(timeout=self.wait)
         except TimeoutError:
             pass
         return self._last
