@@ -4,9 +4,7 @@ histograms observed as outputs arrive.  Names follow vLLM's where vLLM has the m
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, TimeoutError
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,36 +19,12 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.25, 0.5, 0.75, 1.0, 1.
                    160.0, 320.0)
 
 
-class StatsReader:
-    """The engine's stats for a scrape that does not wait out a long step.  Reading them waits for the step in
-    progress (on a CPU a prefill step can take many seconds, past a scraper's timeout), so a scrape waits at most
-    ``wait`` seconds for a fresh reading and otherwise reports the one taken after an earlier step."""
-
-    def __init__(self, engine: EngineThread, wait: float = 0.5):
-        self.engine, self.wait = engine, wait
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="oscar-kv-stats")
-        self._mutex = threading.Lock()
-        self._pending = None
-        self._last = engine.stats()  # now, while no request runs: no scrape ever waits out a step
-
-    def read(self):
-        with self._mutex:
-            if self._pending is None or self._pending.done():  # one reading in flight at a time
-                self._pending = self._reader.submit(self.engine.stats)
-            pending = self._pending
-        try:
-            self._last = pending.result(timeout=self.wait)
-        except TimeoutError:
-            pass
-        return self._last
-
-
 class EngineCollector:
     def __init__(self, engine: EngineThread, model_name: str):
-        self.stats, self.model_name = StatsReader(engine), model_name
+        self.engine, self.model_name = engine, model_name
 
     def collect(self):
-        s = self.stats.read()
+        s = self.engine.stats()
         labels = ["model_name"]
         value = [self.model_name]
 
