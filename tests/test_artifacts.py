@@ -34,6 +34,20 @@ def test_save_load_round_trip(tmp_path):
     assert manifest["geometry"]["num_kv_heads"] == 2 and len(manifest["sha256"]) == 64
 
 
+def test_rescale_flags_round_trip_and_are_validated(tmp_path):
+    rot = per_head_artifact()
+    assert not rot.k_rescale and not rot.v_rescale  # artifacts written before the flags existed: no rescale
+    rot.k_rescale = True
+    rot.save(tmp_path)
+    back = Rotations.load(tmp_path, GEOM)
+    assert back.k_rescale and not back.v_rescale
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["rescale"] = {"keys": "yes"}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="'rescale' must be"):
+        Rotations.load(tmp_path)
+
+
 def test_truncated_tensor_file_is_rejected(tmp_path):
     per_head_artifact().save(tmp_path)
     path = tmp_path / "rotations.safetensors"

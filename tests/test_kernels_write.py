@@ -57,7 +57,7 @@ CASES = [(64, 64, 16), (128, 32, 32)] + ([(128, 128, 16), (128, 64, 64)] if GPU 
 
 
 @pytest.mark.parametrize("d,g,p", CASES)
-@pytest.mark.parametrize("mode", ["prerotated", "signed-perm", "bf16-input"])
+@pytest.mark.parametrize("mode", ["prerotated", "signed-perm", "bf16-input", "rescaled"])
 def test_write_bit_exact(d, g, p, mode):
     from oscar_kv.kernels.write import write_kv
 
@@ -79,9 +79,10 @@ def test_write_bit_exact(d, g, p, mode):
         mean = torch.randn(h, d, generator=gen).to(DEV)
     ck = clip_indices(torch.tensor([0.96, 1.0]), d, (h,)).to(DEV)
     cv = clip_indices(torch.tensor([0.92, 0.5]), d, (h,)).to(DEV)
+    rescale = (True, True) if mode == "rescaled" else (False, False)
     a, b = pools(geom, nq, nw)
-    ref.write_reference(a, 1, k, v, win, q2, rot, mean, ck, cv)
-    write_kv(b, 1, k, v, win, q2, rot, mean, ck, cv)
+    ref.write_reference(a, 1, k, v, win, q2, rot, mean, ck, cv, rescale=rescale)
+    write_kv(b, 1, k, v, win, q2, rot, mean, ck, cv, rescale=rescale)
     assert_pools_equal(a, b)
 
 
@@ -110,8 +111,9 @@ def test_write_random_rotation_close():
     assert torch.equal(a.v_codes, b.v_codes)
 
 
-@pytest.mark.parametrize("p", [16, 32] + ([64] if GPU else []))
-def test_migrate_bit_exact(p):
+@pytest.mark.parametrize("p,rescale", [(16, (False, False)), (32, (False, False)), (16, (True, True))]
+                         + ([(64, (False, False)), (64, (True, False))] if GPU else []))
+def test_migrate_bit_exact(p, rescale):
     from oscar_kv.kernels.write import migrate_pages
 
     gen = torch.Generator().manual_seed(p)
@@ -128,6 +130,6 @@ def test_migrate_bit_exact(p):
     dst = torch.tensor([1, 5, 3], dtype=torch.int32, device=DEV)
     ck = clip_indices(torch.tensor([[0.96], [1.0], [0.9]]), d, (layers, h)).to(DEV)
     cv = clip_indices(0.92, d, (layers, h)).to(DEV)
-    ref.migrate_reference(a, src, dst, ck, cv)
-    migrate_pages(b, src, dst, ck, cv)
+    ref.migrate_reference(a, src, dst, ck, cv, rescale=rescale)
+    migrate_pages(b, src, dst, ck, cv, rescale=rescale)
     assert_pools_equal(a, b)

@@ -135,7 +135,8 @@ def _served_windows(t: int, nq: int, sink_size: int, recent_size: int):
 def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mean, v_mean, k_clip, v_clip,
                               bits: int = 2, group_size: int | None = None,
                               quantize_keys: bool = True, quantize_values: bool = True, sink_size: int = 64,
-                              recent_size: int = 0, queries: int | None = None) -> float:
+                              recent_size: int = 0, queries: int | None = None,
+                              rescale: tuple[bool, bool] = (False, False)) -> float:
     """Relative error of one layer's attention output when its K/V are stored quantized.
 
     The first ``sink_size`` tokens stay exact, and so do the ``recent_size`` most recent keys of each query
@@ -144,6 +145,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     where retrieval happens); None scores every position.
     Rotations [H|1, D, D], clips [Hkv], v_mean [Hkv, D]; k_mean is the key offset: [Hkv, D] or
     per position [Hkv, T, D] (``LayerSample.key_offset``).  Attention adds the offset back exactly.
+    ``rescale``: quant.quantize_rows' flag for keys and values.
     """
     from .quant import fake_quantize  # local: quant is the lower layer
 
@@ -159,9 +161,9 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size)
     k_q, v_q = k_rot.clone(), v_rot.clone()
     if quantize_keys:
-        k_q[:, s:last] = fake_quantize(k_rot[:, s:last], bits, group_size, k_clip[:, None].float())
+        k_q[:, s:last] = fake_quantize(k_rot[:, s:last], bits, group_size, k_clip[:, None].float(), rescale[0])
     if quantize_values:
-        v_q[:, s:last] = fake_quantize(v_rot[:, s:last], bits, group_size, v_clip[:, None].float())
+        v_q[:, s:last] = fake_quantize(v_rot[:, s:last], bits, group_size, v_clip[:, None].float(), rescale[1])
     full_offset = torch.einsum("htd,hde->hte", offset.expand_as(sample.k), rk)
     head_of = torch.arange(hq) // (hq // hkv)
     scale = q.shape[-1] ** -0.5
@@ -182,11 +184,13 @@ CANDIDATE_BATCH_ELEMENTS = 1 << 26  # logits held at once by clip_candidate_erro
 
 def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation, k_offset, v_mean, which: str,
                           candidates: torch.Tensor, bits: int = 2, group_size: int | None = None,
-                          sink_size: int = 64, recent_size: int = 0, queries: int | None = None) -> torch.Tensor:
+                          sink_size: int = 64, recent_size: int = 0, queries: int | None = None,
+                          rescale: bool = False) -> torch.Tensor:
     """For KV head ``head`` of one layer: the attention-output error of its query group for every clip ratio in
     ``candidates`` [C], quantizing only the keys (``which="k"``) or only the values ("v"), with the windows
     and scored queries of ``quantized_attention_error``.  Returns [C] squared error norms (comparable across
-    candidates; the other heads' errors do not depend on this head's clip).  All candidates in one pass."""
+    candidates; the other heads' errors do not depend on this head's clip).  All candidates in one pass.
+    ``rescale``: quant.quantize_rows' flag for the side quantized."""
     from .quant import fake_quantize
 
     hq, hkv = sample.q.shape[0], sample.k.shape[0]
@@ -209,7 +213,7 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
         step = max(1, CANDIDATE_BATCH_ELEMENTS // per_candidate)
         return torch.cat([clip_candidate_errors(sample, head, k_rotation, v_rotation, k_offset, v_mean, which,
                                                 candidates[i:i + step], bits, group_size, sink_size, recent_size,
-                                                queries) for i in range(0, len(candidates), step)])
+                                                queries, rescale) for i in range(0, len(candidates), step)])
     c = candidates.reshape(-1, 1).float()
 
     def clipped(x):  # [C, n, D]: x clipped at each candidate's quantile of |x| per row (one sort for all)
@@ -219,13 +223,13 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
         return torch.maximum(torch.minimum(x, tau), -tau)
 
     if which == "k":
-        body = fake_quantize(clipped(k_rot[s:last]), bits, group_size)  # [C, n, D]
+        body = fake_quantize(clipped(k_rot[s:last]), bits, group_size, rescale=rescale, exact=k_rot[s:last])
         z_body = torch.einsum("gqd,cnd->cgqn", q_rot, body + off_rot[s:last]) * scale
         z = z_exact.expand(len(c), -1, -1, -1).clone()
         z[..., s:last] = torch.where(quantized[:, s:last], z_body, z_exact[..., s:last])
         out = torch.softmax(z, -1) @ v_rot
     else:
-        body = fake_quantize(clipped(v_rot[s:last]), bits, group_size)
+        body = fake_quantize(clipped(v_rot[s:last]), bits, group_size, rescale=rescale, exact=v_rot[s:last])
         p_q = p_exact[..., s:last] * quantized[:, s:last]
         out = exact + torch.einsum("gqn,cnd->cgqd", p_q, body) - p_q @ v_rot[s:last]
     return ((out - exact) ** 2).sum((1, 2, 3))

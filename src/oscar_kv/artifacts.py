@@ -10,7 +10,9 @@ Tensors (float32 unless noted; H = KV heads, or 1 when one rotation is shared pe
   layer_bits [L] int32                               storage precision of the quantized history per layer
 
 The manifest holds the format version, the model's attention geometry and fingerprint, the
-calibration settings, validation results and a sha256 of the tensor file.  Loading checks all of it.
+calibration settings, validation results, the quantizer's ``rescale`` flags (``{"keys": bool, "values": bool}``,
+quant.py; absent in artifacts written before they existed: no rescale) and a sha256 of the tensor file.
+Loading checks all of it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class Rotations:
     manifest: dict = field(default_factory=dict)
     k_rope_mean: torch.Tensor | None = None  # None reads as zeros: no position-aware centering
     source: str | None = field(default=None, compare=False)  # the directory it was loaded from (None: made here)
+    # INT2 rows' scale and minimum rescaled so the reconstruction keeps each row's norm along itself (quant.py)
+    k_rescale: bool = False
+    v_rescale: bool = False
 
     TENSORS = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_mean", "v_mean",
                "k_clip", "v_clip", "layer_bits")
@@ -145,7 +150,8 @@ class Rotations:
         save_file(self.tensors(), str(path))
         manifest = dict(self.manifest)
         manifest.update(format_version=FORMAT_VERSION, geometry=self.geometry.as_dict(), group_size=self.group_size,
-                        rotation_scope=self.scope, sha256=_sha256(path))
+                        rotation_scope=self.scope, rescale={"keys": self.k_rescale, "values": self.v_rescale},
+                        sha256=_sha256(path))
         (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         self.manifest = manifest
         return directory
@@ -181,8 +187,12 @@ class Rotations:
         except (KeyError, TypeError) as exc:
             raise ArtifactError(f"{manifest_path} lacks the model geometry or group size") from exc
         optional = {t: tensors[t] for t in cls.OPTIONAL_TENSORS if t in tensors}
+        rescale = manifest.get("rescale", {})
+        if not isinstance(rescale, dict) or not all(isinstance(rescale.get(k, False), bool) for k in ("keys", "values")):
+            raise ArtifactError(f"{manifest_path}: 'rescale' must be {{\"keys\": bool, \"values\": bool}}, got {rescale!r}")
         art = cls(**{t: tensors[t] for t in cls.TENSORS}, **optional, geometry=art_geometry, group_size=group_size,
-                  manifest=manifest, source=str(directory))
+                  manifest=manifest, source=str(directory), k_rescale=rescale.get("keys", False),
+                  v_rescale=rescale.get("values", False))
         art.validate(geometry)
         stored = manifest.get("fingerprint")
         if fingerprint and stored and stored != fingerprint:

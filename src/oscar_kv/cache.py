@@ -71,9 +71,11 @@ class OscarCacheLayer(CacheLayerMixin):
 
     def __init__(self, settings: CacheSettings, bits: int, group_size: int, k_rotation: torch.Tensor,
                  k_mean: torch.Tensor, k_clip: torch.Tensor, v_clip: torch.Tensor,
-                 k_rope_mean: torch.Tensor | None = None, rope: RopeTable | None = None):
+                 k_rope_mean: torch.Tensor | None = None, rope: RopeTable | None = None,
+                 k_rescale: bool = False, v_rescale: bool = False):
         super().__init__()
         self.settings, self.bits, self.group_size = settings, bits, group_size
+        self.k_rescale, self.v_rescale = k_rescale, v_rescale  # quant.quantize_rows(rescale=...) per side
         self.k_rotation, self.k_mean = k_rotation, k_mean  # [H|1, D, D] fp32, [Hkv, D] fp32
         # position-aware centering (rope.py): mu_pre [Hkv, D] and the model's cos/sin, or None
         self.k_rope_mean = k_rope_mean if k_rope_mean is not None and k_rope_mean.abs().max() > 0 else None
@@ -195,14 +197,14 @@ class OscarCacheLayer(CacheLayerMixin):
         clip_k = self.k_clip[None, :, None]
         clip_v = self.v_clip[None, :, None]
         new_k = self._quantize_keys(self.recent_k[:, :, :n].float(), clip_k)
-        new_v = quantize_rows(self.recent_v[:, :, :n].float(), self.bits, self.group_size, clip_v)
+        new_v = quantize_rows(self.recent_v[:, :, :n].float(), self.bits, self.group_size, clip_v, self.v_rescale)
         self.hist_k = new_k if self.hist_k is None else _cat_rows(self.hist_k, new_k)
         self.hist_v = new_v if self.hist_v is None else _cat_rows(self.hist_v, new_v)
         self.recent_k, self.recent_v = self.recent_k[:, :, n:].contiguous(), self.recent_v[:, :, n:].contiguous()
 
     def _quantize_keys(self, keys: torch.Tensor, clip: torch.Tensor) -> QuantizedRows:
         if self.settings.key_axis == "token":
-            return quantize_rows(keys, self.bits, self.group_size, clip)
+            return quantize_rows(keys, self.bits, self.group_size, clip, self.k_rescale)
         # per channel over each page: rows are (page, channel) of length page_size; no clipping
         b, h, n, d = keys.shape
         p = self.settings.page_size
@@ -275,7 +277,8 @@ class OscarCache(Cache):
             bits = settings.bits if settings.bits == 16 else max(settings.bits, int(rotations.layer_bits[i]))
             layers.append(OscarCacheLayer(settings, bits, rotations.group_size, rotations.k_rotation[i].float(),
                                           rotations.k_mean[i].float(), rotations.k_clip[i].float(),
-                                          rotations.v_clip[i].float(), rotations.k_rope_mean[i].float(), rope))
+                                          rotations.v_clip[i].float(), rotations.k_rope_mean[i].float(), rope,
+                                          rotations.k_rescale, rotations.v_rescale))
         super().__init__(layers=layers)
 
     def footprint(self) -> KVFootprint:

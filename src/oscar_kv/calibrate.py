@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80)
 SCOPES = ("per-head", "per-layer")
 KEY_CENTERINGS = ("auto", "rope", "constant", "off")
+RESCALES = ("keys", "keys+values", "none")  # which INT2 rows keep their norm along themselves (quant.py)
 ROPE_GAIN = 0.05  # "auto" picks position-aware centering when it cuts the probe's attention error by 5%
 # How the held-back probe is scored: every position, every key past the sink INT2.  Scoring it as served
 # instead (4096 tokens, recent window exact, the last 256 queries) chose harsher key clips on Qwen2.5 that shrank
@@ -67,6 +68,8 @@ class CalibrationSettings:
     v_clip: float = DEFAULT_V_CLIP
     layer_policy: str = "off"  # "auto" stores layers whose INT2 error is an outlier at INT4
     probe_tokens: int = 512
+    # clipped keys lose the logit of the query aligned with them (the needle): "keys" gives it back (quant.py)
+    rescale: str = "keys"
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:
@@ -77,6 +80,8 @@ class CalibrationSettings:
             raise ValueError("clip must be 'fixed' or 'fit'")
         if self.rope_pairs < 1:
             raise ValueError("rope_pairs must be at least 1")
+        if self.rescale not in RESCALES:
+            raise ValueError(f"rescale must be one of {RESCALES}")
         if self.layer_policy not in ("off", "auto"):
             raise ValueError("layer policy must be 'off' or 'auto'")
         if self.calib_tokens < 16 or self.seq_len < 16:
@@ -307,7 +312,8 @@ def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: 
     clips = lambda c: torch.full((g.num_layers, g.num_kv_heads), c)  # noqa: E731
     return Rotations(out["k"][0], out["v"][0], out["k"][1], out["v"][1], mu_k.float(), mu_v.float(),
                      clips(settings.k_clip), clips(settings.v_clip),
-                     torch.full((g.num_layers,), 2, dtype=torch.int32), g, group_size, k_rope_mean=mu_pre.float())
+                     torch.full((g.num_layers,), 2, dtype=torch.int32), g, group_size, k_rope_mean=mu_pre.float(),
+                     k_rescale=settings.rescale != "none", v_rescale=settings.rescale == "keys+values")
 
 
 def choose_key_centering(rot: Rotations, stats: Statistics, settings: CalibrationSettings,
@@ -318,7 +324,8 @@ def choose_key_centering(rot: Rotations, stats: Statistics, settings: Calibratio
         return {"chosen": settings.key_centering if settings.key_centering != "auto" else "constant"}
     mu_k, mu_pre = stats.key_means("rope", settings.rope_pairs)
     candidate = Rotations(**{**{n: getattr(rot, n) for n in Rotations.TENSORS}, "k_mean": mu_k.float(),
-                             "k_rope_mean": mu_pre.float()}, geometry=rot.geometry, group_size=rot.group_size)
+                             "k_rope_mean": mu_pre.float()}, geometry=rot.geometry, group_size=rot.group_size,
+                          k_rescale=rot.k_rescale, v_rescale=rot.v_rescale)
     layers = range(rot.geometry.num_layers)
     errors = {name: sum(_layer_error(r, probe[i], i) for i in layers) / len(layers)
               for name, r in (("constant", rot), ("rope", candidate))}
@@ -334,7 +341,7 @@ def _layer_error(rot: Rotations, sample: LayerSample, layer: int, k_clip=None, v
         sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer]), rot.v_mean[layer],
         rot.k_clip[layer] if k_clip is None else k_clip, rot.v_clip[layer] if v_clip is None else v_clip,
         bits=2, group_size=rot.group_size, sink_size=PROBE_SINK, recent_size=PROBE_RECENT, queries=PROBE_QUERIES,
-        **kwargs)
+        rescale=(rot.k_rescale, rot.v_rescale), **kwargs)
 
 
 def fit_clip_ratios(rot: Rotations, probe: list[LayerSample], progress: bool = True) -> None:
@@ -349,7 +356,8 @@ def fit_clip_ratios(rot: Rotations, probe: list[LayerSample], progress: bool = T
         for which in ("k", "v"):
             errors = torch.stack([clip_candidate_errors(
                 sample, h, rot.k_rotation[layer], rot.v_rotation[layer], offset, rot.v_mean[layer], which,
-                candidates, 2, rot.group_size, PROBE_SINK, PROBE_RECENT, PROBE_QUERIES) for h in range(hkv)])
+                candidates, 2, rot.group_size, PROBE_SINK, PROBE_RECENT, PROBE_QUERIES,
+                getattr(rot, f"{which}_rescale")) for h in range(hkv)])
             clips = getattr(rot, f"{which}_clip")
             if per_head:
                 clips[layer] = candidates[errors.argmin(-1)]

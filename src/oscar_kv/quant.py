@@ -13,6 +13,13 @@ Layout of one quantized row (one token x one KV head, D channels, group size G):
 
 Codes are computed against the *stored* (float16-rounded) scale and minimum, so dequantization
 with the stored metadata is the nearest-level reconstruction of the clipped row.
+
+With ``rescale`` the stored scale and minimum of each group are then multiplied by
+alpha = <x, x> / <x, x_hat> (x the unclipped group, x_hat its reconstruction; float64 sums, alpha clamped
+to [1/2, 2] and rounded to float32, each product rounded to float16).  Clipping shrinks a row's largest
+components, so x_hat's component along x falls short of |x|: a query aligned with the row (the one that
+retrieves it) sees its logit shrink.  After the rescale the reconstruction's projection on x equals |x|,
+at no storage or kernel cost: the codes are the same, only the two float16 numbers change.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 METADATA_DTYPE = torch.float16
 SUPPORTED_BITS = (2, 4, 8)
 _F16_MAX = 65504.0
+RESCALE_RANGE = (0.5, 2.0)
 
 
 @dataclass
@@ -103,8 +111,11 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
-                  clip_ratio: float | torch.Tensor = 1.0) -> QuantizedRows:
-    """Clip then asymmetrically quantize each row of ``x`` (last dim D) per group of channels."""
+                  clip_ratio: float | torch.Tensor = 1.0, rescale: bool = False,
+                  exact: torch.Tensor | None = None) -> QuantizedRows:
+    """Clip then asymmetrically quantize each row of ``x`` (last dim D) per group of channels; ``rescale``:
+    see the module docstring.  ``exact``: the unclipped rows the rescale aims at when ``x`` arrives clipped
+    already (calibration clips once for many candidate ratios); default ``x``."""
     d = x.shape[-1]
     group_size = group_size or d
     check_geometry(d, group_size, bits)
@@ -120,8 +131,25 @@ def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
     # A constant group has scale 0: every code is 0 and x_hat = minimum.
     safe = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
     codes = ((groups - minimum.float().unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, levels)
+    if rescale:
+        target = (x if exact is None else exact).float().expand_as(xf).reshape(groups.shape)
+        scale, minimum = rescaled_metadata(target, codes, scale, minimum)
     codes = codes.reshape(xf.shape).to(torch.uint8)
     return QuantizedRows(pack_codes(codes, bits), scale, minimum, bits, group_size)
+
+
+def rescaled_metadata(exact: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
+    """Scale and minimum [..., NG] times alpha = <x, x> / <x, x_hat> per group (``exact`` and ``codes``:
+    [..., NG, G]); the products in float64 are exact, so only the order of the sums differs between devices."""
+    x = exact.double()
+    x_hat = codes.double() * scale.double().unsqueeze(-1) + minimum.double().unsqueeze(-1)
+    num, den = (x * x).sum(-1), (x * x_hat).sum(-1)
+    alpha = torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(num)).clamp(*RESCALE_RANGE).float()
+
+    def times_alpha(m):
+        return (alpha * m.float()).clamp(-_F16_MAX, _F16_MAX).to(METADATA_DTYPE)
+
+    return times_alpha(scale), times_alpha(minimum)
 
 
 def dequantize_rows(q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -133,9 +161,10 @@ def dequantize_rows(q: QuantizedRows, dtype: torch.dtype = torch.float32) -> tor
 
 
 def fake_quantize(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
-                  clip_ratio: float | torch.Tensor = 1.0) -> torch.Tensor:
+                  clip_ratio: float | torch.Tensor = 1.0, rescale: bool = False,
+                  exact: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize and dequantize in one go (for simulation and error probes)."""
-    return dequantize_rows(quantize_rows(x, bits, group_size, clip_ratio), x.dtype)
+    return dequantize_rows(quantize_rows(x, bits, group_size, clip_ratio, rescale, exact), x.dtype)
 
 
 def _clips(ratio: float | torch.Tensor) -> bool:

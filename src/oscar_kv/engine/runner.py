@@ -213,7 +213,8 @@ class PagedForward:
             return
         for i, lay in enumerate(self.layers):
             ck, cv = self.view.clips(i, lay)
-            migrate_pages(self.view.layer_pool(i), self.migrations[0], self.migrations[1], ck[None], cv[None])
+            migrate_pages(self.view.layer_pool(i), self.migrations[0], self.migrations[1], ck[None], cv[None],
+                          rescale=(lay.k_rescale, lay.v_rescale))
         self.migrations = None
 
     # ---- per layer -----------------------------------------------------------------------------
@@ -270,11 +271,11 @@ class PagedForward:
             keys = None
             k_rows = _unit_stride(key[0].transpose(0, 1))
             write_kv(self.view, li, k_rows, _unit_stride(v_rows), self.win_slot, self.int2_slot, layer.k_rotation,
-                     layer.k_mean, ck, cv)
+                     layer.k_mean, ck, cv, rescale=(layer.k_rescale, layer.v_rescale))
         else:
             keys = layer.rotate_keys(key, self.positions).to(wdt)  # [1, H, N, D] in float64 as _write
             write_kv(self.view, li, keys[0].transpose(0, 1), _unit_stride(v_rows), self.win_slot, self.int2_slot,
-                     None, None, ck, cv)
+                     None, None, ck, cv, rescale=(layer.k_rescale, layer.v_rescale))
         return keys, values
 
     def _write(self, li: int, layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -293,9 +294,9 @@ class PagedForward:
         qk = torch.cat([pool.k_win[li][m.page, :, m.off], k_rows[self.q_src]]).float()
         qv = torch.cat([pool.v_win[li][m.page, :, m.off], v_rows[self.q_src]]).float()
         dst = _Rows.cat([self.mig_dst, self.q_writes])
-        for rows, clip, codes, meta in ((qk, layer.k_clip, pool.k_codes, pool.k_meta),
-                                        (qv, layer.v_clip, pool.v_codes, pool.v_meta)):
-            q = quantize_rows(rows, layer.bits, layer.group_size, clip.to(rows.device))
+        for rows, clip, codes, meta, rescale in ((qk, layer.k_clip, pool.k_codes, pool.k_meta, layer.k_rescale),
+                                                 (qv, layer.v_clip, pool.v_codes, pool.v_meta, layer.v_rescale)):
+            q = quantize_rows(rows, layer.bits, layer.group_size, clip.to(rows.device), rescale)
             codes[li][dst.page, :, dst.off] = q.codes
             meta[li][dst.page, :, dst.off] = torch.cat([q.scale, q.minimum], -1)
 

@@ -55,7 +55,7 @@ def stored_forms(layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tenso
         k_q[:, :, body] = layer._dequantize_keys(layer._quantize_keys(k_exact[:, :, body], layer.k_clip[None, :, None]),
                                                  torch.float32)
         v_q[:, :, body] = dequantize_rows(quantize_rows(v_exact[:, :, body], layer.bits, layer.group_size,
-                                                        layer.v_clip[None, :, None]))
+                                                        layer.v_clip[None, :, None], layer.v_rescale))
     return layer.restore_offsets(k_exact), layer.restore_offsets(k_q), v_exact, v_q
 
 

@@ -34,12 +34,12 @@ def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_head
     return torch.einsum("...hd,hde->...he", x, r)
 
 
-def _quantize_heads(x: torch.Tensor, group: int, clip_idx: torch.Tensor) -> QuantizedRows:
+def _quantize_heads(x: torch.Tensor, group: int, clip_idx: torch.Tensor, rescale: bool = False) -> QuantizedRows:
     """quant.quantize_rows with a per-head clip ratio given as clip index (x: [T, H, D])."""
     d = x.shape[-1]
     ratio = (clip_idx.double() / d).to(x.device)  # floor(ratio*D) == idx
     # quant.clip_rows computes floor(ratio*D) in float64: idx/D*D == idx exactly for D a power of two.
-    return quantize_rows(x.float(), 2, group, ratio.view(1, -1) if bool((clip_idx < d - 1).any()) else 1.0)
+    return quantize_rows(x.float(), 2, group, ratio.view(1, -1) if bool((clip_idx < d - 1).any()) else 1.0, rescale)
 
 
 def _meta(q: QuantizedRows) -> torch.Tensor:
@@ -50,11 +50,13 @@ def _meta(q: QuantizedRows) -> torch.Tensor:
 def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor,
                     win_slot: torch.Tensor, int2_slot: torch.Tensor,
                     k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
-                    clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor) -> None:
+                    clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor,
+                    rescale: tuple[bool, bool] = (False, False)) -> None:
     """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D].
 
     Keys are centered and rotated in float32; a token bound for a window page is stored as BF16,
-    one bound for an INT2 page is clipped/quantized from the float32 row (quant.quantize_rows).
+    one bound for an INT2 page is clipped/quantized from the float32 row (quant.quantize_rows; ``rescale``:
+    its flag for keys and values).
     """
     g = pool.geometry
     p = g.page_size
@@ -68,23 +70,24 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
     qm = int2_slot.long() >= 0
     if qm.any():
         s = int2_slot.long()[qm]
-        for x, codes, meta, idx in ((kr, pool.k_codes, pool.k_meta, clip_k_idx),
-                                    (vr, pool.v_codes, pool.v_meta, clip_v_idx)):
-            qr = _quantize_heads(x[qm], g.group_size, idx)
+        for x, codes, meta, idx, resc in ((kr, pool.k_codes, pool.k_meta, clip_k_idx, rescale[0]),
+                                          (vr, pool.v_codes, pool.v_meta, clip_v_idx, rescale[1])):
+            qr = _quantize_heads(x[qm], g.group_size, idx, resc)
             codes[layer, s // p, :, s % p] = qr.codes
             meta[layer, s // p, :, s % p] = _meta(qr)
 
 
 def migrate_reference(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
-                      clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor) -> None:
+                      clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor,
+                      rescale: tuple[bool, bool] = (False, False)) -> None:
     """Quantize whole window pages (all layers) into INT2 pages.  clip_*_idx: int32 [L, H]."""
     g = pool.geometry
     src, dst = src_win_pages.long(), dst_int2_pages.long()
     for layer in range(g.num_layers):
-        for win, codes, meta, idx in ((pool.k_win, pool.k_codes, pool.k_meta, clip_k_idx),
-                                      (pool.v_win, pool.v_codes, pool.v_meta, clip_v_idx)):
+        for win, codes, meta, idx, resc in ((pool.k_win, pool.k_codes, pool.k_meta, clip_k_idx, rescale[0]),
+                                            (pool.v_win, pool.v_codes, pool.v_meta, clip_v_idx, rescale[1])):
             rows = win[layer, src].float().transpose(1, 2)  # [M, P, H, D]
-            qr = _quantize_heads(rows.reshape(-1, g.num_kv_heads, g.head_dim), g.group_size, idx[layer])
+            qr = _quantize_heads(rows.reshape(-1, g.num_kv_heads, g.head_dim), g.group_size, idx[layer], resc)
             m = rows.shape[0]
             codes[layer, dst] = qr.codes.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
             meta[layer, dst] = _meta(qr).view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)

@@ -9,6 +9,10 @@ The quantizer reproduces quant.quantize_rows bit for bit: clip threshold = the f
 of the row (a sort), min/max in float32, min -> float16, scale = float16((max - min16) / 3),
 code = round-half-even((x - min16) / scale16) clamped to [0, 3] (scale 0 -> /1, correctly rounded division).
 
+With RESCALE (quant.py: the artifact's ``rescale`` flags) scale and minimum are then multiplied by
+alpha = <x, x> / <x, x_hat> over the unclipped group: float64 sums of exact products, so the order of the
+sums (the only difference from torch) moves alpha by ~1e-16 and its float32 rounding practically never.
+
 ``(max - min16) / 3`` must be rounded as torch rounds it on the same device: on CUDA torch divides a tensor
 by a Python scalar as ``x * float32(1/3)`` (one multiply by the reciprocal, off by one float32 ulp for a third
 of all inputs), on the CPU it divides exactly.  That ulp flips the float16 scale in ~1 of 500K groups
@@ -62,12 +66,18 @@ def _clip_threshold(ax, clip_idx, D: tl.constexpr, SORT: tl.constexpr):
 
 
 @triton.jit
+def _rescaled(m, alpha):
+    return _f16_rne(tl.minimum(tl.maximum(alpha * m, -65504.0), 65504.0))
+
+
+@triton.jit
 def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
                          D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr,
-                         RECIP3: tl.constexpr):
+                         RECIP3: tl.constexpr, RESCALE: tl.constexpr):
     """Clip/quantize/pack x [ROWS, D] float32 and store codes at Codes+crow and scale/min at Meta+mrow."""
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
+    exact = tl.reshape(x, [ROWS, NG, G])
     tau = _clip_threshold(tl.abs(x), clip_idx, D, SORT)
     x = tl.maximum(tl.minimum(x, tau[:, None]), -tau[:, None])
     xg = tl.reshape(x, [ROWS, NG, G])
@@ -84,6 +94,15 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
     y = tl.math.div_rn(xg - mnf[:, :, None], safe[:, :, None])
     y = (y + 12582912.0) - 12582912.0  # round half to even (|y| << 2^22)
     code = tl.minimum(tl.maximum(y, 0.0), 3.0).to(tl.int32)
+    if RESCALE:
+        e64 = exact.to(tl.float64)
+        x_hat = code.to(tl.float64) * scf.to(tl.float64)[:, :, None] + mnf.to(tl.float64)[:, :, None]
+        num = tl.sum(e64 * e64, 2)
+        den = tl.sum(e64 * x_hat, 2)
+        alpha = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 1.0)
+        alpha = tl.minimum(tl.maximum(alpha, 0.5), 2.0).to(tl.float32)
+        sc16 = _rescaled(scf, alpha)
+        mn16 = _rescaled(mnf, alpha)
     code = tl.reshape(code, [ROWS, 4, D4])
     shift = (2 * tl.arange(0, 4))[None, :, None]
     packed = tl.sum(code << shift, 1).to(tl.uint8)  # [ROWS, D4]: byte j = sum_k c[j + k*D4] << 2k
@@ -99,7 +118,8 @@ def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T,
                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rh,
                   stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh,
                   D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr,
-                  ROTATE: tl.constexpr, CENTER: tl.constexpr, SORT: tl.constexpr, RECIP3: tl.constexpr):
+                  ROTATE: tl.constexpr, CENTER: tl.constexpr, SORT: tl.constexpr, RECIP3: tl.constexpr,
+                  RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // G
@@ -130,8 +150,8 @@ def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T,
     # Quantizing sorts every row (the clip threshold): skipped unless a token of this block goes to INT2.
     # Decode tokens never do (they enter the recent window), so decode steps pay only the rotation and stores.
     if tl.max(qs) >= 0:
-        _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT, RECIP3)
-        _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, crow, mrow, D, G, BLOCK_T, SORT, RECIP3)
+        _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT, RECIP3, RESCALE_K)
+        _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, crow, mrow, D, G, BLOCK_T, SORT, RECIP3, RESCALE_V)
 
 
 @triton.jit
@@ -139,7 +159,7 @@ def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H,
                     stride_wl, stride_wp, stride_wh, stride_cl, stride_cp, stride_ch,
                     stride_ml, stride_mp, stride_mh,
                     D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SORT: tl.constexpr,
-                    RECIP3: tl.constexpr):
+                    RECIP3: tl.constexpr, RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr):
     m = tl.program_id(0)
     h = tl.program_id(1)
     layer = tl.program_id(2).to(tl.int64)
@@ -154,9 +174,11 @@ def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H,
     crow = layer * stride_cl + dst * stride_cp + h * stride_ch + offs_t * D4
     mrow = layer * stride_ml + dst * stride_mp + h * stride_mh + offs_t * (2 * NG)
     k = tl.load(Kw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
-    _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Km, crow, mrow, D, G, P, SORT, RECIP3)
+    _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Km, crow, mrow, D, G, P, SORT, RECIP3,
+                         RESCALE_K)
     v = tl.load(Vw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
-    _quantize_rows_store(v, tl.load(CV + layer * H + h), rmask, Vc, Vm, crow, mrow, D, G, P, SORT, RECIP3)
+    _quantize_rows_store(v, tl.load(CV + layer * H + h), rmask, Vc, Vm, crow, mrow, D, G, P, SORT, RECIP3,
+                         RESCALE_V)
 
 
 _RECIP_CACHE: dict[str, bool] = {}
@@ -178,11 +200,12 @@ def _scalar_div_is_reciprocal(device: torch.device) -> bool:
 def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, win_slot: torch.Tensor,
              int2_slot: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
              clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = 16,
-             num_warps: int | None = None) -> None:
+             num_warps: int | None = None, rescale: tuple[bool, bool] = (False, False)) -> None:
     """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D] (any float
     dtype; last dim contiguous); win_slot / int2_slot: int32 [T] flat slots (page*P + offset) or -1
     (layout.token_slots); k_rotation [Hr, D, D] (Hr in {1, H}) or None when keys arrive rotated;
-    k_mean [H, D] or None; clip_*_idx: int32 [H] (layout.clip_indices).  num_warps: default 8 with a rotation
+    k_mean [H, D] or None; clip_*_idx: int32 [H] (layout.clip_indices); rescale: (keys, values), quant.py.
+    num_warps: default 8 with a rotation
     (its float32 D x D operand spills out of 4 warps' registers: 79 us a launch instead of 7 on an H200,
     benchmarks/NOTES.md run W1), else 4."""
     g = pool.geometry
@@ -203,13 +226,15 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
         CENTER=k_mean is not None, SORT=not _INTERPRET, RECIP3=_scalar_div_is_reciprocal(k.device),
-        num_warps=num_warps or (8 if k_rotation is not None else 4))
+        RESCALE_K=rescale[0], RESCALE_V=rescale[1], num_warps=num_warps or (8 if k_rotation is not None else 4))
 
 
 def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
-                  clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, num_warps: int = 4) -> None:
+                  clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, num_warps: int = 4,
+                  rescale: tuple[bool, bool] = (False, False)) -> None:
     """Quantize full BF16 window pages into INT2 pages, every layer, one launch.  src/dst: int32 [M];
-    clip_*_idx: int32 [L, H].  The caller then swaps the block-table entries and frees the window pages."""
+    clip_*_idx: int32 [L, H]; rescale: (keys, values), the same for every layer (quant.py).  The caller then
+    swaps the block-table entries and frees the window pages."""
     g = pool.geometry
     m = src_win_pages.numel()
     if m == 0:
@@ -221,4 +246,5 @@ def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages
         kw.stride(0), kw.stride(1), kw.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
         km.stride(0), km.stride(1), km.stride(2),
         D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not _INTERPRET,
-        RECIP3=_scalar_div_is_reciprocal(pool.k_win.device), num_warps=num_warps)
+        RECIP3=_scalar_div_is_reciprocal(pool.k_win.device), RESCALE_K=rescale[0], RESCALE_V=rescale[1],
+        num_warps=num_warps)
