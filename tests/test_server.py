@@ -30,10 +30,9 @@ def server(tmp_path_factory):
     lm, tok = load_model(MODEL)  # the server's own copy: the engine folds rotations into it
     rot_dir = tmp_path_factory.mktemp("rotations")
     Rotations.data_free(AttentionGeometry.of(lm.config), "hadamard", k_clip=0.96, v_clip=0.92).save(rot_dir)
-    # 2048 batched tokens (not the CPU default): the greedy comparison with generate() needs one prefill forward
     config = ServeConfig(model=MODEL, rotations=str(rot_dir), kv_cache_dtype="int2", kv_cache_memory=0.1,
-                         max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=2048, port=0, api_key=KEY,
-                         max_body_mb=4, log_level="warning")
+                         max_model_len=1024, max_num_seqs=16, port=0, api_key=KEY, max_body_mb=4,
+                         log_level="warning")
     srv = BackgroundServer(config, lm, tok).start()
     yield srv
     srv.stop()

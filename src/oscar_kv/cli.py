@@ -347,7 +347,7 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None, help=_serve_help("max_model_len")),
     kv_cache_memory: Optional[float] = typer.Option(None, help=_serve_help("kv_cache_memory")),
     max_num_seqs: int = typer.Option(64, help=_serve_help("max_num_seqs")),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, help=_serve_help("max_num_batched_tokens")),
+    max_num_batched_tokens: int = typer.Option(2048, help=_serve_help("max_num_batched_tokens")),
     enable_prefix_caching: bool = typer.Option(True, help=_serve_help("enable_prefix_caching")),
     host: str = typer.Option("127.0.0.1", help=_serve_help("host")),
     port: int = typer.Option(30000, help=_serve_help("port")),

@@ -23,9 +23,6 @@ def _flag(default, help_text: str):
     return field(default=default, metadata={"help": help_text})
 
 
-CPU_BATCHED_TOKENS = 256
-
-
 class ServeError(ValueError):
     """The server cannot start; the message says what to do."""
 
@@ -49,10 +46,10 @@ class ServeConfig:
                                                 "BF16 windows). Default: 80% of free GPU memory after loading the "
                                                 "model, or 10% of available RAM on CPU.")
     max_num_seqs: int = _flag(64, "Most sequences decoded together.")
-    max_num_batched_tokens: int | None = _flag(None, "Most tokens per forward step; longer prompts are prefilled "
-                                                     "in chunks of this size. Default: 2048 on CUDA, 256 on CPU "
-                                                     "(a CPU step takes ~10 ms per token: shorter steps keep other "
-                                                     "streams and aborts waiting less).")
+    max_num_batched_tokens: int = _flag(2048, "Most tokens per forward step; longer prompts are prefilled in "
+                                              "chunks of this size. A step is not interrupted: an abort, a /metrics "
+                                              "scrape and the other streams wait for it (a 2000-token step took 40 s "
+                                              "on a busy 2-core CPU).")
     enable_prefix_caching: bool = _flag(True, "Reuse cached KV pages of shared prompt prefixes.")
     host: str = _flag("127.0.0.1", "Address to listen on.")
     port: int = _flag(30000, "Port to listen on (checked before the model loads; 0: any free port).")
@@ -81,7 +78,7 @@ class ServeConfig:
         if self.kv_cache_dtype not in ("bf16", "int2"):
             raise ServeError(f"--kv-cache-dtype must be 'bf16' or 'int2', got {self.kv_cache_dtype!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
+            if getattr(self, name) < 1:
                 raise ServeError(f"--{name.replace('_', '-')} must be at least 1")
         if self.sink_size < 0 or self.recent_size < 0:
             raise ServeError("--sink-size and --recent-size must be >= 0")
@@ -105,14 +102,6 @@ class ServeConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
-
-    def batched_tokens(self, device: str) -> int:
-        """--max-num-batched-tokens, or its default for ``device``.  An engine step is not interrupted, so its
-        length bounds how long an abort, a /metrics scrape and every other stream wait; on a CPU a 2048-token
-        prefill step takes 10-40 s, and 256-token chunks prefill a 2000-token prompt no slower (measured)."""
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
-        return 2048 if device.startswith("cuda") else CPU_BATCHED_TOKENS
 
 
 def load_rotations(config: ServeConfig, model, tokenizer):
@@ -179,7 +168,7 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
         rotations = load_rotations(config, model, tokenizer)
     engine_config = EngineConfig(config.kv_cache_dtype, config.sink_size, config.recent_size, config.page_size,
                                  config.group_size, config.max_model_len, config.kv_cache_memory, config.max_num_seqs,
-                                 config.batched_tokens(device), config.enable_prefix_caching,
+                                 config.max_num_batched_tokens, config.enable_prefix_caching,
                                  attention_backend=config.attention_backend, enforce_eager=config.enforce_eager)
     try:
         # under --tp the model is on the CPU until its slices move; otherwise the engine runs where the model is
@@ -201,7 +190,7 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
         log.info("warming up the kernels ...")
         log.info("kernels ready in %.1f s", engine.warm_up())
     log.info("max model len %d, max num seqs %d, max num batched tokens %d, prefix caching %s", engine.max_model_len,
-             config.max_num_seqs, config.batched_tokens(device), "on" if config.enable_prefix_caching else "off")
+             config.max_num_seqs, config.max_num_batched_tokens, "on" if config.enable_prefix_caching else "off")
     return EngineThread(engine)
 
 
