@@ -231,12 +231,16 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
                                                          long_prompt, dtype, centering, monkeypatch):
     """Every step of two concurrent requests (chunked prefill, then decode): the Triton kernels (interpreted
     on the CPU) read the same pool as the torch reference path and give the same attention output, with
-    keys centered by a constant or per position (SmolLM2's calibration picks the latter)."""
+    keys centered by a constant or per position (SmolLM2's calibration picks the latter).  Prefill chunks take
+    both extend paths (kernel_attention.extend_path): materialized flash attention for long chunks, the extend
+    kernel for short ones and for decode tokens scheduled beside a chunk, in one step with per-position
+    centering (100, then 50 + 50, then a decode token + 47)."""
     pytest.importorskip("triton")
     from oscar_kv.engine import runner
     from oscar_kv.engine.kernel_attention import PoolView, kernel_step
 
     errors = {"DecodeStep": [], "ExtendStep": []}
+    paths = []  # per extend step: which paths ran
     reference_attend = runner.PagedForward.attend
 
     def attend_and_check(self, layer_idx, query, key, value, scaling):
@@ -246,6 +250,9 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
             plan = kernel_step(PoolView(self.pool), self.steps)
             got = plan.attend(layer_idx, layer, query, layer.rotate_keys(key, self.positions), value.float(), scaling)
             errors[type(plan).__name__].append(((got.float() - out.float()).norm() / out.float().norm()).item())
+            if layer_idx == 0 and type(plan).__name__ == "ExtendStep":
+                part, flash = plan.paths(layer.k_rope_mean is not None)
+                paths.append(("flash",) * bool(flash.groups) + ("kernel",) * (part is not None))
         return out, weights
 
     monkeypatch.setattr(runner.PagedForward, "attend", attend_and_check)
@@ -253,12 +260,17 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
     assert rotations.key_centering == centering
     engine = make_engine(model, tokenizer, rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
                          max_num_batched_tokens=100)
-    ids = tokenizer(long_prompt).input_ids[:150]
-    for i, n in enumerate((150, 97)):  # chunks of 100 tokens; 6 and 3 INT2 pages behind the windows
-        engine.add_request(f"r{i}", ids[:n], SamplingParams(max_tokens=3, **GREEDY))
+    ids = tokenizer(long_prompt).input_ids
+    # chunks of 100 tokens; 6 and 3 INT2 pages behind the windows; different prompts: no prefix hit, so r1 still
+    # prefills while r0 decodes
+    for i, prompt in enumerate((ids[:150], ids[150:247])):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3, **GREEDY))
     run_all(engine)
     assert len(errors["DecodeStep"]) == 4 and len(errors["ExtendStep"]) >= 4, errors
     assert max(errors["DecodeStep"] + errors["ExtendStep"]) < 1e-2, errors
+    assert paths[0] == ("flash",) and any("kernel" in p for p in paths), paths
+    if centering == "rope":
+        assert ("flash", "kernel") in paths, paths
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int2"])

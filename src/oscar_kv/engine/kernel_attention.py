@@ -7,12 +7,16 @@ The step's tokens are written by ``write.write_kv`` (runner.PagedForward) before
 
 * ``DecodeStep`` (every sequence computes one token): the decode kernel reads the new token from its
   BF16 window page together with the rest of the cache (so write_kv may rotate the keys itself).
-* ``ExtendStep`` (prefill chunks, possibly mixed with decodes): the extend kernel reads positions
-  [0, start) of each sequence as stored after the step (INT2 pages dequantized tile by tile) and the
-  chunk's own keys and values from the step's tensors, causally (``reads_chunk``: the caller passes the
-  rotated keys, as the chunk's tokens bound for INT2 pages are not in the pool at full precision).
+* ``ExtendStep`` (prefill chunks, possibly mixed with decodes): each sequence attends to positions
+  [0, start) as stored after the step and causally to the chunk's own keys and values from the step's
+  tensors (``reads_chunk``: the caller passes the rotated keys, as the chunk's tokens bound for INT2 pages
+  are not in the pool at full precision).  ``extend_path`` picks, per sequence, one of two computations of
+  that: a long chunk materializes its history as float16 K/V and runs flash attention
+  (kernels/materialized_extend.py: the cost of BF16 flash attention); a short one (decode tokens mixed into
+  the step, a short suffix after a prefix hit) runs the extend kernel, which reads the compressed pool
+  directly (kernels/extend.py) instead of writing the whole history once for a few queries.
 
-These are the reference path's semantics (``runner.PagedForward``), computed with bf16 tensor-core
+These are the reference path's semantics (``runner.PagedForward``), computed with float16 / bf16 tensor-core
 arithmetic instead of float32, so outputs agree to ~1e-2 relative, not bit for bit.
 """
 
@@ -28,6 +32,19 @@ from ..kernels.layout import PagedBatch, PagedKVPool, PoolGeometry, clip_indices
 from .block_pool import PagePool
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+# Chunks of at least this many tokens take the materialized flash path (extend_path).  Its fixed cost is one pass
+# over the history (~4.7 KB per token at Qwen3-8B: ~0.2 ms at 100K on an H100); the extend kernel costs per query
+# x key, ~13x more with per-position key centering (its term runs on CUDA cores: 315 tokens/s at 100K, issue 23),
+# hence the lower bound there.  Estimates from the H100 prefill numbers; tune with bench decode --prefill-only.
+FLASH_MIN_TOKENS = 64
+FLASH_MIN_TOKENS_ROPE = 8
+
+
+def extend_path(num_tokens: int, rope_centered: bool) -> str:
+    """How one sequence of an extend step attends: "flash" (materialize the history, then flash attention) or
+    "kernel" (the extend kernel over the paged pool).  The one place this is decided."""
+    return "flash" if num_tokens >= (FLASH_MIN_TOKENS_ROPE if rope_centered else FLASH_MIN_TOKENS) else "kernel"
 
 
 def kernel_support(pool: PagePool, backend: str = "auto", rope_centered: bool = False) -> str | None:
@@ -82,6 +99,10 @@ class PoolView:
                                     device=pool.device)
         self._clips: dict[int, tuple] = {}
         self._layer_pools: dict[int, PagedKVPool] = {}
+        self._rope_weights: dict[int, tuple] = {}
+        from ..kernels.materialized_extend import Scratch  # (imports Triton: a PoolView exists only when usable)
+
+        self.scratch = Scratch()  # the materialized history of extend steps, shared by every layer and step
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         p = self.pool
@@ -110,6 +131,19 @@ class PoolView:
             hit = (layer, clip_indices(layer.k_clip.to(dev), d, (h,)), clip_indices(layer.v_clip.to(dev), d, (h,)))
             self._clips[i] = hit
         return hit[1], hit[2]
+
+
+    def rope_weights(self, i: int, layer, rope) -> torch.Tensor | None:
+        """Layer i's materialized_extend.rope_key_weights (RoPE_p(mu_pre) @ R_K as cos | sin @ W), built once."""
+        if rope is None:
+            return None
+        hit = self._rope_weights.get(i)
+        if hit is None or hit[0] is not layer:
+            from ..kernels.materialized_extend import rope_key_weights
+
+            hit = (layer, rope_key_weights(rope, layer.k_rotation, self.geometry.num_kv_heads))
+            self._rope_weights[i] = hit
+        return hit[1]
 
 
 def _block_table(tables: list[list[int]], device) -> torch.Tensor:
@@ -177,25 +211,93 @@ class ExtendStep:
             cu.append(cu[-1] + st.num_tokens)
         dev = view.pool.device
         self.view = view
+        self.cu = cu
+        self.starts = [st.start for st in steps]
+        self.history_int2 = history_int2
+        self.tables = [st.seq.pages for st in steps]
         self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
-        self.batch = PagedBatch(_block_table([st.seq.pages for st in steps], dev),
-                                torch.tensor([st.start for st in steps], dtype=torch.int32, device=dev),
+        self.batch = PagedBatch(_block_table(self.tables, dev), torch.tensor(self.starts, dtype=torch.int32, device=dev),
                                 torch.tensor(history_int2, dtype=torch.int32, device=dev))
         self.max_seqlen = max(st.num_tokens for st in steps)
         self.max_int2_pages = max(history_int2)
         self.max_position = max(st.end for st in steps)
+        self._paths = None  # (rope_centered, _KernelPart | None, MaterializePlan), by the first layer
+        self._finite = None  # device bool: every materialized output of the step so far is finite
+
+    def paths(self, rope_centered: bool):
+        """The step's sequences split by extend_path: (the extend kernel's _KernelPart or None, the materialized
+        flash path's MaterializePlan)."""
+        if self._paths is None or self._paths[0] != rope_centered:
+            from ..kernels.materialized_extend import MaterializePlan
+
+            counts = [b - a for a, b in zip(self.cu, self.cu[1:])]
+            flash = [i for i, n in enumerate(counts) if n and extend_path(n, rope_centered) == "flash"]
+            kernel = [i for i, n in enumerate(counts) if n and extend_path(n, rope_centered) == "kernel"]
+            plan = MaterializePlan.build(self.cu, self.starts, flash, self.view.pool.device)
+            part = None
+            if kernel:
+                part = _KernelPart(self, None if len(kernel) == len(counts) else kernel)
+            self._paths = (rope_centered, part, plan)
+        return self._paths[1], self._paths[2]
 
     def attend(self, layer_idx: int, layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                scaling: float) -> torch.Tensor:
-        """query [1, Hq, N, D]; keys / values [1, H, N, D] as stored (rotated, centered; any float dtype, the
-        kernel reads them as BF16) -> [1, N, Hq, D]."""
+        """query [1, Hq, N, D]; keys / values [1, H, N, D] as stored (rotated, centered; any float dtype, read
+        as BF16 by the extend kernel, float16 by the materialized path) -> [1, N, Hq, D]."""
         from ..kernels.extend import int2_extend
+        from ..kernels.materialized_extend import materialized_extend
 
-        out = int2_extend(query[0].transpose(0, 1), _token_rows(keys), _token_rows(values), self.cu_seqlens,
-                          self.view, layer_idx, self.batch, layer.k_rotation, scaling,
-                          rope=_rope(layer, self.max_position, query.device), max_seqlen=self.max_seqlen,
-                          max_int2_pages=self.max_int2_pages)
+        q = query[0].transpose(0, 1)
+        k_rows, v_rows = _token_rows(keys), _token_rows(values)
+        rope = _rope(layer, self.max_position, query.device)
+        part, plan = self.paths(rope is not None)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if part is not None:
+            sub = part.rows is not None
+            pick = (lambda x: x.index_select(0, part.rows)) if sub else (lambda x: x)  # noqa: E731
+            got = int2_extend(pick(q), pick(k_rows), pick(v_rows), part.cu_seqlens, self.view, layer_idx, part.batch,
+                              layer.k_rotation, scaling, rope=rope, max_seqlen=part.max_seqlen,
+                              max_int2_pages=part.max_int2_pages, out=None if sub else out)
+            if sub:
+                out.index_copy_(0, part.rows, got)
+        if plan.groups:
+            materialized_extend(q, k_rows, v_rows, self.cu_seqlens, self.view, layer_idx, self.batch, layer.k_rotation,
+                                scaling, rope=rope, plan=plan, scratch=self.view.scratch,
+                                rope_weights=self.view.rope_weights(layer_idx, layer, rope), out=out)
+            self._check_finite(layer_idx, out)
         return out.unsqueeze(0)
+
+    def _check_finite(self, layer_idx: int, out: torch.Tensor) -> None:
+        """The materialized history is float16 (max 65504): an overflow shows as a non-finite output.  Checked on
+        the device per layer, raised once per step after the last layer (one sync), never silently wrong."""
+        ok = torch.isfinite(out).all()
+        self._finite = ok if self._finite is None else self._finite & ok
+        if layer_idx == self.view.geometry.num_layers - 1 and not bool(self._finite):
+            raise FloatingPointError("non-finite attention output in a prefill step: a key, value or query of the "
+                                     "materialized float16 history exceeds 65504, or the model produced NaN / inf")
+
+
+class _KernelPart:
+    """The sequences of an extend step that run the extend kernel (all of them when ``seqs`` is None): their
+    packed rows, chunk offsets and history block tables."""
+
+    def __init__(self, step: ExtendStep, seqs: list[int] | None):
+        dev = step.view.pool.device
+        if seqs is None:
+            self.rows, self.cu_seqlens, self.batch = None, step.cu_seqlens, step.batch
+            self.max_seqlen, self.max_int2_pages = step.max_seqlen, step.max_int2_pages
+            return
+        cu, rows, sub_cu = step.cu, [], [0]
+        for i in seqs:
+            rows += range(cu[i], cu[i + 1])
+            sub_cu.append(sub_cu[-1] + cu[i + 1] - cu[i])
+        self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        self.cu_seqlens = torch.tensor(sub_cu, dtype=torch.int32, device=dev)
+        self.batch = PagedBatch(_block_table([step.tables[i] for i in seqs], dev),
+                                torch.tensor([step.starts[i] for i in seqs], dtype=torch.int32, device=dev),
+                                torch.tensor([step.history_int2[i] for i in seqs], dtype=torch.int32, device=dev))
+        self.max_seqlen = max(cu[i + 1] - cu[i] for i in seqs)
+        self.max_int2_pages = max(step.history_int2[i] for i in seqs)
 
 
 def _rope(layer, positions: int, device):

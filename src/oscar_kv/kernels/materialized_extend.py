@@ -1,0 +1,334 @@
+"""Extend (prefill chunk) attention at the cost of float16 flash attention: materialize, then SDPA.
+Specification: reference.extend_reference (the same semantics as extend.int2_extend).
+
+Per sequence and layer, one Triton pass writes the sequence's keys and values of positions [0, n) into a
+contiguous float16 scratch in the rotated space: positions before the chunk as stored (INT2 pages
+dequantized, sink / recent BF16 pages copied), then the chunk's own keys and values exactly as given; keys
+get the position-aware offset RoPE_p(mu_pre) @ R_K added back (rope.py), as cache.OscarCacheLayer.restore_offsets
+does.  Then one flash attention (torch SDPA, causal mask aligned to the lower right, GQA natively) of the
+rotated queries over [history | chunk].  Nothing about the attention itself is INT2-specific any more: the
+cost is the BF16 cache's flash attention plus one streaming pass over the history.
+
+Why float16 and not bfloat16: with per-position centering a restored key is stored key + offset, and the
+offset can be large (|mu_pre| in the hundreds with a k_proj bias, as in Qwen2.5).  A scratch element is
+rounded to 2^-11 of its size in float16, 2^-8 in bfloat16, so the logit error is ~1e-4 of the size of the
+position-aware logit term in float16 (8x less than a BF16 model's own keys carry) and ~1e-3 in bfloat16:
+on the tests' |mu_pre| ~ 900 case, output error 0.0075 vs 0.064 of the torch reference.  Dequantized INT2
+values and rotated queries also keep 3 more bits.  Every value handled here is far below float16's 65504
+(scale / minimum are float16 already); the caller checks the outputs are finite (kernel_attention.py).
+
+Cost per chunk and layer (Qwen3-8B, 8 KV heads, D = 128; history h tokens, chunk T): the pass reads 72 B
+(codes + scale/min of K and V) or 512 B (BF16 window rows) and writes 512 B per token and KV head:
+~4.7 KB x h, plus 2R x D float32 multiply-adds per key for the offset; flash attention does
+4 x 32 x 128 x T x (h + T/2) FLOPs.  At h = 96K, T = 8K: 0.45 GB (~0.15 ms at 3 TB/s) against 1.1e13 FLOPs
+(~25 ms): the pass is < 1% of the attention.
+
+Scratch memory: one buffer pair reused by every layer and step, grown to the largest group of sequences
+(``SCRATCH_ROWS`` rows, or one sequence of history + chunk if longer): 2 x rows x H x D x 2 bytes (Qwen3-8B:
+4 KiB per row, 0.41 GB for a 100K-token sequence, 0.13 GB for the default 32K rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._compat import install_interpreter_shim
+from .layout import PagedBatch, PagedKVPool
+
+install_interpreter_shim()
+
+SCRATCH_ROWS = 32768  # sequences are materialized together up to this many rows (one longer sequence: alone)
+BLOCK_ROWS = 32  # positions per program of the materialize pass
+SCRATCH_DTYPE = torch.float16
+
+
+# ------------------------------------------------------------------------------------------ kernel
+@triton.jit
+def _stored_rows(Codes, Meta, Win, Knew, phys, pos, chunk_row, is_q, is_w, is_new, head_c, head_m, head_w,
+                 head_n, stride_cp, stride_mp, stride_wp, stride_nt,
+                 D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+    """float32 [BLOCK, D] rows of one KV head: INT2 rows dequantized (code * scale + min per group), BF16 window
+    rows, or chunk rows, by the masks."""
+    D4: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G
+    offs_d = tl.arange(0, D)
+    slot = pos % P
+    # stride packing: byte j of a row holds channels j, j + D/4, j + D/2, j + 3D/4 at bits 0, 2, 4, 6
+    crow = phys * stride_cp + head_c + slot * D4
+    raw = tl.load(Codes + crow[:, None] + (offs_d % D4)[None, :], mask=is_q[:, None], other=0)
+    code = ((raw >> (2 * (offs_d // D4)).to(tl.uint8)[None, :]) & 3).to(tl.float32)
+    mrow = phys * stride_mp + head_m + slot * (2 * NG)
+    offs_g = tl.arange(0, NG)
+    scale = tl.load(Meta + mrow[:, None] + offs_g[None, :], mask=is_q[:, None], other=0.0).to(tl.float32)
+    minimum = tl.load(Meta + mrow[:, None] + NG + offs_g[None, :], mask=is_q[:, None], other=0.0).to(tl.float32)
+    deq = tl.reshape(tl.reshape(code, (BLOCK, NG, G)) * scale[:, :, None] + minimum[:, :, None], (BLOCK, D))
+    wrow = phys * stride_wp + head_w + slot * D
+    win = tl.load(Win + wrow[:, None] + offs_d[None, :], mask=is_w[:, None], other=0.0).to(tl.float32)
+    new = tl.load(Knew + chunk_row[:, None] * stride_nt + head_n + offs_d[None, :], mask=is_new[:, None],
+                  other=0.0).to(tl.float32)
+    return tl.where(is_q[:, None], deq, tl.where(is_w[:, None], win, new))
+
+
+@triton.jit
+def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn, Vn, W, PR, CS, Ko, Vo,
+                        stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh, stride_bt,
+                        stride_knt, stride_knh, stride_vnt, stride_vnh, stride_wgt, stride_prh, stride_ot, stride_oh,
+                        D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
+                        BLOCK: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr):
+    """Program (block of positions, sequence of the group, KV head): positions [0, hist + chunk) of the sequence
+    -> scratch rows ROW0 + position (keys with the position-aware offset when ROPE)."""
+    b = tl.load(SEQ + tl.program_id(1))
+    h = tl.program_id(2)
+    hist = tl.load(HIST + b)
+    lo = tl.load(CU + b)
+    n = hist + tl.load(CU + b + 1) - lo
+    if tl.program_id(0) * BLOCK >= n:
+        return
+    pos = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = pos < n
+    in_hist = valid & (pos < hist)
+    lpage = pos // P
+    nq = tl.load(NQ + b)
+    is_q = in_hist & (lpage >= SINK_PAGES) & (lpage < SINK_PAGES + nq)
+    is_w = in_hist & ~is_q
+    is_new = valid & (pos >= hist)
+    phys = tl.load(BT + b.to(tl.int64) * stride_bt + lpage, mask=in_hist, other=0).to(tl.int64)
+    chunk_row = tl.where(is_new, lo + pos - hist, 0).to(tl.int64)
+    h64 = h.to(tl.int64)
+    k = _stored_rows(Kc, Km, Kw, Kn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_ch,
+                     h64 * stride_mh, h64 * stride_wh, h64 * stride_knh, stride_cp, stride_mp, stride_wp, stride_knt,
+                     D, G, P, BLOCK)
+    offs_d = tl.arange(0, D)
+    if ROPE:
+        # RoPE_p(mu_pre) @ R_K = sum over the kept pairs i of cos(p t_i) A_i + sin(p t_i) B_i (W rows: A | B),
+        # cos | sin from the float32 table (rope.KernelRope.table), one float32 dot
+        offs_k = tl.arange(0, 2 * R)
+        col = tl.load(PR + h * stride_prh + offs_k % R) + (offs_k // R) * HALF
+        cs = tl.load(CS + pos.to(tl.int64)[:, None] * (2 * HALF) + col[None, :], mask=valid[:, None], other=0.0)
+        w = tl.load(W + h * stride_wgt + offs_k[:, None] * D + offs_d[None, :])
+        k += tl.dot(cs, w, input_precision="ieee")
+    out_row = (tl.load(ROW0 + tl.program_id(1)) + pos).to(tl.int64)
+    tl.store(Ko + out_row[:, None] * stride_ot + h64 * stride_oh + offs_d[None, :], k.to(Ko.dtype.element_ty),
+             mask=valid[:, None])
+    v = _stored_rows(Vc, Vm, Vw, Vn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_ch,
+                     h64 * stride_mh, h64 * stride_wh, h64 * stride_vnh, stride_cp, stride_mp, stride_wp, stride_vnt,
+                     D, G, P, BLOCK)
+    tl.store(Vo + out_row[:, None] * stride_ot + h64 * stride_oh + offs_d[None, :], v.to(Vo.dtype.element_ty),
+             mask=valid[:, None])
+
+
+# ------------------------------------------------------------------------------------------ host side
+@dataclass
+class MaterializeGroup:
+    """Sequences materialized by one launch: batch rows ``seqs`` at scratch rows ``row0`` (device int32), and per
+    sequence (chunk rows lo, hi; first scratch row; history + chunk length) for its attention call."""
+
+    seqs: torch.Tensor
+    row0: torch.Tensor
+    rows: int
+    longest: int
+    calls: list[tuple[int, int, int, int]]
+
+
+@dataclass
+class MaterializePlan:
+    """Which sequences of a packed extend batch go through this path, grouped to fit the scratch (host only)."""
+
+    groups: list[MaterializeGroup]
+    longest: int  # the longest history + chunk (bounds the RoPE table rows read)
+
+    @classmethod
+    def build(cls, cu: list[int], starts: list[int], seqs: list[int], device,
+              max_rows: int = SCRATCH_ROWS) -> "MaterializePlan":
+        """``cu``: chunk row offsets [B+1]; ``starts``: each sequence's history length; ``seqs``: the batch rows
+        to plan (non-empty chunks only are kept).  Consecutive sequences share a group while its rows fit
+        ``max_rows`` (a longer sequence gets a group of its own)."""
+        groups, cur, rows = [], [], 0
+
+        def close():
+            if cur:
+                calls = [(cu[b], cu[b + 1], r0, starts[b] + cu[b + 1] - cu[b]) for b, r0 in cur]
+                idx = torch.tensor([[b for b, _ in cur], [r0 for _, r0 in cur]], dtype=torch.int32).to(device)
+                groups.append(MaterializeGroup(idx[0], idx[1], rows, max(c[3] for c in calls), calls))
+
+        for b in seqs:
+            n = starts[b] + cu[b + 1] - cu[b]
+            if n == starts[b]:
+                continue  # no query rows
+            if cur and rows + n > max_rows:
+                close()
+                cur, rows = [], 0
+            cur.append((b, rows))
+            rows += n
+        close()
+        return cls(groups, max((g.longest for g in groups), default=0))
+
+    @property
+    def rows(self) -> int:
+        return max((g.rows for g in self.groups), default=0)
+
+
+class Scratch:
+    """The float16 K / V buffers [rows, H, D], reused across layers and steps and grown on demand."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def take(self, rows: int, heads: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None or self.k.shape[0] < rows or self.k.shape[1:] != (heads, dim) or self.k.device != device:
+            shape = (max(rows, 1), heads, dim)
+            self.k = self.v = None  # free the old pair first
+            self.k = torch.empty(shape, dtype=SCRATCH_DTYPE, device=device)
+            self.v = torch.empty(shape, dtype=SCRATCH_DTYPE, device=device)
+        return self.k, self.v
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+
+
+def rope_key_weights(rope, k_rotation: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
+    """[H, 2R, D] float32 W with RoPE_p(mu_pre) @ R_K = [cos(p t_i) | sin(p t_i)]_(kept pairs i) @ W[h]:
+    rows A_i = mu_i R_i + mu_{i+D/2} R_{i+D/2}, then B_i = mu_i R_{i+D/2} - mu_{i+D/2} R_i (R_j: row j of R_K;
+    rotate-half layout, rope.key_offsets).  Built in float64."""
+    mu = rope.mu_pre.double()
+    h, d = mu.shape
+    half = d // 2
+    r = (torch.eye(d, dtype=torch.float64, device=mu.device).expand(h, d, d) if k_rotation is None
+         else k_rotation.to(mu.device).double().expand(h, d, d))
+    pairs = rope.pairs.long().to(mu.device)  # [H, R]
+    lo, hi = pairs, pairs + half
+    take = lambda m, idx: m.gather(1, idx)  # noqa: E731  [H, R]
+    rows = lambda idx: r.gather(1, idx[:, :, None].expand(-1, -1, d))  # noqa: E731  [H, R, D]
+    mu_lo, mu_hi = take(mu, lo)[..., None], take(mu, hi)[..., None]
+    a = mu_lo * rows(lo) + mu_hi * rows(hi)
+    b = mu_lo * rows(hi) - mu_hi * rows(lo)
+    if num_kv_heads != h:
+        raise ValueError(f"mu_pre has {h} heads, the pool {num_kv_heads}")
+    return torch.cat([a, b], 1).float().contiguous()
+
+
+def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.Tensor, v_new: torch.Tensor,
+                cu_seqlens: torch.Tensor, group: MaterializeGroup, k_out: torch.Tensor, v_out: torch.Tensor,
+                rope=None, rope_weights: torch.Tensor | None = None) -> None:
+    """Write the group's sequences, history as stored + chunk, into k_out / v_out [rows, H, D] (rows from
+    group.row0); ``rope`` (rope.KernelRope) with ``rope_weights`` (rope_key_weights): keys get the
+    position-aware offset back.  Semantics: materialize_reference."""
+    g = pool.geometry
+    h, d = g.num_kv_heads, g.head_dim
+    if group.rows == 0:
+        return
+    L = pool.layer(layer)
+    kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
+    bt = batch.block_table
+    if rope is not None:
+        rope.check(group.longest)
+        w, pr, cs, r = rope_weights, rope.pairs, rope.table, rope.pairs.shape[1]
+        stride_w, stride_pr = w.stride(0), pr.stride(0)
+    else:
+        w = pr = cs = k_out
+        stride_w = stride_pr = 0
+        r = 1
+    grid = (triton.cdiv(group.longest, BLOCK_ROWS), group.seqs.numel(), h)
+    _materialize_kernel[grid](
+        kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, cu_seqlens, group.seqs, group.row0,
+        k_new, v_new, w, pr, cs, k_out, v_out,
+        kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), stride_w, stride_pr,
+        k_out.stride(0), k_out.stride(1),
+        D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, BLOCK=BLOCK_ROWS, ROPE=rope is not None,
+        R=r, HALF=d // 2, num_warps=4)
+
+
+def materialize_reference(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.Tensor,
+                          v_new: torch.Tensor, cu_seqlens: torch.Tensor, b: int, rope=None,
+                          k_rotation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [hist + chunk, H, D] keys and values of sequence b as the extend attention sees them: history as
+    stored (reference.gather_sequence), then the chunk, keys with the position-aware offset added back
+    (reference.with_rope_offsets)."""
+    from .reference import gather_sequence, with_rope_offsets
+
+    g = pool.geometry
+    lo, hi = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+    if int(batch.seq_lens[b]) > 0:
+        kh, vh = gather_sequence(pool, layer, batch, b)
+    else:
+        kh = vh = k_new.new_zeros(0, g.num_kv_heads, g.head_dim).float()
+    k = with_rope_offsets(torch.cat([kh, k_new[lo:hi].float()]), 0, rope, k_rotation)
+    return k, torch.cat([vh, v_new[lo:hi].float()])
+
+
+def _heads_first(rows: torch.Tensor) -> torch.Tensor:
+    return rows.transpose(0, 1).unsqueeze(0)  # [n, H, D] -> [1, H, n, D] (a view)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """SDPA of q [1, Hq, T, D] over k / v [1, H, N, D] (GQA), query i seeing keys <= N - T + i."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention
+
+    t, n = q.shape[2], k.shape[2]
+    if q.device.type != "cuda":  # the CPU (tests): SDPA materializes the mask
+        return scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, n), scale=sm_scale,
+                                            enable_gqa=True)
+    # Only flash attention takes a lower-right causal mask and GQA without copies: never fall back silently.
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    params = SDPAParams(q, k, v, None, 0.0, False, True)
+    if not can_use_flash_attention(params, False):
+        can_use_flash_attention(params, True)  # warns why
+        raise RuntimeError(f"flash attention cannot run the materialized extend (q {tuple(q.shape)}, "
+                           f"k {tuple(k.shape)}, {q.dtype}); see the warning above")
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, n), scale=sm_scale,
+                                            enable_gqa=True)
+
+
+def materialized_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_seqlens: torch.Tensor,
+                        pool: PagedKVPool, layer: int, batch: PagedBatch, k_rotation: torch.Tensor | None = None,
+                        sm_scale: float | None = None, *, rope=None, plan: MaterializePlan | None = None,
+                        scratch: Scratch | None = None, rope_weights: torch.Tensor | None = None,
+                        q_rotated: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Chunked-prefill attention over the mixed pool with the arguments and semantics of extend.int2_extend
+    (reference.extend_reference): q [T, Hq, D] unrotated if ``k_rotation`` is given, k_new / v_new [T, H, D] the
+    chunk's rotated, centered keys and rotated values, ``batch`` the cache before the chunk.  Returns [T, Hq, D]
+    in q's dtype, or writes the planned rows of ``out``.
+
+    ``plan`` (MaterializePlan): the sequences to compute (default: all, a host sync).  ``scratch``: buffers to
+    reuse.  ``rope_weights``: rope_key_weights(rope, k_rotation, H) when the caller keeps them per layer.
+    ``q_rotated``: q already rotated (float32), to skip the rotation."""
+    from .extend import _rotate_chunk_queries
+
+    g = pool.geometry
+    t, hq, d = q.shape
+    h = g.num_kv_heads
+    if d != g.head_dim or hq % h:
+        raise ValueError("query shape does not match the pool geometry")
+    if k_new.shape != (t, h, d) or v_new.shape != (t, h, d) or k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+        raise ValueError(f"k_new / v_new must be [{t}, {h}, {d}] with unit stride in the head dim")
+    if plan is None:
+        cu = cu_seqlens.tolist()
+        plan = MaterializePlan.build(cu, batch.seq_lens.tolist(), list(range(len(cu) - 1)), q.device)
+    out = torch.empty(t, hq, d, device=q.device, dtype=q.dtype) if out is None else out
+    if not plan.groups:
+        return out
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    if rope is not None and rope_weights is None:
+        rope_weights = rope_key_weights(rope, k_rotation, h)
+    qr = q_rotated if q_rotated is not None else _rotate_chunk_queries(q, k_rotation, h)
+    qr = qr.to(SCRATCH_DTYPE)
+    k_buf, v_buf = (scratch or Scratch()).take(plan.rows, h, d, q.device)
+    cu32 = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    for group in plan.groups:
+        materialize(pool, layer, batch, k_new, v_new, cu32, group, k_buf, v_buf, rope, rope_weights)
+        for lo, hi, r0, n in group.calls:
+            o = _flash(_heads_first(qr[lo:hi]), _heads_first(k_buf[r0:r0 + n]), _heads_first(v_buf[r0:r0 + n]),
+                       sm_scale)
+            out[lo:hi] = o[0].transpose(0, 1)
+    return out
