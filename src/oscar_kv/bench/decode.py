@@ -22,6 +22,17 @@ memory: only the KV scheme differs.  Three measurements:
    rotation, KV write / migration, query rotation, attention, sampling and the rest of the model, plus
    a torch.profiler kernel summary (GPU busy time).
 
+**Prefill.**  The first prompt of each (scheme, context) is prefilled through the engine and timed
+(``prefill`` in the JSON: seconds, tokens/s, chunks, and the time inside the attention layers, ``attend_seconds``:
+key rotation, KV write and attention; the rest is the model's GEMMs, norms and sampling).  ``--prefill-only``
+times only that (no decode), for BF16 vs INT2 prefill at long context::
+
+    python -m oscar_kv.bench.decode --arch qwen3-8b --contexts 32768,100000 --kv-cache-dtype bf16,int2 \
+        --prefill-only --output DIR
+
+``--prefill-attention kernel`` routes every prefill chunk through the extend kernel instead of the materialized
+flash path (kernel_attention.extend_path), to compare with the numbers before it.
+
 By default one sequence per (scheme, context) is prefilled through the engine and the other
 sequences of a batch are copies of its pages into freshly allocated pages (``--prefill replicate``):
 decoding reads exactly as many distinct bytes as B independently prefilled sequences, while the
@@ -384,6 +395,38 @@ class StepTimer:
         return dict(step=wall, runner=self.runner_s, plan=self.plan_s)
 
 
+@contextlib.contextmanager
+def attend_timer(clock: Clock):
+    """While active, the time spent in PagedForward.attend (every layer's key rotation, KV write and attention),
+    as Regions' "attend" (CUDA events on a GPU)."""
+    from ..engine import runner as runner_mod
+
+    regions = Regions(clock)
+    wrap = regions.wrap
+
+    class TimedAttend(runner_mod.PagedForward):
+        def attend(self, *args, **kwargs):
+            return wrap("attend", super().attend)(*args, **kwargs)
+
+    with patched(runner_mod, "PagedForward", TimedAttend):
+        yield regions
+
+
+@contextlib.contextmanager
+def prefill_attention(path: str):
+    """``kernel``: every prefill chunk runs the extend kernel (the path before the materialized one); ``auto``:
+    kernel_attention.extend_path decides."""
+    if path == "auto":
+        yield
+        return
+    from ..engine import kernel_attention
+
+    never = 1 << 62
+    with patched(kernel_attention, "FLASH_MIN_TOKENS", never), \
+            patched(kernel_attention, "FLASH_MIN_TOKENS_ROPE", never):
+        yield
+
+
 def time_decode(engine, seqs, steps: int, warmup: int, clock: Clock) -> dict:
     timer = StepTimer(engine, clock)
     first = seqs[0].num_tokens - 1 + warmup  # position of the first timed token
@@ -620,6 +663,7 @@ def run(args) -> dict:
         v_clip=DEFAULT_V_CLIP,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend, prefill=args.prefill, prefix_caching=False,
+        prefill_only=args.prefill_only, prefill_attention=args.prefill_attention,
         timing="median over decode steps of wall time around LLMEngine.step with device synchronize; "
                "forward = ModelRunner.run minus PagedForward.__init__ (per-step index plan)"),
         schemes={}, prefill=[], decode=[], speedup=[], throughput_at_budget=None, breakdown=[], skipped=[], errors=[])
@@ -701,6 +745,15 @@ def run(args) -> dict:
     return result
 
 
+def _prefill_path(args) -> str:
+    if args.prefill_attention == "kernel":
+        return "the extend kernel for every chunk (--prefill-attention kernel)"
+    from ..engine.kernel_attention import FLASH_MIN_TOKENS, FLASH_MIN_TOKENS_ROPE
+
+    return (f"materialized float16 history + flash attention for chunks of >= {FLASH_MIN_TOKENS} tokens (>= "
+            f"{FLASH_MIN_TOKENS_ROPE} with per-position key centering), the extend kernel for shorter ones")
+
+
 def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_sizes, result, throughput, gen, clock,
                     deadline, warmed, prefill_history, grow, is_top, is_breakdown, save):
     """Everything at one (scheme, context): one engine, one prefilled template, the batches."""
@@ -722,7 +775,7 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
     spec, plan = engine.spec, engine.plan
     info = result["schemes"][scheme]
     info["plan"] = plan_summary(plan)
-    info["attention"] = ("Triton kernels (decode kernel for decode steps, extend kernel for prefill)"
+    info["attention"] = (f"Triton kernels (decode kernel for decode steps; prefill: {_prefill_path(args)})"
                          if engine.kernel_status is None else f"torch reference ({engine.kernel_status})")
     info["describe"] = engine.describe()
     length = ctx + grow
@@ -733,7 +786,8 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
             # two chunks, so that the second one attends to a stored (sink / INT2 / recent) history
             seqs, _, _ = prefill(unit, [min(ctx, args.max_num_batched_tokens + args.sink_size + args.recent_size
                                             + 2 * args.page_size + 7)], gen, vocab, grow, clock)
-            time_decode(engine, seqs, 2, 1, clock)
+            if not args.prefill_only:
+                time_decode(engine, seqs, 2, 1, clock)
             release(unit, seqs)
             info["compile_and_warmup_seconds"] = round(clock.now() - t0, 2)
         warmed.add(scheme)
@@ -743,12 +797,16 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
             predicted = prev[1] * (ctx / prev[0]) ** 2 if prev else 0.0  # attention prefill is quadratic
             if not deadline.allows(predicted):
                 raise TimeoutError(f"prefill of {ctx} tokens predicted at {predicted:.0f} s exceeds --time-limit")
-            (seq,), seconds, steps = prefill(unit, [ctx], gen, vocab, grow, clock)
+            with attend_timer(clock) as regions:
+                (seq,), seconds, steps = prefill(unit, [ctx], gen, vocab, grow, clock)
+            attend = regions.totals_ms().get("attend", 0.0) / 1e3
             prefill_history[scheme] = (ctx, seconds)
             result["prefill"].append(dict(scheme=scheme, context=ctx, batch=1, seconds=round(seconds, 3),
-                                          tokens_per_s=round(ctx / seconds, 1), chunks=steps))
-            print(f"prefill {scheme} ctx={ctx}: {seconds:.2f} s ({ctx / seconds:.0f} tok/s, {steps} chunks)",
-                  flush=True)
+                                          tokens_per_s=round(ctx / seconds, 1), chunks=steps,
+                                          chunk_tokens=args.max_num_batched_tokens, attend_seconds=round(attend, 3),
+                                          path=info["attention"]))
+            print(f"prefill {scheme} ctx={ctx}: {seconds:.2f} s ({ctx / seconds:.0f} tok/s, {steps} chunks; "
+                  f"attention layers {attend:.2f} s)", flush=True)
             engine.scheduler.running.remove(seq)  # parked: only its copies decode
             return seq
 
@@ -785,6 +843,14 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
             finally:
                 release(unit, seqs)
             return row
+
+        if args.prefill_only:
+            try:
+                get_template()
+            except TimeoutError as exc:
+                result["skipped"].append(f"{scheme} ctx={ctx} prefill: {exc}")
+                print(f"skipped {scheme} ctx={ctx}: {exc}", flush=True)
+            return
 
         for b in batch_sizes:
             fit, _ = max_batch(plan, length)
@@ -908,6 +974,19 @@ def print_tables(result: dict) -> None:
             why = r.get("reason") or r.get("error") or "not measured"
             what = "does not fit" if r.get("fits") is False else "not measured"
             print(f"{r['scheme']:>5} {r['context']:>7} {r['batch']:>4}  {what}: {why}")
+    if result["prefill"]:
+        print("\nprefill of one prompt (chunked, through LLMEngine.step; attend = attention layers: key rotation, KV "
+              "write, attention)")
+        print(f"{'kv':>5} {'ctx':>7} {'seconds':>9} {'tok/s':>9} {'chunks':>6} {'attend s':>9}")
+        by = {}
+        for r in sorted(result["prefill"], key=lambda r: (r["context"], r["scheme"])):
+            if r["batch"] == 1:
+                by[(r["scheme"], r["context"])] = r
+                print(f"{r['scheme']:>5} {r['context']:>7} {r['seconds']:9.2f} {r['tokens_per_s']:9.1f} "
+                      f"{r['chunks']:>6} {r.get('attend_seconds', float('nan')):9.2f}")
+        for (scheme, ctx), r in sorted(by.items(), key=lambda kv: kv[0][1]):
+            if scheme == "int2" and ("bf16", ctx) in by:
+                print(f"prefill int2 / bf16 time at {ctx}: {r['seconds'] / by[('bf16', ctx)]['seconds']:.3f}x")
     if result["speedup"]:
         print("\nspeedup int2 / bf16 (tokens/s ratio)")
         print(f"{'ctx':>7} {'bs':>4} {'engine':>8} {'forward':>8}")
@@ -1001,6 +1080,12 @@ def main(argv: list[str] | None = None) -> int:
                          "for the random-weight model, per-position key means in 32 RoPE pairs) or 'hadamard' "
                          "(data-free, no centering)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="time only the prefill of one prompt per (scheme, context): no decode, throughput or "
+                         "breakdown")
+    ap.add_argument("--prefill-attention", choices=("auto", "kernel"), default="auto",
+                    help="auto: long prefill chunks materialize their history and run flash attention, short ones "
+                         "the extend kernel (kernel_attention.extend_path); kernel: the extend kernel for every chunk")
     ap.add_argument("--throughput-steps", type=int, default=8,
                     help="decode steps for the fixed-budget throughput run at the largest context (0: skip)")
     ap.add_argument("--max-batch", type=int, default=256, help="cap on the batch of the throughput run")
@@ -1015,12 +1100,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.decode_steps < 1:
         ap.error("--decode-steps must be at least 1")
+    if a.prefill_only:
+        a.throughput_steps = a.breakdown_steps = a.profile_steps = 0
     from .. import parallel
 
     if a.tp > 1 and not parallel.launched():
         return parallel.relaunch(a.tp, ["bench", "decode", *(argv if argv is not None else sys.argv[1:])])
     try:
-        with torch.no_grad():
+        with torch.no_grad(), prefill_attention(a.prefill_attention):
             run(a)
     finally:
         if hasattr(a, "ranks"):

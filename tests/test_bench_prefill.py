@@ -1,0 +1,26 @@
+"""bench decode --prefill-only: prefill time of BF16 and INT2 (the synthetic calibrated-like artifact) per context,
+on the CPU's torch reference path (schema and positive numbers; timings are not meaningful there)."""
+
+import json
+
+import pytest
+
+from oscar_kv.bench.decode import main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_prefill_only_reports_both_schemes_and_no_decode(tmp_path, capsys):
+    args = ["--arch", "tiny", "--layers", "2", "--contexts", "300,600", "--device", "cpu", "--kv-cache-memory", "0.004",
+            "--max-num-batched-tokens", "256", "--prefill-only", "--output", str(tmp_path)]
+    assert main(args) == 0
+    data = json.loads((tmp_path / "decode.json").read_text())
+    assert data["errors"] == [] and data["decode"] == [] and data["breakdown"] == []
+    assert data["settings"]["prefill_only"] and data["settings"]["key_centering"] == "rope"  # the shipped shape
+    rows = {(r["scheme"], r["context"]): r for r in data["prefill"]}
+    assert set(rows) == {(s, c) for s in ("bf16", "int2") for c in (300, 600)}
+    for (scheme, ctx), r in rows.items():
+        assert r["seconds"] > 0 and r["chunks"] == -(-ctx // 256) and 0 < r["attend_seconds"] < r["seconds"], r
+        assert r["tokens_per_s"] == pytest.approx(ctx / r["seconds"], rel=1e-2)
+    out = capsys.readouterr().out
+    assert "prefill int2 / bf16 time at 600:" in out
