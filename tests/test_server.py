@@ -214,6 +214,40 @@ def test_metrics_count_outcomes_latencies_and_an_idle_rate_of_zero(server, clien
     assert metric(metrics(server), "generation_tokens_per_second") == 0
 
 
+def test_shutdown_grace_ends_streams_on_time_even_inside_a_long_step():
+    """A step cannot be interrupted. When the grace ends inside one (a 900-token prefill takes seconds on a CPU), the
+    stream still gets its error event and [DONE] at once; stop() returns after the step, with no page referenced."""
+    from oscar_kv.corpus import DEFAULT_CORPUS
+    from oscar_kv.models import load_model
+
+    lm, tok = load_model(MODEL)
+    srv = BackgroundServer(ServeConfig(model=MODEL, kv_cache_dtype="bf16", kv_cache_memory=0.05, max_model_len=1024,
+                                       port=0, shutdown_timeout=0.2, log_level="warning"), lm, tok).start()
+    ids = tok(DEFAULT_CORPUS.read_text()[300_000:310_000]).input_ids[:900]
+    lines, heard = [], {}
+
+    def stream():
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=TIMEOUT,
+                          json={"model": MODEL, "prompt": ids, "max_tokens": 4, "stream": True}) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+        heard["at"] = time.monotonic()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    while not srv.engine.requests:  # submitted: the step that prefills it starts now
+        time.sleep(0.01)
+    time.sleep(0.1)
+    signalled = time.monotonic()
+    srv.stop()
+    stopped = time.monotonic()
+    thread.join()
+    print(f"\nstream ended {heard['at'] - signalled:.2f} s after stop(); stop() took {stopped - signalled:.2f} s")
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "server_shutting_down"
+    assert heard["at"] - signalled < 2.0  # the grace (0.2 s), not the step
+    assert srv.engine.pool.all_free()
+
+
 def test_prefix_reuse_gives_the_same_output_and_a_hit_rate(server, client):
     prompt = "Here is a list of fruits: apple, banana, cherry, date, elderberry, fig, grape. The third one is"
     before = server.engine_thread.stats().prefix_hit_tokens

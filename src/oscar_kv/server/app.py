@@ -46,6 +46,7 @@ def create_app(engine: EngineThread, model_name: str, api_key: str | None = None
     max_body = int(max_body_mb * MB)
     created = int(time.time())
     shutdown = {"draining": False, "expired": False}
+    inflight: dict[str, asyncio.Queue] = {}  # request id -> the queue its handler reads outputs from
 
     def drain(timeout: float) -> None:
         """Stop admitting; after ``timeout`` seconds end every request still running with an error."""
@@ -53,7 +54,10 @@ def create_app(engine: EngineThread, model_name: str, api_key: str | None = None
 
         def expire():
             shutdown["expired"] = True
-            engine.abort_all(f"the server shut down before the request finished (--shutdown-timeout {timeout:g} s)")
+            message = f"the server shut down before the request finished (--shutdown-timeout {timeout:g} s)"
+            engine.abort_all(message)  # frees their pages once the engine's step in progress ends ...
+            for rid, outputs in list(inflight.items()):  # ... but a step can outlast the grace: tell clients now
+                outputs.put_nowait(RequestOutput(rid, "", [], True, "error", 0, 0, message))
 
         asyncio.get_running_loop().call_later(timeout, expire)
 
@@ -167,9 +171,13 @@ def create_app(engine: EngineThread, model_name: str, api_key: str | None = None
 
         def on_output(out: RequestOutput) -> None:  # on the engine thread
             timer.observe(out)
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+            except RuntimeError:  # the event loop has closed (shutdown; the client heard the end already)
+                pass
 
         engine.submit(rid, ids, body.sampling_params(default_max_tokens=max_len - len(ids)), on_output)
+        inflight[rid] = outputs
         watcher = asyncio.create_task(_abort_on_disconnect(request, rid))
         meta = dict(rid=rid, created=int(time.time()), model=model_name, kind=kind)
         if body.stream:
@@ -200,6 +208,7 @@ def create_app(engine: EngineThread, model_name: str, api_key: str | None = None
                     finished = out
         finally:
             watcher.cancel()
+            inflight.pop(meta["rid"], None)
             if finished is None:  # cancelled (the server stops)
                 engine.abort(meta["rid"])
         if finished.finish_reason == "abort":  # the client went away; nobody reads this
@@ -254,6 +263,7 @@ def create_app(engine: EngineThread, model_name: str, api_key: str | None = None
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
+            inflight.pop(meta["rid"], None)
             if not done:  # the client went away (or the server stops): free the request's pages
                 engine.abort(meta["rid"])
 

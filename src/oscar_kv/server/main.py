@@ -240,7 +240,19 @@ def _uvicorn_server(config: ServeConfig, engine_thread):
     return Server(uv)
 
 
-def _report_pool(engine) -> None:
+def _stop_engine(engine_thread, timeout: float | None = None) -> None:
+    """Stop the engine thread once its step in progress ends (a step cannot be interrupted, and the process must
+    not exit while torch runs in it: on a CPU a prefill step can outlast --shutdown-timeout), then end the requests
+    it still holds, so that the pool report counts leaked pages only."""
+    engine = engine_thread.engine
+    if engine.has_work():
+        log.info("waiting for the engine's step in progress to end ...")
+    engine_thread.stop(timeout)
+    if engine_thread._thread.is_alive():
+        log.warning("the engine's step did not end within %s s; its pages are not released", timeout)
+        return
+    for rid in list(engine.requests):  # the thread has stopped: this one owns the engine now
+        engine.abort_request(rid, "the server stopped")
     pool = engine.pool
     log.info("stopped; KV pages still referenced: %d window + %d quantized", pool.window.used, pool.quant.used)
 
@@ -277,9 +289,8 @@ def run_server(config: ServeConfig, sock: socket.socket | None = None) -> None:
         try:
             server.run(sockets=[sock])
         finally:
-            engine_thread.stop()
+            _stop_engine(engine_thread)
             engine_thread.engine.shutdown()
-            _report_pool(engine_thread.engine)
     finally:
         if sock is not None:
             sock.close()
@@ -330,5 +341,5 @@ class BackgroundServer:
         """Shut down as on SIGTERM (requests in flight get --shutdown-timeout); wait at most ``timeout`` seconds."""
         self.server.should_exit = True
         self._thread.join(self.config.shutdown_timeout + 10 if timeout is None else timeout)
-        self.engine_thread.stop(10.0)
+        _stop_engine(self.engine_thread, 60.0)
         self._socket.close()
