@@ -14,7 +14,8 @@ kwargs (transformers hands extra kwargs on to the attention function).  Per laye
    request alone in the batch reproduces ``oscar_kv.generation.generate`` token for token.
 
 With the Triton kernels (``kernels`` given) steps 1-2 are the fused write path of ``kernels/write.py``
-and step 3 the decode / extend kernel (``kernel_attention.py``):
+and step 3 the decode kernel, or for prefill chunks flash attention over the history materialized as float16
+(long chunks) or the extend kernel (short ones) (``kernel_attention.py``):
 
 * per step, before layer 0: ``migrate_pages`` quantizes the step's migrating recent pages from their BF16
   rows (one launch per layer: the engine keeps per-layer tensors, the kernel wants a leading layer

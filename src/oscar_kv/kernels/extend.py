@@ -1,5 +1,6 @@
 """Extend (chunked prefill / prefix-hit) attention over the mixed paged pool in Triton.
-Specification: reference.extend_reference.
+Specification: reference.extend_reference.  The engine runs it for short chunks (decode tokens beside a prefill
+chunk, short suffixes after a prefix hit); long chunks take materialized_extend.py (kernel_attention.extend_path).
 
 A chunk of new query tokens of each sequence attends to (a) the sequence's cached history in the pool
 (BF16 sink pages, INT2 history pages, BF16 recent pages; ``batch`` describes the cache *before* the

@@ -12,10 +12,13 @@ cost is the BF16 cache's flash attention plus one streaming pass over the histor
 Why float16 and not bfloat16: with per-position centering a restored key is stored key + offset, and the
 offset can be large (|mu_pre| in the hundreds with a k_proj bias, as in Qwen2.5).  A scratch element is
 rounded to 2^-11 of its size in float16, 2^-8 in bfloat16, so the logit error is ~1e-4 of the size of the
-position-aware logit term in float16 (8x less than a BF16 model's own keys carry) and ~1e-3 in bfloat16:
-on the tests' |mu_pre| ~ 900 case, output error 0.0075 vs 0.064 of the torch reference.  Dequantized INT2
-values and rotated queries also keep 3 more bits.  Every value handled here is far below float16's 65504
-(scale / minimum are float16 already); the caller checks the outputs are finite (kernel_attention.py).
+position-aware logit term in float16 (8x less than a BF16 model's own keys carry) and ~1e-3 in bfloat16.
+On the tests' |mu_pre| ~ 900 cases (3 pairs per head, the term hundreds of logit units) the output is 0.009 /
+0.015 from the torch reference (bfloat16 scratch: 0.077 / 0.126; the extend kernel, which adds the term in
+float32 on CUDA cores, 4e-4 but ~13x slower); at |mu_pre| ~ 20, 0.002.  Exact would take hi / lo splits of both
+operands of the term: 6R more head dims, past flash attention's 256 at D = 128.  Dequantized INT2 values and
+rotated queries keep 3 more bits too.  A value past float16's 65504 (none in a sane model: the INT2 scale /
+minimum are float16 already) overflows: the caller checks the outputs are finite (kernel_attention.py).
 
 Cost per chunk and layer (Qwen3-8B, 8 KV heads, D = 128; history h tokens, chunk T): the pass reads 72 B
 (codes + scale/min of K and V) or 512 B (BF16 window rows) and writes 512 B per token and KV head:
@@ -242,7 +245,7 @@ def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.T
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), stride_w, stride_pr,
         k_out.stride(0), k_out.stride(1),
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, BLOCK=BLOCK_ROWS, ROPE=rope is not None,
-        R=r, HALF=d // 2, num_warps=4)
+        R=r, HALF=d // 2, num_warps=4 if d <= 64 else 8)  # [BLOCK, D] float32 tiles: 32 values a thread
 
 
 def materialize_reference(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.Tensor,
