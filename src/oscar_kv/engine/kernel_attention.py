@@ -216,7 +216,8 @@ class ExtendStep:
         self.history_int2 = history_int2
         self.tables = [st.seq.pages for st in steps]
         self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
-        self.batch = PagedBatch(_block_table(self.tables, dev), torch.tensor(self.starts, dtype=torch.int32, device=dev),
+        self.batch = PagedBatch(_block_table(self.tables, dev),
+                                torch.tensor(self.starts, dtype=torch.int32, device=dev),
                                 torch.tensor(history_int2, dtype=torch.int32, device=dev))
         self.max_seqlen = max(st.num_tokens for st in steps)
         self.max_int2_pages = max(history_int2)
