@@ -51,6 +51,11 @@ def main() -> None:
     no_clip = copy.deepcopy(rot)
     no_clip.k_clip[:] = 1.0
     schemes["oscar-no-key-clip"] = Scheme("oscar-no-key-clip", no_clip, base)
+    for strength in (0.0, 0.5, 1.0):  # the keys' clip shrink undone in part or whole (quant.py)
+        if strength != rot.k_rescale:
+            other = copy.deepcopy(rot)
+            other.k_rescale = strength
+            schemes[f"oscar-key-rescale-{strength:g}"] = Scheme(f"oscar-key-rescale-{strength:g}", other, base)
     g64 = copy.deepcopy(rot)
     g64.group_size = max(rot.group_size // 2, 8)
     schemes["oscar-half-group"] = Scheme("oscar-half-group", g64, base)

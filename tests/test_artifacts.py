@@ -34,14 +34,22 @@ def test_save_load_round_trip(tmp_path):
     assert manifest["geometry"]["num_kv_heads"] == 2 and len(manifest["sha256"]) == 64
 
 
-def test_rescale_flags_round_trip_and_are_validated(tmp_path):
+def test_rescale_strengths_round_trip_and_are_validated(tmp_path):
     rot = per_head_artifact()
-    assert not rot.k_rescale and not rot.v_rescale  # artifacts written before the flags existed: no rescale
-    rot.k_rescale = True
+    assert rot.k_rescale == rot.v_rescale == 0  # artifacts written before the strengths existed: no rescale
+    rot.k_rescale = 0.5
     rot.save(tmp_path)
     back = Rotations.load(tmp_path, GEOM)
-    assert back.k_rescale and not back.v_rescale
+    assert back.k_rescale == 0.5 and back.v_rescale == 0
     manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["rescale"]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert Rotations.load(tmp_path).k_rescale == 0
+    for bad in ({"keys": "yes"}, {"keys": 1.5}, {"values": -0.1}, [0.5]):
+        manifest["rescale"] = bad
+        (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ArtifactError, match="'rescale' must be"):
+            Rotations.load(tmp_path)
     manifest["rescale"] = {"keys": "yes"}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="'rescale' must be"):

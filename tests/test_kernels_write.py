@@ -79,7 +79,7 @@ def test_write_bit_exact(d, g, p, mode):
         mean = torch.randn(h, d, generator=gen).to(DEV)
     ck = clip_indices(torch.tensor([0.96, 1.0]), d, (h,)).to(DEV)
     cv = clip_indices(torch.tensor([0.92, 0.5]), d, (h,)).to(DEV)
-    rescale = (True, True) if mode == "rescaled" else (False, False)
+    rescale = (0.5, 1.0) if mode == "rescaled" else (0.0, 0.0)
     a, b = pools(geom, nq, nw)
     ref.write_reference(a, 1, k, v, win, q2, rot, mean, ck, cv, rescale=rescale)
     write_kv(b, 1, k, v, win, q2, rot, mean, ck, cv, rescale=rescale)
@@ -111,8 +111,8 @@ def test_write_random_rotation_close():
     assert torch.equal(a.v_codes, b.v_codes)
 
 
-@pytest.mark.parametrize("p,rescale", [(16, (False, False)), (32, (False, False)), (16, (True, True))]
-                         + ([(64, (False, False)), (64, (True, False))] if GPU else []))
+@pytest.mark.parametrize("p,rescale", [(16, (0.0, 0.0)), (32, (0.0, 0.0)), (16, (1.0, 0.25))]
+                         + ([(64, (0.0, 0.0)), (64, (0.5, 0.0))] if GPU else []))
 def test_migrate_bit_exact(p, rescale):
     from oscar_kv.kernels.write import migrate_pages
 

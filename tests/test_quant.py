@@ -88,7 +88,8 @@ def test_rescale_restores_each_group_along_itself(group):
     metadata give it back within float16 rounding, with the same codes."""
     x = torch.randn(256, 128, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.5, 2, 128)  # rotated-like
     plain = quantize_rows(x, 2, group, clip_ratio=0.9)
-    scaled = quantize_rows(x, 2, group, clip_ratio=0.9, rescale=True)
+    scaled = quantize_rows(x, 2, group, clip_ratio=0.9, rescale=1.0)
+    half = quantize_rows(x, 2, group, clip_ratio=0.9, rescale=0.5)
     assert torch.equal(plain.codes, scaled.codes)
     xg = x.reshape(x.shape[0], -1, group)
 
@@ -97,6 +98,10 @@ def test_rescale_restores_each_group_along_itself(group):
 
     assert along(plain).mean() < 0.95  # the shrink the rescale exists for
     assert (along(scaled) - 1).abs().max() < 2e-3
+    shrink = 1 - along(plain)
+    assert torch.allclose(1 - along(half), shrink / 2, atol=2e-3)  # half of it taken back
+    with pytest.raises(ValueError, match="strength"):
+        quantize_rows(x, 2, group, clip_ratio=0.9, rescale=1.5)
 
 
 def test_rescale_is_bounded_and_leaves_constant_rows_exact():
@@ -104,7 +109,7 @@ def test_rescale_is_bounded_and_leaves_constant_rows_exact():
     x[0] = 1.5  # constant row: exact before and after
     x[1, 0] = 1e-3  # nearly empty row
     x[2] = torch.linspace(-1, 1, 64)
-    q = quantize_rows(x, 2, 64, clip_ratio=0.5, rescale=True)
+    q = quantize_rows(x, 2, 64, clip_ratio=0.5, rescale=1.0)
     assert torch.isfinite(q.scale.float()).all() and torch.isfinite(q.minimum.float()).all()
     assert torch.equal(dequantize_rows(q)[0], x[0])
     unscaled = quantize_rows(x, 2, 64, clip_ratio=0.5)

@@ -136,7 +136,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
                               bits: int = 2, group_size: int | None = None,
                               quantize_keys: bool = True, quantize_values: bool = True, sink_size: int = 64,
                               recent_size: int = 0, queries: int | None = None,
-                              rescale: tuple[bool, bool] = (False, False)) -> float:
+                              rescale: tuple[float, float] = (0.0, 0.0)) -> float:
     """Relative error of one layer's attention output when its K/V are stored quantized.
 
     The first ``sink_size`` tokens stay exact, and so do the ``recent_size`` most recent keys of each query
@@ -145,7 +145,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     where retrieval happens); None scores every position.
     Rotations [H|1, D, D], clips [Hkv], v_mean [Hkv, D]; k_mean is the key offset: [Hkv, D] or
     per position [Hkv, T, D] (``LayerSample.key_offset``).  Attention adds the offset back exactly.
-    ``rescale``: quant.quantize_rows' flag for keys and values.
+    ``rescale``: quant.quantize_rows' strength for keys and values.
     """
     from .quant import fake_quantize  # local: quant is the lower layer
 
@@ -185,12 +185,12 @@ CANDIDATE_BATCH_ELEMENTS = 1 << 26  # logits held at once by clip_candidate_erro
 def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation, k_offset, v_mean, which: str,
                           candidates: torch.Tensor, bits: int = 2, group_size: int | None = None,
                           sink_size: int = 64, recent_size: int = 0, queries: int | None = None,
-                          rescale: bool = False) -> torch.Tensor:
+                          rescale: float = 0.0) -> torch.Tensor:
     """For KV head ``head`` of one layer: the attention-output error of its query group for every clip ratio in
     ``candidates`` [C], quantizing only the keys (``which="k"``) or only the values ("v"), with the windows
     and scored queries of ``quantized_attention_error``.  Returns [C] squared error norms (comparable across
     candidates; the other heads' errors do not depend on this head's clip).  All candidates in one pass.
-    ``rescale``: quant.quantize_rows' flag for the side quantized."""
+    ``rescale``: quant.quantize_rows' strength for the side quantized."""
     from .quant import fake_quantize
 
     hq, hkv = sample.q.shape[0], sample.k.shape[0]

@@ -10,8 +10,9 @@ Tensors (float32 unless noted; H = KV heads, or 1 when one rotation is shared pe
   layer_bits [L] int32                               storage precision of the quantized history per layer
 
 The manifest holds the format version, the model's attention geometry and fingerprint, the
-calibration settings, validation results, the quantizer's ``rescale`` flags (``{"keys": bool, "values": bool}``,
-quant.py; absent in artifacts written before they existed: no rescale) and a sha256 of the tensor file.
+calibration settings, validation results, the quantizer's ``rescale`` strengths (``{"keys": g, "values": g}``,
+g in [0, 1], quant.py; absent in artifacts written before they existed: 0, no rescale) and a sha256 of the
+tensor file.
 Loading checks all of it.
 """
 
@@ -59,9 +60,9 @@ class Rotations:
     manifest: dict = field(default_factory=dict)
     k_rope_mean: torch.Tensor | None = None  # None reads as zeros: no position-aware centering
     source: str | None = field(default=None, compare=False)  # the directory it was loaded from (None: made here)
-    # INT2 rows' scale and minimum rescaled so the reconstruction keeps each row's norm along itself (quant.py)
-    k_rescale: bool = False
-    v_rescale: bool = False
+    # how much of the clip's shrink of each INT2 row along itself the stored scale and minimum undo (quant.py)
+    k_rescale: float = 0.0
+    v_rescale: float = 0.0
 
     TENSORS = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_mean", "v_mean",
                "k_clip", "v_clip", "layer_bits")
@@ -188,11 +189,13 @@ class Rotations:
             raise ArtifactError(f"{manifest_path} lacks the model geometry or group size") from exc
         optional = {t: tensors[t] for t in cls.OPTIONAL_TENSORS if t in tensors}
         rescale = manifest.get("rescale", {})
-        if not isinstance(rescale, dict) or not all(isinstance(rescale.get(k, False), bool) for k in ("keys", "values")):
-            raise ArtifactError(f"{manifest_path}: 'rescale' must be {{\"keys\": bool, \"values\": bool}}, got {rescale!r}")
+        if not isinstance(rescale, dict) or not all(
+                type(rescale.get(k, 0.0)) in (int, float) and 0 <= rescale.get(k, 0.0) <= 1 for k in ("keys", "values")):
+            raise ArtifactError(f"{manifest_path}: 'rescale' must be {{\"keys\": g, \"values\": g}} with g in [0, 1], "
+                                f"got {rescale!r}")
         art = cls(**{t: tensors[t] for t in cls.TENSORS}, **optional, geometry=art_geometry, group_size=group_size,
-                  manifest=manifest, source=str(directory), k_rescale=rescale.get("keys", False),
-                  v_rescale=rescale.get("values", False))
+                  manifest=manifest, source=str(directory), k_rescale=float(rescale.get("keys", 0.0)),
+                  v_rescale=float(rescale.get("values", 0.0)))
         art.validate(geometry)
         stored = manifest.get("fingerprint")
         if fingerprint and stored and stored != fingerprint:

@@ -72,10 +72,10 @@ class OscarCacheLayer(CacheLayerMixin):
     def __init__(self, settings: CacheSettings, bits: int, group_size: int, k_rotation: torch.Tensor,
                  k_mean: torch.Tensor, k_clip: torch.Tensor, v_clip: torch.Tensor,
                  k_rope_mean: torch.Tensor | None = None, rope: RopeTable | None = None,
-                 k_rescale: bool = False, v_rescale: bool = False):
+                 k_rescale: float = 0.0, v_rescale: float = 0.0):
         super().__init__()
         self.settings, self.bits, self.group_size = settings, bits, group_size
-        self.k_rescale, self.v_rescale = k_rescale, v_rescale  # quant.quantize_rows(rescale=...) per side
+        self.k_rescale, self.v_rescale = k_rescale, v_rescale  # quant.quantize_rows' rescale strength per side
         self.k_rotation, self.k_mean = k_rotation, k_mean  # [H|1, D, D] fp32, [Hkv, D] fp32
         # position-aware centering (rope.py): mu_pre [Hkv, D] and the model's cos/sin, or None
         self.k_rope_mean = k_rope_mean if k_rope_mean is not None and k_rope_mean.abs().max() > 0 else None

@@ -36,12 +36,6 @@ class KeyCentering(str, Enum):
     off = "off"
 
 
-class Rescale(str, Enum):
-    keys = "keys"
-    keys_values = "keys+values"
-    none = "none"
-
-
 class LayerPolicy(str, Enum):
     off = "off"
     auto = "auto"
@@ -112,10 +106,11 @@ def calibrate(
     probe_tokens: int = typer.Option(512, help="Held-back tokens (after the calibration text) on which clip ratios "
                                      "and key centering are chosen; capped by the model's context."),
     layer_policy: LayerPolicy = typer.Option(LayerPolicy.off, help="'auto' stores layers with outlying INT2 error at INT4."),
-    rescale: Rescale = typer.Option(
-        Rescale.keys, help="Rescale each INT2 row's float16 scale and minimum so that its reconstruction keeps the "
-        "row's length along itself: clipping otherwise shrinks the logit of the query aligned with a key (the needle "
-        "at long context). Free in storage and kernels."),
+    key_rescale: float = typer.Option(
+        0.5, min=0.0, max=1.0, help="Share of the clip's shrink of each INT2 key row along itself that its float16 scale "
+        "and minimum undo (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "
+        "long context); undoing all of it adds noise. Free in storage and kernels."),
+    value_rescale: float = typer.Option(0.0, min=0.0, max=1.0, help="The same for value rows."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     tp: int = typer.Option(1, "--tp", "--tensor-parallel-size",
                            help="Calibrate over N GPUs (or CPU processes), one process each (started by this command), for "
@@ -136,7 +131,8 @@ def calibrate(
                                        rotation_scope=rotation_scope.value, clip=clip.value, k_clip=k_clip,
                                        v_clip=v_clip, key_centering=key_centering.value, rope_pairs=rope_pairs,
                                        center_values=center_values, probe_tokens=probe_tokens,
-                                       layer_policy=layer_policy.value, rescale=rescale.value)
+                                       layer_policy=layer_policy.value, key_rescale=key_rescale,
+                                       value_rescale=value_rescale)
     except ValueError as exc:
         _fail(str(exc))
     if tp > 1 and not parallel.launched():
@@ -184,7 +180,7 @@ def inspect(directory: Path = typer.Argument(..., help="A rotation artifact dire
                f"{g.num_kv_heads} KV heads, head dim {g.head_dim}")
     typer.echo(f"rotations {rot.scope}, group size {rot.group_size}, layer bits {sorted(set(rot.layer_bits.tolist()))}")
     typer.echo(f"clip      K {rot.k_clip.min():.2f}-{rot.k_clip.max():.2f}, V {rot.v_clip.min():.2f}-{rot.v_clip.max():.2f}; "
-               f"rescaled rows: keys {rot.k_rescale}, values {rot.v_rescale}")
+               f"rescale: keys {rot.k_rescale:g}, values {rot.v_rescale:g}")
     typer.echo(f"centering keys {rot.key_centering}: |mu_K| mean {rot.k_mean.norm(dim=-1).mean():.3f}, |mu_pre| mean "
                f"{rot.k_rope_mean.norm(dim=-1).mean():.3f}; |mu_V| mean {rot.v_mean.norm(dim=-1).mean():.3f}")
     if rot.key_centering == "rope":

@@ -14,12 +14,13 @@ Layout of one quantized row (one token x one KV head, D channels, group size G):
 Codes are computed against the *stored* (float16-rounded) scale and minimum, so dequantization
 with the stored metadata is the nearest-level reconstruction of the clipped row.
 
-With ``rescale`` the stored scale and minimum of each group are then multiplied by
-alpha = <x, x> / <x, x_hat> (x the unclipped group, x_hat its reconstruction; float64 sums, alpha clamped
-to [1/2, 2] and rounded to float32, each product rounded to float16).  Clipping shrinks a row's largest
-components, so x_hat's component along x falls short of |x|: a query aligned with the row (the one that
-retrieves it) sees its logit shrink.  After the rescale the reconstruction's projection on x equals |x|,
-at no storage or kernel cost: the codes are the same, only the two float16 numbers change.
+With ``rescale`` = g in (0, 1] the stored scale and minimum of each group are then multiplied by
+1 + g (alpha - 1), alpha = <x, x> / <x, x_hat> (x the unclipped group, x_hat its reconstruction; float64
+arithmetic, alpha clamped to [1/2, 2], the factor rounded to float32, each product rounded to float16).
+Clipping shrinks a row's largest components, so x_hat's component along x falls short of |x|: a query aligned
+with the row (the one that retrieves it) sees its logit shrink.  g = 1 makes the reconstruction's projection
+on x equal |x|; smaller g takes back that share of the shrink (the rescale also scales the noise).  No storage
+or kernel cost: the codes are the same, only the two float16 numbers change.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
-                  clip_ratio: float | torch.Tensor = 1.0, rescale: bool = False,
+                  clip_ratio: float | torch.Tensor = 1.0, rescale: float = 0.0,
                   exact: torch.Tensor | None = None) -> QuantizedRows:
     """Clip then asymmetrically quantize each row of ``x`` (last dim D) per group of channels; ``rescale``:
     see the module docstring.  ``exact``: the unclipped rows the rescale aims at when ``x`` arrives clipped
@@ -133,18 +134,28 @@ def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
     codes = ((groups - minimum.float().unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, levels)
     if rescale:
         target = (x if exact is None else exact).float().expand_as(xf).reshape(groups.shape)
-        scale, minimum = rescaled_metadata(target, codes, scale, minimum)
+        scale, minimum = rescaled_metadata(target, codes, scale, minimum, rescale)
     codes = codes.reshape(xf.shape).to(torch.uint8)
     return QuantizedRows(pack_codes(codes, bits), scale, minimum, bits, group_size)
 
 
-def rescaled_metadata(exact: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
-    """Scale and minimum [..., NG] times alpha = <x, x> / <x, x_hat> per group (``exact`` and ``codes``:
-    [..., NG, G]); the products in float64 are exact, so only the order of the sums differs between devices."""
+def check_rescale(strength: float) -> float:
+    if not 0.0 <= float(strength) <= 1.0:
+        raise ValueError(f"rescale strength must lie in [0, 1], got {strength}")
+    return float(strength)
+
+
+def rescaled_metadata(exact: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                      strength: float = 1.0):
+    """Scale and minimum [..., NG] times 1 + strength (alpha - 1), alpha = <x, x> / <x, x_hat> per group
+    (``exact`` and ``codes``: [..., NG, G]).  The products in float64 are exact, so only the order of the sums
+    differs between devices; the strength enters as its float32 value, as the kernels receive it."""
     x = exact.double()
     x_hat = codes.double() * scale.double().unsqueeze(-1) + minimum.double().unsqueeze(-1)
     num, den = (x * x).sum(-1), (x * x_hat).sum(-1)
-    alpha = torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(num)).clamp(*RESCALE_RANGE).float()
+    alpha = torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(num)).clamp(*RESCALE_RANGE)
+    g = float(torch.tensor(check_rescale(strength), dtype=torch.float32))
+    alpha = (1.0 + g * (alpha - 1.0)).float()
 
     def times_alpha(m):
         return (alpha * m.float()).clamp(-_F16_MAX, _F16_MAX).to(METADATA_DTYPE)
@@ -161,7 +172,7 @@ def dequantize_rows(q: QuantizedRows, dtype: torch.dtype = torch.float32) -> tor
 
 
 def fake_quantize(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
-                  clip_ratio: float | torch.Tensor = 1.0, rescale: bool = False,
+                  clip_ratio: float | torch.Tensor = 1.0, rescale: float = 0.0,
                   exact: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize and dequantize in one go (for simulation and error probes)."""
     return dequantize_rows(quantize_rows(x, bits, group_size, clip_ratio, rescale, exact), x.dtype)

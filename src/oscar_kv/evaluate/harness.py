@@ -92,8 +92,8 @@ def _calibration_statistics(model, tokenizer, oscar: Rotations):
     known = CalibrationSettings.__dataclass_fields__
     settings = CalibrationSettings(**{k: v for k, v in cal.items() if k in known})
     # ablations change one choice of the artifact as shipped, so "auto" becomes what it chose
-    settings = replace(settings, key_centering=oscar.key_centering,
-                       rescale="keys+values" if oscar.v_rescale else "keys" if oscar.k_rescale else "none")
+    settings = replace(settings, key_centering=oscar.key_centering, key_rescale=oscar.k_rescale,
+                       value_rescale=oscar.v_rescale)
     data = cal.get("data", "")
     texts, _ = load_calibration_text(None if str(data).startswith("builtin:") or not data else str(data).split(","))
     seq_len = int(cal.get("seq_len", settings.seq_len))

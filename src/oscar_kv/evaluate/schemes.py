@@ -118,11 +118,12 @@ def ablation_schemes(stats: Statistics, calibration: CalibrationSettings, oscar:
         out.append(fitted(f"oscar-{other}-key-centering", {"rope": "keys centered per position: k_p - RoPE_p(mu_pre)",
                                                          "constant": "keys centered by one post-RoPE mean"}[other],
                           {"key_centering": other}))
-    flipped = copy.deepcopy(oscar)
-    flipped.k_rescale, flipped.v_rescale = not oscar.k_rescale, False
-    out.append(Scheme("oscar-no-rescale" if oscar.k_rescale else "oscar-rescaled-keys", flipped, base,
-                      "INT2 rows' scale and minimum as fitted (no rescale)" if oscar.k_rescale else
-                      "key rows rescaled to keep their length along themselves (quant.py)"))
+    for strength in (0.0, 1.0):  # no rescale, and the whole shrink undone (quant.py)
+        if strength != oscar.k_rescale:
+            other = copy.deepcopy(oscar)
+            other.k_rescale = strength
+            out.append(Scheme(f"oscar-key-rescale-{strength:g}", other, base,
+                              f"key rows' clip shrink undone at strength {strength:g} (the artifact: {oscar.k_rescale:g})"))
     if proxy_c_s is not None and oscar.scope == "per-head":
         out.append(Scheme("oscar-logit-proxy-cs", with_value_covariance(oscar, proxy_c_s), base,
                           "value rotation from the authors' proxy: sum_t (k_t^T C_Q k_t) v_t v_t^T"))

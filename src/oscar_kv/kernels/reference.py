@@ -34,7 +34,7 @@ def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_head
     return torch.einsum("...hd,hde->...he", x, r)
 
 
-def _quantize_heads(x: torch.Tensor, group: int, clip_idx: torch.Tensor, rescale: bool = False) -> QuantizedRows:
+def _quantize_heads(x: torch.Tensor, group: int, clip_idx: torch.Tensor, rescale: float = 0.0) -> QuantizedRows:
     """quant.quantize_rows with a per-head clip ratio given as clip index (x: [T, H, D])."""
     d = x.shape[-1]
     ratio = (clip_idx.double() / d).to(x.device)  # floor(ratio*D) == idx
@@ -51,12 +51,12 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
                     win_slot: torch.Tensor, int2_slot: torch.Tensor,
                     k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
                     clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor,
-                    rescale: tuple[bool, bool] = (False, False)) -> None:
+                    rescale: tuple[float, float] = (0.0, 0.0)) -> None:
     """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D].
 
     Keys are centered and rotated in float32; a token bound for a window page is stored as BF16,
     one bound for an INT2 page is clipped/quantized from the float32 row (quant.quantize_rows; ``rescale``:
-    its flag for keys and values).
+    its strength for keys and values).
     """
     g = pool.geometry
     p = g.page_size
@@ -79,7 +79,7 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
 
 def migrate_reference(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
                       clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor,
-                      rescale: tuple[bool, bool] = (False, False)) -> None:
+                      rescale: tuple[float, float] = (0.0, 0.0)) -> None:
     """Quantize whole window pages (all layers) into INT2 pages.  clip_*_idx: int32 [L, H]."""
     g = pool.geometry
     src, dst = src_win_pages.long(), dst_int2_pages.long()

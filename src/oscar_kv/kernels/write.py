@@ -9,9 +9,10 @@ The quantizer reproduces quant.quantize_rows bit for bit: clip threshold = the f
 of the row (a sort), min/max in float32, min -> float16, scale = float16((max - min16) / 3),
 code = round-half-even((x - min16) / scale16) clamped to [0, 3] (scale 0 -> /1, correctly rounded division).
 
-With RESCALE (quant.py: the artifact's ``rescale`` flags) scale and minimum are then multiplied by
-alpha = <x, x> / <x, x_hat> over the unclipped group: float64 sums of exact products, so the order of the
-sums (the only difference from torch) moves alpha by ~1e-16 and its float32 rounding practically never.
+With a rescale strength g > 0 (quant.py: the artifact's ``rescale``) scale and minimum are then multiplied by
+1 + g (alpha - 1), alpha = <x, x> / <x, x_hat> over the unclipped group: float64 sums of exact products, so the
+order of the sums (the only difference from torch) moves alpha by ~1e-16 and its float32 rounding practically
+never.
 
 ``(max - min16) / 3`` must be rounded as torch rounds it on the same device: on CUDA torch divides a tensor
 by a Python scalar as ``x * float32(1/3)`` (one multiply by the reciprocal, off by one float32 ulp for a third
@@ -73,7 +74,7 @@ def _rescaled(m, alpha):
 @triton.jit
 def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
                          D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr,
-                         RECIP3: tl.constexpr, RESCALE: tl.constexpr):
+                         RECIP3: tl.constexpr, RESCALE: tl.constexpr, strength):
     """Clip/quantize/pack x [ROWS, D] float32 and store codes at Codes+crow and scale/min at Meta+mrow."""
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
@@ -100,7 +101,8 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
         num = tl.sum(e64 * e64, 2)
         den = tl.sum(e64 * x_hat, 2)
         alpha = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 1.0)
-        alpha = tl.minimum(tl.maximum(alpha, 0.5), 2.0).to(tl.float32)
+        alpha = tl.minimum(tl.maximum(alpha, 0.5), 2.0)
+        alpha = (1.0 + (alpha - 1.0) * strength).to(tl.float32)  # float64: the float32 strength widens
         sc16 = _rescaled(scf, alpha)
         mn16 = _rescaled(mnf, alpha)
     code = tl.reshape(code, [ROWS, 4, D4])
@@ -114,7 +116,7 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
 
 
 @triton.jit(do_not_specialize=["T"])  # the step's token count: one compile for all counts (server warm-up)
-def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T,
+def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T, GK, GV,
                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rh,
                   stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh,
                   D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -150,12 +152,14 @@ def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T,
     # Quantizing sorts every row (the clip threshold): skipped unless a token of this block goes to INT2.
     # Decode tokens never do (they enter the recent window), so decode steps pay only the rotation and stores.
     if tl.max(qs) >= 0:
-        _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT, RECIP3, RESCALE_K)
-        _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, crow, mrow, D, G, BLOCK_T, SORT, RECIP3, RESCALE_V)
+        _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT, RECIP3, RESCALE_K,
+                             GK)
+        _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, crow, mrow, D, G, BLOCK_T, SORT, RECIP3, RESCALE_V,
+                             GV)
 
 
 @triton.jit
-def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H,
+def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H, GK, GV,
                     stride_wl, stride_wp, stride_wh, stride_cl, stride_cp, stride_ch,
                     stride_ml, stride_mp, stride_mh,
                     D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SORT: tl.constexpr,
@@ -175,10 +179,15 @@ def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H,
     mrow = layer * stride_ml + dst * stride_mp + h * stride_mh + offs_t * (2 * NG)
     k = tl.load(Kw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
     _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Km, crow, mrow, D, G, P, SORT, RECIP3,
-                         RESCALE_K)
+                         RESCALE_K, GK)
     v = tl.load(Vw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
     _quantize_rows_store(v, tl.load(CV + layer * H + h), rmask, Vc, Vm, crow, mrow, D, G, P, SORT, RECIP3,
-                         RESCALE_V)
+                         RESCALE_V, GV)
+
+
+def _float32(x: float) -> float:
+    """x rounded to float32, as the compiled kernel receives it (the interpreter would keep float64)."""
+    return float(torch.tensor(float(x), dtype=torch.float32))
 
 
 _RECIP_CACHE: dict[str, bool] = {}
@@ -200,11 +209,11 @@ def _scalar_div_is_reciprocal(device: torch.device) -> bool:
 def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, win_slot: torch.Tensor,
              int2_slot: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
              clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = 16,
-             num_warps: int | None = None, rescale: tuple[bool, bool] = (False, False)) -> None:
+             num_warps: int | None = None, rescale: tuple[float, float] = (0.0, 0.0)) -> None:
     """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D] (any float
     dtype; last dim contiguous); win_slot / int2_slot: int32 [T] flat slots (page*P + offset) or -1
     (layout.token_slots); k_rotation [Hr, D, D] (Hr in {1, H}) or None when keys arrive rotated;
-    k_mean [H, D] or None; clip_*_idx: int32 [H] (layout.clip_indices); rescale: (keys, values), quant.py.
+    k_mean [H, D] or None; clip_*_idx: int32 [H] (layout.clip_indices); rescale: strengths (keys, values), quant.py.
     num_warps: default 8 with a rotation
     (its float32 D x D operand spills out of 4 warps' registers: 79 us a launch instead of 7 on an H200,
     benchmarks/NOTES.md run W1), else 4."""
@@ -222,19 +231,21 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
     mu = k_mean.float().contiguous() if k_mean is not None else k
     _write_kernel[(triton.cdiv(t, block_t), h)](
         k, v, r, mu, win_slot, int2_slot, clip_k_idx, clip_v_idx, kc, km, vc, vm, kw, vw, t,
+        _float32(rescale[0]), _float32(rescale[1]),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh,
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
         CENTER=k_mean is not None, SORT=not _INTERPRET, RECIP3=_scalar_div_is_reciprocal(k.device),
-        RESCALE_K=rescale[0], RESCALE_V=rescale[1], num_warps=num_warps or (8 if k_rotation is not None else 4))
+        RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
+        num_warps=num_warps or (8 if k_rotation is not None else 4))
 
 
 def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
                   clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, num_warps: int = 4,
-                  rescale: tuple[bool, bool] = (False, False)) -> None:
+                  rescale: tuple[float, float] = (0.0, 0.0)) -> None:
     """Quantize full BF16 window pages into INT2 pages, every layer, one launch.  src/dst: int32 [M];
-    clip_*_idx: int32 [L, H]; rescale: (keys, values), the same for every layer (quant.py).  The caller then
-    swaps the block-table entries and frees the window pages."""
+    clip_*_idx: int32 [L, H]; rescale: strengths (keys, values), the same for every layer (quant.py).  The caller
+    then swaps the block-table entries and frees the window pages."""
     g = pool.geometry
     m = src_win_pages.numel()
     if m == 0:
@@ -242,9 +253,9 @@ def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages
     kw, kc, km = pool.k_win, pool.k_codes, pool.k_meta
     _migrate_kernel[(m, g.num_kv_heads, g.num_layers)](
         src_win_pages, dst_int2_pages, clip_k_idx.contiguous(), clip_v_idx.contiguous(), pool.k_win, pool.v_win,
-        pool.k_codes, pool.k_meta, pool.v_codes, pool.v_meta, g.num_kv_heads,
+        pool.k_codes, pool.k_meta, pool.v_codes, pool.v_meta, g.num_kv_heads, _float32(rescale[0]), _float32(rescale[1]),
         kw.stride(0), kw.stride(1), kw.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
         km.stride(0), km.stride(1), km.stride(2),
         D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not _INTERPRET,
-        RECIP3=_scalar_div_is_reciprocal(pool.k_win.device), RESCALE_K=rescale[0], RESCALE_V=rescale[1],
+        RECIP3=_scalar_div_is_reciprocal(pool.k_win.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
         num_warps=num_warps)
