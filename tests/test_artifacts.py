@@ -131,6 +131,9 @@ def test_import_of_the_authors_checkpoint(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"not a pickle")
     with pytest.raises(ArtifactError, match="cannot read"):
         import_reference_checkpoint(tmp_path / "bad.pt", tmp_path / "v.pt", GEOM)
+    torch.save({"format_version": 3, "layers": {}}, tmp_path / "future.pt")
+    with pytest.raises(ArtifactError, match="unsupported reference checkpoint format 3"):
+        import_reference_checkpoint(tmp_path / "future.pt", tmp_path / "v.pt", GEOM)
     torch.save({"layers": {"0": {}}}, tmp_path / "short.pt")
     with pytest.raises(ArtifactError, match="lacks layers"):
         import_reference_checkpoint(tmp_path / "short.pt", tmp_path / "v.pt", GEOM)
@@ -153,3 +156,29 @@ def test_the_shipped_artifact_matches_the_embedded_model(model):
             assert load_shipped("smollm2-135m", model) is None
         finally:
             weight.copy_(saved)
+
+
+def test_import_of_the_authors_per_head_checkpoint(tmp_path):
+    """Format 2 (the authors' per-KV-head rotations): [H_kv, D, D] per layer, validated like format 1."""
+    g = torch.Generator().manual_seed(3)
+
+    def write(name, heads, version=2):
+        layers = {}
+        for i in range(GEOM.num_layers):
+            a = torch.randn(heads, 16, 16, generator=g, dtype=torch.float64)
+            lam, u = torch.linalg.eigh(a @ a.transpose(-1, -2))
+            layers[i] = {"layer_id": i, "rotation": u.float(), "eigenvalues": lam.float()}
+        torch.save({"format_version": version, "objective": "qqt_r_h_pbr", "source_grouping": "head",
+                    "layers": layers}, tmp_path / name)
+        return tmp_path / name
+
+    rot = import_reference_checkpoint(write("k.pt", 2), write("v.pt", 2), GEOM)
+    assert rot.k_rotation.shape == (3, 2, 16, 16) and rot.v_rotation.shape == (3, 2, 16, 16)
+    assert rot.scope == "per-head"
+    assert torch.all(rot.k_eigenvalues[..., :-1] >= rot.k_eigenvalues[..., 1:])
+    rot.save(tmp_path / "art")
+    assert Rotations.load(tmp_path / "art", GEOM).scope == "per-head"
+    with pytest.raises(ArtifactError, match=r"needs \[2, 16, 16\].*per KV head"):
+        import_reference_checkpoint(write("k3.pt", 3), tmp_path / "v.pt", GEOM)
+    with pytest.raises(ArtifactError, match=r"format 1 for this model needs \[1, 16, 16\]"):
+        import_reference_checkpoint(write("k1.pt", 2, version=1), tmp_path / "v.pt", GEOM)

@@ -248,8 +248,11 @@ def _sha256(path: Path) -> str:
 def import_reference_checkpoint(k_path: str | Path, v_path: str | Path, geometry: AttentionGeometry,
                                 group_size: int | None = None, k_clip: float = DEFAULT_K_CLIP,
                                 v_clip: float = DEFAULT_V_CLIP) -> Rotations:
-    """Import the authors' per-layer ``{k,v}_rotation_*.pt`` checkpoints (no centering, fixed clips)."""
+    """Import the authors' ``{k,v}_rotation_*.pt`` checkpoints (no centering, fixed clips): format 1 holds one
+    [D, D] rotation per layer, format 2 one per KV head, [H_kv, D, D] per layer (eigenvalues [D] / [H_kv, D],
+    ascending as ``eigh`` gives them)."""
     per_layer = {}
+    d, hkv = geometry.head_dim, geometry.num_kv_heads
     for which, path in (("k", k_path), ("v", v_path)):
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -258,13 +261,27 @@ def import_reference_checkpoint(k_path: str | Path, v_path: str | Path, geometry
         layers = ckpt.get("layers") if isinstance(ckpt, dict) else None
         if not isinstance(layers, dict):
             raise ArtifactError(f"{path} is not an OSCAR reference checkpoint (no 'layers' dict)")
+        version = ckpt.get("format_version", 1)
+        if version not in (1, 2):
+            raise ArtifactError(f"{path}: unsupported reference checkpoint format {version!r} (1 or 2)")
+        heads = 1 if version == 1 else hkv
         layers = {int(k): v for k, v in layers.items()}
         missing = [i for i in range(geometry.num_layers) if i not in layers]
         if missing:
             raise ArtifactError(f"{path} lacks layers {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        rot = torch.stack([layers[i]["rotation"].float() for i in range(geometry.num_layers)]).unsqueeze(1)
-        lam = torch.stack([layers[i]["eigenvalues"].float().flip(-1) for i in range(geometry.num_layers)]).unsqueeze(1)
-        per_layer[which] = (rot, lam)
+        rots, lams = [], []
+        for i in range(geometry.num_layers):
+            r, lam = layers[i].get("rotation"), layers[i].get("eigenvalues")
+            if not isinstance(r, torch.Tensor) or not isinstance(lam, torch.Tensor):
+                raise ArtifactError(f"{path}: layer {i} lacks its rotation or eigenvalues tensor")
+            r, lam = r.float().reshape(-1, *r.shape[-2:]), lam.float().reshape(-1, lam.shape[-1])
+            if tuple(r.shape) != (heads, d, d) or tuple(lam.shape) != (heads, d):
+                raise ArtifactError(f"{path}: layer {i} has a rotation of shape {tuple(r.shape)} and eigenvalues "
+                                    f"{tuple(lam.shape)}; format {version} for this model needs [{heads}, {d}, {d}] "
+                                    f"and [{heads}, {d}]" + (" (one rotation per KV head)" if version == 2 else ""))
+            rots.append(r)
+            lams.append(lam.flip(-1))
+        per_layer[which] = (torch.stack(rots), torch.stack(lams))
     g = geometry
     zeros = torch.zeros(g.num_layers, g.num_kv_heads, g.head_dim)
     art = Rotations(per_layer["k"][0], per_layer["v"][0], per_layer["k"][1], per_layer["v"][1], zeros, zeros.clone(),

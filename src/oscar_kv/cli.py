@@ -263,7 +263,8 @@ def import_reference(
     model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
     output_dir: Path = typer.Option(..., "--output-dir", "-o"),
 ):
-    """Convert the authors' per-layer .pt rotation checkpoints into an artifact."""
+    """Convert the authors' .pt rotation checkpoints (format 1: one rotation per layer; format 2: one per KV head)
+    into an artifact."""
     _quiet_transformers()
     from .artifacts import ArtifactError, import_reference_checkpoint, model_fingerprint
     from .models import AttentionGeometry
