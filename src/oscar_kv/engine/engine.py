@@ -196,7 +196,8 @@ class LLMEngine:
         scheme = (f"{self.config.kv_cache_dtype} (sink {spec.sink_size}, recent {spec.recent_size}, "
                   f"group {spec.group_size}, page {spec.page_size}, layer bits {sorted(set(spec.layer_bits))})"
                   if spec.quantizes else f"bf16 (page {spec.page_size})")
-        backend = ("Triton kernels (paged decode; extend for prefill chunks)" if self.kernel_status is None
+        backend = ("Triton kernels (paged decode; prefill chunks: history materialized in float16 + flash attention, "
+                   "short chunks through the extend kernel)" if self.kernel_status is None
                    else f"torch reference ({self.kernel_status})")
         if self.kernel_status is None and any(layer.k_rope_mean is not None for layer in self.layers):
             pairs = max(layer.rope_pairs.shape[1] for layer in self.layers if layer.rope_pairs is not None)
