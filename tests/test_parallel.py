@@ -175,8 +175,9 @@ def test_serve_tp2_answers_the_openai_client_like_one_process(llama4):
             client.completions.create(**{**ask, "prompt": "word " * 1100})
         assert client.completions.create(**ask).choices[0].text == expected
         proc.send_signal(signal.SIGTERM)  # the launcher hands it to rank 0, which releases the others
-        assert proc.wait(timeout=60) == 0
+        code = proc.wait(timeout=60)
         output = proc.stdout.read()
+        assert code == 0, output[-3000:]  # (once seen: 134, rank 0 aborted at exit, in a full suite run only)
         assert "Traceback" not in output, output[-3000:]
     finally:
         if proc.poll() is None:
