@@ -25,6 +25,7 @@ or kernel cost: the codes are the same, only the two float16 numbers change.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -140,9 +141,10 @@ def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
 
 
 def check_rescale(strength: float) -> float:
+    """The strength as its float32 value (what a kernel receives), after checking it lies in [0, 1]."""
     if not 0.0 <= float(strength) <= 1.0:
         raise ValueError(f"rescale strength must lie in [0, 1], got {strength}")
-    return float(strength)
+    return struct.unpack("f", struct.pack("f", float(strength)))[0]
 
 
 def rescaled_metadata(exact: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -154,7 +156,7 @@ def rescaled_metadata(exact: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
     x_hat = codes.double() * scale.double().unsqueeze(-1) + minimum.double().unsqueeze(-1)
     num, den = (x * x).sum(-1), (x * x_hat).sum(-1)
     alpha = torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(num)).clamp(*RESCALE_RANGE)
-    g = float(torch.tensor(check_rescale(strength), dtype=torch.float32))
+    g = check_rescale(strength)
     alpha = (1.0 + g * (alpha - 1.0)).float()
 
     def times_alpha(m):

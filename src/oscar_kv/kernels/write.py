@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant import check_rescale
 from ._compat import install_interpreter_shim
 from .layout import PagedKVPool
 
@@ -185,11 +186,6 @@ def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H, GK, GV,
                          RESCALE_V, GV)
 
 
-def _float32(x: float) -> float:
-    """x rounded to float32, as the compiled kernel receives it (the interpreter would keep float64)."""
-    return float(torch.tensor(float(x), dtype=torch.float32))
-
-
 _RECIP_CACHE: dict[str, bool] = {}
 # float32 values x with x / 3 != x * float32(1/3) (checked with NumPy): a device whose torch divides by a
 # scalar through the reciprocal gives the second answer for all of them.
@@ -231,7 +227,7 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
     mu = k_mean.float().contiguous() if k_mean is not None else k
     _write_kernel[(triton.cdiv(t, block_t), h)](
         k, v, r, mu, win_slot, int2_slot, clip_k_idx, clip_v_idx, kc, km, vc, vm, kw, vw, t,
-        _float32(rescale[0]), _float32(rescale[1]),
+        check_rescale(rescale[0]), check_rescale(rescale[1]),  # float32 values: the interpreter keeps float64
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh,
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
@@ -253,7 +249,7 @@ def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages
     kw, kc, km = pool.k_win, pool.k_codes, pool.k_meta
     _migrate_kernel[(m, g.num_kv_heads, g.num_layers)](
         src_win_pages, dst_int2_pages, clip_k_idx.contiguous(), clip_v_idx.contiguous(), pool.k_win, pool.v_win,
-        pool.k_codes, pool.k_meta, pool.v_codes, pool.v_meta, g.num_kv_heads, _float32(rescale[0]), _float32(rescale[1]),
+        pool.k_codes, pool.k_meta, pool.v_codes, pool.v_meta, g.num_kv_heads, check_rescale(rescale[0]), check_rescale(rescale[1]),
         kw.stride(0), kw.stride(1), kw.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
         km.stride(0), km.stride(1), km.stride(2),
         D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not _INTERPRET,
