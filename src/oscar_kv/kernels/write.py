@@ -249,7 +249,8 @@ def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages
     kw, kc, km = pool.k_win, pool.k_codes, pool.k_meta
     _migrate_kernel[(m, g.num_kv_heads, g.num_layers)](
         src_win_pages, dst_int2_pages, clip_k_idx.contiguous(), clip_v_idx.contiguous(), pool.k_win, pool.v_win,
-        pool.k_codes, pool.k_meta, pool.v_codes, pool.v_meta, g.num_kv_heads, check_rescale(rescale[0]), check_rescale(rescale[1]),
+        pool.k_codes, pool.k_meta, pool.v_codes, pool.v_meta, g.num_kv_heads,
+        check_rescale(rescale[0]), check_rescale(rescale[1]),
         kw.stride(0), kw.stride(1), kw.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
         km.stride(0), km.stride(1), km.stride(2),
         D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not _INTERPRET,
