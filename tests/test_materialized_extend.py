@@ -65,7 +65,9 @@ def test_materialize_writes_the_history_as_stored(d, g, p, live):
     if live is None:
         rope = None
     cu, starts = c.cu.tolist(), c.batch.seq_lens.tolist()
-    plan = MaterializePlan.build(cu, starts, list(range(len(starts))), DEV, max_rows=500)
+    # small enough to split the case's sequences, large enough to group some (sizes in hit_case)
+    max_rows = 11000 if GPU else 500
+    plan = MaterializePlan.build(cu, starts, list(range(len(starts))), DEV, max_rows=max_rows)
     assert len(plan.groups) >= 2 and max(len(gr.calls) for gr in plan.groups) >= 2  # grouped and split
     k_buf, v_buf = Scratch().take(plan.rows, geom.num_kv_heads, d, DEV)
     weights = rope_key_weights(rope, c.rot, geom.num_kv_heads) if rope is not None else None

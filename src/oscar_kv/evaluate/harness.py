@@ -76,11 +76,12 @@ class AuthorsValueProxy:
         self.w = torch.zeros(c_q.shape[:2], dtype=torch.float64)
 
     def add(self, layer, q, k, v, out):
+        dev = k.device  # the model's (--device cuda); the sums stay on the CPU with the statistics
         k64 = k[0].to(torch.float64)  # [Hkv, T, D]
-        v64 = v[0].to(torch.float64) - self.mu_v[layer][:, None]
-        w = torch.einsum("htd,hde,hte->ht", k64, self.c_q[layer], k64)
-        self.wvv[layer] += torch.einsum("ht,htd,hte->hde", w, v64, v64)
-        self.w[layer] += w.sum(-1)
+        v64 = v[0].to(torch.float64) - self.mu_v[layer].to(dev)[:, None]
+        w = torch.einsum("htd,hde,hte->ht", k64, self.c_q[layer].to(dev), k64)
+        self.wvv[layer] += torch.einsum("ht,htd,hte->hde", w, v64, v64).cpu()
+        self.w[layer] += w.sum(-1).cpu()
 
     def covariance(self) -> torch.Tensor:
         return self.wvv / self.w[..., None, None].clamp_min(1e-30)

@@ -109,12 +109,16 @@ def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn,
     offs_d = tl.arange(0, D)
     if ROPE:
         # RoPE_p(mu_pre) @ R_K = sum over the kept pairs i of cos(p t_i) A_i + sin(p t_i) B_i (W rows: A | B),
-        # cos | sin from the float32 table (rope.KernelRope.table), one float32 dot
-        offs_k = tl.arange(0, 2 * R)
-        col = tl.load(PR + h * stride_prh + offs_k % R) + (offs_k // R) * HALF
-        cs = tl.load(CS + pos.to(tl.int64)[:, None] * (2 * HALF) + col[None, :], mask=valid[:, None], other=0.0)
-        w = tl.load(W + h * stride_wgt + offs_k[:, None] * D + offs_d[None, :])
-        k += tl.dot(cs, w, input_precision="ieee")
+        # cos | sin from the float32 table (rope.KernelRope.table).  Float32 FMAs per pair: tl.dot with
+        # input_precision="ieee" made this pass 80x slower than the copy alone on the H100 (NOTES, run P1)
+        trow = CS + pos.to(tl.int64) * (2 * HALF)
+        for i in tl.static_range(R):
+            col = tl.load(PR + h * stride_prh + i)
+            c = tl.load(trow + col, mask=valid, other=0.0)
+            s = tl.load(trow + col + HALF, mask=valid, other=0.0)
+            wa = tl.load(W + h * stride_wgt + i * D + offs_d)
+            wb = tl.load(W + h * stride_wgt + (R + i) * D + offs_d)
+            k += c[:, None] * wa[None, :] + s[:, None] * wb[None, :]
     out_row = (tl.load(ROW0 + tl.program_id(1)) + pos).to(tl.int64)
     tl.store(Ko + out_row[:, None] * stride_ot + h64 * stride_oh + offs_d[None, :], k.to(Ko.dtype.element_ty),
              mask=valid[:, None])
