@@ -111,3 +111,26 @@ def test_eval_rejects_bad_config():
         EvalConfig(tasks=["kl", "mmlu"])
     with pytest.raises(ValueError, match="at least 64"):
         EvalConfig(context_lengths=[16])
+
+
+def test_needles_through_the_serving_engine_agree_with_the_reference_path(model, tokenizer, rotations, tmp_path):
+    """`eval --served`: the same needle prompts through LLMEngine (one-chunk haystack, then the question as a
+    prefix-cache hit) for bf16 and oscar, rows <name>@engine beside the reference rows."""
+    config = EvalConfig(methods=["bf16", "oscar"], tasks=["niah"], context_lengths=[1024], niah_samples=2,
+                        ablations=False, served=True)
+    results = run_eval(model, tokenizer, rotations, config, tmp_path, progress=False)
+    m = results["methods"]
+    assert set(m) == {"bf16", "oscar", "bf16@engine", "oscar@engine"}
+    answers = {n: m[f"{n}@engine"]["niah_answers"]["1024"] for n in ("bf16", "oscar")}
+    print("\nserved answers:", answers, {n: v["niah"]["1024"] for n, v in m.items()})
+    assert all(len(a) == 2 for a in answers.values())
+    assert m["bf16@engine"]["niah"]["1024"] == m["bf16"]["niah"]["1024"] == 1.0
+    assert m["oscar@engine"]["niah"]["1024"] == m["oscar"]["niah"]["1024"]
+    assert "oscar@engine" in (tmp_path / "results.md").read_text()
+
+
+def test_served_answers_refuse_a_scheme_the_engine_does_not_serve(model, tokenizer, rotations):
+    from oscar_kv.evaluate.served import served_answers
+
+    with pytest.raises(ValueError, match="the engine serves"):
+        served_answers(model, tokenizer, rotations, "kivi-2", [])

@@ -300,6 +300,8 @@ def evaluate(
     ablations: bool = typer.Option(True, help="Also run the OSCAR ablations (fitted from the same calibration statistics)."),
     quick: bool = typer.Option(False, help="bf16/naive/quarot/oscar at 1024 tokens, 2 NIAH samples, no ablations (CI)."),
     device: str = typer.Option("cpu", help="Where the model runs: cpu or cuda (bf16 weights on cuda)."),
+    served: bool = typer.Option(False, help="Also ask the needle prompts through the serving engine (paged pool, "
+                                            "kernels, CUDA graphs): rows bf16@engine and oscar@engine."),
 ):
     """Compare KV schemes on real text: KL and top-1 vs BF16, perplexity, NIAH, per-layer attention error."""
     _quiet_transformers()
@@ -308,11 +310,11 @@ def evaluate(
 
     try:
         if quick:
-            config = EvalConfig.quick(tasks=_csv(tasks), text=str(text) if text else None)
+            config = EvalConfig.quick(tasks=_csv(tasks), text=str(text) if text else None, served=served)
         else:
             config = EvalConfig(methods=_csv(methods), tasks=_csv(tasks), context_lengths=_csv(context_lengths, int),
                                 text=str(text) if text else None, niah_samples=niah_samples, kl_docs=kl_docs,
-                                ablations=ablations)
+                                ablations=ablations, served=served)
     except ValueError as exc:
         _fail(str(exc))
     lm, tokenizer = _load(model, device)

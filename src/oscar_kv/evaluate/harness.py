@@ -21,6 +21,7 @@ from ..rope import RopeTable, RopeUnsupported
 from . import tasks
 from .report import write_report
 from .schemes import STANDARD, Scheme, ablation_schemes, standard_scheme
+from .served import SERVED_SCHEMES, served_answers
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class EvalConfig:
     niah_samples: int = 20
     kl_docs: int = 1
     ablations: bool = True
+    served: bool = False  # also ask the needle prompts through the serving engine (rows bf16@engine, oscar@engine)
     sink_size: int = 64
     recent_size: int = 256
     page_size: int = 16
@@ -181,12 +183,22 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
                 continue
             t0 = time.perf_counter()
             hits = {s.name: [] for s in scored}
-            for prompt in _needle_prompts(tokenizer, text, ctx, config, multikey=task == "niah_multikey"):
+            prompts = list(_needle_prompts(tokenizer, text, ctx, config, multikey=task == "niah_multikey"))
+            for prompt in prompts:
                 kv = tasks.haystack_kv(model, prompt.haystack)
                 for scheme in scored:
                     hits[scheme.name].append(prompt.answer in tasks.niah_answer(model, tokenizer, scheme, kv,
                                                                                  prompt.question))
                 del kv
+            if config.served:
+                for name in (n for n in SERVED_SCHEMES if n in hits):
+                    answers = served_answers(model, tokenizer, oscar, name, prompts, config.page_size,
+                                             config.sink_size, config.recent_size)
+                    row = results["methods"].setdefault(f"{name}@engine", {
+                        "description": f"`{name}` through the serving engine (paged pool, kernels)",
+                        "bits_per_element": dict(results["methods"][name]["bits_per_element"])})
+                    row.setdefault(f"{task}_answers", {})[key] = answers
+                    hits[f"{name}@engine"] = [p.answer in a for p, a in zip(prompts, answers)]
             for name, h in hits.items():
                 results["methods"][name].setdefault(task, {})[key] = sum(h) / len(h)
             timings[f"{task}@{ctx}"] = round(time.perf_counter() - t0, 1)
