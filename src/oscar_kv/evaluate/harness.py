@@ -196,7 +196,8 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
                                              config.sink_size, config.recent_size)
                     row = results["methods"].setdefault(f"{name}@engine", {
                         "description": f"`{name}` through the serving engine (paged pool, kernels)",
-                        "bits_per_element": dict(results["methods"][name]["bits_per_element"])})
+                        "bits_per_element": {}})
+                    row["bits_per_element"][key] = results["methods"][name]["bits_per_element"][key]
                     row.setdefault(f"{task}_answers", {})[key] = answers
                     hits[f"{name}@engine"] = [p.answer in a for p, a in zip(prompts, answers)]
             for name, h in hits.items():
