@@ -26,11 +26,11 @@ install: $(STAMP)
 
 run: $(STAMP)
 	# Serves the embedded model with the INT2 cache and the artifact shipped for it on :$(PORT) (calibrates once,
-	# cached under .oscar-cache, only if the shipped artifact does not match the model).
+	# cached under $$OSCAR_KV_HOME/artifacts, only if the shipped artifact does not match the model).
 	$(BIN)/oscar-kv serve --calibrate --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) .oscar-cache
+	rm -rf $(VENV)

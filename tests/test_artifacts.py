@@ -182,3 +182,30 @@ def test_import_of_the_authors_per_head_checkpoint(tmp_path):
         import_reference_checkpoint(write("k3.pt", 3), tmp_path / "v.pt", GEOM)
     with pytest.raises(ArtifactError, match=r"format 1 for this model needs \[1, 16, 16\]"):
         import_reference_checkpoint(write("k1.pt", 2, version=1), tmp_path / "v.pt", GEOM)
+
+
+@pytest.mark.slow
+def test_obtain_prefers_the_given_then_shipped_then_cached_artifact(model, tokenizer, tmp_path, monkeypatch):
+    """artifacts.obtain: an explicit directory is validated; the embedded model gets its shipped artifact; another
+    name gets one cached under $OSCAR_KV_HOME/artifacts only for the same weights; else ArtifactMissing."""
+    from oscar_kv.artifacts import ArtifactMissing, load_shipped, obtain
+    from oscar_kv.home import artifact_cache_dir
+
+    monkeypatch.setenv("OSCAR_KV_HOME", str(tmp_path / "home"))
+    shipped = load_shipped("smollm2-135m", model)
+    assert obtain("smollm2-135m", model).manifest["sha256"] == shipped.manifest["sha256"]
+    with pytest.raises(ArtifactMissing, match="no rotation artifact for my-model"):
+        obtain("my-model", model)
+    shipped.save(artifact_cache_dir("/models/my-model"))  # a path's last part names the cache entry
+    assert obtain("my-model", model).manifest["fingerprint"] == shipped.manifest["fingerprint"]
+    with pytest.raises(ArtifactError, match="does not exist"):  # a given directory is never skipped
+        obtain("my-model", model, directory=tmp_path / "nothing-here")
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    saved = weight.detach().clone()
+    with torch.no_grad():  # other weights: neither the shipped nor the cached artifact is used
+        weight[0, 0] += 1.0
+        try:
+            with pytest.raises(ArtifactMissing):
+                obtain("my-model", model)
+        finally:
+            weight.copy_(saved)

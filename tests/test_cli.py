@@ -58,8 +58,12 @@ def test_generate_int2_prints_answer_and_memory(artifact_dir):
     assert "bits/element" in result.output and result.output.strip().splitlines()[0]
 
 
-def test_generate_int2_without_rotations_says_how_to_calibrate():
-    result = runner.invoke(app, ["generate", "--prompt", "hi", "--kv-cache-dtype", "int2"])
+def test_generate_int2_without_rotations_says_how_to_calibrate(tmp_path, monkeypatch):
+    from oscar_kv.models import resolve_model
+
+    model_dir = resolve_model("smollm2-135m")  # an HF directory: no artifact ships for it (the embedded name has one)
+    monkeypatch.setenv("OSCAR_KV_HOME", str(tmp_path))  # and none was calibrated for it
+    result = runner.invoke(app, ["generate", "--model", str(model_dir), "--prompt", "hi", "--kv-cache-dtype", "int2"])
     assert result.exit_code == 2
     assert "oscar-kv calibrate" in result.output
 

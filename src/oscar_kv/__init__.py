@@ -2,9 +2,9 @@
 
 Python API (README.md, "Python API", has a complete example)::
 
-    from oscar_kv import load_model, Rotations, OscarCache
+    from oscar_kv import load_model, obtain, OscarCache
     model, tokenizer = load_model("smollm2-135m")
-    rotations = Rotations.load(".oscar-cache/artifacts/smollm2-135m")  # from `make run` or `oscar-kv calibrate`
+    rotations = obtain("smollm2-135m", model)  # the shipped artifact; or Rotations.load(DIR from `oscar-kv calibrate`)
     cache = OscarCache(model, rotations)                                 # folds R_V into the model once
     model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
 """
@@ -16,7 +16,7 @@ import types
 # Names resolve on first use (PEP 562): importing torch and transformers takes seconds, and `oscar-kv --help`
 # or the server's flag parsing should not wait for them.
 _EXPORTS = {
-    "ArtifactError": "artifacts", "Rotations": "artifacts",
+    "ArtifactError": "artifacts", "Rotations": "artifacts", "obtain": "artifacts",
     "CacheSettings": "cache", "OscarCache": "cache", "prepare_model": "cache", "unprepare_model": "cache",
     "CalibrationSettings": "calibrate", "calibrate": "calibrate",
     "bits_per_element": "memory",

@@ -206,17 +206,17 @@ def inspect(directory: Path = typer.Argument(..., help="A rotation artifact dire
         typer.echo(format_error_table(validation["attention_relative_error"]))
 
 
-def _load_rotations(rotations: Optional[Path], lm, kv_cache_dtype: str):
-    from .artifacts import ArtifactError, Rotations, model_fingerprint
-    from .models import AttentionGeometry
+def _load_rotations(rotations: Optional[Path], lm, kv_cache_dtype: str, model: str = ""):
+    """--rotations DIR, or the artifact shipped or cached for --model (artifacts.obtain); None for bf16 without one."""
+    from .artifacts import ArtifactError, ArtifactMissing, obtain
 
-    if rotations is None:
-        if kv_cache_dtype != "bf16":
-            _fail(f"--kv-cache-dtype {kv_cache_dtype} needs --rotations DIR; create one with "
-                  "`oscar-kv calibrate --model MODEL --output-dir DIR`")
+    if rotations is None and kv_cache_dtype == "bf16":
         return None
     try:
-        return Rotations.load(rotations, AttentionGeometry.of(lm.config), model_fingerprint(lm))
+        return obtain(model, lm, directory=rotations)
+    except ArtifactMissing:
+        _fail(f"--kv-cache-dtype {kv_cache_dtype} needs --rotations DIR; create one with "
+              "`oscar-kv calibrate --model MODEL --output-dir DIR`")
     except ArtifactError as exc:
         _fail(str(exc))
 
@@ -247,7 +247,7 @@ def generate(
     except ValueError as exc:
         _fail(str(exc))
     lm, tokenizer = _load(model, device)
-    rot = _load_rotations(rotations, lm, kv_cache_dtype.value)
+    rot = _load_rotations(rotations, lm, kv_cache_dtype.value, model)
     try:
         result = run_generate(lm, tokenizer, prompt, rot, settings, max_new_tokens, chat, temperature, seed)
     except ValueError as exc:
@@ -444,27 +444,21 @@ DEMO_QUESTION = "\n\nWhich Python module does the text above document, and what 
 @app.command()
 def demo(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    artifact_dir: Optional[Path] = typer.Option(None, help="Where to keep the rotations (default .oscar-cache/artifacts/<model>)."),
+    artifact_dir: Optional[Path] = typer.Option(None, help="Where to keep the rotations (default $OSCAR_KV_HOME/artifacts/<model>)."),
 ):
     """What `make run` does: calibrate once (cached), then answer a long chat prompt with the INT2 cache."""
     _quiet_transformers()
-    from .artifacts import ArtifactError, Rotations
+    from .artifacts import obtain
     from .cache import CacheSettings
-    from .calibrate import calibrate as run_calibration
     from .corpus import DEFAULT_CORPUS
     from .generation import generate as run_generate
     from .generation import memory_line
     from .memory import bits_per_element
 
     lm, tokenizer = _load(model, "cpu")
-    artifact_dir = artifact_dir or Path(".oscar-cache/artifacts") / Path(model).name
-    try:
-        rot = Rotations.load(artifact_dir)
-        typer.echo(f"using cached rotations in {artifact_dir}")
-    except ArtifactError:
-        typer.echo(f"calibrating rotations for {model} (once; cached in {artifact_dir}) ...")
-        rot = run_calibration(lm, tokenizer)
-        rot.save(artifact_dir)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("oscar_kv.artifacts").setLevel(logging.INFO)  # which artifact, or that it calibrates now
+    rot = obtain(model, lm, tokenizer, calibrate=True, cache_dir=artifact_dir)
     document = DEFAULT_CORPUS.read_text()[:5000]
     typer.echo(f"prompt: a {len(document)}-character document from the shipped corpus + the question:{DEMO_QUESTION}")
     for dtype in ("bf16", "int2"):

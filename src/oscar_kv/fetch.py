@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .models import cache_home
+from .home import cache_home
 
 log = logging.getLogger(__name__)
 

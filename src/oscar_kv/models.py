@@ -11,11 +11,12 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .home import cache_home
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,6 @@ class AttentionGeometry:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-def cache_home() -> Path:
-    return Path(os.environ.get("OSCAR_KV_HOME", Path.home() / ".cache" / "oscar-kv"))
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:

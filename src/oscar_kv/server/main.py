@@ -35,7 +35,7 @@ class ServeConfig:
     kv_cache_dtype: str = _flag("int2", "KV cache storage: 'int2' (OSCAR: BF16 sink + recent window, INT2 history) "
                                         "or 'bf16'.")
     calibrate: bool = _flag(False, "If int2 has no --rotations: calibrate now (cached under "
-                                   ".oscar-cache/artifacts/<model>) instead of refusing to start.")
+                                   "$OSCAR_KV_HOME/artifacts/<model>) instead of refusing to start.")
     sink_size: int = _flag(64, "First tokens of every sequence kept in BF16 (a multiple of --page-size).")
     recent_size: int = _flag(256, "Most recent tokens kept in BF16.")
     group_size: int | None = _flag(None, "INT2 quantization group size (default: the artifact's; must divide the "
@@ -105,42 +105,19 @@ class ServeConfig:
 
 
 def load_rotations(config: ServeConfig, model, tokenizer):
-    """The artifact for ``config`` (validated against the model), None for bf16 without one."""
-    from ..artifacts import ArtifactError, Rotations, load_shipped, model_fingerprint
-    from ..models import AttentionGeometry
+    """The artifact for ``config`` (artifacts.obtain: validated against the model), None for bf16 without one."""
+    from ..artifacts import ArtifactError, ArtifactMissing, obtain
 
-    geometry = AttentionGeometry.of(model.config)
-    if config.rotations:
-        try:
-            return Rotations.load(config.rotations, geometry, model_fingerprint(model))
-        except ArtifactError as exc:
-            raise ServeError(str(exc)) from None
-    if config.kv_cache_dtype == "bf16":
+    if not config.rotations and config.kv_cache_dtype == "bf16":
         return None
-    shipped = load_shipped(config.model, model)  # the embedded models' artifacts come with the package
-    if shipped is not None:
-        log.info("using the rotation artifact shipped for %s", config.model)
-        return shipped
-    if not config.calibrate:
+    try:
+        return obtain(config.model, model, tokenizer, directory=config.rotations, calibrate=config.calibrate)
+    except ArtifactMissing:
         raise ServeError(f"--kv-cache-dtype {config.kv_cache_dtype} needs --rotations DIR. Calibrate once with "
                          f"`oscar-kv calibrate --model {config.model} --output-dir DIR` and pass --rotations DIR, "
-                         f"or pass --calibrate to calibrate now (cached), or use --kv-cache-dtype bf16.")
-    from ..calibrate import calibrate
-
-    directory = Path(".oscar-cache/artifacts") / Path(config.model).name
-    try:
-        rot = Rotations.load(directory, geometry)
-        log.info("using cached rotations in %s", directory)
-        return rot
-    except ArtifactError:
-        pass
-    log.info("calibrating rotations for %s (once; cached in %s) ...", config.model, directory)
-    rot = calibrate(model, tokenizer)  # a progress bar: this takes a minute or two on a CPU
-    from ..cache import unprepare_model
-
-    unprepare_model(model)
-    rot.save(directory)
-    return rot
+                         f"or pass --calibrate to calibrate now (cached), or use --kv-cache-dtype bf16.") from None
+    except ArtifactError as exc:
+        raise ServeError(str(exc)) from None
 
 
 def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None, tp=None):
