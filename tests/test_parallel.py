@@ -61,7 +61,7 @@ def llama4(tmp_path_factory, tokenizer):
 def test_heads_split_in_contiguous_blocks():
     assert TensorParallel(1, 2).heads(8) == slice(4, 8)
     assert TensorParallel(2, 4).heads(8, "query heads") == slice(4, 6)
-    with pytest.raises(TensorParallelError, match="--tp 2 must divide the model's 3 KV heads"):
+    with pytest.raises(TensorParallelError, match="tp 2 must divide the model's 3 KV heads"):
         TensorParallel(0, 2).heads(3)
 
 

@@ -15,13 +15,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .errors import OscarKVError
 from .models import AttentionGeometry
 
 CAPTURE_KEY = "oscar_kv_capture"
 _active: list = []  # the observer of the forward in flight (a stack, so captures can nest)
 
 
-class NonFiniteActivations(ValueError):
+class NonFiniteActivations(OscarKVError, ValueError):
     pass
 
 

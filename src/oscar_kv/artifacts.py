@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .errors import OscarKVError
 from .models import AttentionGeometry
 from .rotation import ORTHOGONALITY_TOLERANCE, compose, orthogonality_error
 
@@ -40,7 +41,7 @@ DEFAULT_K_CLIP = 0.96
 DEFAULT_V_CLIP = 0.92
 
 
-class ArtifactError(ValueError):
+class ArtifactError(OscarKVError, ValueError):
     """A rotation artifact is missing, corrupt, or made for another model."""
 
 

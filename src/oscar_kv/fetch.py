@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .errors import OscarKVError
 from .home import cache_home
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ FETCHABLE = {
 }
 
 
-class FetchError(RuntimeError):
+class FetchError(OscarKVError, RuntimeError):
     pass
 
 

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .errors import ConfigError
 from .models import AttentionGeometry
 
 # the styles of transformers' plans that matter for inference; others (replicated norms) are no-ops here
 _SHARDING_STYLES = ("colwise", "rowwise")
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(ConfigError):
     """Tensor parallelism cannot run as asked; the message says what to change."""
 
 
@@ -50,7 +51,7 @@ class TensorParallel:
     def heads(self, count: int, what: str = "KV heads") -> slice:
         """This rank's contiguous block of ``count`` heads."""
         if count % self.size:
-            raise TensorParallelError(f"--tp {self.size} must divide the model's {count} {what}")
+            raise TensorParallelError(f"tp {self.size} must divide the model's {count} {what}", "tp")
         per = count // self.size
         return slice(self.rank * per, (self.rank + 1) * per)
 
@@ -99,19 +100,19 @@ def local_device(device: str, tp: int) -> str:
 def init(tp: int, device: str) -> TensorParallel:
     """Join the process group of ``tp`` ranks (torchrun's environment); ``tp == 1``: no group."""
     if tp < 1:
-        raise TensorParallelError(f"--tp must be at least 1, got {tp}")
+        raise TensorParallelError(f"tp must be at least 1, got {tp}", "tp")
     if tp == 1:
         return SINGLE
     if not launched():
-        raise TensorParallelError(f"--tp {tp} needs one process per rank: run under torchrun "
-                                  f"(torchrun --nproc-per-node {tp} -m oscar_kv.cli ...) or let --tp start it")
+        raise TensorParallelError(f"tp {tp} needs one process per rank: run under torchrun "
+                                  f"(torchrun --nproc-per-node {tp} -m oscar_kv.cli ...) or let tp start it", "tp")
     world = int(os.environ["WORLD_SIZE"])
     if world != tp:
-        raise TensorParallelError(f"--tp {tp} but {world} processes were started (WORLD_SIZE)")
+        raise TensorParallelError(f"tp {tp} but {world} processes were started (WORLD_SIZE)", "tp")
     cuda = device.startswith("cuda")
     if cuda:
         if torch.cuda.device_count() < tp:
-            raise TensorParallelError(f"--tp {tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}")
+            raise TensorParallelError(f"tp {tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}", "tp")
         torch.cuda.set_device(torch.device(local_device(device, tp)))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")

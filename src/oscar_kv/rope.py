@@ -19,13 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import OscarKVError
+
 STEP = 16  # the decode kernel rebuilds RoPE angles in steps of 16 positions (KernelRope)
 MIN_PAIRS = 8  # the kernels' dot over pairs needs 2 x pairs >= 16
 DEFAULT_PAIRS = 32  # pairs per KV head calibration keeps in mu_pre (CalibrationSettings.rope_pairs)
 TILE_MARGIN = 1024  # table rows beyond the last key position: no kernel tile may reach further past it
 
 
-class RopeUnsupported(ValueError):
+class RopeUnsupported(OscarKVError, ValueError):
     pass
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 WINDOW, QUANT = "window", "quant"
@@ -51,9 +53,10 @@ class PoolSpec:
                 raise ValueError("the paged engine cannot mix BF16 layers into a quantized cache; "
                                  "recalibrate without a layer policy that stores layers at 16 bits")
             if self.sink_size % self.page_size:
-                raise ValueError(f"--sink-size {self.sink_size} must be a multiple of --page-size {self.page_size}")
+                raise ConfigError(f"sink_size {self.sink_size} must be a multiple of page_size {self.page_size}",
+                                  "sink_size", "page_size")
             if self.head_dim % self.group_size:
-                raise ValueError(f"--group-size {self.group_size} must divide the head dim {self.head_dim}")
+                raise ConfigError(f"group_size {self.group_size} must divide the head dim {self.head_dim}", "group_size")
 
     @property
     def quantizes(self) -> bool:
@@ -129,7 +132,7 @@ def plan_pool(spec: PoolSpec, budget_bytes: int, max_model_len: int, max_num_seq
     sequence's window and at most ``max_num_seqs`` of them; the rest is INT2 pages.
     """
     if budget_bytes <= 0:
-        raise ValueError("--kv-cache-memory must be positive")
+        raise ConfigError("kv_cache_memory must be positive", "kv_cache_memory")
     if not spec.quantizes:
         return PoolPlan(budget_bytes // spec.window_page_bytes, 0, spec)
     per_seq = spec.window_pages_per_seq()

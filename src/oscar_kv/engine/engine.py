@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..cache import CacheSettings, OscarCache
+from ..errors import ConfigError
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
 from .block_pool import PagePool, PoolPlan, PoolSpec, plan_pool
 from .kernel_attention import PoolView, kernel_support
@@ -147,7 +148,8 @@ class LLMEngine:
         limit = getattr(model.config, "max_position_embeddings", None) or 8192
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
-            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's context of {limit} tokens")
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context of {limit} tokens",
+                              "max_model_len")
         memory = config.kv_cache_memory if config.kv_cache_memory is not None else default_kv_cache_memory(self.device)
         memory = tp.smallest(memory)  # rank 0 places pages for all ranks: their pools must be equal
         self.plan = plan_pool(self.spec, int(memory * GB), self.max_model_len, config.max_num_seqs)
@@ -158,7 +160,7 @@ class LLMEngine:
         self.kernel_status = kernel_support(self.pool, config.attention_backend,
                                             rope_centered=any(layer.k_rope_mean is not None for layer in self.layers))
         if config.attention_backend == "triton" and self.kernel_status is not None:
-            raise ValueError(f"--attention-backend triton: {self.kernel_status}")
+            raise ConfigError(f"attention_backend triton: {self.kernel_status}", "attention_backend")
         if self.kernel_status is not None and self.device.type == "cuda" and config.attention_backend != "torch":
             # the torch reference materializes [heads, tokens] logits in float32: slow, and out of memory at
             # long context; say so once, at start-up, never silently
@@ -184,10 +186,11 @@ class LLMEngine:
         q_need = spec.int2_pages_for(self.max_model_len)
         w_need = -(-self.max_model_len // spec.page_size) - q_need + (1 if spec.quantizes else 0)
         if plan.window_pages < w_need or plan.quant_pages < q_need:
-            raise ValueError(
-                f"--kv-cache-memory {memory:.3f} GB holds {plan.capacity_tokens} tokens "
+            raise ConfigError(
+                f"kv_cache_memory {memory:.3f} GB holds {plan.capacity_tokens} tokens "
                 f"({plan.window_pages} window + {plan.quant_pages} quantized pages), not one sequence of "
-                f"--max-model-len {self.max_model_len} tokens; raise --kv-cache-memory or lower --max-model-len")
+                f"max_model_len {self.max_model_len} tokens; raise kv_cache_memory or lower max_model_len",
+                "kv_cache_memory", "max_model_len")
 
     def describe(self) -> list[str]:
         """Start-up lines: scheme and pool capacity, compared with a BF16 cache of the same memory."""

@@ -28,6 +28,7 @@ import os
 import numpy as np
 import torch
 
+from ..errors import ConfigError
 from ..kernels.layout import PagedBatch, PagedKVPool, PoolGeometry, clip_indices
 from .block_pool import PagePool
 
@@ -52,9 +53,10 @@ def kernel_support(pool: PagePool, backend: str = "auto", rope_centered: bool = 
     ``backend``: "auto" (kernels on CUDA), "triton" (kernels wherever they run) or "torch" (never).
     ``rope_centered``: the artifact centers keys per position (rope.py)."""
     if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+        raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}",
+                          "attention_backend")
     if backend == "torch":
-        return "--attention-backend torch"
+        return "attention_backend is 'torch'"
     if backend == "auto" and pool.device.type != "cuda":
         return "no CUDA device (the torch reference runs on the CPU)"
     try:

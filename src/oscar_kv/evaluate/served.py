@@ -16,6 +16,7 @@ import torch
 
 from ..cache import unprepare_model
 from ..engine import EngineConfig, LLMEngine, SamplingParams
+from ..errors import OscarKVError
 from ..models import AttentionGeometry
 from .tasks import NeedlePrompt
 
@@ -24,7 +25,7 @@ MAX_NEW_TOKENS = 24  # as tasks.niah_answer
 SERVED_SCHEMES = {"bf16": "bf16", "oscar": "int2"}  # harness scheme -> the engine's --kv-cache-dtype
 
 
-class PrefixMissed(RuntimeError):
+class PrefixMissed(OscarKVError, RuntimeError):
     """The question's request did not reuse the stored haystack (the answer would not read the stored cache)."""
 
 

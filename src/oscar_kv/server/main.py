@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from ..errors import OscarKVError, user_message
+
 log = logging.getLogger("oscar_kv.serve")
 
 
@@ -23,7 +25,7 @@ def _flag(default, help_text: str):
     return field(default=default, metadata={"help": help_text})
 
 
-class ServeError(ValueError):
+class ServeError(OscarKVError, ValueError):
     """The server cannot start; the message says what to do."""
 
 
@@ -117,7 +119,7 @@ def load_rotations(config: ServeConfig, model, tokenizer):
                          f"`oscar-kv calibrate --model {config.model} --output-dir DIR` and pass --rotations DIR, "
                          f"or pass --calibrate to calibrate now (cached), or use --kv-cache-dtype bf16.") from None
     except ArtifactError as exc:
-        raise ServeError(str(exc)) from None
+        raise ServeError(user_message(exc)) from None
 
 
 def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None, tp=None):
@@ -139,7 +141,7 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
             model, tokenizer = load_model(config.model, device="cpu" if tp.size > 1 else device,
                                           dtype=default_dtype(device))
         except (FileNotFoundError, ValueError, OSError) as exc:
-            raise ServeError(str(exc)) from None
+            raise ServeError(user_message(exc)) from None
         log.info("loaded %s (%s) in %.1f s", config.model, type(model).__name__, time.perf_counter() - started)
     if rotations is None:
         rotations = load_rotations(config, model, tokenizer)
@@ -151,7 +153,7 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
         # under --tp the model is on the CPU until its slices move; otherwise the engine runs where the model is
         engine = LLMEngine(model, tokenizer, rotations, engine_config, tp, device if tp.size > 1 else None)
     except ValueError as exc:
-        raise ServeError(str(exc)) from None
+        raise ServeError(user_message(exc)) from None
     if not tp.is_driver:
         return EngineThread(engine)  # it follows rank 0 (run_server); rank 0 logs and warms up for all
     g = rotations.geometry if rotations is not None else None
@@ -249,7 +251,7 @@ def run_server(config: ServeConfig, sock: socket.socket | None = None) -> None:
     except parallel.TensorParallelError as exc:
         if sock is not None:
             sock.close()
-        raise ServeError(str(exc)) from None
+        raise ServeError(user_message(exc)) from None
     if not tp.is_driver:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 speaks for all
     if sock is None and tp.is_driver:

@@ -11,6 +11,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..engine import SamplingParams
+from ..errors import OscarKVError
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=-2**63, lt=2**63)]  # what torch's generators take
@@ -18,7 +19,7 @@ Seed = Annotated[int, Field(ge=-2**63, lt=2**63)]  # what torch's generators tak
 GREEDY_BELOW = 1e-5
 
 
-class RequestError(ValueError):
+class RequestError(OscarKVError, ValueError):
     """A client mistake: ``param`` names the field (``messages[0].content``), None for the body as a whole."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):

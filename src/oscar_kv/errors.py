@@ -1,0 +1,34 @@
+"""The errors oscar-kv raises on purpose, under one base class, and how a setting's error names its flag.
+
+Library code names settings by their field names (``sink_size``); the CLI and the server turn those into
+their flags (``--sink-size``) with :func:`user_message`, so the same error reads right in Python and on the
+command line."""
+
+from __future__ import annotations
+
+import re
+
+
+class OscarKVError(Exception):
+    """Base class of the errors oscar-kv raises on purpose (bad settings, artifacts, models, requests)."""
+
+
+class ConfigError(OscarKVError, ValueError):
+    """A setting is out of range or does not fit the model or the machine.  ``fields``: the settings the message
+    names (as field names, e.g. ``kv_cache_memory``)."""
+
+    def __init__(self, message: str, *fields: str):
+        super().__init__(message)
+        self.fields = fields
+
+    def with_flags(self) -> str:
+        """The message with each named field written as its command-line flag."""
+        text = str(self)
+        for name in sorted(self.fields, key=len, reverse=True):
+            text = re.sub(rf"(?<![\w-]){re.escape(name)}\b", "--" + name.replace("_", "-"), text)
+        return text
+
+
+def user_message(exc: BaseException) -> str:
+    """What the CLI and the server print for ``exc``: settings as flags."""
+    return exc.with_flags() if isinstance(exc, ConfigError) else str(exc)

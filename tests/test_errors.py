@@ -1,0 +1,33 @@
+"""Errors under one base class; a setting's error names its field in Python and its flag on the command line."""
+
+import pytest
+
+from oscar_kv.artifacts import ArtifactError
+from oscar_kv.errors import ConfigError, OscarKVError, user_message
+from oscar_kv.parallel import TensorParallel, TensorParallelError
+from oscar_kv.server.main import ServeError, ServeConfig, build_engine
+
+
+def test_setting_errors_name_fields_and_the_cli_names_flags():
+    with pytest.raises(ConfigError) as info:
+        TensorParallel(0, 2).heads(3)
+    assert isinstance(info.value, TensorParallelError)
+    assert str(info.value).startswith("tp 2 must divide the model's 3 KV heads")
+    assert user_message(info.value).startswith("--tp 2 must divide the model's 3 KV heads")
+    e = ConfigError("max_model_len 9 exceeds 8; raise kv_cache_memory (not max_model_len_x or my_max_model_len)",
+                    "max_model_len", "kv_cache_memory")
+    assert e.with_flags() == ("--max-model-len 9 exceeds 8; raise --kv-cache-memory (not max_model_len_x or "
+                              "my_max_model_len)")
+    assert user_message(ValueError("plain")) == "plain"
+
+
+def test_the_errors_raised_on_purpose_share_a_base_class():
+    for cls in (ConfigError, TensorParallelError, ArtifactError, ServeError):
+        assert issubclass(cls, OscarKVError) and issubclass(cls, ValueError)  # callers catching ValueError still do
+
+
+@pytest.mark.slow
+def test_the_server_reports_an_engine_setting_as_its_flag(model, tokenizer):
+    """An engine error from the library (field names) reaches `oscar-kv serve` users as flags."""
+    with pytest.raises(ServeError, match=r"--max-model-len 100000 exceeds the model's context of 8192"):
+        build_engine(ServeConfig(kv_cache_dtype="bf16", max_model_len=100000), model=model, tokenizer=tokenizer)
