@@ -51,9 +51,10 @@ def test_inspect_rejects_a_truncated_artifact(artifact_dir, tmp_path):
     assert "truncated or modified" in result.output
 
 
-def test_generate_int2_prints_answer_and_memory(artifact_dir):
+@pytest.mark.parametrize("dtype", ["int2", "int8"])  # every dtype of the generate() cache (config.KV_CACHE_DTYPES)
+def test_generate_int2_prints_answer_and_memory(artifact_dir, dtype):
     result = runner.invoke(app, ["generate", "--rotations", str(artifact_dir), "--prompt", "Name a primary color.",
-                                 "--max-new-tokens", "8"])
+                                 "--max-new-tokens", "8", "--kv-cache-dtype", dtype])
     assert result.exit_code == 0, result.output
     assert "bits/element" in result.output and result.output.strip().splitlines()[0]
 

@@ -31,3 +31,11 @@ def test_the_server_reports_an_engine_setting_as_its_flag(model, tokenizer):
     """An engine error from the library (field names) reaches `oscar-kv serve` users as flags."""
     with pytest.raises(ServeError, match=r"--max-model-len 100000 exceeds the model's context of 8192"):
         build_engine(ServeConfig(kv_cache_dtype="bf16", max_model_len=100000), model=model, tokenizer=tokenizer)
+
+
+@pytest.mark.slow
+def test_the_engine_refuses_a_dtype_it_does_not_serve(model, tokenizer, rotations):
+    from oscar_kv.engine import EngineConfig, LLMEngine
+
+    with pytest.raises(ConfigError, match="the engine serves kv_cache_dtype bf16 or int2, not 'int4'"):
+        LLMEngine(model, tokenizer, rotations, EngineConfig(kv_cache_dtype="int4"))

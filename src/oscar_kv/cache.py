@@ -27,6 +27,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .artifacts import Rotations
+from .config import KV_CACHE_DTYPES, KVCacheDtype
+from .errors import ConfigError
 from .folding import fold_values, restore_model
 from .memory import KVFootprint
 from .models import AttentionGeometry
@@ -34,14 +36,13 @@ from .quant import QuantizedRows, dequantize_rows, quantize_rows
 from .rope import RopeTable, kernel_pairs, key_offsets
 
 ATTENTION_KEY = "oscar_kv"
-KV_CACHE_DTYPES = ("bf16", "int2", "int4", "int8")
 
 
 @dataclass(frozen=True)
 class CacheSettings:
     """How tokens are stored.  ``kv_cache_dtype='bf16'`` keeps every token in the window dtype."""
 
-    kv_cache_dtype: str = "int2"
+    kv_cache_dtype: KVCacheDtype = "int2"
     sink_size: int = 64
     recent_size: int = 256
     page_size: int = 16
@@ -52,7 +53,8 @@ class CacheSettings:
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+                              "kv_cache_dtype")
         if self.key_axis not in ("token", "channel"):
             raise ValueError("key axis must be 'token' or 'channel'")
         if self.sink_size < 0 or self.recent_size < 0 or self.page_size < 1:

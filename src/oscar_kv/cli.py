@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 
+from .config import KV_CACHE_DTYPES
 from .errors import user_message
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -43,10 +44,7 @@ class LayerPolicy(str, Enum):
     auto = "auto"
 
 
-class KVDtype(str, Enum):
-    bf16 = "bf16"
-    int2 = "int2"
-    int4 = "int4"
+KVDtype = Enum("KVDtype", {name: name for name in KV_CACHE_DTYPES}, type=str)  # what the generate() cache stores
 
 
 def _fail(message: str, code: int = 2):

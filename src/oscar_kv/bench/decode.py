@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import SERVED_KV_CACHE_DTYPES
 from .attention import _ints
 
 GB = 1e9
@@ -88,7 +89,7 @@ ARCHS = {
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
 }
-SCHEMES = ("bf16", "int2")
+SCHEMES = SERVED_KV_CACHE_DTYPES
 
 
 # ---------------------------------------------------------------------------------------------- model

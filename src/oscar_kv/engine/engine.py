@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..cache import CacheSettings, OscarCache
+from ..config import SERVED_KV_CACHE_DTYPES, ServedKVCacheDtype
 from ..errors import ConfigError
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
 from .block_pool import PagePool, PoolPlan, PoolSpec, plan_pool
@@ -35,7 +36,7 @@ RATE_WINDOW_S = 10.0  # tokens/s is measured over this many seconds
 
 @dataclass
 class EngineConfig:
-    kv_cache_dtype: str = "int2"
+    kv_cache_dtype: ServedKVCacheDtype = "int2"
     sink_size: int = 64
     recent_size: int = 256
     page_size: int = 16
@@ -115,6 +116,9 @@ class LLMEngine:
         if is_sharded(model):
             raise ValueError("this model was sharded for tensor parallelism by an earlier engine and holds only its "
                              "slices; load it again for a new engine")
+        if config.kv_cache_dtype not in SERVED_KV_CACHE_DTYPES:
+            raise ConfigError(f"the engine serves kv_cache_dtype {' or '.join(SERVED_KV_CACHE_DTYPES)}, not "
+                              f"{config.kv_cache_dtype!r}", "kv_cache_dtype")
         settings = CacheSettings(config.kv_cache_dtype, config.sink_size, config.recent_size, config.page_size,
                                  config.window_dtype)
         # OscarCache validates the artifact, folds R_V / mu_V into the model and gives per-layer

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from ..config import SERVED_KV_CACHE_DTYPES
 from ..errors import OscarKVError, user_message
 
 log = logging.getLogger("oscar_kv.serve")
@@ -77,8 +78,9 @@ class ServeConfig:
         return next(f.metadata["help"] for f in fields(cls) if f.name == name)
 
     def validate(self) -> None:
-        if self.kv_cache_dtype not in ("bf16", "int2"):
-            raise ServeError(f"--kv-cache-dtype must be 'bf16' or 'int2', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in SERVED_KV_CACHE_DTYPES:
+            raise ServeError(f"--kv-cache-dtype must be {' or '.join(map(repr, SERVED_KV_CACHE_DTYPES))}, got "
+                             f"{self.kv_cache_dtype!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ServeError(f"--{name.replace('_', '-')} must be at least 1")

@@ -1,0 +1,11 @@
+"""Settings shared by the library, the CLI and the server, defined once.  Imports nothing heavy: the CLI's
+``--help`` reads it."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+KVCacheDtype = Literal["bf16", "int2", "int4", "int8"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)  # what the generate() cache stores (cache.py)
+ServedKVCacheDtype = Literal["bf16", "int2"]
+SERVED_KV_CACHE_DTYPES: tuple[str, ...] = get_args(ServedKVCacheDtype)  # what the paged engine serves
