@@ -133,7 +133,7 @@ def test_artifact_for_another_model_is_refused(model):
 
 
 def test_bad_settings_are_refused(model):
-    with pytest.raises(ValueError, match="kv cache dtype"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         CacheSettings("int3")
     with pytest.raises(ValueError, match="page size"):
         CacheSettings(page_size=0)
