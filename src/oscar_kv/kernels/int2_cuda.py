@@ -37,6 +37,14 @@ NUM_WARPS = 4
 TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
 MIN_BLOCKS = 3  # CTAs per SM the register budget is set for (168 registers; 4 x 128 spilled: run C1)
+# With the position-aware term over 8 pairs, 2 CTAs per SM (203 registers, no spill) beat 3 (168, spilled):
+# 1.04-1.16x constant centering's time instead of 1.14-1.32x; over 16 or 32 pairs 3 stay faster (NOTES.md S4)
+ROPE_MIN_BLOCKS = {8: 2}
+
+
+def min_blocks(rope_pairs: int = 0) -> int:
+    """CTAs per SM the kernel is compiled and planned for, given the position-aware pairs it visits (0: none)."""
+    return ROPE_MIN_BLOCKS.get(rope_pairs, MIN_BLOCKS)
 MAX_SPLITS = 512  # CTAs per (sequence, KV head), all merged by the last one (one wave here is <= 3 x SMs CTAs)
 STREAM_EVICT_FIRST_L2S = 2.0  # code loads are evict_first while a call's INT2 bytes are <= this many L2s (C25)
 MAX_ROPE_PAIRS = 32  # the position-aware term's shared tables for more pairs pass the 48 KB static limit
@@ -209,7 +217,8 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     pl = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     bt = batch.block_table
     history_bytes = bsz * h * splits * chunk * geom.int2_bytes_per_token()  # an upper bound (the last chunk)
-    kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, MIN_BLOCKS, _DTYPES[q.dtype],
+    kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, min_blocks(rope_r),
+                     _DTYPES[q.dtype],
                      _DTYPES[target.dtype], stamps is not None, rope_r)
     kernel(grid=(splits, h, bsz), block=(NUM_WARPS * 32, 1, 1),
            args=[q, r, k_rotation is not None, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,

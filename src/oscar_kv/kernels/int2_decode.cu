@@ -312,7 +312,7 @@ __device__ __forceinline__ bool raise_max(State& st, float mx0, float mx1) {
 static_assert(ROPE_R % 8 == 0 && ROPE_R <= 32, "the CUDA kernel visits 8 .. 32 pairs, a multiple of 8");
 __shared__ __align__(16) float4 s_rab[8][4][RK];     // head g, t, kk: (a, b) of pairs 8kk + t, 8kk + t + 4
 __shared__ __align__(16) uint4 s_rta[2][RK][32][2];  // sub-tile u, kk, lane: A fragments (hi, lo), rows 16u + v
-__shared__ __align__(16) float2 s_rph[NWARPS][2][ROPE_R];  // per warp, two steps: the phases of the R pairs
+__shared__ __align__(16) float2 s_rph[NWARPS][ROPE_R];  // per warp: the phases of the R pairs (window tiles)
 
 // Fill the shared tables (all threads; a __syncthreads must follow).  q: the unrotated query rows in shared
 // memory; MU [D] mu_pre of this KV head; PRh [R] its pairs; TL [32][D/2] (cos, sin) of v t_i.
@@ -345,48 +345,57 @@ __device__ void rope_prologue(const float (*q)[D], const float* __restrict__ MU,
   }
 }
 
-// The phases at p0 (a multiple of 16) of the R pairs into this warp's buffer: lane j < R copies pair j's
-// (cos, sin) by cp.async (no registers held while in flight), one commit group per call (empty when !go).
-// ``pair``: PR[j] of this lane.
-__device__ __forceinline__ void rope_stage(const float2* __restrict__ PH, int p0, int buf, int pair, bool go) {
-  const int lane = threadIdx.x & 31;
-  if (go && lane < ROPE_R) {
-    const float2* src = PH + (long long)(p0 >> 4) * (D / 2) + pair;
-    unsigned dst;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-        : "=r"(dst) : "l"(&s_rph[threadIdx.x >> 5][buf][lane]));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
+// The phase (cos, sin) at p0 (a multiple of 16) of this lane's pair ``pair`` = PR[lane] for lanes < R, zeros
+// for the others.  The INT2 loop reads it one step ahead into registers and hands it to the lanes by shuffles:
+// staging through shared memory (cp.async, wait, warp barriers) cost 7-18% of the step (NOTES.md S2).
+__device__ __forceinline__ float2 rope_phase(const float2* __restrict__ PH, int p0, int pair, bool go) {
+  return go && (threadIdx.x & 31) < ROPE_R ? __ldg(PH + (long long)(p0 >> 4) * (D / 2) + pair)
+                                           : make_float2(0.f, 0.f);
 }
 
-// sc[u] (C layout: keys 16u + g, 16u + g + 8 x heads 2t, 2t + 1) += the term for keys p0 + 16u + v, u < NSUB,
-// with the phases at p0 in this warp's buffer ``buf``.  PENDING: the newer commit groups allowed in flight.
-template <int NSUB, int PENDING>
-__device__ __forceinline__ void rope_terms(float (*sc)[4], int buf) {
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-  __syncwarp();
+// sc[u] (C layout: keys 16u + g, 16u + g + 8 x heads 2t, 2t + 1) += the term of k-step kk (pairs 8kk + t and
+// 8kk + t + 4, phases c0 and c1 at p0) for keys p0 + 16u + v, u < NSUB.
+template <int NSUB>
+__device__ __forceinline__ void rope_kstep(float (*sc)[4], int kk, float2 c0, float2 c1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const float2* ph = s_rph[threadIdx.x >> 5][buf];
-  // not unrolled: unrolled, ptxas hoists every k-step's operands and spills ~900 bytes at 168 registers
+  const float4 ab = s_rab[g][t][kk];
+  const float re0 = ab.x * c0.x + ab.y * c0.y, im0 = ab.x * c0.y - ab.y * c0.x;
+  const float re1 = ab.z * c1.x + ab.w * c1.y, im1 = ab.z * c1.y - ab.w * c1.x;
+  const u32 bh0 = pack_half2(re0, im0), bh1 = pack_half2(re1, im1);
+  const float2 h0 = halves(bh0), h1 = halves(bh1);
+  const u32 bl0 = pack_half2(re0 - h0.x, im0 - h0.y), bl1 = pack_half2(re1 - h1.x, im1 - h1.y);
+#pragma unroll
+  for (int u = 0; u < NSUB; ++u) {
+    const uint4 ah = s_rta[u][kk][lane][0], al = s_rta[u][kk][lane][1];
+    mma(sc[u], ah.x, ah.y, ah.z, ah.w, bh0, bh1, sc[u]);
+    mma(sc[u], ah.x, ah.y, ah.z, ah.w, bl0, bl1, sc[u]);
+    mma(sc[u], al.x, al.y, al.z, al.w, bh0, bh1, sc[u]);
+  }
+}
+
+// The term for the keys of an INT2 step at p0; ``ph``: rope_phase(p0) of this lane.
+// The k-steps are not unrolled: unrolled, ptxas hoists every k-step's operands and spills ~900 bytes.
+template <int NSUB>
+__device__ __forceinline__ void rope_terms(float (*sc)[4], float2 ph) {
+  const int t = threadIdx.x & 3;
 #pragma unroll 1
   for (int kk = 0; kk < RK; ++kk) {
-    const float4 ab = s_rab[g][t][kk];
-    const float2 c0 = ph[8 * kk + t], c1 = ph[8 * kk + t + 4];
-    const float re0 = ab.x * c0.x + ab.y * c0.y, im0 = ab.x * c0.y - ab.y * c0.x;
-    const float re1 = ab.z * c1.x + ab.w * c1.y, im1 = ab.z * c1.y - ab.w * c1.x;
-    const u32 bh0 = pack_half2(re0, im0), bh1 = pack_half2(re1, im1);
-    const float2 h0 = halves(bh0), h1 = halves(bh1);
-    const u32 bl0 = pack_half2(re0 - h0.x, im0 - h0.y), bl1 = pack_half2(re1 - h1.x, im1 - h1.y);
-#pragma unroll
-    for (int u = 0; u < NSUB; ++u) {
-      const uint4 ah = s_rta[u][kk][lane][0], al = s_rta[u][kk][lane][1];
-      mma(sc[u], ah.x, ah.y, ah.z, ah.w, bh0, bh1, sc[u]);
-      mma(sc[u], ah.x, ah.y, ah.z, ah.w, bl0, bl1, sc[u]);
-      mma(sc[u], al.x, al.y, al.z, al.w, bh0, bh1, sc[u]);
-    }
+    const int j0 = 8 * kk + t, j1 = j0 + 4;
+    const float2 c0 = make_float2(__shfl_sync(0xffffffffu, ph.x, j0), __shfl_sync(0xffffffffu, ph.y, j0));
+    const float2 c1 = make_float2(__shfl_sync(0xffffffffu, ph.x, j1), __shfl_sync(0xffffffffu, ph.y, j1));
+    rope_kstep<NSUB>(sc, kk, c0, c1);
   }
-  __syncwarp();  // every lane is done with ``buf`` before it is staged again
+}
+
+// The term for one window sub-tile at p0 (once or twice per warp): its phases through this warp's shared row.
+__device__ __forceinline__ void rope_terms_window(float (*sc)[4], const float2* __restrict__ PH, int p0, int pair) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+  float2* row = s_rph[threadIdx.x >> 5];
+  if (lane < ROPE_R) row[lane] = rope_phase(PH, p0, pair, true);
+  __syncwarp();
+#pragma unroll 1
+  for (int kk = 0; kk < RK; ++kk) rope_kstep<1>(sc, kk, row[8 * kk + t], row[8 * kk + t + 4]);
+  __syncwarp();  // every lane is done with the row before the next tile writes it
 }
 #endif
 
@@ -399,7 +408,7 @@ struct Query {
 
 // One 32-token step: two sub-tiles, one softmax update.  HALF: only the first sub-tile holds tokens.
 template <bool HALF>
-__device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur, int rbuf) {
+__device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur, float2 rph) {
   const float kinit[4] = {-q.koff0, -q.koff1, -q.koff0, -q.koff1};
   float sc[2][4];  // logits: tokens (g, g, g+8, g+8) x heads (2t, 2t+1, 2t, 2t+1)
 #pragma unroll
@@ -431,7 +440,7 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
     sc[u][3] = ks1 * c[3] + kn1 * q.qsum1;
   }
 #if ROPE_R
-  rope_terms<HALF ? 1 : 2, HALF ? 0 : 1>(sc, rbuf);  // a full step's successor may be in flight, a half's not
+  rope_terms<HALF ? 1 : 2>(sc, rph);
 #endif
   // ---- online softmax over the step (columns 2t, 2t+1 of this thread)
   const float mx0 = warp_max_rows(fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])));
@@ -538,9 +547,7 @@ __device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u
     mma_bf16(c, a0, a1, a2, a3, bl.x, bl.y, c);
   }
 #if ROPE_R
-  // buffer 1: the first INT2 step's phases may be on their way into buffer 0
-  rope_stage(PH, w.base, 1, pair, true);
-  rope_terms<1, 0>(&c, 1);
+  rope_terms_window(&c, PH, w.base, pair);
 #endif
   const bool ok0 = w.base + g < w.limit, ok1 = w.base + g + 8 < w.limit;
   const float s0 = ok0 ? c[0] : NEG_INF, s1 = ok0 ? c[1] : NEG_INF;
@@ -719,13 +726,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   }
 #if ROPE_R
   const int rpair = PR[(long long)h * ROPE_R + min(lane, ROPE_R - 1)];  // the pair whose phases this lane stages
-#define ROPE_STAGE(p, buf) rope_stage(PH, SINK_PAGES * P + (p), buf, rpair, (p) < end)
+#define ROPE_PHASE(p) rope_phase(PH, SINK_PAGES * P + (p), rpair, (p) < end)
 #else
   const int rpair = 0;
-#define ROPE_STAGE(p, buf)
+#define ROPE_PHASE(p) make_float2(0.f, 0.f)
 #endif
-  ROPE_STAGE(pos, 0);
-  int half_buf = 0;  // the phase buffer of the half step at the end (if any)
+  float2 rph = ROPE_PHASE(pos);  // the phase of this warp's current step, the next one's read a step ahead
 
   State st;
 #pragma unroll
@@ -792,27 +798,26 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
       load_sub_tile(buf1[0], src, npos);
       load_sub_tile(buf1[1], src, npos + 16);
     }
-    ROPE_STAGE(npos, 1);
-    step<false>(st, q, buf0, 0);
+    float2 rnext = ROPE_PHASE(npos);
+    step<false>(st, q, buf0, rph);
+    rph = rnext;
     STEP_STAMP(nsteps);
     pos = npos;
-    if (pos >= full_end) {
-      half_buf = 1;
-      break;
-    }
+    if (pos >= full_end) break;
     npos = pos + NT;
     if (npos < full_end) {
       load_sub_tile(buf0[0], src, npos);
       load_sub_tile(buf0[1], src, npos + 16);
     }
-    ROPE_STAGE(npos, 0);
-    step<false>(st, q, buf1, 1);
+    rnext = ROPE_PHASE(npos);
+    step<false>(st, q, buf1, rph);
+    rph = rnext;
     STEP_STAMP(nsteps);
     pos = npos;
   }
   if (pos < end) {  // 16 tokens left for this warp
     load_sub_tile(buf0[0], src, pos);
-    step<true>(st, q, buf0, half_buf);
+    step<true>(st, q, buf0, rph);
   }
 
   STAMP(4);
