@@ -164,14 +164,15 @@ def calibrated_like(geometry, seed: int = 0, pairs: int = DEFAULT_PAIRS):
     return rot
 
 
-def load_rotations(spec: str | None, geometry, validate: bool = True):
-    """``--rotations`` of the benchmarks: an artifact directory, ``synthetic`` (default: calibrated_like) or
+def load_rotations(spec: str | None, geometry, validate: bool = True, rope_pairs: int = DEFAULT_PAIRS):
+    """``--rotations`` of the benchmarks: an artifact directory, ``synthetic`` (default: calibrated_like with
+    ``rope_pairs`` pairs) or
     ``hadamard`` (data-free, no centering: what the README's tables measured before issue 23).  ``validate``:
     a directory's artifact must be for ``geometry`` exactly (else only its KV heads and head dim)."""
     from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
 
     if spec in (None, "", "synthetic"):
-        return calibrated_like(geometry)
+        return calibrated_like(geometry, pairs=rope_pairs)
     if spec == "hadamard":
         return Rotations.data_free(geometry, "hadamard", k_clip=DEFAULT_K_CLIP, v_clip=DEFAULT_V_CLIP)
     rot = Rotations.load(spec)
@@ -268,7 +269,7 @@ def sweep_int2(geom, ctx: int, bs: int, device, gen) -> list[dict]:
 
 def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, sweep: bool = True,
         write_path: bool = True, extend_contexts: list[int] = (), extend_chunks: list[int] = (),
-        rotations: str | None = None, layer: int = 0) -> dict:
+        rotations: str | None = None, layer: int = 0, rope_pairs: int = DEFAULT_PAIRS) -> dict:
     import triton  # noqa: F401  (GPU only)
 
     from ..kernels.decode import bf16_decode, int2_decode
@@ -325,7 +326,8 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
     from ..models import AttentionGeometry
 
     # the artifact's layer ``layer``: its key rotation in every INT2 row, its per-position means in int2+rope
-    art = load_rotations(rotations, AttentionGeometry("qwen3", GEOMETRY["num_layers"], hq, hkv, d), validate=False)
+    art = load_rotations(rotations, AttentionGeometry("qwen3", GEOMETRY["num_layers"], hq, hkv, d), validate=False,
+                         rope_pairs=rope_pairs)
     art_rot = art.k_rotation[layer].float().to(device)
     art_mu = art.k_rope_mean[layer].float().to(device)
     result["rotations"] = dict(source=rotations or "synthetic", layer=layer, key_centering=art.key_centering,
@@ -593,14 +595,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extend-chunks", default="16,512,2048", help="new tokens per extend call")
     ap.add_argument("--rotations", default="synthetic",
                     help="artifact directory (Qwen3-8B attention geometry), 'synthetic' (a calibrated-like artifact: "
-                         "per-head rotations, per-position key means in 32 RoPE pairs) or 'hadamard'")
+                         "per-head rotations, per-position key means in --rope-pairs RoPE pairs) or 'hadamard'")
     ap.add_argument("--layer", type=int, default=0, help="the artifact's layer to time")
+    ap.add_argument("--rope-pairs", type=int, default=DEFAULT_PAIRS,
+                    help="RoPE pairs per KV head of the synthetic artifact's per-position key means (calibrate "
+                         "keeps 8, 16 or 32; the CUDA kernel's cost grows with them)")
     a = ap.parse_args(argv)
     global USE_GRAPHS
     USE_GRAPHS = not a.eager
     run(_ints(a.contexts), _ints(a.batch_sizes), a.output, sweep=not a.no_sweep, write_path=not a.no_write_path,
         extend_contexts=_ints(a.extend_contexts), extend_chunks=_ints(a.extend_chunks), rotations=a.rotations,
-        layer=a.layer)
+        layer=a.layer, rope_pairs=a.rope_pairs)
     return 0
 
 

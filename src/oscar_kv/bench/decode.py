@@ -652,7 +652,7 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
     from .attention import load_rotations
 
-    rotations = load_rotations(args.rotations, geometry)
+    rotations = load_rotations(args.rotations, geometry, rope_pairs=args.rope_pairs)
     # Every batch starts from a prefilled sequence and decodes at most this many tokens past it.
     grow = 1 + args.warmup_steps + max(args.decode_steps, args.throughput_steps) + args.breakdown_steps \
         + args.profile_steps + args.page_size
@@ -1078,8 +1078,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--rotations", default="synthetic",
                     help="INT2 artifact: a directory from `oscar-kv calibrate`, 'synthetic' (default: calibrated-like "
-                         "for the random-weight model, per-position key means in 32 RoPE pairs) or 'hadamard' "
+                         "for the random-weight model, per-position key means in --rope-pairs RoPE pairs) or 'hadamard' "
                          "(data-free, no centering)")
+    ap.add_argument("--rope-pairs", type=int, default=32,
+                    help="RoPE pairs per KV head of the synthetic artifact's per-position key means (calibrate keeps "
+                         "8, 16 or 32; the CUDA decode kernel's cost grows with them)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--prefill-only", action="store_true",
                     help="time only the prefill of one prompt per (scheme, context): no decode, throughput or "
