@@ -112,14 +112,14 @@ class LayerCodec:
     def quantize_keys(self, rows: torch.Tensor) -> QuantizedRows:
         """Rotated keys as the history stores them; per channel over pages: rows [B, Hkv, N, D], N whole pages."""
         if self.key_page is None:
-            return quantize_rows(rows, self.bits, self.group_size, _per_head(self.k_clip, rows), self.k_rescale)
+            return quantize_rows(rows, self.bits, self.group_size, _clip_per_row(self.k_clip, rows), self.k_rescale)
         b, h, n, d = rows.shape
         p = self.key_page
         pages = rows.reshape(b, h, n // p, p, d).transpose(-1, -2)  # [B, H, pages, D, P]: a row is one channel
         return quantize_rows(pages, self.bits, p)
 
     def quantize_values(self, rows: torch.Tensor) -> QuantizedRows:
-        return quantize_rows(rows, self.bits, self.group_size, _per_head(self.v_clip, rows), self.v_rescale)
+        return quantize_rows(rows, self.bits, self.group_size, _clip_per_row(self.v_clip, rows), self.v_rescale)
 
     def dequantize_keys(self, q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         x = dequantize_rows(q, dtype)
@@ -158,7 +158,7 @@ def stored_attention(q_rot: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return (probs @ values).reshape(b, hq, t, d)
 
 
-def _per_head(clip: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _clip_per_row(clip: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Clip ratios [Hkv] shaped to broadcast over ``rows``' leading dims (the KV head in dim 1)."""
     return clip.view(clip.shape[0], *[1] * (rows.dim() - 3))
 
