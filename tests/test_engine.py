@@ -245,13 +245,13 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
 
     def attend_and_check(self, layer_idx, query, key, value, scaling):
         out, weights = reference_attend(self, layer_idx, query, key, value, scaling)
-        if layer_idx in (0, len(self.layers) - 1):
-            layer = self.layers[layer_idx]
+        if layer_idx in (0, len(self.codecs) - 1):
+            codec = self.codecs[layer_idx]
             plan = kernel_step(PoolView(self.pool), self.steps)
-            got = plan.attend(layer_idx, layer, query, layer.rotate_keys(key, self.positions), value.float(), scaling)
+            got = plan.attend(layer_idx, codec, query, codec.rotate_keys(key, self.positions), value.float(), scaling)
             errors[type(plan).__name__].append(((got.float() - out.float()).norm() / out.float().norm()).item())
             if layer_idx == 0 and type(plan).__name__ == "ExtendStep":
-                part, flash = plan.paths(layer.k_rope_mean is not None)
+                part, flash = plan.paths(codec.k_rope_mean is not None)
                 paths.append(("flash",) * bool(flash.groups) + ("kernel",) * (part is not None))
         return out, weights
 
@@ -302,7 +302,7 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
             return out
         ref = recorded[layer_idx]
         if layer_idx == 0:
-            self.layers = self.layers[:checked]  # migrate the checked layers only (the interpreter is slow)
+            self.codecs = self.codecs[:checked]  # migrate the checked layers only (the interpreter is slow)
             kinds.append((type(self.kernel_step).__name__, self.fused_rotation, self.migrations is not None))
             if self.fused_rotation:
                 p = self.pool.spec.page_size
@@ -310,7 +310,7 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
             got, _ = reference_attend(self, layer_idx, query, key, value, scaling)
             errors.append(((got.float() - ref.float()).norm() / ref.float().norm()).item())
         elif layer_idx < checked:  # the fused writes alone (the attention kernels are slow when interpreted)
-            self._write_kernels(layer_idx, self.layers[layer_idx], key, value)
+            self._write_kernels(layer_idx, self.codecs[layer_idx], key, value)
         assert self.migrations is None  # every layer's migrations ran with layer 0
         return ref, None
 
@@ -370,7 +370,7 @@ def test_position_aware_centering_runs_the_kernels_int2_and_bf16(model, tokenize
     with caplog.at_level("INFO", logger="oscar_kv.engine.engine"):
         bf16 = make_engine(model, tokenizer, small_rotations, kv_cache_dtype="bf16", attention_backend="triton")
     assert bf16.kernel_status is None and bf16.runner.kernels is not None
-    assert all(layer.k_rope_mean is None for layer in bf16.layers)
+    assert all(codec.k_rope_mean is None for codec in bf16.codecs)
     assert sum("per-position key means are not used" in r.message for r in caplog.records) == 1
 
 

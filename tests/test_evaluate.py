@@ -7,6 +7,7 @@ import torch
 
 from oscar_kv.artifacts import Rotations
 from oscar_kv.cache import CacheSettings, OscarCache, OscarCacheLayer, oscar_attention, unprepare_model
+from oscar_kv.codec import LayerCodec
 from oscar_kv.evaluate.harness import EvalConfig, run_eval
 from oscar_kv.evaluate.schemes import KIVI_GROUP, standard_scheme
 from oscar_kv.evaluate import simulate
@@ -35,8 +36,10 @@ def test_simulated_attention_equals_the_cache_layer(key_axis, block, windows, mo
                              window_dtype=torch.float32, key_axis=key_axis)
 
     def new_layer():
-        return OscarCacheLayer(settings, 2, 8, rot, torch.randn(hkv, d, generator=torch.Generator().manual_seed(1)),
-                               torch.full((hkv,), 0.9), torch.full((hkv,), 0.9))
+        codec = LayerCodec(2, 8, rot, torch.randn(hkv, d, generator=torch.Generator().manual_seed(1)),
+                           torch.full((hkv,), 0.9), torch.full((hkv,), 0.9),
+                           key_page=settings.page_size if key_axis == "channel" else None)
+        return OscarCacheLayer(settings, codec)
 
     layer = new_layer()
     outs = []

@@ -17,6 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .errors import OscarKVError
 from .models import AttentionGeometry
+from .rotation import rotate
 
 CAPTURE_KEY = "oscar_kv_capture"
 _active: list = []  # the observer of the forward in flight (a stack, so captures can nest)
@@ -155,17 +156,17 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     nq = t if queries is None else min(queries, t)
     rk, rv = _per_head(k_rotation.float(), hkv), _per_head(v_rotation.float(), hkv)
     offset = k_mean[:, None] if k_mean.dim() == 2 else k_mean
-    k_rot = torch.einsum("htd,hde->hte", sample.k - offset, rk)
-    v_rot = torch.einsum("htd,hde->hte", sample.v - v_mean[:, None], rv)
+    k_rot = rotate(sample.k - offset, rk)
+    v_rot = rotate(sample.v - v_mean[:, None], rv)
     q = sample.q[:, t - nq:]
-    q_rot = torch.einsum("hgtd,hde->hgte", q.reshape(hkv, hq // hkv, nq, q.shape[-1]), rk).reshape_as(q)
+    q_rot = rotate(q.reshape(hkv, (hq // hkv) * nq, q.shape[-1]), rk).reshape_as(q)
     s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size)
     k_q, v_q = k_rot.clone(), v_rot.clone()
     if quantize_keys:
         k_q[:, s:last] = fake_quantize(k_rot[:, s:last], bits, group_size, k_clip[:, None].float(), rescale[0])
     if quantize_values:
         v_q[:, s:last] = fake_quantize(v_rot[:, s:last], bits, group_size, v_clip[:, None].float(), rescale[1])
-    full_offset = torch.einsum("htd,hde->hte", offset.expand_as(sample.k), rk)
+    full_offset = rotate(offset.expand_as(sample.k), rk)
     head_of = torch.arange(hq) // (hq // hkv)
     scale = q.shape[-1] ** -0.5
 
@@ -176,7 +177,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     z = torch.where(quantized, z_q, z_e).mul(scale).masked_fill(future, float("-inf"))
     p = torch.softmax(z, -1)
     out_rot = (p * quantized) @ v_q[head_of] + (p * ~quantized) @ v_rot[head_of]
-    out = torch.einsum("hte,hde->htd", out_rot, rv[head_of]) + v_mean[head_of][:, None]
+    out = rotate(out_rot, rv[head_of].transpose(-1, -2)) + v_mean[head_of][:, None]
     return relative_error(out, exact)
 
 

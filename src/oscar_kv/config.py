@@ -9,3 +9,9 @@ KVCacheDtype = Literal["bf16", "int2", "int4", "int8"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)  # what the generate() cache stores (cache.py)
 ServedKVCacheDtype = Literal["bf16", "int2"]
 SERVED_KV_CACHE_DTYPES: tuple[str, ...] = get_args(ServedKVCacheDtype)  # what the paged engine serves
+
+
+def check_window_sizes(sink_size: int, recent_size: int, page_size: int) -> None:
+    """The BF16 windows and the page of a KV cache (the generate() cache's and the engine's)."""
+    if sink_size < 0 or recent_size < 0 or page_size < 1:
+        raise ValueError("sink and recent sizes must be >= 0 and the page size >= 1")

@@ -104,6 +104,20 @@ def compose(cov: torch.Tensor | None, dim: int, group_size: int, composition: st
     return u @ bit_reversal_placement(lam) @ h, lam
 
 
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x @ R per head: the one torch rotation of keys, queries and values (transposed: back).
+
+    Args:
+        x: [..., H, T, D] rows of H heads.
+        rotation: [H | 1, D, D] one matrix per head, or one shared by all.
+    Returns:
+        [..., H, T, D] in the dtype of the operands.
+    """
+    if rotation.shape[0] == 1:
+        rotation = rotation.expand(x.shape[-3], *rotation.shape[1:])
+    return torch.einsum("...htd,hde->...hte", x, rotation)
+
+
 def orthogonality_error(r: torch.Tensor) -> float:
     """max |R R^T - I| over all matrices in a stack [..., D, D]."""
     r = r.to(torch.float64)

@@ -486,9 +486,9 @@ def breakdown(engine, seqs, steps: int, clock: Clock, profile_steps: int) -> dic
         stack.enter_context(patched(engine.runner, "run", wrap("runner", engine.runner.run)))
         stack.enter_context(patched(engine.runner, "graphs", None))  # the regions are timed on eager steps
         stack.enter_context(patched(runner_mod, "sample", wrap("sampling", runner_mod.sample)))
-        for layer in engine.layers:
-            stack.enter_context(patched(layer, "rotate_keys", wrap("key_rotation", layer.rotate_keys)))
-            stack.enter_context(patched(layer, "rotate_queries", wrap("query_rotation", layer.rotate_queries)))
+        for codec in engine.codecs:
+            stack.enter_context(patched(codec, "rotate_keys", wrap("key_rotation", codec.rotate_keys)))
+            stack.enter_context(patched(codec, "rotate_queries", wrap("query_rotation", codec.rotate_queries)))
         if engine.kernel_status is None:  # Triton kernel path: the query is rotated by its own launch (the CUDA
             # INT2 kernel rotates inside its one launch: counted as attention)
             from ..kernels import decode as kdecode
@@ -505,7 +505,7 @@ def breakdown(engine, seqs, steps: int, clock: Clock, profile_steps: int) -> dic
                  key_rotation=get("key_rotation"), kv_write_and_migration=get("kv_write_and_migration"),
                  query_rotation=get("query_rotation"), attention=attention, sampling=get("sampling"),
                  rest_of_model=get("runner") - get("step_plan") - get("attend_total") - get("sampling"))
-    layers = len(engine.layers)
+    layers = len(engine.codecs)
     out = dict(steps=steps, step_ms=round(get("step"), 4), regions_ms={k: round(v, 4) for k, v in parts.items()},
                note="regions partition the step's stream timeline (CUDA events; perf_counter on the CPU); recording "
                     "them adds a few us per layer, so step_ms is slightly above the untimed median",

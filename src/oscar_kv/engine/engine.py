@@ -12,14 +12,15 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
-from ..cache import CacheSettings, OscarCache
-from ..config import SERVED_KV_CACHE_DTYPES, ServedKVCacheDtype
+from ..codec import layer_codecs, validated_artifact
+from ..config import SERVED_KV_CACHE_DTYPES, ServedKVCacheDtype, check_window_sizes
 from ..errors import ConfigError
+from ..folding import fold_values
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
 from .block_pool import PagePool, PoolPlan, PoolSpec, plan_pool
 from .kernel_attention import PoolView, kernel_support
@@ -119,36 +120,27 @@ class LLMEngine:
         if config.kv_cache_dtype not in SERVED_KV_CACHE_DTYPES:
             raise ConfigError(f"the engine serves kv_cache_dtype {' or '.join(SERVED_KV_CACHE_DTYPES)}, not "
                               f"{config.kv_cache_dtype!r}", "kv_cache_dtype")
-        settings = CacheSettings(config.kv_cache_dtype, config.sink_size, config.recent_size, config.page_size,
-                                 config.window_dtype)
-        # OscarCache validates the artifact, folds R_V / mu_V into the model and gives per-layer
-        # rotations, clips and bits; its layers serve as the key/query rotation of the paged path.
-        template = OscarCache(model, rotations, settings)
-        self.layers = template.layers
-        group = config.group_size or template.rotations.group_size
-        geometry = template.rotations.geometry
+        check_window_sizes(config.sink_size, config.recent_size, config.page_size)
+        rotations = validated_artifact(model, rotations)
+        fold_values(model, rotations.v_rotation, rotations.v_mean, tag=rotations)  # values are born rotated
+        codecs = layer_codecs(model, rotations, config.kv_cache_dtype, config.group_size)
+        geometry = rotations.geometry
         heads = tp.heads(geometry.num_kv_heads)
         shard_model(model, tp, device)  # after folding: the folded weights are what gets split
         if device is not None:
             model.to(device)
         self.device = next(model.parameters()).device
-        if config.kv_cache_dtype == "bf16" and any(layer.k_rope_mean is not None for layer in self.layers):
+        if config.kv_cache_dtype == "bf16" and any(codec.k_rope_mean is not None for codec in codecs):
             # BF16 keys need no centering (softmax is exact without it) and the BF16 kernel does not add the
             # position-aware term back: drop it rather than fall back to the torch reference (issue 23)
             log.info("BF16 KV cache: the artifact's per-position key means are not used (they serve INT2 only)")
-            for layer in self.layers:
-                layer.k_rope_mean = layer.rope_pairs = None
-        for layer in self.layers:
-            layer.group_size = group
-            layer.keep_heads(heads)
-            for name in ("k_rotation", "k_mean", "k_clip", "v_clip", "k_rope_mean", "rope_pairs"):
-                if getattr(layer, name) is not None:
-                    setattr(layer, name, getattr(layer, name).to(self.device))
+            codecs = [replace(codec, k_rope_mean=None, rope_pairs=None) for codec in codecs]
+        self.codecs = [codec.keep_heads(heads).to(self.device) for codec in codecs]
         register_paged_attention()
         model.set_attn_implementation(ATTENTION_KEY)
-        self.spec = PoolSpec(geometry.num_layers, heads.stop - heads.start, geometry.head_dim, group, config.page_size,
-                             config.sink_size, config.recent_size, tuple(layer.bits for layer in self.layers),
-                             config.window_dtype)
+        self.spec = PoolSpec(geometry.num_layers, heads.stop - heads.start, geometry.head_dim, codecs[0].group_size,
+                             config.page_size, config.sink_size, config.recent_size,
+                             tuple(codec.bits for codec in self.codecs), config.window_dtype)
         limit = getattr(model.config, "max_position_embeddings", None) or 8192
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
@@ -162,7 +154,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_prefix_caching)
         self.kernel_status = kernel_support(self.pool, config.attention_backend,
-                                            rope_centered=any(layer.k_rope_mean is not None for layer in self.layers))
+                                            rope_centered=any(codec.k_rope_mean is not None for codec in self.codecs))
         if config.attention_backend == "triton" and self.kernel_status is not None:
             raise ConfigError(f"attention_backend triton: {self.kernel_status}", "attention_backend")
         if self.kernel_status is not None and self.device.type == "cuda" and config.attention_backend != "torch":
@@ -175,8 +167,8 @@ class LLMEngine:
         if view is not None and self.device.type == "cuda" and not config.enforce_eager:
             from .graphs import DecodeGraphs
 
-            graphs = DecodeGraphs(model, self.pool, self.layers, view, self.max_model_len)
-        self.runner = ModelRunner(model, self.pool, self.layers, view, graphs, tp)
+            graphs = DecodeGraphs(model, self.pool, self.codecs, view, self.max_model_len)
+        self.runner = ModelRunner(model, self.pool, self.codecs, view, graphs, tp)
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
         self.stop_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -206,8 +198,8 @@ class LLMEngine:
         backend = ("Triton kernels (paged decode; prefill chunks: history materialized in float16 + flash attention, "
                    "short chunks through the extend kernel)" if self.kernel_status is None
                    else f"torch reference ({self.kernel_status})")
-        if self.kernel_status is None and any(layer.k_rope_mean is not None for layer in self.layers):
-            pairs = max(layer.rope_pairs.shape[1] for layer in self.layers if layer.rope_pairs is not None)
+        if self.kernel_status is None and any(codec.k_rope_mean is not None for codec in self.codecs):
+            pairs = max(codec.rope_pairs.shape[1] for codec in self.codecs if codec.rope_pairs is not None)
             backend += (f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term "
                         "(the one-launch CUDA decode kernel for head dim 128 and <= 32 pairs, benchmarks/NOTES.md "
                         "run F1; the Triton kernels otherwise, 1.7-2.1x the time of constant centering at 32 "

@@ -46,8 +46,8 @@ class _Captured:
 class DecodeGraphs:
     """Captured decode forwards of one engine, keyed by (batch bucket, length bucket), captured on first use."""
 
-    def __init__(self, model, pool, layers, view, max_model_len: int):
-        self.model, self.pool, self.layers, self.view = model, pool, layers, view
+    def __init__(self, model, pool, codecs, view, max_model_len: int):
+        self.model, self.pool, self.codecs, self.view = model, pool, codecs, view
         spec = pool.spec
         self.width = -(-max_model_len // spec.page_size)  # block table columns: the longest sequence's pages
         self.max_model_len = max_model_len
@@ -100,8 +100,8 @@ class DecodeGraphs:
         ids = torch.zeros(1, bucket, dtype=torch.long, device=dev)
         positions = torch.zeros(1, bucket, dtype=torch.long, device=dev)
         slots = torch.full((2, bucket), -1, dtype=torch.int32, device=dev)
-        fwd = PagedForward.for_graph(self.pool, self.layers, self.view, step, positions[0], slots[0], slots[1], fused)
-        ropes = {id(layer.rope): layer.rope for layer in self.layers if layer.k_rope_mean is not None}
+        fwd = PagedForward.for_graph(self.pool, self.codecs, self.view, step, positions[0], slots[0], slots[1], fused)
+        ropes = {id(codec.rope): codec.rope for codec in self.codecs if codec.k_rope_mean is not None}
         for rope in ropes.values():
             if rope.bound is None:
                 rope.reserve(self.max_model_len + 1, dev)

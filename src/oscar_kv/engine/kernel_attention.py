@@ -123,27 +123,27 @@ class PoolView:
                                                                               "v_meta", "k_win", "v_win")))
         return self._layer_pools[i]
 
-    def clips(self, i: int, layer) -> tuple[torch.Tensor, torch.Tensor]:
+    def clips(self, i: int, codec) -> tuple[torch.Tensor, torch.Tensor]:
         """int32 [H] clip indices floor(c*D) of layer i's keys and values (quant.clip_rows' threshold rank),
-        computed once per layer (``layer``: its OscarCacheLayer)."""
+        computed once per layer (``codec``: its codec.LayerCodec)."""
         hit = self._clips.get(i)
-        if hit is None or hit[0] is not layer:
+        if hit is None or hit[0] is not codec:
             h, d = self.geometry.num_kv_heads, self.geometry.head_dim
             dev = self.pool.device
-            hit = (layer, clip_indices(layer.k_clip.to(dev), d, (h,)), clip_indices(layer.v_clip.to(dev), d, (h,)))
+            hit = (codec, clip_indices(codec.k_clip.to(dev), d, (h,)), clip_indices(codec.v_clip.to(dev), d, (h,)))
             self._clips[i] = hit
         return hit[1], hit[2]
 
 
-    def rope_weights(self, i: int, layer, rope) -> torch.Tensor | None:
+    def rope_weights(self, i: int, codec, rope) -> torch.Tensor | None:
         """Layer i's materialized_extend.rope_key_weights (RoPE_p(mu_pre) @ R_K as cos | sin @ W), built once."""
         if rope is None:
             return None
         hit = self._rope_weights.get(i)
-        if hit is None or hit[0] is not layer:
+        if hit is None or hit[0] is not codec:
             from ..kernels.materialized_extend import rope_key_weights
 
-            hit = (layer, rope_key_weights(rope, layer.k_rotation, self.geometry.num_kv_heads))
+            hit = (codec, rope_key_weights(rope, codec.k_rotation, self.geometry.num_kv_heads))
             self._rope_weights[i] = hit
         return hit[1]
 
@@ -178,20 +178,20 @@ class DecodeStep:
                            torch.tensor(int2_pages, dtype=torch.int32, device=dev))
         return cls(view, batch, max(int2_pages), max(seq_lens))
 
-    def attend(self, layer_idx: int, layer, query: torch.Tensor, keys=None, values=None,
+    def attend(self, layer_idx: int, codec, query: torch.Tensor, keys=None, values=None,
                scaling: float | None = None) -> torch.Tensor:
         """query [1, Hq, B, D] (one token per sequence, already in the pool) -> [1, B, Hq, D]."""
         from ..kernels.decode import bf16_decode, int2_decode
 
         q = query[0].transpose(0, 1)  # [B, Hq, D]
         if self.view.pool.spec.quantizes:
-            out = int2_decode(q, self.view, layer_idx, self.batch, layer.k_rotation, scaling,
-                              rope=_rope(layer, self.max_seq_len, q.device), max_int2_pages=self.max_int2_pages,
+            out = int2_decode(q, self.view, layer_idx, self.batch, codec.k_rotation, scaling,
+                              rope=_rope(codec, self.max_seq_len), max_int2_pages=self.max_int2_pages,
                               max_seq_len=self.max_seq_len)
         else:
             p = self.view.pool
             out = bf16_decode(q, p.k_win[layer_idx], p.v_win[layer_idx], self.batch.block_table, self.batch.seq_lens,
-                              layer.k_rotation, scaling, page_size=p.spec.page_size, max_seq_len=self.max_seq_len)
+                              codec.k_rotation, scaling, page_size=p.spec.page_size, max_seq_len=self.max_seq_len)
         return out.unsqueeze(0)
 
 
@@ -243,7 +243,7 @@ class ExtendStep:
             self._paths = (rope_centered, part, plan)
         return self._paths[1], self._paths[2]
 
-    def attend(self, layer_idx: int, layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    def attend(self, layer_idx: int, codec, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                scaling: float) -> torch.Tensor:
         """query [1, Hq, N, D]; keys / values [1, H, N, D] as stored (rotated, centered; any float dtype, read
         as BF16 by the extend kernel, float16 by the materialized path) -> [1, N, Hq, D]."""
@@ -252,21 +252,21 @@ class ExtendStep:
 
         q = query[0].transpose(0, 1)
         k_rows, v_rows = _token_rows(keys), _token_rows(values)
-        rope = _rope(layer, self.max_position, query.device)
+        rope = _rope(codec, self.max_position)
         part, plan = self.paths(rope is not None)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if part is not None:
             sub = part.rows is not None
             pick = (lambda x: x.index_select(0, part.rows)) if sub else (lambda x: x)  # noqa: E731
             got = int2_extend(pick(q), pick(k_rows), pick(v_rows), part.cu_seqlens, self.view, layer_idx, part.batch,
-                              layer.k_rotation, scaling, rope=rope, max_seqlen=part.max_seqlen,
+                              codec.k_rotation, scaling, rope=rope, max_seqlen=part.max_seqlen,
                               max_int2_pages=part.max_int2_pages, out=None if sub else out)
             if sub:
                 out.index_copy_(0, part.rows, got)
         if plan.groups:
-            materialized_extend(q, k_rows, v_rows, self.cu_seqlens, self.view, layer_idx, self.batch, layer.k_rotation,
+            materialized_extend(q, k_rows, v_rows, self.cu_seqlens, self.view, layer_idx, self.batch, codec.k_rotation,
                                 scaling, rope=rope, plan=plan, scratch=self.view.scratch,
-                                rope_weights=self.view.rope_weights(layer_idx, layer, rope), out=out)
+                                rope_weights=self.view.rope_weights(layer_idx, codec, rope), out=out)
             self._check_finite(layer_idx, out)
         return out.unsqueeze(0)
 
@@ -303,11 +303,11 @@ class _KernelPart:
         self.max_int2_pages = max(step.history_int2[i] for i in seqs)
 
 
-def _rope(layer, positions: int, device):
+def _rope(codec, positions: int):
     """The kernels' ``rope`` argument for a layer whose keys are centered per position, else None."""
-    if layer.k_rope_mean is None:
+    if codec.k_rope_mean is None:
         return None
-    return layer.rope.kernel_rope(layer.k_rope_mean, positions, layer.rope_pairs)
+    return codec.rope.kernel_rope(codec.k_rope_mean, positions, codec.rope_pairs)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:

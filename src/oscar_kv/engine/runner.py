@@ -5,7 +5,7 @@ The transformers model runs unchanged; its attention calls go to the registered 
 ``oscar_kv_paged``, which receives the step's :class:`PagedForward` through the model's forward
 kwargs (transformers hands extra kwargs on to the attention function).  Per layer it
 
-1. rotates and centers the step's keys exactly as ``cache.OscarCacheLayer`` does,
+1. rotates and centers the step's keys with the layer's codec (codec.py), as the generate() cache does,
 2. writes the step's tokens into their final places: BF16 window pages (sink / recent) or, for
    positions that belong to the history once the step is done, quantized pages; recent-window
    pages that leave the window are quantized from their BF16 rows (cache.py's migration),
@@ -43,9 +43,10 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
-from ..cache import OscarCacheLayer, oscar_attention
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ..codec import LayerCodec, stored_attention
 from ..parallel import SINGLE, TensorParallel
-from ..quant import QuantizedRows, dequantize_rows, quantize_rows
 from .block_pool import QUANT, WINDOW, PagePool
 from .kernel_attention import PoolView, kernel_step
 from .scheduler import Migration, ScheduledSeq
@@ -56,9 +57,10 @@ ATTENTION_KEY = "oscar_kv_paged"
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, oscar_paged=None,
                     **kwargs):
-    """The registered attention: the engine's paged path, or cache.py's when called without it."""
+    """The registered attention: the engine's paged path, or exact SDPA for a forward outside the engine's steps."""
     if oscar_paged is None:
-        return oscar_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
     return oscar_paged.attend(module.layer_idx, query, key, value, scaling)
 
 
@@ -109,9 +111,9 @@ class _SeqView:
 class PagedForward:
     """Index plan of one step, shared by all layers; ``attend`` is called once per layer."""
 
-    def __init__(self, pool: PagePool, layers: list[OscarCacheLayer], steps: list[ScheduledSeq],
+    def __init__(self, pool: PagePool, codecs: list[LayerCodec], steps: list[ScheduledSeq],
                  kernels: PoolView | None = None):
-        self.pool, self.layers, self.steps = pool, layers, steps
+        self.pool, self.codecs, self.steps = pool, codecs, steps
         # position of every token of the step, in batch order: the position ids, and position-aware key centering
         self.positions = torch.cat([torch.arange(st.start, st.end) for st in steps]).to(pool.device)
         # With kernels enabled, decode-only steps use the decode kernel and others the extend kernel.
@@ -190,17 +192,17 @@ class PagedForward:
         # the stored keys come from write_kv's own float32 rotation unless the attention needs them too
         # or some token is quantized right away (its codes then come from the float64 rotation, as in _write)
         # write_kv centers by a constant only: keys centered per position are rotated here (rotate_keys)
-        rope = any(layer.k_rope_mean is not None for layer in self.layers)
+        rope = any(codec.k_rope_mean is not None for codec in self.codecs)
         self.fused_rotation = not self.kernel_step.reads_chunk and max(q, default=-1) < 0 and not rope
         self.migrations = torch.tensor([src, dst], dtype=torch.int32).to(dev) if src else None
 
     @classmethod
-    def for_graph(cls, pool: PagePool, layers: list[OscarCacheLayer], view: PoolView, step, positions: torch.Tensor,
+    def for_graph(cls, pool: PagePool, codecs: list[LayerCodec], view: PoolView, step, positions: torch.Tensor,
                   win_slot: torch.Tensor, int2_slot: torch.Tensor, fused: bool) -> "PagedForward":
         """A decode plan over static tensors (graphs.py fills them before each replay); ``fused``: write_kv
         rotates the keys; migrations are done by the caller before the replay."""
         fwd = cls.__new__(cls)
-        fwd.pool, fwd.layers, fwd.steps, fwd.views = pool, layers, [], []
+        fwd.pool, fwd.codecs, fwd.steps, fwd.views = pool, codecs, [], []
         fwd.view, fwd.kernel_step, fwd.positions = view, step, positions
         fwd.win_slot, fwd.int2_slot, fwd.num_tokens = win_slot, int2_slot, len(win_slot)
         fwd.fused_rotation, fwd.migrations = fused, None
@@ -212,53 +214,43 @@ class PagedForward:
 
         if self.migrations is None:
             return
-        for i, lay in enumerate(self.layers):
-            ck, cv = self.view.clips(i, lay)
+        for i, codec in enumerate(self.codecs):
+            ck, cv = self.view.clips(i, codec)
             migrate_pages(self.view.layer_pool(i), self.migrations[0], self.migrations[1], ck[None], cv[None],
-                          rescale=(lay.k_rescale, lay.v_rescale))
+                          rescale=(codec.k_rescale, codec.v_rescale))
         self.migrations = None
 
     # ---- per layer -----------------------------------------------------------------------------
     def attend(self, layer_idx: int, query, key, value, scaling):
-        layer = self.layers[layer_idx]
+        codec = self.codecs[layer_idx]
         if self.kernel_step is not None:
-            return self._attend_kernels(layer_idx, layer, query, key, value, scaling), None
-        keys = layer.rotate_keys(key, self.positions)  # [1, H, N, D] float32, (k - offset) @ R_K
+            return self._attend_kernels(layer_idx, codec, query, key, value, scaling), None
+        keys = codec.rotate_keys(key, self.positions)  # [1, H, N, D] float32, (k - offset) @ R_K
         values = value.float()
-        self._write(layer_idx, layer, keys, values)
+        self._write(layer_idx, codec, keys, values)
         hist_k, hist_v = self._gather(layer_idx, self.win_reads, self.q_reads)
-        q_rot = layer.rotate_queries(query)  # [1, Hq, N, D]
+        q_rot = codec.rotate_queries(query)  # [1, Hq, N, D]
         _, hq, n_tok, d = query.shape
-        hkv = keys.shape[1]
-        g = hq // hkv
         scaling = d ** -0.5 if scaling is None else scaling
         out = query.new_empty(1, n_tok, hq, d)
         for view in self.views:
             c0, c1 = view.chunk
-            t = c1 - c0
             parts = [part for part in view.parts() if part[2] > part[1]]
             ks = [_heads_first(hist_k[part]) for part in parts]
             vs = [_heads_first(hist_v[part]) for part in parts]
-            k_all = layer.restore_offsets(torch.cat(ks + [keys[:, :, c0:c1]], 2))  # [1, H, n, D], positions 0..n-1
+            k_all = codec.restore_offsets(torch.cat(ks + [keys[:, :, c0:c1]], 2))  # [1, H, n, D], positions 0..n-1
             v_all = torch.cat(vs + [values[:, :, c0:c1]], 2)
-            n = k_all.shape[2]
-            q = q_rot[:, :, c0:c1].reshape(1, hkv, g * t, d)
-            logits = ((q @ k_all.transpose(-1, -2)) * scaling).reshape(1, hkv, g, t, n)
-            if t > 1:
-                pos_q = torch.arange(view.start, view.start + t, device=query.device)
-                allowed = torch.arange(n, device=query.device)[None, :] <= pos_q[:, None]
-                logits = logits.masked_fill(~allowed, torch.finfo(torch.float32).min)
-            probs = torch.softmax(logits, dim=-1).reshape(1, hkv, -1, n)
-            out[:, c0:c1] = (probs @ v_all).reshape(1, hq, t, d).transpose(1, 2)
+            mask = _causal_mask(view.start, c1 - c0, k_all.shape[2], query.device) if c1 - c0 > 1 else None
+            out[:, c0:c1] = stored_attention(q_rot[:, :, c0:c1], k_all, v_all, scaling, mask).transpose(1, 2)
         return out, None
 
-    def _attend_kernels(self, li: int, layer: OscarCacheLayer, query, key, value, scaling) -> torch.Tensor:
+    def _attend_kernels(self, li: int, codec: LayerCodec, query, key, value, scaling) -> torch.Tensor:
         """Fused write (kernels/write.py) then the decode / extend kernel; returns [1, N, Hq, D]."""
-        keys, values = self._write_kernels(li, layer, key, value)
+        keys, values = self._write_kernels(li, codec, key, value)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        return self.kernel_step.attend(li, layer, query, keys, values, scaling).to(query.dtype)
+        return self.kernel_step.attend(li, codec, query, keys, values, scaling).to(query.dtype)
 
-    def _write_kernels(self, li: int, layer: OscarCacheLayer, key, value):
+    def _write_kernels(self, li: int, codec: LayerCodec, key, value):
         """Store layer li's step tokens (after every layer's migrations, with layer 0).  Returns the keys and
         values the extend kernel reads, [1, H, N, D] in the window dtype (keys None when write_kv rotated)."""
         from ..kernels.write import write_kv
@@ -267,19 +259,19 @@ class PagedForward:
         wdt = self.pool.spec.window_dtype
         values = value if value.dtype == wdt else value.to(wdt)  # stored form, quantized as such (as _write)
         v_rows = values[0].transpose(0, 1)  # [N, H, D] views
-        ck, cv = self.view.clips(li, layer)
+        ck, cv = self.view.clips(li, codec)
         if self.fused_rotation:
             keys = None
             k_rows = _unit_stride(key[0].transpose(0, 1))
-            write_kv(self.view, li, k_rows, _unit_stride(v_rows), self.win_slot, self.int2_slot, layer.k_rotation,
-                     layer.k_mean, ck, cv, rescale=(layer.k_rescale, layer.v_rescale))
+            write_kv(self.view, li, k_rows, _unit_stride(v_rows), self.win_slot, self.int2_slot, codec.k_rotation,
+                     codec.k_mean, ck, cv, rescale=(codec.k_rescale, codec.v_rescale))
         else:
-            keys = layer.rotate_keys(key, self.positions).to(wdt)  # [1, H, N, D] in float64 as _write
+            keys = codec.rotate_keys(key, self.positions).to(wdt)  # [1, H, N, D] in float64 as _write
             write_kv(self.view, li, keys[0].transpose(0, 1), _unit_stride(v_rows), self.win_slot, self.int2_slot,
-                     None, None, ck, cv, rescale=(layer.k_rescale, layer.v_rescale))
+                     None, None, ck, cv, rescale=(codec.k_rescale, codec.v_rescale))
         return keys, values
 
-    def _write(self, li: int, layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _write(self, li: int, codec: LayerCodec, keys: torch.Tensor, values: torch.Tensor) -> None:
         pool = self.pool
         wdt = pool.spec.window_dtype
         k_rows = keys[0].transpose(0, 1).to(wdt)  # [N, H, D], stored form of the window
@@ -290,14 +282,13 @@ class PagedForward:
             pool.v_win[li][w.page, :, w.off] = v_rows[self.win_src]
         if not (len(self.q_writes) or len(self.mig_src)):
             return
-        # quantize BF16-rounded rows, as cache.py migrates its BF16 recent window
+        # quantize BF16-rounded rows, as the generate() cache migrates its BF16 recent window
         m = self.mig_src
-        qk = torch.cat([pool.k_win[li][m.page, :, m.off], k_rows[self.q_src]]).float()
+        qk = torch.cat([pool.k_win[li][m.page, :, m.off], k_rows[self.q_src]]).float()  # [N, H, D]
         qv = torch.cat([pool.v_win[li][m.page, :, m.off], v_rows[self.q_src]]).float()
         dst = _Rows.cat([self.mig_dst, self.q_writes])
-        for rows, clip, codes, meta, rescale in ((qk, layer.k_clip, pool.k_codes, pool.k_meta, layer.k_rescale),
-                                                 (qv, layer.v_clip, pool.v_codes, pool.v_meta, layer.v_rescale)):
-            q = quantize_rows(rows, layer.bits, layer.group_size, clip.to(rows.device), rescale)
+        for q, codes, meta in ((codec.quantize_keys(qk), pool.k_codes, pool.k_meta),
+                               (codec.quantize_values(qv), pool.v_codes, pool.v_meta)):
             codes[li][dst.page, :, dst.off] = q.codes
             meta[li][dst.page, :, dst.off] = torch.cat([q.scale, q.minimum], -1)
 
@@ -308,15 +299,10 @@ class PagedForward:
         v_w = pool.v_win[li][win.page, :, win.off].float()
         if not len(quant):
             return _Joined(k_w, None), _Joined(v_w, None)
-        layer = self.layers[li]
-        ng = pool.spec.num_groups
-        out = []
-        for w, codes, meta in ((k_w, pool.k_codes, pool.k_meta), (v_w, pool.v_codes, pool.v_meta)):
-            mt = meta[li][quant.page, :, quant.off]
-            rows = QuantizedRows(codes[li][quant.page, :, quant.off], mt[..., :ng], mt[..., ng:], layer.bits,
-                                 layer.group_size)
-            out.append(_Joined(w, dequantize_rows(rows, torch.float32)))
-        return out[0], out[1]
+        codec = self.codecs[li]
+        k_q, v_q = (codec.stored_rows(codes[li][quant.page, :, quant.off], meta[li][quant.page, :, quant.off])
+                    for codes, meta in ((pool.k_codes, pool.k_meta), (pool.v_codes, pool.v_meta)))
+        return _Joined(k_w, codec.dequantize_keys(k_q)), _Joined(v_w, codec.dequantize_values(v_q))
 
 
 class _Joined:
@@ -328,6 +314,13 @@ class _Joined:
     def __getitem__(self, key):
         kind, a, b = key
         return (self.quant if kind == QUANT else self.window)[a:b]
+
+
+def _causal_mask(start: int, t: int, n: int, device):
+    """Logits of queries at positions start.. over keys 0..n-1: those of later keys pushed to the float32 minimum."""
+    pos_q = torch.arange(start, start + t, device=device)
+    allowed = torch.arange(n, device=device)[None, :] <= pos_q[:, None]
+    return lambda logits: logits.masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
 def _span(a: int, b: int) -> torch.Tensor:
@@ -349,16 +342,16 @@ class ModelRunner:
     step (token ids, page tables, migrations) to the other ranks, which wait in ``follow`` and run the same
     forward on their heads: the row-parallel all-reduces inside the model meet.  Only rank 0 samples."""
 
-    def __init__(self, model, pool: PagePool, layers: list[OscarCacheLayer], kernels: PoolView | None = None,
+    def __init__(self, model, pool: PagePool, codecs: list[LayerCodec], kernels: PoolView | None = None,
                  graphs=None, tp: TensorParallel = SINGLE):
-        self.model, self.pool, self.layers, self.kernels = model, pool, layers, kernels
+        self.model, self.pool, self.codecs, self.kernels = model, pool, codecs, kernels
         self.device = next(model.parameters()).device
         self.graphs = graphs  # graphs.DecodeGraphs, or None: every step eager
         self.tp = tp
 
     @torch.inference_mode()
     def run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
-        fwd = PagedForward(self.pool, self.layers, steps, self.kernels)
+        fwd = PagedForward(self.pool, self.codecs, steps, self.kernels)
         ids = []
         for st in steps:
             ids += st.seq.tokens[st.start:st.end]
@@ -413,7 +406,7 @@ class ModelRunner:
                 self.copy_pages(*payload)
                 continue
             steps, ids = _unwire(payload)
-            fwd = PagedForward(self.pool, self.layers, steps, self.kernels)
+            fwd = PagedForward(self.pool, self.codecs, steps, self.kernels)
             self._forward(fwd, torch.tensor([ids], dtype=torch.long, device=self.device))
 
 

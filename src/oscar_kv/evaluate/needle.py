@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from ..activations import attention_override, observing
 from ..cache import OscarCacheLayer, unprepare_model
+from ..rotation import rotate
 from .schemes import Scheme
 from .tasks import NeedlePrompt, stored_cache
 
@@ -54,16 +55,13 @@ class StoredHaystack:
 
 def _model_space(layer: OscarCacheLayer, scheme: Scheme, index: int, n: int):
     ks, vs = layer.segments_before(n)
-    keys = layer.restore_offsets(torch.cat(ks, 2))[0]  # rotated space, offsets restored
+    keys = torch.cat(ks, 2)[0]
     values = torch.cat(vs, 2)[0]
     if scheme.rotations is None:
-        return keys, values
-    hkv = keys.shape[0]
-    rk = OscarCacheLayer._per_head(layer.k_rotation.to(keys.device), hkv)
-    rv = OscarCacheLayer._per_head(scheme.rotations.v_rotation[index].to(keys.device), hkv)
-    keys = torch.einsum("hte,hde->htd", keys, rk) + layer.k_mean[:, None].to(keys.device)
-    values = torch.einsum("hte,hde->htd", values, rv) + scheme.rotations.v_mean[index][:, None].to(keys.device)
-    return keys, values
+        return layer.codec.restore_offsets(keys[None])[0], values
+    rv = scheme.rotations.v_rotation[index].to(keys.device)
+    values = rotate(values, rv.transpose(-1, -2)) + scheme.rotations.v_mean[index][:, None].to(keys.device)
+    return layer.codec.model_space_keys(keys), values
 
 
 @torch.no_grad()
@@ -83,7 +81,7 @@ def stored_haystack(model, scheme: Scheme, kv, appended: int = 0) -> StoredHayst
         keys.append(k.float())
         values.append(v.float())
     first = cache.layers[0]
-    start = first.settings.sink_size if first.quantizes else 0
+    start = first.settings.sink_size if first.codec.quantizes else 0
     unprepare_model(model)
     return StoredHaystack(keys, values, (start, start + first.history_len))
 

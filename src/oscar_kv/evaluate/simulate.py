@@ -15,7 +15,6 @@ import torch
 
 from ..activations import attention_override
 from ..cache import OscarCache, OscarCacheLayer
-from ..quant import dequantize_rows, quantize_rows
 
 SIM_KEY = "oscar_kv_simulated"
 _active: list[OscarCache] = []
@@ -26,7 +25,7 @@ def quantized_history_end(positions: torch.Tensor, layer: OscarCacheLayer) -> to
     own key is always exact (the cache attends to the step's keys as computed): without a recent window
     its page may already be quantized."""
     s = layer.settings
-    if not layer.quantizes:
+    if not layer.codec.quantizes:
         return torch.zeros_like(positions)
     n = ((positions + 1 - s.sink_size - s.recent_size).clamp_min(0) // s.page_size) * s.page_size
     return torch.minimum(s.sink_size + n, positions.clamp_min(s.sink_size))
@@ -39,12 +38,13 @@ def stored_forms(layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tenso
     computed from the window-dtype copies, as the cache quantizes its stored BF16 rows.
     """
     wdt = layer.settings.window_dtype
-    if not layer.is_initialized:  # moves the layer's rotation and means to the keys' device
+    if not layer.is_initialized:  # moves the layer's codec to the keys' device
         layer.lazy_initialization(keys, values)
-    k_exact = layer.rotate_keys(keys, torch.arange(keys.shape[2], device=keys.device)).to(wdt).float()
+    codec = layer.codec
+    k_exact = codec.rotate_keys(keys, torch.arange(keys.shape[2], device=keys.device)).to(wdt).float()
     v_exact = values.to(wdt).float()
-    if not layer.quantizes:
-        k_exact = layer.restore_offsets(k_exact)
+    if not codec.quantizes:
+        k_exact = codec.restore_offsets(k_exact)
         return k_exact, k_exact, v_exact, v_exact
     t = keys.shape[2]
     s0, p = layer.settings.sink_size, layer.settings.page_size
@@ -52,11 +52,9 @@ def stored_forms(layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tenso
     k_q, v_q = k_exact.clone(), v_exact.clone()
     if usable:
         body = slice(s0, s0 + usable)
-        k_q[:, :, body] = layer._dequantize_keys(layer._quantize_keys(k_exact[:, :, body], layer.k_clip[None, :, None]),
-                                                 torch.float32)
-        v_q[:, :, body] = dequantize_rows(quantize_rows(v_exact[:, :, body], layer.bits, layer.group_size,
-                                                        layer.v_clip[None, :, None], layer.v_rescale))
-    return layer.restore_offsets(k_exact), layer.restore_offsets(k_q), v_exact, v_q
+        k_q[:, :, body] = codec.dequantize_keys(codec.quantize_keys(k_exact[:, :, body]))
+        v_q[:, :, body] = codec.dequantize_values(codec.quantize_values(v_exact[:, :, body]))
+    return codec.restore_offsets(k_exact), codec.restore_offsets(k_q), v_exact, v_q
 
 
 QUERY_BLOCK = 256  # queries per block: the logits of one block are [g, QUERY_BLOCK, keys]
@@ -73,8 +71,8 @@ def simulated_attention_from_forms(layer: OscarCacheLayer, query: torch.Tensor, 
     b, hq, t, d = query.shape
     hkv, n_keys = k_e.shape[1], k_e.shape[2]
     g = hq // hkv
-    s0 = layer.settings.sink_size if layer.quantizes else 0
-    q = layer.rotate_queries(query).reshape(b, hkv, g, t, d) * d**-0.5
+    s0 = layer.settings.sink_size if layer.codec.quantizes else 0
+    q = layer.codec.rotate_queries(query).reshape(b, hkv, g, t, d) * d**-0.5
     dev = query.device
     pos_q = torch.arange(start, start + t)
     hist = quantized_history_end(pos_q, layer).clamp_min(s0)  # [T] on the CPU: segment bounds are host ints

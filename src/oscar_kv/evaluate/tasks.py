@@ -11,6 +11,7 @@ import torch
 
 from ..activations import LayerSample, causal_attention, relative_error
 from ..cache import OscarCache, prepare_model, unprepare_model
+from ..rotation import rotate
 from .schemes import Scheme
 from .simulate import simulated_attention_from_forms, simulating, stored_forms
 
@@ -159,9 +160,8 @@ def fold_value_tensor(values: torch.Tensor, scheme: Scheme, layer: int) -> torch
     if scheme.rotations is None:
         return values
     rot = scheme.rotations.v_rotation[layer].to(values.device, values.dtype)
-    rot = rot.expand(values.shape[1], *rot.shape[1:]) if rot.shape[0] == 1 else rot
     mu = scheme.rotations.v_mean[layer].to(values.device, values.dtype)
-    return torch.einsum("bhtd,hde->bhte", values - mu[None, :, None], rot)
+    return rotate(values - mu[None, :, None], rot)
 
 
 def stored_cache(model, scheme: Scheme, kv) -> OscarCache:
@@ -216,7 +216,7 @@ def layer_attention_errors(scheme: Scheme, cache: OscarCache, samples: list[Laye
             hkv = s.k.shape[0]
             rot = rot.expand(hkv, *rot.shape[1:]) if rot.shape[0] == 1 else rot
             head_of = torch.arange(s.q.shape[0]) // (s.q.shape[0] // hkv)
-            out = torch.einsum("hte,hde->htd", out, rot[head_of]) + scheme.rotations.v_mean[i][head_of][:, None]
+            out = rotate(out, rot[head_of].transpose(-1, -2)) + scheme.rotations.v_mean[i][head_of][:, None]
         errors.append(round(relative_error(out, exact), 5))
     return errors
 

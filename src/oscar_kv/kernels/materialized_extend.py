@@ -4,7 +4,7 @@ Specification: reference.extend_reference (the same semantics as extend.int2_ext
 Per sequence and layer, one Triton pass writes the sequence's keys and values of positions [0, n) into a
 contiguous float16 scratch in the rotated space: positions before the chunk as stored (INT2 pages
 dequantized, sink / recent BF16 pages copied), then the chunk's own keys and values exactly as given; keys
-get the position-aware offset RoPE_p(mu_pre) @ R_K added back (rope.py), as cache.OscarCacheLayer.restore_offsets
+get the position-aware offset RoPE_p(mu_pre) @ R_K added back (rope.py), as codec.LayerCodec.restore_offsets
 does.  Then one flash attention (torch SDPA, causal mask aligned to the lower right, GQA natively) of the
 rotated queries over [history | chunk].  Nothing about the attention itself is INT2-specific any more: the
 cost is the BF16 cache's flash attention plus one streaming pass over the history.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rotation import rotate
 from ..quant import dequantize_rows, quantize_rows, QuantizedRows
 from .layout import PagedBatch, PagedKVPool
 
@@ -20,8 +21,7 @@ def rotate_keys(k: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.
         x = x - k_mean.float()
     if k_rotation is None:
         return x
-    r = k_rotation.float()
-    return torch.einsum("...hd,hde->...he", x, r.expand(x.shape[-2], -1, -1))
+    return rotate(x.unsqueeze(-2), k_rotation.float()).squeeze(-2)
 
 
 def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
@@ -31,7 +31,7 @@ def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_head
         return x
     hq = x.shape[-2]
     r = k_rotation.float().expand(num_kv_heads, -1, -1).repeat_interleave(hq // num_kv_heads, 0)
-    return torch.einsum("...hd,hde->...he", x, r)
+    return rotate(x.unsqueeze(-2), r).squeeze(-2)
 
 
 def _quantize_heads(x: torch.Tensor, group: int, clip_idx: torch.Tensor, rescale: float = 0.0) -> QuantizedRows:
@@ -141,9 +141,8 @@ def with_rope_offsets(k: torch.Tensor, start: int, rope, k_rotation: torch.Tenso
     rows = table[start:start + k.shape[0]].float()
     cos, sin = rows[:, :half].repeat(1, 2), rows[:, half:].repeat(1, 2)
     off = key_offsets(mu_pre.to(k.device), cos, sin)  # [H, T, D]
-    r = k_rotation.float().expand(k.shape[1], -1, -1) if k_rotation is not None else None
-    off_rot = torch.einsum("htd,hde->the", off, r) if r is not None else off.transpose(0, 1)
-    return k + off_rot
+    off_rot = rotate(off, k_rotation.float()) if k_rotation is not None else off
+    return k + off_rot.transpose(0, 1)
 
 
 def decode_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, batch: PagedBatch,

@@ -1,0 +1,196 @@
+"""One layer's codec: the map between the model's keys and values and the form the KV cache stores.
+
+Built once from a rotation artifact (``layer_codecs``) and shared by everything that writes or reads a
+cache: the generate() cache (cache.py), the engine (engine/), the evaluation and the kernels' references.
+Stored form, per KV head:
+  keys    (k - mu_K - RoPE_p(mu_pre)) @ R_K   rotated here (post-RoPE keys cannot be folded into k_proj); the
+          RoPE_p term is zero unless the artifact centers keys per position (rope.py)
+  values  (v - mu_V) @ R_V                    already so when they arrive: folded into v_proj (folding.py)
+Queries are rotated by the same R_K, so q @ R_K . stored key is the logit of the centered key.  The constant
+mean cancels in softmax; the per-position offset does not, and attention adds it back (``restore_offsets``).
+Rows leaving the BF16 windows are clipped per KV head and quantized per token x head x group of channels
+(quant.py); KIVI-style keys instead per channel over pages of tokens (``key_page``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .artifacts import Rotations
+from .models import AttentionGeometry
+from .quant import QuantizedRows, dequantize_rows, quantize_rows
+from .rope import RopeTable, kernel_pairs, key_offsets
+from .rotation import rotate
+
+STORED_BITS = {"bf16": 16, "int2": 2, "int4": 4, "int8": 8}  # bits per element of a kv_cache_dtype's history
+
+
+@dataclass
+class LayerCodec:
+    """One layer's rotation, means, per-position offsets, clips, bits and group.
+
+    Shapes: k_rotation [H | 1, D, D] float32; k_mean, k_rope_mean [Hkv, D]; k_clip, v_clip [Hkv]; rope_pairs
+    [Hkv, R] int32.  Rows handed to ``quantize_*`` carry the KV head in dim 1 ([B, Hkv, T, D] or [N, Hkv, D]).
+    """
+
+    bits: int  # of the quantized history; 16: nothing is quantized
+    group_size: int  # channels sharing one scale / minimum
+    k_rotation: torch.Tensor
+    k_mean: torch.Tensor
+    k_clip: torch.Tensor  # clip ratio of each KV head's rows
+    v_clip: torch.Tensor
+    k_rescale: float = 0.0  # quant.quantize_rows' rescale strength per side
+    v_rescale: float = 0.0
+    k_rope_mean: torch.Tensor | None = None  # mu_pre of position-aware centering, None: constant centering only
+    rope: RopeTable | None = None  # the model's cos / sin, shared by all layers (with k_rope_mean)
+    rope_pairs: torch.Tensor | None = None  # rope.kernel_pairs(k_rope_mean), found once: finding them syncs the device
+    key_page: int | None = None  # KIVI: keys quantized per channel over pages of this many tokens, unclipped
+
+    def __post_init__(self):
+        if self.k_rope_mean is not None:
+            if self.rope is None:
+                raise ValueError("position-aware key centering needs the model's RoPE table")
+            if self.rope_pairs is None:
+                self.rope_pairs = kernel_pairs(self.k_rope_mean)
+
+    @property
+    def quantizes(self) -> bool:
+        return self.bits < 16
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_mean.shape[0]
+
+    def keep_heads(self, heads: slice) -> "LayerCodec":
+        """The codec of KV heads ``heads`` only (a tensor-parallel rank's block, parallel.py)."""
+        parts = {name: getattr(self, name)[heads] for name in ("k_mean", "k_clip", "v_clip", "k_rope_mean", "rope_pairs")
+                 if getattr(self, name) is not None}
+        if self.k_rotation.shape[0] > 1:  # one rotation per head, not one shared by all
+            parts["k_rotation"] = self.k_rotation[heads]
+        return dataclasses.replace(self, **parts)
+
+    def to(self, device) -> "LayerCodec":
+        parts = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **parts)
+
+    # ---- rotation ------------------------------------------------------------------------------
+    def rotate_keys(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Stored keys of post-RoPE keys ``k`` [B, Hkv, T, D] at ``positions`` [T]: float32 (k - offset_p) @ R_K.
+        Float64 makes each token's result independent of how many tokens are rotated together, so the stored
+        codes do not depend on chunking."""
+        centered = k.double() - self.k_mean[None, :, None, :].double()
+        if self.k_rope_mean is not None:
+            centered = centered - key_offsets(self.k_rope_mean, *self.rope(positions)).double()
+        return rotate(centered, self.k_rotation.double()).float()
+
+    def restore_offsets(self, keys: torch.Tensor) -> torch.Tensor:
+        """Stored keys [B, Hkv, N, D] of positions 0..N-1 -> the same keys with the position-aware offset added
+        back (rotated), so that a rotated query's dot with them is the logit of the original key."""
+        if self.k_rope_mean is None:
+            return keys  # a constant offset cancels in softmax
+        n = keys.shape[2]
+        offsets = key_offsets(self.k_rope_mean, *self.rope(torch.arange(n, device=keys.device)))
+        return keys + rotate(offsets, self.k_rotation.float())[None]
+
+    def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """float32 q @ R_K of each query head's KV head; q is [B, Hq, T, D]."""
+        b, hq, t, d = q.shape
+        grouped = q.float().reshape(b, self.num_kv_heads, (hq // self.num_kv_heads) * t, d)
+        return rotate(grouped, self.k_rotation).reshape(b, hq, t, d)
+
+    def model_space_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Stored keys [Hkv, N, D] of positions 0..N-1 back in the model's space (post-RoPE, mean restored)."""
+        restored = self.restore_offsets(keys[None])[0]
+        return rotate(restored, self.k_rotation.to(keys.device).transpose(-1, -2)) + self.k_mean[:, None].to(keys.device)
+
+    # ---- quantization --------------------------------------------------------------------------
+    def quantize_keys(self, rows: torch.Tensor) -> QuantizedRows:
+        """Rotated keys as the history stores them; per channel over pages: rows [B, Hkv, N, D], N whole pages."""
+        if self.key_page is None:
+            return quantize_rows(rows, self.bits, self.group_size, _clip_per_row(self.k_clip, rows), self.k_rescale)
+        b, h, n, d = rows.shape
+        p = self.key_page
+        pages = rows.reshape(b, h, n // p, p, d).transpose(-1, -2)  # [B, H, pages, D, P]: a row is one channel
+        return quantize_rows(pages, self.bits, p)
+
+    def quantize_values(self, rows: torch.Tensor) -> QuantizedRows:
+        return quantize_rows(rows, self.bits, self.group_size, _clip_per_row(self.v_clip, rows), self.v_rescale)
+
+    def dequantize_keys(self, q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        x = dequantize_rows(q, dtype)
+        if self.key_page is None:
+            return x
+        b, h, pages, d, p = x.shape
+        return x.transpose(-1, -2).reshape(b, h, pages * p, d)
+
+    def dequantize_values(self, q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_rows(q, dtype)
+
+    def stored_rows(self, codes: torch.Tensor, meta: torch.Tensor) -> QuantizedRows:
+        """Rows read back from a pool: packed codes and the metadata as stored there (scales | minima)."""
+        groups = meta.shape[-1] // 2
+        return QuantizedRows(codes, meta[..., :groups], meta[..., groups:], self.bits, self.group_size)
+
+
+def stored_attention(q_rot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                     mask: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Attention in the stored space, float32: what the kernels compute, in torch.
+
+    Args:
+        q_rot: [B, Hq, T, D] rotated queries (``LayerCodec.rotate_queries``).
+        keys, values: [B, Hkv, N, D] as stored, keys with their offsets restored (``restore_offsets``).
+        mask: applied to the logits [B, Hkv, Hq / Hkv, T, N] before softmax; None: every key is seen.
+    Returns:
+        [B, Hq, T, D]
+    """
+    b, hq, t, d = q_rot.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    logits = (q_rot.reshape(b, hkv, (hq // hkv) * t, d) @ keys.transpose(-1, -2)) * scaling
+    logits = logits.reshape(b, hkv, hq // hkv, t, n)
+    if mask is not None:
+        logits = mask(logits)
+    probs = torch.softmax(logits, dim=-1).reshape(b, hkv, -1, n)
+    return (probs @ values).reshape(b, hq, t, d)
+
+
+def _clip_per_row(clip: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Clip ratios [Hkv] shaped to broadcast over ``rows``' leading dims (the KV head in dim 1)."""
+    return clip.view(clip.shape[0], *[1] * (rows.dim() - 3))
+
+
+def validated_artifact(model, rotations: Rotations | None) -> Rotations:
+    """``rotations`` checked against the model's attention geometry; None: identity rotations, no centering
+    (keys stored as they come)."""
+    geometry = AttentionGeometry.of(model.config)
+    if rotations is None:
+        rotations = Rotations.data_free(geometry, "identity")
+    rotations.validate(geometry)
+    return rotations
+
+
+def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: int | None = None,
+                 key_page: int | None = None) -> list[LayerCodec]:
+    """Every layer's codec from a validated artifact (``validated_artifact``).
+
+    Args:
+        kv_cache_dtype: the history's precision; a layer the artifact keeps wider keeps its own bits.
+        group_size: channels per scale / minimum (default: the artifact's).
+        key_page: quantize keys per channel over pages of this many tokens (KIVI) instead of per token.
+    """
+    bits = STORED_BITS[kv_cache_dtype]
+    geometry = rotations.geometry
+    rope = RopeTable(model, geometry.head_dim) if rotations.key_centering == "rope" else None
+    codecs = []
+    for i in range(geometry.num_layers):
+        k_rope_mean = rotations.k_rope_mean[i].float()
+        codecs.append(LayerCodec(
+            bits if bits == 16 else max(bits, int(rotations.layer_bits[i])), group_size or rotations.group_size,
+            rotations.k_rotation[i].float(), rotations.k_mean[i].float(), rotations.k_clip[i].float(),
+            rotations.v_clip[i].float(), rotations.k_rescale, rotations.v_rescale,
+            k_rope_mean if k_rope_mean.abs().max() > 0 else None, rope, key_page=key_page))
+    return codecs
