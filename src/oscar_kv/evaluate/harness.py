@@ -92,6 +92,8 @@ class AuthorsValueProxy:
 def _calibration_statistics(model, tokenizer, oscar: Rotations):
     """Re-stream the artifact's calibration data to fit ablations from the same statistics."""
     cal = dict(oscar.manifest.get("calibration", {}))
+    if not cal.get("rope_pairs"):  # 0: the artifact keeps no per-position mean; a rope ablation fits the most pairs
+        cal["rope_pairs"] = "auto"
     known = CalibrationSettings.__dataclass_fields__
     settings = CalibrationSettings(**{k: v for k, v in cal.items() if k in known})
     # ablations change one choice of the artifact as shipped, so "auto" becomes what it chose
