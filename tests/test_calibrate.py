@@ -5,8 +5,10 @@ import torch
 
 from oscar_kv.activations import NonFiniteActivations
 from oscar_kv.artifacts import Rotations
-from oscar_kv.calibrate import CalibrationSettings, calibrate, propose_layer_bits
+from oscar_kv.calibrate import (PAIRS_TOLERANCE, ROPE_GAIN, CalibrationSettings, calibrate, choose_centering,
+                                propose_layer_bits)
 from oscar_kv.corpus import read_text_file
+from oscar_kv.rope import kernel_pairs
 from oscar_kv.rotation import orthogonality_error
 
 SMALL = dict(calib_tokens=512, seq_len=256, probe_tokens=128)
@@ -101,3 +103,63 @@ def test_bad_settings():
         CalibrationSettings(rotation_scope="per-token")
     with pytest.raises(ValueError, match="clip ratios"):
         CalibrationSettings(k_clip=1.5)
+
+
+def test_centering_choice_takes_the_fewest_pairs_near_the_lowest_error():
+    # 16 pairs within the tolerance of 32's error: the cheaper count wins
+    near = choose_centering({8: 0.40, 16: 0.3650 * (1 + PAIRS_TOLERANCE / 2), 32: 0.3650}, 0.45)
+    assert (near.centering, near.pairs) == ("rope", 16)
+    assert "16 pairs" in near.reason and "fewest" in near.reason and "below constant" in near.reason
+    # just outside it: the most accurate count
+    far = choose_centering({8: 0.40, 16: 0.3650 * (1 + 2 * PAIRS_TOLERANCE), 32: 0.3650}, 0.45)
+    assert (far.centering, far.pairs) == ("rope", 32) and "lowest rope error" in far.reason
+    # fewer pairs measured better (as SmolLM2's 16 vs all 32): fewer it is
+    assert choose_centering({8: 0.39, 16: 0.3646, 32: 0.3659}, 0.45).pairs == 16
+    # one count measured (pinned): rope against constant only
+    assert choose_centering({32: 0.36}, 0.45).pairs == 32
+
+
+def test_centering_choice_falls_back_to_constant_without_the_gain():
+    weak = choose_centering({8: 0.50, 16: 0.44, 32: 0.437}, 0.45)  # 16 is near 32's error but < 5% below constant
+    assert (weak.centering, weak.pairs, weak.rope_pairs) == ("constant", 0, 16)
+    assert f"{ROPE_GAIN:.0%}" in weak.reason and "constant" in weak.reason
+    edge = 0.45 * (1 - ROPE_GAIN)
+    assert choose_centering({16: edge * 0.999}, 0.45).centering == "rope"
+    assert choose_centering({16: edge * 1.001}, 0.45).centering == "constant"
+    # without constant as a candidate (key centering "rope", pairs "auto") only the pair count is chosen
+    only = choose_centering({8: 0.50, 16: 0.44, 32: 0.437})
+    assert (only.centering, only.pairs) == ("rope", 16)
+
+
+def test_auto_chooses_pairs_and_the_manifest_says_which(model, tokenizer, tmp_path):
+    rot = calibrate(model, tokenizer, CalibrationSettings(rope_pairs="auto", **SMALL), progress=False)
+    rot.save(tmp_path)
+    cal = Rotations.load(tmp_path).manifest["calibration"]
+    choice = cal["key_centering_choice"]
+    assert cal["key_centering"] == "auto" and cal["rope_pairs"] == choice["pairs"]
+    errors = {int(p): e for p, e in choice["probe_error_by_pairs"].items()}
+    assert set(errors) == {8, 16, 32} and set(choice["probe_error"]) == {"constant", "rope"}
+    assert choice["reason"]
+    if choice["chosen"] == "rope":
+        assert errors[choice["pairs"]] <= (1 + PAIRS_TOLERANCE) * min(errors.values())
+        assert choice["probe_error"]["rope"] == errors[choice["pairs"]]
+        assert rot.key_centering == "rope"
+        # what the kernels will visit is what the manifest says was kept
+        for layer in rot.rope_layers():
+            assert kernel_pairs(rot.k_rope_mean[layer]).shape[1] == choice["pairs"], layer
+    else:
+        assert choice["pairs"] == 0 and rot.key_centering == "constant"
+
+
+def test_pinned_rope_pairs_are_kept_as_asked(model, tokenizer):
+    rot = calibrate(model, tokenizer, CalibrationSettings(key_centering="rope", rope_pairs=16, **SMALL), progress=False)
+    cal = rot.manifest["calibration"]
+    assert cal["rope_pairs"] == 16 and cal["key_centering_choice"] == {"chosen": "rope", "pairs": 16,
+                                                                       "reason": "requested"}
+    assert {kernel_pairs(rot.k_rope_mean[layer]).shape[1] for layer in rot.rope_layers()} == {16}
+
+
+def test_bad_rope_pairs():
+    for bad in (0, "many", 2.5, True):
+        with pytest.raises(ValueError, match="rope_pairs"):
+            CalibrationSettings(rope_pairs=bad)

@@ -39,6 +39,24 @@ def test_calibrate_refuses_an_unknown_key_centering(tmp_path):
     assert result.exit_code == 2 and "sideways" in result.output
 
 
+def test_calibrate_refuses_bad_rope_pairs(tmp_path):
+    result = runner.invoke(app, ["calibrate", "--rope-pairs", "lots", "--output-dir", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "--rope-pairs takes 'auto' or a whole number" in result.output
+    result = runner.invoke(app, ["calibrate", "--rope-pairs", "0", "--output-dir", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "rope_pairs" in result.output
+
+
+def test_calibrate_help_states_the_rope_pairs_choice():
+    """The CLI cannot import calibrate.py for --help (torch), so its text restates the constants: keep them equal."""
+    from oscar_kv.calibrate import PAIRS_TOLERANCE
+    from oscar_kv.rope import PAIR_COUNTS
+
+    result = runner.invoke(app, ["calibrate", "--help"], env={"COLUMNS": "2000"})
+    text = " ".join(result.output.split())
+    assert f"within {PAIRS_TOLERANCE:.0%} of the lowest error" in text
+    assert "measures {}, {} and {}".format(*PAIR_COUNTS) in text
+
+
 def test_inspect_rejects_a_truncated_artifact(artifact_dir, tmp_path):
     import shutil
 
@@ -144,8 +162,9 @@ def test_calibrate_help_defaults_are_the_library_defaults():
 
     params = inspect.signature(calibrate).parameters
     lib = CalibrationSettings()
-    for name in ("calib_tokens", "seq_len", "k_clip", "v_clip", "rope_pairs", "center_values"):
+    for name in ("calib_tokens", "seq_len", "k_clip", "v_clip", "center_values"):
         assert params[name].default.default == getattr(lib, name), name
+    assert params["rope_pairs"].default.default == str(lib.rope_pairs)  # "auto" or a number: parsed as text
     for name in ("clip", "key_centering", "rotation_scope", "layer_policy"):
         assert params[name].default.default.value == getattr(lib, name), name
 

@@ -6,7 +6,9 @@ activations:
   mu_K = mean post-RoPE key                                  -> key centering ("constant")
   mu_pre = mean pre-RoPE key (RoPE undone with the model's tables) -> position-aware key
          centering ("rope", rope.py), kept in the rope_pairs channel pairs where it removes the
-         most logit variance (the kernels visit only those); mu_K then holds the constant rest
+         most logit variance (the kernels visit only those); mu_K then holds the constant rest.
+         With "auto", the centering and the pair count are chosen on the held-back probe
+         (choose_centering: the cheapest whose error is near the best)
   C_S  = mean O O^T over the group's attention outputs       -> value rotation; O = S V, so
          O^T O = V^T S^T S V exactly (centered by mu_V when values are centered)
   mu_V = mean value                                          -> value centering
@@ -34,8 +36,7 @@ from .corpus import load_calibration_text
 from .models import AttentionGeometry
 from .parallel import SINGLE, TensorParallel, shard_model
 from .quant import check_rescale
-from .rope import DEFAULT_PAIRS as DEFAULT_ROPE_PAIRS
-from .rope import RopeTable, RopeUnsupported, keep_pairs, remove_rope, rotate_half
+from .rope import DEFAULT_PAIRS, RopeTable, RopeUnsupported, keep_pairs, pair_counts, remove_rope, rotate_half
 from .rotation import compose
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80)
 SCOPES = ("per-head", "per-layer")
 KEY_CENTERINGS = ("auto", "rope", "constant", "off")
 ROPE_GAIN = 0.05  # "auto" picks position-aware centering when it cuts the probe's attention error by 5%
+PAIRS_TOLERANCE = 0.01  # under Qwen2.5's 1.5% probe gap of 16 vs 32 pairs, which cost 13-19% in KL (NOTES.md)
 # How the held-back probe is scored: every position, every key past the sink INT2.  Scoring it as served
 # instead (4096 tokens, recent window exact, the last 256 queries) chose harsher key clips on Qwen2.5 that shrank
 # the needle's logit more (-1.5 -> -1.7 nats at the retrieval heads) and did not retrieve better
@@ -60,7 +62,11 @@ class CalibrationSettings:
     rotation_scope: str = "per-head"
     composition: str = "oscar"
     key_centering: str = "auto"  # rope | constant | off, or auto: rope where it measurably helps
-    rope_pairs: int = DEFAULT_ROPE_PAIRS  # channel pairs per KV head that rope centering keeps (kernel cost)
+    # channel pairs per KV head that rope centering keeps (kernel cost), or "auto": the fewest of
+    # rope.PAIR_COUNTS whose probe error is near the best (choose_centering).  32, not "auto", by default: the
+    # 1024-token probe misses what fewer pairs cost at long context (Qwen2.5 KL at 32K 0.034 -> 0.053 / 0.066
+    # with 8 / 16 pairs while the probe moved 4% / 2%; NOTES.md run Q1)
+    rope_pairs: int | str = DEFAULT_PAIRS
     center_values: bool = True
     # "fit" picks per layer/head from CLIP_CANDIDATES (measured better: README); "fixed" uses k_clip/v_clip
     clip: str = "fit"
@@ -80,8 +86,8 @@ class CalibrationSettings:
             raise ValueError(f"rotation scope must be one of {SCOPES}")
         if self.clip not in ("fixed", "fit"):
             raise ValueError("clip must be 'fixed' or 'fit'")
-        if self.rope_pairs < 1:
-            raise ValueError("rope_pairs must be at least 1")
+        if self.rope_pairs != "auto" and (type(self.rope_pairs) is not int or self.rope_pairs < 1):
+            raise ValueError(f"rope_pairs must be 'auto' or a whole number >= 1, got {self.rope_pairs!r}")
         check_rescale(self.key_rescale)
         check_rescale(self.value_rescale)
         if self.layer_policy not in ("off", "auto"):
@@ -274,7 +280,7 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     rotations = fit_rotations(stats, settings, group_size)
     say("rotations fitted (eigen-decompositions)")
     centering = choose_key_centering(rotations, stats, settings, probe)
-    say(f"key centering: {centering['chosen']}")
+    say(f"key centering: {centering['chosen']}, {centering['pairs']} RoPE pairs")
     if settings.clip == "fit":
         fit_clip_ratios(rotations, probe, progress)
         say("clip ratios fitted")
@@ -286,7 +292,8 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     rotations.manifest = {
         "model": getattr(model, "oscar_model_name", getattr(model.config, "_name_or_path", "")),
         "fingerprint": fingerprint,
-        "calibration": {**asdict(settings), "group_size": group_size, "seq_len": seq_len,
+        # rope_pairs: the pairs per KV head the artifact keeps (0 without position-aware centering), not the request
+        "calibration": {**asdict(settings), "rope_pairs": centering["pairs"], "group_size": group_size, "seq_len": seq_len,
                         "sequences": len(sequences), "tokens": int(stats.tokens[0]), "data": source,
                         "seconds": round(time.perf_counter() - started, 1), "key_centering_choice": centering},
         "validation": {"probe_tokens": int(probe_ids.shape[1]), "attention_relative_error": table,
@@ -298,7 +305,9 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
 def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: int) -> Rotations:
     g = stats.geometry
     centering = "constant" if settings.key_centering == "auto" else settings.key_centering
-    c_q, c_s, mu_k, mu_v, mu_pre = stats.moments(centering, settings.center_values, settings.rope_pairs)
+    # "auto" pairs fit with the most; choose_key_centering settles the count on the probe
+    pairs = pair_counts(g.head_dim)[-1] if settings.rope_pairs == "auto" else settings.rope_pairs
+    c_q, c_s, mu_k, mu_v, mu_pre = stats.moments(centering, settings.center_values, pairs)
     if settings.rotation_scope == "per-layer":
         c_q, c_s = c_q.mean(1, keepdim=True), c_s.mean(1, keepdim=True)
     heads = c_q.shape[1]
@@ -318,23 +327,71 @@ def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: 
                      k_rescale=settings.key_rescale, v_rescale=settings.value_rescale)
 
 
+@dataclass(frozen=True)
+class CenteringChoice:
+    centering: str  # "rope" or "constant"
+    pairs: int  # channel pairs per KV head the kernels visit for the per-position term (0 with constant)
+    rope_pairs: int  # the rope candidate weighed against constant (the one chosen when centering is "rope")
+    reason: str
+
+
+def choose_centering(rope_errors: dict[int, float], constant_error: float | None = None) -> CenteringChoice:
+    """The cheapest key centering the probe errors justify.  ``rope_errors``: the probe error of position-aware
+    centering per pair count (the kernels' cost grows with it); ``constant_error``: constant centering's, or None
+    when it is not a candidate.  Rope takes the fewest pairs within PAIRS_TOLERANCE of its lowest error, and is
+    chosen over constant only when that error is ROPE_GAIN below constant's."""
+    lowest = min(rope_errors.values())
+    best_pairs = min(p for p, e in rope_errors.items() if e == lowest)
+    pairs = min(p for p, e in rope_errors.items() if e <= (1 + PAIRS_TOLERANCE) * lowest)
+    if len(rope_errors) == 1:
+        rope = f"rope with {pairs} pairs"
+    elif pairs == best_pairs:
+        rope = f"rope with {pairs} pairs (the lowest rope error)"
+    else:
+        rope = (f"rope with {pairs} pairs (the fewest within {PAIRS_TOLERANCE:.0%} of the lowest rope error, "
+                f"{lowest:.4f} with {best_pairs})")
+    if constant_error is None:
+        return CenteringChoice("rope", pairs, pairs, rope)
+    gain = 1 - rope_errors[pairs] / constant_error if constant_error > 0 else 0.0
+    if gain < ROPE_GAIN:
+        return CenteringChoice("constant", 0, pairs, f"{rope} is only {gain:.1%} below constant, under the "
+                                                     f"{ROPE_GAIN:.0%} it needs")
+    return CenteringChoice("rope", pairs, pairs, f"{rope} is {gain:.1%} below constant")
+
+
 def choose_key_centering(rot: Rotations, stats: Statistics, settings: CalibrationSettings,
                          probe: list[LayerSample]) -> dict:
-    """For ``key_centering="auto"``: switch ``rot`` to position-aware centering when that lowers the
-    mean INT2 attention error on the held-back probe by ROPE_GAIN.  Returns what was measured."""
-    if settings.key_centering != "auto" or stats.rope is None:
-        return {"chosen": settings.key_centering if settings.key_centering != "auto" else "constant"}
-    mu_k, mu_pre = stats.key_means("rope", settings.rope_pairs)
-    candidate = Rotations(**{**{n: getattr(rot, n) for n in Rotations.TENSORS}, "k_mean": mu_k.float(),
-                             "k_rope_mean": mu_pre.float()}, geometry=rot.geometry, group_size=rot.group_size,
-                          k_rescale=rot.k_rescale, v_rescale=rot.v_rescale)
+    """Settle what the settings leave to "auto" (the key centering, the RoPE pair count or both): measure the
+    mean INT2 attention error on the held-back probe for each candidate, set ``rot``'s key means to
+    choose_centering's pick and return the record for the manifest."""
+    half = rot.geometry.head_dim // 2
+    requested, pairs_asked = settings.key_centering, settings.rope_pairs
+    if requested in ("constant", "off"):
+        return {"chosen": requested, "pairs": 0, "reason": "requested"}
+    if stats.rope is None:  # calibrate() refused "rope" already
+        return {"chosen": "constant", "pairs": 0, "reason": "the model's RoPE does not allow position-aware "
+                                                           "centering (a static rotate-half RoPE over all channels)"}
+    if requested == "rope" and pairs_asked != "auto":  # nothing left to choose: fit_rotations applied it
+        return {"chosen": "rope", "pairs": min(pairs_asked, half), "reason": "requested"}
+    counts = pair_counts(rot.geometry.head_dim) if pairs_asked == "auto" else (min(pairs_asked, half),)
     layers = range(rot.geometry.num_layers)
-    errors = {name: sum(_layer_error(r, probe[i], i) for i in layers) / len(layers)
-              for name, r in (("constant", rot), ("rope", candidate))}
-    chosen = "rope" if errors["rope"] < (1 - ROPE_GAIN) * errors["constant"] else "constant"
-    if chosen == "rope":
-        rot.k_mean, rot.k_rope_mean = candidate.k_mean, candidate.k_rope_mean
-    return {"chosen": chosen, "probe_error": {k: round(v, 5) for k, v in errors.items()}}
+
+    def probe_error(means: tuple[torch.Tensor, torch.Tensor]) -> float:
+        candidate = dataclasses.replace(rot, k_mean=means[0].float(), k_rope_mean=means[1].float())
+        return sum(_layer_error(candidate, probe[i], i) for i in layers) / len(layers)
+
+    rope_means = {p: stats.key_means("rope", p) for p in counts}
+    rope_errors = {p: probe_error(m) for p, m in rope_means.items()}
+    constant_means = stats.key_means("constant") if requested == "auto" else None
+    constant_error = probe_error(constant_means) if constant_means is not None else None
+    choice = choose_centering(rope_errors, constant_error)
+    mu_k, mu_pre = rope_means[choice.pairs] if choice.centering == "rope" else constant_means
+    rot.k_mean, rot.k_rope_mean = mu_k.float(), mu_pre.float()
+    errors = {"constant": constant_error, "rope": rope_errors[choice.rope_pairs]}  # rope: the candidate weighed
+    return {"chosen": choice.centering, "pairs": choice.pairs,
+            "probe_error": {k: round(v, 5) for k, v in errors.items() if v is not None},
+            "probe_error_by_pairs": {str(p): round(e, 5) for p, e in rope_errors.items()},
+            "reason": choice.reason}
 
 
 def _layer_error(rot: Rotations, sample: LayerSample, layer: int, k_clip=None, v_clip=None, **kwargs) -> float:

@@ -23,7 +23,9 @@ from .errors import OscarKVError
 
 STEP = 16  # the decode kernel rebuilds RoPE angles in steps of 16 positions (KernelRope)
 MIN_PAIRS = 8  # the kernels' dot over pairs needs 2 x pairs >= 16
-DEFAULT_PAIRS = 32  # pairs per KV head calibration keeps in mu_pre (CalibrationSettings.rope_pairs)
+# the pair counts the CUDA decode kernel compiles (1, 2, 4 MMA k-steps); calibration's "auto" chooses among them
+PAIR_COUNTS = (8, 16, 32)
+DEFAULT_PAIRS = PAIR_COUNTS[-1]  # the most pairs per KV head "auto" keeps in mu_pre; the benchmarks' synthetic mu_pre
 TILE_MARGIN = 1024  # table rows beyond the last key position: no kernel tile may reach further past it
 
 
@@ -77,6 +79,11 @@ def random_pairs(heads: int, half: int, count: int, gen: torch.Generator) -> tor
     for i in range(heads):
         keep[i, torch.randperm(half, generator=gen)[:count]] = True
     return keep
+
+
+def pair_counts(head_dim: int) -> tuple[int, ...]:
+    """The PAIR_COUNTS a head of ``head_dim`` channels can keep (at most all D/2 pairs), ascending."""
+    return tuple(sorted({min(count, head_dim // 2) for count in PAIR_COUNTS}))
 
 
 def kernel_pairs(mu_pre: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from ..cache import CacheSettings, unprepare_model
 from ..calibrate import CalibrationSettings, Statistics, split_probe
 from ..corpus import DEFAULT_CORPUS, load_calibration_text, read_text_file
 from ..models import AttentionGeometry
-from ..rope import RopeTable, RopeUnsupported
+from ..rope import DEFAULT_PAIRS, RopeTable, RopeUnsupported
 from . import tasks
 from .report import write_report
 from .schemes import STANDARD, Scheme, ablation_schemes, standard_scheme
@@ -92,6 +92,8 @@ class AuthorsValueProxy:
 def _calibration_statistics(model, tokenizer, oscar: Rotations):
     """Re-stream the artifact's calibration data to fit ablations from the same statistics."""
     cal = dict(oscar.manifest.get("calibration", {}))
+    if not cal.get("rope_pairs"):  # 0: the artifact keeps no per-position mean; a rope ablation fits the default
+        cal["rope_pairs"] = DEFAULT_PAIRS
     known = CalibrationSettings.__dataclass_fields__
     settings = CalibrationSettings(**{k: v for k, v in cal.items() if k in known})
     # ablations change one choice of the artifact as shipped, so "auto" becomes what it chose
