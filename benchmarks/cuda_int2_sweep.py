@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from oscar_kv.bench.attention import GEOMETRY, _bench_call, copy_bandwidth, int2_bytes, int2_case
+from oscar_kv.bench.attention import GEOMETRY, _bench_call, layer_geometry, copy_bandwidth, int2_bytes, int2_case
 from oscar_kv.kernels import int2_cuda
 from oscar_kv.kernels.decode import LOG2E, _num_sms, int2_decode
-from oscar_kv.kernels.layout import PoolGeometry
 
 # stamp slot -> phase, in time order (slots 10-15: warp 0 after its n-th INT2 step; 8, 9 and 7: the merging
 # CTAs only)
@@ -128,9 +127,7 @@ def main() -> None:
     ap.add_argument("--stamps", action="store_true")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    geom = PoolGeometry(num_layers=1, num_kv_heads=GEOMETRY["num_kv_heads"], head_dim=GEOMETRY["head_dim"],
-                        group_size=GEOMETRY["group_size"], page_size=GEOMETRY["page_size"],
-                        sink_size=GEOMETRY["sink_size"], recent_size=GEOMETRY["recent_size"])
+    geom = layer_geometry()
     bw = copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     gen = torch.Generator().manual_seed(0)

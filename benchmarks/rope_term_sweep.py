@@ -18,10 +18,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_int2_sweep import SHIPPED, _source  # noqa: E402
 
-from oscar_kv.bench.attention import GEOMETRY, _bench_call, int2_case  # noqa: E402
+from oscar_kv.bench.attention import GEOMETRY, _bench_call, layer_geometry, int2_case  # noqa: E402
 from oscar_kv.kernels import int2_cuda  # noqa: E402
 from oscar_kv.kernels.decode import int2_decode  # noqa: E402
-from oscar_kv.kernels.layout import PoolGeometry  # noqa: E402
 from oscar_kv.rope import KernelRope, keep_pairs, random_pairs  # noqa: E402
 
 
@@ -42,9 +41,7 @@ def main() -> None:
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    geom = PoolGeometry(num_layers=1, num_kv_heads=GEOMETRY["num_kv_heads"], head_dim=GEOMETRY["head_dim"],
-                        group_size=GEOMETRY["group_size"], page_size=GEOMETRY["page_size"],
-                        sink_size=GEOMETRY["sink_size"], recent_size=GEOMETRY["recent_size"])
+    geom = layer_geometry()
     h, d = geom.num_kv_heads, geom.head_dim
     inv_freq = 1e6 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # Qwen3's RoPE base
     sources = [SHIPPED] + [s for s in a.sources.split(",") if s]

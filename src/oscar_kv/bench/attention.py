@@ -30,6 +30,14 @@ GEOMETRY = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, group_size=128, pa
                 recent_size=256, num_layers=36)
 
 
+def layer_geometry():
+    """The pool geometry of one Qwen3-8B layer (GEOMETRY), as every attention benchmark times it."""
+    from ..kernels.layout import PoolGeometry
+
+    return PoolGeometry(num_layers=1, **{k: GEOMETRY[k] for k in ("num_kv_heads", "head_dim", "group_size", "page_size",
+                                                                  "sink_size", "recent_size")})
+
+
 def _ints(s: str) -> list[int]:
     out = []
     for part in s.split(","):
@@ -273,16 +281,14 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
     import triton  # noqa: F401  (GPU only)
 
     from ..kernels.decode import bf16_decode, int2_decode
-    from ..kernels.layout import PagedKVPool, PoolGeometry
+    from ..kernels.layout import PagedKVPool
 
     if not torch.cuda.is_available():
         raise SystemExit("the attention benchmark needs a CUDA GPU")
     device = torch.device("cuda")
     warnings.filterwarnings("ignore", message="For dense input, both fused kernels")
     torch.backends.cuda.matmul.allow_tf32 = False
-    geom = PoolGeometry(num_layers=1, num_kv_heads=GEOMETRY["num_kv_heads"], head_dim=GEOMETRY["head_dim"],
-                        group_size=GEOMETRY["group_size"], page_size=GEOMETRY["page_size"],
-                        sink_size=GEOMETRY["sink_size"], recent_size=GEOMETRY["recent_size"])
+    geom = layer_geometry()
     gen = torch.Generator().manual_seed(0)
     props = torch.cuda.get_device_properties(device)
     result = dict(timing="cuda-graph replay" if USE_GRAPHS else "eager", device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
