@@ -1,5 +1,7 @@
 """The paged engine on the real SmolLM2: equality with generate(), batching, prefix cache, preemption."""
 
+import os
+
 import pytest
 import torch
 
@@ -56,6 +58,12 @@ def run_all(engine, limit=400):
 
 def text_of(outs):
     return "".join(o.text for o in outs)
+
+
+# The engine tests run the CPU model; its Triton kernels need the interpreter, which conftest turns on only where
+# there is no CUDA (on a GPU machine the kernels' own tests and test_graphs cover them on the device).
+cpu_kernels = pytest.mark.skipif(torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET"),
+                                 reason="the CPU engine's Triton kernels run under TRITON_INTERPRET=1 only")
 
 
 def make_engine(model, tokenizer, rotations, **kwargs):
@@ -226,6 +234,7 @@ def test_allocator_lru_eviction_and_refcounts():
         a.release(p[0])
 
 
+@cpu_kernels
 @pytest.mark.parametrize("dtype,centering", [("bf16", "constant"), ("int2", "constant"), ("int2", "rope")])
 def test_kernels_match_the_reference_on_real_activations(model, tokenizer, constant_rotations, small_rotations,
                                                          long_prompt, dtype, centering, monkeypatch):
@@ -273,6 +282,7 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
         assert ("flash", "kernel") in paths, paths
 
 
+@cpu_kernels
 @pytest.mark.parametrize("dtype", ["bf16", "int2"])
 def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, constant_rotations, long_prompt, dtype,
                                                              monkeypatch):
@@ -360,6 +370,7 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
                 assert torch.allclose(x[decoded].float(), y[decoded].float(), rtol=2 ** -7, atol=1e-4), (name, li)
 
 
+@cpu_kernels
 def test_position_aware_centering_runs_the_kernels_int2_and_bf16(model, tokenizer, small_rotations, caplog):
     """The INT2 kernels add the per-position key offset.  A BF16 cache given the same artifact ignores the
     per-position means (BF16 keys need no centering) and runs its kernels, not the torch reference (issue 23:
