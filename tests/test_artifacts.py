@@ -186,9 +186,10 @@ def test_import_of_the_authors_per_head_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_obtain_prefers_the_given_then_shipped_then_cached_artifact(model, tokenizer, tmp_path, monkeypatch):
-    """artifacts.obtain: an explicit directory is validated; the embedded model gets its shipped artifact; another
+    """provision.obtain: an explicit directory is validated; the embedded model gets its shipped artifact; another
     name gets one cached under $OSCAR_KV_HOME/artifacts only for the same weights; else ArtifactMissing."""
-    from oscar_kv.artifacts import ArtifactMissing, load_shipped, obtain
+    from oscar_kv.artifacts import load_shipped
+    from oscar_kv.provision import ArtifactMissing, obtain
     from oscar_kv.home import artifact_cache_dir
 
     monkeypatch.setenv("OSCAR_KV_HOME", str(tmp_path / "home"))

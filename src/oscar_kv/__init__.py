@@ -16,7 +16,7 @@ import types
 # Names resolve on first use (PEP 562): importing torch and transformers takes seconds, and `oscar-kv --help`
 # or the server's flag parsing should not wait for them.
 _EXPORTS = {
-    "ArtifactError": "artifacts", "Rotations": "artifacts", "obtain": "artifacts",
+    "ArtifactError": "artifacts", "Rotations": "artifacts", "obtain": "provision",
     "CacheSettings": "cache", "OscarCache": "cache", "prepare_model": "cache", "unprepare_model": "cache",
     "CalibrationSettings": "calibrate", "calibrate": "calibrate",
     "bits_per_element": "memory",

@@ -221,8 +221,9 @@ def inspect(directory: Path = typer.Argument(..., help="A rotation artifact dire
 
 
 def _load_rotations(rotations: Optional[Path], lm, kv_cache_dtype: str, model: str = ""):
-    """--rotations DIR, or the artifact shipped or cached for --model (artifacts.obtain); None for bf16 without one."""
-    from .artifacts import ArtifactError, ArtifactMissing, obtain
+    """--rotations DIR, or the artifact shipped or cached for --model (provision.obtain); None for bf16 without one."""
+    from .artifacts import ArtifactError
+    from .provision import ArtifactMissing, obtain
 
     if rotations is None and kv_cache_dtype == "bf16":
         return None
@@ -462,7 +463,7 @@ def demo(
 ):
     """What `make run` does: calibrate once (cached), then answer a long chat prompt with the INT2 cache."""
     _quiet_transformers()
-    from .artifacts import obtain
+    from .provision import obtain
     from .cache import CacheSettings
     from .corpus import DEFAULT_CORPUS
     from .generation import generate as run_generate

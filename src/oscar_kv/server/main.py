@@ -109,8 +109,9 @@ class ServeConfig:
 
 
 def load_rotations(config: ServeConfig, model, tokenizer):
-    """The artifact for ``config`` (artifacts.obtain: validated against the model), None for bf16 without one."""
-    from ..artifacts import ArtifactError, ArtifactMissing, obtain
+    """The artifact for ``config`` (provision.obtain: validated against the model), None for bf16 without one."""
+    from ..artifacts import ArtifactError
+    from ..provision import ArtifactMissing, obtain
 
     if not config.rotations and config.kv_cache_dtype == "bf16":
         return None
