@@ -23,8 +23,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .artifacts import Rotations
-from .codec import STORED_BITS, LayerCodec, layer_codecs, stored_attention, validated_artifact
-from .config import KV_CACHE_DTYPES, KVCacheDtype, check_window_sizes
+from .codec import LayerCodec, layer_codecs, stored_attention, validated_artifact
+from .config import KV_CACHE_BITS, KV_CACHE_DTYPES, KVCacheDtype, check_window_sizes
 from .errors import ConfigError
 from .folding import fold_values, restore_model
 from .memory import KVFootprint
@@ -56,7 +56,7 @@ class CacheSettings:
 
     @property
     def bits(self) -> int:
-        return STORED_BITS[self.kv_cache_dtype]
+        return KV_CACHE_BITS[self.kv_cache_dtype]
 
 
 class OscarCacheLayer(CacheLayerMixin):

@@ -21,12 +21,11 @@ from typing import Callable
 import torch
 
 from .artifacts import Rotations
+from .config import KV_CACHE_BITS
 from .models import AttentionGeometry
 from .quant import QuantizedRows, dequantize_rows, quantize_rows
 from .rope import RopeTable, kernel_pairs, key_offsets
 from .rotation import rotate
-
-STORED_BITS = {"bf16": 16, "int2": 2, "int4": 4, "int8": 8}  # bits per element of a kv_cache_dtype's history
 
 
 @dataclass
@@ -182,7 +181,7 @@ def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: i
         group_size: channels per scale / minimum (default: the artifact's).
         key_page: quantize keys per channel over pages of this many tokens (KIVI) instead of per token.
     """
-    bits = STORED_BITS[kv_cache_dtype]
+    bits = KV_CACHE_BITS[kv_cache_dtype]
     geometry = rotations.geometry
     rope = RopeTable(model, geometry.head_dim) if rotations.key_centering == "rope" else None
     codecs = []

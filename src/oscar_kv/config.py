@@ -7,6 +7,7 @@ from typing import Literal, get_args
 
 KVCacheDtype = Literal["bf16", "int2", "int4", "int8"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)  # what the generate() cache stores (cache.py)
+KV_CACHE_BITS = {d: 16 if d == "bf16" else int(d[3:]) for d in KV_CACHE_DTYPES}  # bits per element of the history
 ServedKVCacheDtype = Literal["bf16", "int2"]
 SERVED_KV_CACHE_DTYPES: tuple[str, ...] = get_args(ServedKVCacheDtype)  # what the paged engine serves
 
