@@ -49,10 +49,12 @@ def test_calibrate_refuses_bad_rope_pairs(tmp_path):
 def test_calibrate_help_states_the_rope_pairs_choice():
     """The CLI cannot import calibrate.py for --help (torch), so its text restates the constants: keep them equal."""
     from oscar_kv.calibrate import PAIRS_TOLERANCE
-    from oscar_kv.rope import PAIR_COUNTS
+    from oscar_kv.rope import DEFAULT_PAIRS, PAIR_COUNTS
 
     result = runner.invoke(app, ["calibrate", "--help"], env={"COLUMNS": "2000"})
     text = " ".join(result.output.split())
+    assert "[default: auto]" in text and f"SmolLM2: {DEFAULT_PAIRS};" in text
+    assert f"measured with {PAIR_COUNTS[-1]} pairs" in text
     assert f"within {PAIRS_TOLERANCE:.0%} of the lowest error" in text
     assert "measures {}, {} and {}".format(*PAIR_COUNTS) in text
 

@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from oscar_kv.activations import capture_samples
 from oscar_kv.calibrate import CalibrationSettings, Statistics, calibrate
 from oscar_kv.models import AttentionGeometry
-from oscar_kv.rope import RopeTable, apply_rope, keep_pairs, kernel_pairs, key_offsets, remove_rope
+from oscar_kv.rope import RopeTable, apply_rope, keep_pairs, kernel_pairs, key_offsets, mean_phase, remove_rope
 
 SMALL = dict(calib_tokens=512, seq_len=256, probe_tokens=128)
 
@@ -126,3 +126,34 @@ def test_cuda_rope_term_scheme_is_exact_enough_with_a_large_bias():
     assert exact.abs().max() > 100  # the term is large here
     assert (three.sum(-1).double() - exact).abs().max() < 1e-3
     assert (one.sum(-1).double() - exact).abs().max() > 1e-2
+
+
+def test_mean_phase_is_the_mean_over_positions():
+    inv_freq = torch.tensor([0.0, 1e-6, 3e-4, 0.02, 1.0, 2.5], dtype=torch.float64)
+    for n in (1, 7, 1000, 40000):
+        ang = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq
+        m_cos, m_sin = mean_phase(inv_freq, n)
+        assert torch.allclose(m_cos, ang.cos().mean(0), atol=1e-12)
+        assert torch.allclose(m_sin, ang.sin().mean(0), atol=1e-12)
+
+
+def test_pairs_are_scored_over_the_horizon(model, tokenizer, held_out_ids):
+    """Scored over the calibration's own positions, a pair that turns less than half a radian within them
+    looks free to drop; scored over the model's context it is not (it turns radians by then)."""
+    t = 200
+    samples = capture_samples(model, held_out_ids[:, :t])
+    rope = RopeTable(model, 64)
+    stats = Statistics(AttentionGeometry.of(model.config), rope)
+    for i, s in enumerate(samples):
+        stats.add(i, s.q[None], s.k[None], s.v[None], torch.zeros_like(s.q[None]))
+    mu_pre = torch.ones_like(stats.k_pre_sum)  # the same amplitude in every pair: the score is the phases'
+    own = stats.rope_pair_mask(mu_pre, 8)
+    stats.horizon = t  # the calibration's own positions, in closed form: the same pairs
+    assert torch.equal(stats.rope_pair_mask(mu_pre, 8), own)
+    stats.horizon = 8192
+    long = stats.rope_pair_mask(mu_pre, 8)
+    theta = rope.inv_freq
+    slow = (theta * t < 0.5) & (theta * 8192 > 2)  # still within a sequence, radians apart by 8K
+    assert slow.any()
+    assert not own[..., slow].any()
+    assert long[..., slow].any()

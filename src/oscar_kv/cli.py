@@ -105,15 +105,18 @@ def calibrate(
     key_centering: KeyCentering = typer.Option(
         KeyCentering.auto, help="'constant' subtracts the mean post-RoPE key (cancels in softmax, free); 'rope' subtracts "
         "RoPE_p(mean pre-RoPE key) per position and adds its logit back (for QKV-bias models such as Qwen2.5); "
-        "'auto' picks rope when it lowers the held-back attention error by 5% (at the pair count --rope-pairs "
-        "picks). The manifest's calibration.key_centering_choice records the errors and why."),
+        "'auto' picks rope when it lowers the held-back attention error by 5% (measured with 32 pairs, where "
+        "that short text sees the position-dependent mean best). The manifest's calibration.key_centering_choice records the errors and why."),
     rope_pairs: str = typer.Option(
-        "32", metavar="auto|N", help="With rope centering: channel pairs per KV head whose position-dependent mean is kept (those that "
-        "remove the most logit variance); the INT2 decode kernel's cost grows with it (8 pairs: decode attention "
-        "within ~1.15x of constant centering; 32: 1.5-1.95x, still 2.6-3.4x faster than BF16 at 32K-128K). 'auto' "
-        "measures 8, 16 and 32 (at most head_dim/2) on the held-back text and keeps the fewest within 1% of the "
-        "lowest error: faster, but that short text misses long-context loss (Qwen2.5 KL at 32K: 0.034 with 32 "
-        "pairs, 0.053 with 8). The manifest's calibration.rope_pairs is the count kept (0 without rope centering)."),
+        "auto", metavar="auto|N", help="With rope centering: channel pairs per KV head whose position-dependent mean "
+        "is kept (those that remove the most logit variance up to --rope-horizon); the INT2 decode kernel's cost "
+        "grows with it (8 pairs: decode attention within ~1.15x of constant centering; 32: 1.5-1.95x). 'auto' "
+        "measures 8, 16 and 32 (at most head_dim/2) on the held-back text and keeps the fewest within 10% of the "
+        "lowest error (Qwen2.5 and SmolLM2: 8; on Qwen2.5 KL at 32K 0.030, 32 pairs 0.026). The manifest's "
+        "calibration.rope_pairs is the count kept (0 without rope centering)."),
+    rope_horizon: Optional[int] = typer.Option(
+        None, min=1, help="With rope centering: the context length the kept pairs are chosen for (default: the model's "
+        "maximum). A pair that turns little within a calibration sequence can still turn far by then."),
     center_values: bool = typer.Option(True, help="Subtract the mean value before quantizing (folded into v_proj/o_proj)."),
     probe_tokens: int = typer.Option(512, help="Held-back tokens (after the calibration text) on which clip ratios "
                                      "and key centering are chosen; capped by the model's context."),
@@ -144,6 +147,7 @@ def calibrate(
         settings = CalibrationSettings(calib_tokens=calib_tokens, seq_len=seq_len, group_size=group_size,
                                        rotation_scope=rotation_scope.value, clip=clip.value, k_clip=k_clip,
                                        v_clip=v_clip, key_centering=key_centering.value, rope_pairs=rope_pairs,
+                                       rope_horizon=rope_horizon,
                                        center_values=center_values, probe_tokens=probe_tokens,
                                        layer_policy=layer_policy.value, key_rescale=key_rescale,
                                        value_rescale=value_rescale)

@@ -6,7 +6,7 @@
 The model is built from the public architecture numbers of the chosen model with random bf16 weights
 on the device (no download; decode speed does not depend on weight values).  Rotations for INT2 are
 ``--rotations``: by default a synthetic artifact shaped like the one ``calibrate`` ships (per-head rotations,
-per-position key means in 32 RoPE pairs: bench.attention.calibrated_like); BF16 runs the engine exactly as
+per-position key means in rope.DEFAULT_PAIRS RoPE pairs: bench.attention.calibrated_like); BF16 runs the engine exactly as
 ``oscar-kv serve --kv-cache-dtype bf16`` does (no artifact).  Same model, same contexts, same KV
 memory: only the KV scheme differs.  Three measurements:
 
@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SERVED_KV_CACHE_DTYPES
+from ..rope import DEFAULT_PAIRS
 from .attention import _ints
 
 GB = 1e9
@@ -1080,9 +1081,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="INT2 artifact: a directory from `oscar-kv calibrate`, 'synthetic' (default: calibrated-like "
                          "for the random-weight model, per-position key means in --rope-pairs RoPE pairs) or 'hadamard' "
                          "(data-free, no centering)")
-    ap.add_argument("--rope-pairs", type=int, default=32,
-                    help="RoPE pairs per KV head of the synthetic artifact's per-position key means (calibrate keeps "
-                         "8, 16 or 32; the CUDA decode kernel's cost grows with them)")
+    ap.add_argument("--rope-pairs", type=int, default=DEFAULT_PAIRS,
+                    help=f"RoPE pairs per KV head of the synthetic artifact's per-position key means (calibrate keeps "
+                         f"{DEFAULT_PAIRS} by default, 8, 16 or 32 on request; the CUDA decode kernel's cost grows with them)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--prefill-only", action="store_true",
                     help="time only the prefill of one prompt per (scheme, context): no decode, throughput or "
