@@ -307,6 +307,8 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
     why = int2_cuda.unsupported(device, geom, GEOMETRY["num_q_heads"] // geom.num_kv_heads, None)
     cuda_ok = why is None
     result["int2_backend"] = "cuda (one launch)" if cuda_ok else f"triton ({why})"
+    print(f"geometry: {GEOMETRY['num_q_heads']} query / {GEOMETRY['num_kv_heads']} KV heads, head dim "
+          f"{GEOMETRY['head_dim']}; INT2 kernel: {result['int2_backend']}", flush=True)
     best = {}
     if sweep:
         for sctx, sbs in ((max(contexts), 1), (max(contexts), 8)):
@@ -583,7 +585,8 @@ def _plot(result: dict, path: str) -> None:
         ax.set_ylabel("ms per decode call (one layer)")
         ax.set_title(f"batch {bs}")
         ax.legend(fontsize=8)
-    fig.suptitle(f"Decode attention, Qwen3-8B geometry, {result['device']}")
+    fig.suptitle(f"Decode attention, {result['geometry']['num_q_heads']}/{result['geometry']['num_kv_heads']} heads of "
+                 f"{result['geometry']['head_dim']}, {result['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -606,9 +609,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rope-pairs", type=int, default=DEFAULT_PAIRS,
                     help="RoPE pairs per KV head of the synthetic artifact's per-position key means (calibrate "
                          "keeps 8, 16 or 32; the CUDA kernel's cost grows with them)")
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128,
+                    help="64 times Llama-3.2-1B's attention (32 query / 8 KV heads of 64 channels, group 64), which "
+                         "the Triton kernels serve; 128 (default) Qwen3-8B's, which the CUDA kernel serves")
     a = ap.parse_args(argv)
     global USE_GRAPHS
     USE_GRAPHS = not a.eager
+    GEOMETRY.update(head_dim=a.head_dim, group_size=min(a.head_dim, 128))
     run(_ints(a.contexts), _ints(a.batch_sizes), a.output, sweep=not a.no_sweep, write_path=not a.no_write_path,
         extend_contexts=_ints(a.extend_contexts), extend_chunks=_ints(a.extend_chunks), rotations=a.rotations,
         layer=a.layer, rope_pairs=a.rope_pairs)
