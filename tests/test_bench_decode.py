@@ -80,19 +80,22 @@ def test_context_beyond_the_budget_is_reported_not_crashed(tmp_path):
 
 def test_calibrated_like_artifact_has_the_shipped_shape():
     """bench.attention.calibrated_like: per-head orthogonal rotations, a constant key mean and per-position
-    means live in 32 pairs per head, large as a k_proj bias makes them; it validates as an artifact."""
+    means live in rope.DEFAULT_PAIRS pairs per head (what calibrate keeps by default on the real models), large as
+    a k_proj bias makes them; it validates as an artifact."""
     import torch
 
     from oscar_kv.bench.attention import calibrated_like, load_rotations
     from oscar_kv.models import AttentionGeometry
-    from oscar_kv.rope import kernel_pairs
+    from oscar_kv.rope import DEFAULT_PAIRS, kernel_pairs
 
     g = AttentionGeometry("qwen3", 3, 8, 4, 64)
     rot = calibrated_like(g)
     assert rot.key_centering == "rope" and rot.scope == "per-head"
     live = (rot.k_rope_mean[..., :32] != 0) | (rot.k_rope_mean[..., 32:] != 0)
-    assert (live.sum(-1) == 32).all()  # D/2 = 32: every pair
+    assert (live.sum(-1) == DEFAULT_PAIRS).all()
     assert rot.k_rope_mean.abs().max() > 20 and (rot.k_mean != 0).any()
-    assert kernel_pairs(rot.k_rope_mean[0]).shape == (4, 32)
+    assert kernel_pairs(rot.k_rope_mean[0]).shape == (4, DEFAULT_PAIRS)
+    every = calibrated_like(g, pairs=32)  # D/2 = 32: every pair
+    assert kernel_pairs(every.k_rope_mean[0]).shape == (4, 32)
     assert not torch.equal(rot.k_rotation[0, 0], rot.k_rotation[0, 1])
     assert load_rotations("hadamard", g).key_centering == "off"

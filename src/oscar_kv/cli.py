@@ -465,7 +465,8 @@ def demo(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
     artifact_dir: Optional[Path] = typer.Option(None, help="Where to keep the rotations (default $OSCAR_KV_HOME/artifacts/<model>)."),
 ):
-    """What `make run` does: calibrate once (cached), then answer a long chat prompt with the INT2 cache."""
+    """Answer one question about a 5,000-character document twice on the CPU, with a BF16 and with the INT2 cache, and
+    print both answers, their speed and the cache memory (uses the model's shipped artifact, or calibrates once)."""
     _quiet_transformers()
     from .provision import obtain
     from .cache import CacheSettings

@@ -11,6 +11,8 @@ import hashlib
 import importlib.util
 import json
 import logging
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,11 +121,29 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
     with torch.no_grad():
         if not torch.allclose(plain(probe).logits, gguf_model(probe).logits, atol=1e-4):
             raise RuntimeError(f"converting {gguf} changed the model's logits; please report this")
-    tmp = target.with_name(target.name + ".tmp")
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "oscar_kv_source.json").write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size}))
-    tmp.rename(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "oscar_kv_source.json").write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size}))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return publish_dir(tmp, target)
+
+
+def publish_dir(tmp: Path, target: Path) -> Path:
+    """Move the finished directory ``tmp`` to ``target`` in one rename.  Processes converting the same file at
+    once each write their own ``tmp``; the first rename wins and the others drop theirs and use the winner's."""
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not target.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
