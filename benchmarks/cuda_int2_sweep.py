@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from oscar_kv.bench.attention import GEOMETRY, _bench_call, layer_geometry, copy_bandwidth, int2_bytes, int2_case
+from oscar_kv.bench.attention import (_bench_call, copy_bandwidth, int2_bytes, int2_case, layer_geometry,
+                                      use_head_dim)
 from oscar_kv.kernels import int2_cuda
 from oscar_kv.kernels.decode import LOG2E, _num_sms, int2_decode
 
@@ -35,7 +36,7 @@ PHASES = ((0, "start"), (1, "prologue"), (2, "query"), (3, "window"), (10, "step
 def stamp_phases(q, pool, batch, rot, geom, mp, dev) -> dict:
     """Microseconds from the first CTA's start to each phase: median and max over CTAs (merge: last CTAs)."""
     ns, chunk = int2_cuda.split_plan(mp * geom.page_size, q.shape[0] * geom.num_kv_heads, geom.page_size,
-                                     _num_sms(dev), int2_cuda.MIN_BLOCKS)
+                                     _num_sms(dev), int2_cuda.min_blocks(0, geom.head_dim))
     ts = torch.zeros(q.shape[0], geom.num_kv_heads, ns, 16, dtype=torch.int64, device=dev)
     out = torch.empty_like(q)
     flush = torch.empty(256 << 20, dtype=torch.int8, device=dev)
@@ -125,8 +126,10 @@ def main() -> None:
     ap.add_argument("--min-blocks", default="3")
     ap.add_argument("--output", default=None)
     ap.add_argument("--stamps", action="store_true")
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
     a = ap.parse_args()
     dev = torch.device("cuda")
+    use_head_dim(a.head_dim)
     geom = layer_geometry()
     bw = copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -141,7 +144,7 @@ def main() -> None:
             row = dict(context=ctx, batch=bs, triton_us=tri * 1e3, cuda={})
             line = f"ctx {ctx:>7} bs {bs:>3}: triton {tri * 1e3:7.1f} us |"
             for mb in map(int, a.min_blocks.split(",")):
-                int2_cuda.MIN_BLOCKS = mb
+                int2_cuda.MIN_BLOCKS = int2_cuda.MIN_BLOCKS_D64 = mb
                 for tgt in map(int, a.targets.split(",")):
                     fn = lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, backend="cuda",  # noqa: E731
                                              cuda_split_target=tgt)
@@ -151,9 +154,9 @@ def main() -> None:
                     line += f" mb{mb}/t{tgt} {ms * 1e3:6.1f} ({100 * nbytes / (ms * 1e-3) / bw:4.1f}%, {err:.1e})"
             print(line, flush=True)
             # the default call, and the same without the query rotation (its in-kernel cost)
-            int2_cuda.MIN_BLOCKS = int(a.min_blocks.split(",")[0])
+            int2_cuda.MIN_BLOCKS = int2_cuda.MIN_BLOCKS_D64 = int(a.min_blocks.split(",")[0])
             ns, chunk = int2_cuda.split_plan(mp * geom.page_size, bs * geom.num_kv_heads, geom.page_size,
-                                         _num_sms(dev), int2_cuda.MIN_BLOCKS)
+                                             _num_sms(dev), int2_cuda.min_blocks(0, geom.head_dim))
             parts = dict(
                 full=_bench_call(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, backend="cuda")),
                 unrotated=_bench_call(lambda: int2_decode(q, pool, 0, batch, None, max_int2_pages=mp, backend="cuda")))

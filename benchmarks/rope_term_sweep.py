@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_int2_sweep import SHIPPED, _source  # noqa: E402
 
-from oscar_kv.bench.attention import GEOMETRY, _bench_call, layer_geometry, int2_case  # noqa: E402
+from oscar_kv.bench.attention import _bench_call, int2_case, layer_geometry, use_head_dim  # noqa: E402
 from oscar_kv.kernels import int2_cuda  # noqa: E402
 from oscar_kv.kernels.decode import int2_decode  # noqa: E402
 from oscar_kv.rope import KernelRope, keep_pairs, random_pairs  # noqa: E402
@@ -39,8 +39,10 @@ def main() -> None:
     ap.add_argument("--min-blocks", type=int, default=None,
                     help="CTAs per SM the per-position kernels are compiled for (default: int2_cuda.min_blocks(R))")
     ap.add_argument("--output", default=None)
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
     a = ap.parse_args()
     dev = torch.device("cuda")
+    use_head_dim(a.head_dim)
     geom = layer_geometry()
     h, d = geom.num_kv_heads, geom.head_dim
     inv_freq = 1e6 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # Qwen3's RoPE base
@@ -57,14 +59,15 @@ def main() -> None:
                     mu = keep_pairs(torch.randn(h, d, generator=gen) * scale, random_pairs(h, d // 2, r, gen))
                     rope = KernelRope.build(mu.to(dev), inv_freq, 1.0, ctx)
                     def call():
-                        shipped = int2_cuda.ROPE_MIN_BLOCKS
+                        table = "ROPE_MIN_BLOCKS_D64" if d == 64 else "ROPE_MIN_BLOCKS"
+                        shipped = getattr(int2_cuda, table)
                         if a.min_blocks:
-                            int2_cuda.ROPE_MIN_BLOCKS = {r: a.min_blocks}
+                            setattr(int2_cuda, table, {r: a.min_blocks})
                         try:
                             return int2_decode(q, pool, 0, batch, rot, rope=rope, max_int2_pages=mp, max_seq_len=ctx,
                                                backend="cuda")
                         finally:
-                            int2_cuda.ROPE_MIN_BLOCKS = shipped
+                            setattr(int2_cuda, table, shipped)
                     want = int2_decode(q, pool, 0, batch, rot, rope=rope, max_int2_pages=mp, max_seq_len=ctx,
                                        backend="triton")
                     errs = {}

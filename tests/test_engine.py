@@ -234,17 +234,27 @@ def test_allocator_lru_eviction_and_refcounts():
         a.release(p[0])
 
 
-@cpu_kernels
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=cpu_kernels),
+                                    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                  reason="needs CUDA"))])
 @pytest.mark.parametrize("dtype,centering", [("bf16", "constant"), ("int2", "constant"), ("int2", "rope")])
 def test_kernels_match_the_reference_on_real_activations(model, tokenizer, constant_rotations, small_rotations,
-                                                         long_prompt, dtype, centering, monkeypatch):
+                                                         long_prompt, dtype, centering, device, monkeypatch):
     """Every step of two concurrent requests (chunked prefill, then decode): the Triton kernels (interpreted
     on the CPU) read the same pool as the torch reference path and give the same attention output, with
     keys centered by a constant or per position (SmolLM2's calibration picks the latter).  Prefill chunks take
     both extend paths (kernel_attention.extend_path): materialized flash attention for long chunks, the extend
     kernel for short ones and for decode tokens scheduled beside a chunk, in one step with per-position
-    centering (100, then 50 + 50, then a decode token + 47)."""
+    centering (100, then 50 + 50, then a decode token + 47).  On a GPU the model runs in BF16 as served, and INT2
+    decode must take the one-launch CUDA kernel (SmolLM2: head dim 64)."""
     pytest.importorskip("triton")
+    engine_options = {}
+    if device == "cuda":
+        from oscar_kv.models import load_model
+
+        model, _ = load_model("smollm2-135m", device="cuda")
+        monkeypatch.setenv("OSCAR_KV_INT2_KERNEL", "cuda")  # raises where the CUDA kernel cannot run the call
+        engine_options["attention_backend"] = "torch"  # the reference path runs the model; the check runs the kernels
     from oscar_kv.engine import runner
     from oscar_kv.engine.kernel_attention import PoolView, kernel_step
 
@@ -268,7 +278,7 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
     rotations = small_rotations if centering == "rope" else constant_rotations
     assert rotations.key_centering == centering
     engine = make_engine(model, tokenizer, rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
-                         max_num_batched_tokens=100)
+                         max_num_batched_tokens=100, **engine_options)
     ids = tokenizer(long_prompt).input_ids
     # chunks of 100 tokens; 6 and 3 INT2 pages behind the windows; different prompts: no prefix hit, so r1 still
     # prefills while r0 decodes

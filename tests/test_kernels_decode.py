@@ -180,9 +180,9 @@ def test_int2_decode_variants_agree():
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
-@pytest.mark.parametrize("page_size", [16, 32])
-def test_cuda_int2_decode_matches_reference_and_triton(page_size):
-    """The one-launch CUDA decode (int2_cuda.py: rotation, window, history, merge) against the float64 reference
+@pytest.mark.parametrize("d,page_size", [(128, 16), (128, 32), (64, 16), (64, 32)])
+def test_cuda_int2_decode_matches_reference_and_triton(d, page_size):
+    """The one-launch CUDA decode (int2_cuda.py: rotation, window, history, merge), head dim 128 and 64, against the float64 reference
     and the all-Triton path: GQA 1 / 3 / 4 / 8, a 128K sequence among short ones (empty, sink-only, window-only),
     a prefix hit with extra INT2 pages (short recent window), histories that end mid-step (16-token tails),
     shuffled pages, NaN-poisoned output, per-head / shared / no rotation, float32 / bfloat16 / float16 queries,
@@ -191,15 +191,15 @@ def test_cuda_int2_decode_matches_reference_and_triton(page_size):
     from oscar_kv.kernels import int2_cuda
     from oscar_kv.kernels.decode import LOG2E, int2_decode
 
-    geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=128, group_size=128, page_size=page_size,
+    geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=d, group_size=d, page_size=page_size,
                         sink_size=64, recent_size=256)
-    gen = torch.Generator().manual_seed(31 + page_size)
+    gen = torch.Generator().manual_seed(31 + page_size + d)
     seq_lens = [0, 7, 64, 64 + 256 + 3 * page_size + 5, 1000, 5003, 131072 + 77, 9000]
     steady = [geom.int2_pages_for(n) for n in seq_lens]
     steady[-1] = (9000 - 64 - 40) // page_size  # prefix hit: more INT2 pages, a 40-odd-token recent window
     pool, batch, rot = build_pool(geom, seq_lens, gen, int2_pages=steady)
     for gqa in (1, 3, 4, 8):
-        q = torch.randn(len(seq_lens), 4 * gqa, 128, generator=gen).to(DEV, torch.bfloat16)
+        q = torch.randn(len(seq_lens), 4 * gqa, d, generator=gen).to(DEV, torch.bfloat16)
         want = ref.decode_reference(pool, 0, q, batch, rot, None)
         out = torch.full_like(q, float("nan"))
         int2_decode(q, pool, 0, batch, rot, backend="cuda", out=out)
@@ -216,9 +216,9 @@ def test_cuda_int2_decode_matches_reference_and_triton(page_size):
         # more CTAs than the history needs: some with no INT2 tokens (window sub-tiles and the merge still run)
         _, chunk = int2_cuda.split_plan(int(batch.int2_pages.max()) * page_size, 1, page_size, 12, 1)
         o3 = torch.full_like(q, float("nan"))
-        int2_cuda.decode(q, rot, pool.layer(0), geom, batch, o3, 40, chunk, LOG2E / 128 ** 0.5)
+        int2_cuda.decode(q, rot, pool.layer(0), geom, batch, o3, 40, chunk, LOG2E / d ** 0.5)
         assert rel_err(o3, want) < 1e-2, gqa
-    q = torch.randn(len(seq_lens), 16, 128, generator=gen).to(DEV)
+    q = torch.randn(len(seq_lens), 16, d, generator=gen).to(DEV)
     for r in (rot[:1], None):  # one rotation shared by the heads; none (keys stored unrotated)
         want = ref.decode_reference(pool, 0, q, batch, r, None)
         for dtype in (torch.float32, torch.float16):
@@ -229,22 +229,23 @@ def test_cuda_int2_decode_matches_reference_and_triton(page_size):
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
-@pytest.mark.parametrize("sink,live,scale", [(64, 32, 20.0), (48, 3, 900.0), (64, 12, 300.0)])
-def test_cuda_int2_decode_adds_the_position_aware_key_offset(sink, live, scale):
+@pytest.mark.parametrize("d,sink,live,scale", [(128, 64, 32, 20.0), (128, 48, 3, 900.0), (128, 64, 12, 300.0),
+                                                 (64, 64, 32, 20.0), (64, 48, 8, 900.0)])
+def test_cuda_int2_decode_adds_the_position_aware_key_offset(d, sink, live, scale):
     """Per-position key centering in the one-launch CUDA kernel (rope_terms): against the float32 reference and
     the Triton kernel, for 8 .. 32 visited pairs, |mu_pre| up to 900 (a k_proj bias: the term is hundreds of
     logit units, so float16 operands alone would not do), a sink that ends mid 32-token step (48), window-only
     and long sequences, GQA 4 / 8, under a page bound far past the history (CUDA graphs' buckets)."""
     from oscar_kv.kernels.decode import int2_decode
 
-    geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=128, group_size=128, page_size=16,
+    geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=d, group_size=d, page_size=16,
                         sink_size=sink, recent_size=256)
-    gen = torch.Generator().manual_seed(41 + live)
+    gen = torch.Generator().manual_seed(41 + live + d)
     seq_lens = [7, sink + 100, sink + 256 + 16 * 5 + 3, 20000 + 16 * 3 + 5, 131072 + 77]
     pool, batch, rot = build_pool(geom, seq_lens, gen)
-    rope = rope_case(4, 128, max(seq_lens), gen, live=live, scale=scale)
-    for gqa in (4, 8):
-        q = torch.randn(len(seq_lens), 4 * gqa, 128, generator=gen).to(DEV, torch.bfloat16)
+    rope = rope_case(4, d, max(seq_lens), gen, live=live, scale=scale)
+    for gqa in (3, 8) if d == 64 else (4, 8):
+        q = torch.randn(len(seq_lens), 4 * gqa, d, generator=gen).to(DEV, torch.bfloat16)
         want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope)
         out = torch.full_like(q, float("nan"))
         int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", out=out,
@@ -263,11 +264,11 @@ def test_cuda_int2_decode_adds_the_position_aware_key_offset(sink, live, scale):
 def test_cuda_int2_backend_refuses_what_it_does_not_support():
     from oscar_kv.kernels.decode import int2_decode
 
-    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size=64, page_size=16,
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=128, group_size=64, page_size=16,
                         sink_size=16, recent_size=32)
     pool, batch, rot = build_pool(geom, [500], torch.Generator().manual_seed(2))
-    q = torch.randn(1, 8, 64, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="head dim 64"):
+    q = torch.randn(1, 8, 128, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="group 64"):
         int2_decode(q, pool, 0, batch, rot, backend="cuda")
     int2_decode(q, pool, 0, batch, rot)  # auto falls back to Triton
 

@@ -30,6 +30,12 @@ GEOMETRY = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, group_size=128, pa
                 recent_size=256, num_layers=36)
 
 
+def use_head_dim(head_dim: int) -> None:
+    """Time head dim 64 as Llama-3.2-1B's attention (32 query / 8 KV heads of 64 channels, group 64), 128 as
+    Qwen3-8B's (GEOMETRY)."""
+    GEOMETRY.update(head_dim=head_dim, group_size=min(head_dim, 128))
+
+
 def layer_geometry():
     """The pool geometry of one Qwen3-8B layer (GEOMETRY), as every attention benchmark times it."""
     from ..kernels.layout import PoolGeometry
@@ -610,12 +616,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="RoPE pairs per KV head of the synthetic artifact's per-position key means (calibrate "
                          "keeps 8, 16 or 32; the CUDA kernel's cost grows with them)")
     ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128,
-                    help="64 times Llama-3.2-1B's attention (32 query / 8 KV heads of 64 channels, group 64), which "
-                         "the Triton kernels serve; 128 (default) Qwen3-8B's, which the CUDA kernel serves")
+                    help="64 times Llama-3.2-1B's attention (32 query / 8 KV heads of 64 channels, group 64); 128 "
+                         "(default) Qwen3-8B's")
     a = ap.parse_args(argv)
     global USE_GRAPHS
     USE_GRAPHS = not a.eager
-    GEOMETRY.update(head_dim=a.head_dim, group_size=min(a.head_dim, 128))
+    use_head_dim(a.head_dim)
     run(_ints(a.contexts), _ints(a.batch_sizes), a.output, sweep=not a.no_sweep, write_path=not a.no_write_path,
         extend_contexts=_ints(a.extend_contexts), extend_chunks=_ints(a.extend_chunks), rotations=a.rotations,
         layer=a.layer, rope_pairs=a.rope_pairs)

@@ -567,7 +567,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     merge), "triton" as the Triton kernels here, "auto" CUDA where int2_cuda supports the call; None: the
     environment variable OSCAR_KV_INT2_KERNEL, else "auto" (a server can be switched back to Triton without code).
     ``cuda_split_target``:
-    CUDA CTAs per SM (default int2_cuda.min_blocks(pairs), the CTAs that fit on an SM at once).
+    CUDA CTAs per SM (default int2_cuda.min_blocks(pairs, head dim), the CTAs that fit on an SM at once).
     """
     g = pool.geometry
     bsz, hq, d = q.shape
@@ -589,7 +589,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         from . import int2_cuda
 
         # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (run C2)
-        per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1])
+        per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1], d)
         ns, chunk = int2_cuda.split_plan(max_int2_pages * g.page_size, bsz * h, g.page_size, _num_sms(q.device),
                                          per_sm)
         out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out

@@ -15,8 +15,8 @@ last CTA of a (sequence, KV head) to finish merges the partials (an atomic count
 
 The kernel is compiled at first use by NVRTC, through torch (``torch.cuda._compile_kernel``), once per
 device, geometry and dtype.  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
-offset removal; the window's query as bfloat16 hi + lo parts).  Supported: head dim 128, one quantization
-group per head (G = D), at most 8 query heads per KV head, float32 / bfloat16 / float16 queries, constant key
+offset removal; the window's query as bfloat16 hi + lo parts).  Supported: head dim 64 or 128, one
+quantization group per head (G = D), at most 8 query heads per KV head, float32 / bfloat16 / float16 queries, constant key
 centering or per-position centering over at most MAX_ROPE_PAIRS pairs (the term q . RoPE_p(mu_pre) as one more
 small MMA per 16 keys; int2_decode.cu, rope_terms).  Anything else runs the Triton kernels.
 """
@@ -36,14 +36,21 @@ SOURCE = Path(__file__).with_name("int2_decode.cu")
 NUM_WARPS = 4
 TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
+HEAD_DIMS = (64, 128)
 MIN_BLOCKS = 3  # CTAs per SM the register budget is set for (168 registers; 4 x 128 spilled: run C1)
 # With the position-aware term over 8 pairs, 2 CTAs per SM (203 registers, no spill) beat 3 (168, spilled):
 # 1.04-1.16x constant centering's time instead of 1.14-1.32x; over 16 or 32 pairs 3 stay faster (NOTES.md S4)
 ROPE_MIN_BLOCKS = {8: 2}
+# Head dim 64 holds half the accumulators and query fragments: 4 CTAs fit in 128 registers without spilling
+MIN_BLOCKS_D64 = 4
+ROPE_MIN_BLOCKS_D64: dict[int, int] = {}
 
 
-def min_blocks(rope_pairs: int = 0) -> int:
-    """CTAs per SM the kernel is compiled and planned for, given the position-aware pairs it visits (0: none)."""
+def min_blocks(rope_pairs: int = 0, head_dim: int = 128) -> int:
+    """CTAs per SM the kernel is compiled and planned for, given the head dim and the position-aware pairs it
+    visits (0: none)."""
+    if head_dim == 64:
+        return ROPE_MIN_BLOCKS_D64.get(rope_pairs, MIN_BLOCKS_D64)
     return ROPE_MIN_BLOCKS.get(rope_pairs, MIN_BLOCKS)
 MAX_SPLITS = 512  # CTAs per (sequence, KV head), all merged by the last one (one wave here is <= 3 x SMs CTAs)
 STREAM_EVICT_FIRST_L2S = 2.0  # code loads are evict_first while a call's INT2 bytes are <= this many L2s (C25)
@@ -58,8 +65,8 @@ def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope,
     are plain comparisons, the device and compiler checks are cached per device and geometry."""
     if device.type != "cuda":
         return "not a CUDA device"
-    if geom.head_dim != 128 or geom.group_size != geom.head_dim:
-        return f"head dim {geom.head_dim} / group {geom.group_size} (the kernel is written for D = G = 128)"
+    if geom.head_dim not in HEAD_DIMS or geom.group_size != geom.head_dim:
+        return f"head dim {geom.head_dim} / group {geom.group_size} (the kernel is written for D = G = 64 or 128)"
     if not 1 <= gqa <= 8:
         return f"{gqa} query heads per KV head (at most 8)"
     if rope is not None and rope.pairs.shape[1] > MAX_ROPE_PAIRS:
@@ -80,7 +87,7 @@ def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, si
     if torch.cuda.get_device_capability(device_index) < (8, 0):
         return "needs compute capability >= 8.0 (mma.sync m16n8k16, movmatrix)"
     try:
-        _kernel(device_index, head_dim, page_size, gqa, sink_pages, MIN_BLOCKS, 1, 1)
+        _kernel(device_index, head_dim, page_size, gqa, sink_pages, min_blocks(0, head_dim), 1, 1)
     except Exception as e:  # NVRTC missing or refusing the source: reported, never fatal under "auto"
         warnings.warn(f"oscar-kv: the CUDA INT2 decode kernel did not compile ({e!r:.300}); using the Triton kernel")
         return f"NVRTC compilation failed: {e!r:.300}"
@@ -217,7 +224,7 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     pl = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     bt = batch.block_table
     history_bytes = bsz * h * splits * chunk * geom.int2_bytes_per_token()  # an upper bound (the last chunk)
-    kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, min_blocks(rope_r),
+    kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, min_blocks(rope_r, d),
                      _DTYPES[q.dtype],
                      _DTYPES[target.dtype], stamps is not None, rope_r)
     kernel(grid=(splits, h, bsz), block=(NUM_WARPS * 32, 1, 1),

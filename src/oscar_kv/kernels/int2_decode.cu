@@ -1,6 +1,6 @@
 // Decode attention over the paged INT2 + BF16 pool in one launch, written for the tensor cores' mma.sync
 // fragments.  Host side, math and layout: int2_cuda.py.  Compiled at run time by NVRTC with these macros:
-//   D (head dim, 128), P (page size), GQA (query heads per KV head, <= 8), SINK_PAGES, NWARPS, MAX_PAGES,
+//   D (head dim, 64 or 128), P (page size), GQA (query heads per KV head, <= 8), SINK_PAGES, NWARPS, MAX_PAGES,
 //   MIN_BLOCKS, Q_KIND / O_KIND (query / output dtype: 0 float32, 1 bfloat16, 2 float16).
 //
 // One CTA = (split, KV head, sequence).  It rotates the GQA group's query itself (q @ R_K, R from L2 while its
@@ -27,6 +27,13 @@
 #define NT (NWARPS * 32)
 #define D4 (D / 4)
 #define KSTEPS (D / 16)
+// A thread's share of a 16-token sub-tile: KB key code bytes of a token row (4 threads per row), VB value code
+// bytes (8 row groups g), and, in the query rotation, RQ rows of R^T per warp in MT m16 tiles.
+#define KB (D / 16)
+#define KW (KB / 4)
+#define VB (D4 / 8)
+#define RQ (D / NWARPS)
+#define MT (RQ / 16)
 #define NEG_INF __int_as_float(0xff800000)
 
 typedef unsigned int u32;
@@ -66,8 +73,19 @@ typedef u16 o_t;
 __device__ __forceinline__ u16 o_from(float x) { return O_KIND == 1 ? f32_to_bf16(x) : f32_to_f16(x); }
 #endif
 
-static_assert(D == 128, "the CUDA INT2 kernel is written for head dim 128");
-static_assert(NT == D, "the query rotation and the merge give each thread one channel");
+static_assert(D == 64 || D == 128, "the CUDA INT2 kernel is written for head dim 64 and 128");
+static_assert(D <= NT && MT >= 1, "the query rotation and the merge give each thread at most one channel");
+#if D == 128
+typedef uint2 kcode_t;  // a thread's key code bytes of one token (8)
+typedef u32 vcode_t;    // its value code bytes of one token (4)
+typedef uint2 wval_t;   // its bfloat16 window values of one token and slice (4)
+#else
+typedef u32 kcode_t;
+typedef u16 vcode_t;
+typedef u32 wval_t;
+#endif
+__device__ __forceinline__ u32 word(const uint2& x, int w) { return w ? x.y : x.x; }  // w: a constant
+__device__ __forceinline__ u32 word(u32 x, int) { return x; }
 static_assert(GQA >= 1 && GQA <= 8, "one n8 MMA column block holds at most 8 query heads");
 static_assert(P % 16 == 0, "pages hold whole 16-token sub-tiles");
 
@@ -184,16 +202,16 @@ __device__ __forceinline__ float warp_sum_rows(float x) {
 
 // What one thread loads for one 16-token sub-tile.
 struct SubTile {
-  uint2 k[2];  // key code bytes 8t..8t+7 of tokens g and g+8
-  u32 v[4];    // value code bytes 4g..4g+3 of tokens 2t, 2t+1, 2t+8, 2t+9
+  kcode_t k[2];  // key code bytes KB t .. KB t + KB - 1 of tokens g and g+8
+  u32 v[4];      // value code bytes VB g .. VB g + VB - 1 of tokens 2t, 2t+1, 2t+8, 2t+9
   u32 km[2];   // key (scale, min) float16 pair of tokens g and g+8
   u32 vm[2];   // value (scale, min) of tokens g and g+8
 };
 
 // This thread's view of one (sequence, KV head): pointers with its own lane offsets folded in.
 struct Source {
-  const unsigned char* k;  // + g*D4 + 8t
-  const unsigned char* v;  // + 2t*D4 + 4g
+  const unsigned char* k;  // + g*D4 + KB t
+  const unsigned char* v;  // + 2t*D4 + VB g
   const u32* km;           // + g
   const u32* vm;
   const int* pages;        // the CTA's page ids, in shared memory
@@ -231,18 +249,23 @@ __device__ __forceinline__ u32 ldg_stream(const u32* p, unsigned long long polic
   asm("ld.global.nc.L2::cache_hint.L2::256B.u32 %0, [%1], %2;" : "=r"(r) : "l"(p), "l"(policy));
   return r;
 }
+__device__ __forceinline__ u32 ldg_stream(const u16* p, unsigned long long policy) {
+  u16 r;
+  asm("ld.global.nc.L2::cache_hint.L2::256B.u16 %0, [%1], %2;" : "=h"(r) : "l"(p), "l"(policy));
+  return r;
+}
 __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, int pos) {
   const unsigned rel = (unsigned)(pos - src.first);
   const unsigned phys = (unsigned)src.pages[rel / P], off = rel % P;
   const unsigned long long oc = (unsigned long long)phys * src.cp + off * D4;
   const unsigned long long om = (unsigned long long)phys * src.mp + off;
   const unsigned long long pol = src.policy;
-  st.k[0] = ldg_stream(reinterpret_cast<const uint2*>(src.k + oc), pol);
-  st.k[1] = ldg_stream(reinterpret_cast<const uint2*>(src.k + oc + 8 * D4), pol);
-  st.v[0] = ldg_stream(reinterpret_cast<const u32*>(src.v + oc), pol);
-  st.v[1] = ldg_stream(reinterpret_cast<const u32*>(src.v + oc + D4), pol);
-  st.v[2] = ldg_stream(reinterpret_cast<const u32*>(src.v + oc + 8 * D4), pol);
-  st.v[3] = ldg_stream(reinterpret_cast<const u32*>(src.v + oc + 9 * D4), pol);
+  st.k[0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + oc), pol);
+  st.k[1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + oc + 8 * D4), pol);
+  st.v[0] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc), pol);
+  st.v[1] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + D4), pol);
+  st.v[2] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + 8 * D4), pol);
+  st.v[3] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + 9 * D4), pol);
   st.km[0] = ldg_l2_256(src.km + om);
   st.km[1] = ldg_l2_256(src.km + om + 8);
   st.vm[0] = ldg_l2_256(src.vm + om);
@@ -418,13 +441,13 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
       continue;
     }
     float c[4];
-    const u32 x[2][2] = {{cur[u].k[0].x, cur[u].k[0].y}, {cur[u].k[1].x, cur[u].k[1].y}};
 #pragma unroll
-    for (int w = 0; w < 2; ++w)
+    for (int w = 0; w < KW; ++w)
 #pragma unroll
       for (int hp = 0; hp < 2; ++hp) {
-        const u32 r0 = hp ? x[0][w] >> 8 : x[0][w];
-        const u32 r1 = hp ? x[1][w] >> 8 : x[1][w];
+        const u32 x0 = word(cur[u].k[0], w), x1 = word(cur[u].k[1], w);
+        const u32 r0 = hp ? x0 >> 8 : x0;
+        const u32 r1 = hp ? x1 >> 8 : x1;
 #pragma unroll
         for (int s = 0; s < 4; s += 2) {
           const int i = 8 * w + 4 * hp + s;  // registers i (k = 2t, 2t+1) and i + 1 (k = 2t+8, 2t+9)
@@ -465,11 +488,11 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
   // acc must not carry ~1024x the signal for long.
   mma(st.pend, 0x64006400u, 0x64006400u, 0x64006400u, 0x64006400u, bv[0][0], bv[0][1], st.pend);
   if (!HALF) mma(st.pend, 0x64006400u, 0x64006400u, 0x64006400u, 0x64006400u, bv[1][0], bv[1][1], st.pend);
-  // ---- values: block i holds channel combos 2i (row g) and 2i+1 (row g+8); combo j = byte 4g + j/4, slice j%4
+  // ---- values: block i holds channel combos 2i (row g) and 2i+1 (row g+8); combo j = byte VB g + j/4, slice j%4
 #pragma unroll
   for (int u = 0; u < (HALF ? 1 : 2); ++u) {
 #pragma unroll
-    for (int by = 0; by < 4; ++by) {
+    for (int by = 0; by < VB; ++by) {
       const u32 sel = by | (by << 4) | ((by + 4) << 8) | ((by + 4) << 12);
       const u32 za = __byte_perm(cur[u].v[0], cur[u].v[1], sel);  // tokens 2t, 2t+1
       const u32 zb = __byte_perm(cur[u].v[2], cur[u].v[3], sel);  // tokens 2t+8, 2t+9
@@ -488,8 +511,8 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
 // The window of a sequence: sink tokens [0, sink_end) and recent tokens [r0, T), in 16-token sub-tiles (sink
 // sub-tiles first; both ranges start on page boundaries, so a sub-tile lies in one page).
 struct Window {
-  const u16* k;  // key window pool + head + 32t: this thread's key channels 32t .. 32t + 31
-  const u16* v;  // value window pool + head + 4g: this thread's value channels 4g + 32s .. + 3, s = 0..3
+  const u16* k;  // key window pool + head + D4 t: this thread's key channels D4 t .. D4 t + D4 - 1
+  const u16* v;  // value window pool + head + VB g: its value channels VB g + D4 s .. + VB - 1, s = 0..3
   const int* bt;  // the sequence's block-table row
   long long page_stride;  // elements
   int n_sink, sink_end, r0, T, n;  // n: sub-tiles in all
@@ -497,8 +520,8 @@ struct Window {
 
 // What one thread loads of a window sub-tile (bfloat16 pairs; zeros for tokens past the range).
 struct WinTile {
-  uint4 k[2][4];  // tokens g, g + 8: key channels 32t .. 32t + 31
-  uint2 v[4][4];  // tokens 2t, 2t + 1, 2t + 8, 2t + 9: value channels 4g + 32s .. 4g + 32s + 3
+  uint4 k[2][D / 32];  // tokens g, g + 8: key channels D4 t .. D4 t + D4 - 1
+  wval_t v[4][4];      // tokens 2t, 2t + 1, 2t + 8, 2t + 9: value channels VB g + D4 s .. VB g + D4 s + VB - 1
   int base, limit;  // first token of the sub-tile, end of its range
 };
 
@@ -513,7 +536,7 @@ __device__ __forceinline__ void load_win_tile(WinTile& w, const Window& win, int
     const bool ok = w.base + tok < w.limit;
     const uint4* src = reinterpret_cast<const uint4*>(win.k + row + tok * D);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) w.k[r][i] = ok ? __ldg(src + i) : make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < D / 32; ++i) w.k[r][i] = ok ? __ldg(src + i) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
@@ -521,7 +544,7 @@ __device__ __forceinline__ void load_win_tile(WinTile& w, const Window& win, int
     const bool ok = w.base + tok < w.limit;
 #pragma unroll
     for (int s = 0; s < 4; ++s)
-      w.v[r][s] = ok ? __ldg(reinterpret_cast<const uint2*>(win.v + row + tok * D + D4 * s)) : make_uint2(0, 0);
+      w.v[r][s] = ok ? __ldg(reinterpret_cast<const wval_t*>(win.v + row + tok * D + D4 * s)) : wval_t{};
   }
 }
 
@@ -531,8 +554,8 @@ __device__ __forceinline__ u32 word_of(const uint4* a, int m) {  // word m of 16
 }
 
 // One window sub-tile into the warp's running state.  Keys: logical k (2t, 2t+1) of k-step kk is channel
-// 32t + 4kk (+1), (2t+8, 2t+9) is 32t + 4kk + 2 (+3): a thread's words, and 4 consecutive query channels.
-// Values: accumulator block i holds, in row g, channel 4g + i/2 + D/2 (i % 2) times 4^(2 (i % 2)), in row g + 8
+// D4 t + 4kk (+1), (2t+8, 2t+9) is D4 t + 4kk + 2 (+3): a thread's words, and 4 consecutive query channels.
+// Values: accumulator block i holds, in row g, channel VB g + i/2 + D/2 (i % 2) times 4^(2 (i % 2)), in row g + 8
 // the channel D/4 above it times 4^(2 (i % 2) + 1), as the INT2 codes' slices (see step()).
 __device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u16* qhi, const u16* qlo, int g,
                                             const float2* __restrict__ PH, int pair) {
@@ -561,11 +584,11 @@ __device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u
   for (int i = 0; i < KSTEPS; ++i) {
     const int by = i >> 1, s = 2 * (i & 1);
     const u32 sel = (by & 1) ? 0x7632u : 0x5410u;  // the high or the low bfloat16 of two tokens' words
-    u32 x[4][2];  // tokens (2t, 2t+1, 2t+8, 2t+9) x slices (s, s + 1): the word holding channel 4g + by
+    u32 x[4][2];  // tokens (2t, 2t+1, 2t+8, 2t+9) x slices (s, s + 1): the word holding channel VB g + by
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      x[r][0] = by < 2 ? w.v[r][s].x : w.v[r][s].y;
-      x[r][1] = by < 2 ? w.v[r][s + 1].x : w.v[r][s + 1].y;
+      x[r][0] = word(w.v[r][s], by >> 1);
+      x[r][1] = word(w.v[r][s + 1], by >> 1);
     }
     const u32 a0 = bf16x2_times_4pow(__byte_perm(x[0][0], x[1][0], sel), s);
     const u32 a1 = bf16x2_times_4pow(__byte_perm(x[0][1], x[1][1], sel), s + 1);
@@ -616,16 +639,16 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   STAMP(0);
 
   // ---- R^T rows of this warp's rotation tiles go out first (they need nothing), see "query rotation" below
-  uint4 ra[2][2][4];  // [m tile][row g, g + 8][16 bytes]: float16 R^T[e][32t .. 32t + 31]
+  uint4 ra[MT][2][D / 32];  // [m tile][row g, g + 8][16 bytes]: float16 R^T[e][D4 t .. D4 t + D4 - 1]
   if (rotate) {
-    const u16* rt = RT + (long long)h * stride_rh + 32 * t;
+    const u16* rt = RT + (long long)h * stride_rh + D4 * t;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          ra[mt][r][i] = __ldg(reinterpret_cast<const uint4*>(rt + (32 * warp + 16 * mt + g + 8 * r) * D) + i);
+        for (int i = 0; i < D / 32; ++i)
+          ra[mt][r][i] = __ldg(reinterpret_cast<const uint4*>(rt + (RQ * warp + 16 * mt + g + 8 * r) * D) + i);
   }
 
   __shared__ int s_pages[MAX_PAGES];
@@ -644,8 +667,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
                               : 0.f;
   }
   Window win;
-  win.k = Kw + (long long)h * stride_wh + 32 * t;
-  win.v = Vw + (long long)h * stride_wh + 4 * g;
+  win.k = Kw + (long long)h * stride_wh + D4 * t;
+  win.v = Vw + (long long)h * stride_wh + VB * g;
   win.bt = bt_row;
   win.page_stride = stride_wp;
   win.sink_end = min(T, SINK_PAGES * P);
@@ -663,19 +686,19 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 #endif
 
   // ---- the query rotation on the tensor cores: qr^T[e, heads] = R^T[e, d] . q^T[d, heads], float16 R^T (A;
-  // warp w: rows e in [32w, 32w + 32)) times the query as float16 hi + lo parts (B, ~22 bits).  Logical k
-  // (2t, 2t+1) of k-step kk is channel d = 32t + 4kk (+1), (2t+8, 2t+9) is 32t + 4kk + 2 (+3), so each thread
-  // feeds the 64 contiguous bytes it loaded of each R^T row.
+  // warp w: rows e in [RQ w, RQ w + RQ)) times the query as float16 hi + lo parts (B, ~22 bits).  Logical k
+  // (2t, 2t+1) of k-step kk is channel d = D4 t + 4kk (+1), (2t+8, 2t+9) is D4 t + 4kk + 2 (+3), so each
+  // thread feeds the D/2 contiguous bytes it loaded of each R^T row.
   if (rotate) {
-    float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float c[MT][4] = {};
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
-      const float4 x = *reinterpret_cast<const float4*>(&s_q[g][32 * t + 4 * kk]);
+      const float4 x = *reinterpret_cast<const float4*>(&s_q[g][D4 * t + 4 * kk]);
       const u32 hi0 = pack_half2(x.x, x.y), hi1 = pack_half2(x.z, x.w);
       const float2 h0 = halves(hi0), h1 = halves(hi1);
       const u32 lo0 = pack_half2(x.x - h0.x, x.y - h0.y), lo1 = pack_half2(x.z - h1.x, x.w - h1.y);
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
+      for (int mt = 0; mt < MT; ++mt) {
         const u32 a0 = word_of(ra[mt][0], 2 * kk), a1 = word_of(ra[mt][1], 2 * kk);
         const u32 a2 = word_of(ra[mt][0], 2 * kk + 1), a3 = word_of(ra[mt][1], 2 * kk + 1);
         mma(c[mt], a0, a1, a2, a3, hi0, hi1, c[mt]);
@@ -683,8 +706,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
       }
     }
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {  // C: rows e (g, g + 8), columns heads (2t, 2t + 1)
-      const int e = 32 * warp + 16 * mt + g;
+    for (int mt = 0; mt < MT; ++mt) {  // C: rows e (g, g + 8), columns heads (2t, 2t + 1)
+      const int e = RQ * warp + 16 * mt + g;
       s_acc[0][2 * t][e] = c[mt][0];
       s_acc[0][2 * t + 1][e] = c[mt][1];
       s_acc[0][2 * t][e + 8] = c[mt][2];
@@ -692,7 +715,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     }
   }
   __syncthreads();
-  {
+  if (threadIdx.x < D) {
     const int e = threadIdx.x;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -708,8 +731,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 
   // ---- the first INT2 loads go out before the window sub-tile is computed
   Source src;
-  src.k = Kc + (long long)h * stride_ch + g * D4 + 8 * t;
-  src.v = Vc + (long long)h * stride_ch + 2 * t * D4 + 4 * g;
+  src.k = Kc + (long long)h * stride_ch + g * D4 + KB * t;
+  src.v = Vc + (long long)h * stride_ch + 2 * t * D4 + VB * g;
   src.km = Km + (long long)h * (stride_mh / 2) + g;
   src.vm = Vm + (long long)h * (stride_mh / 2) + g;
   src.pages = s_pages;
@@ -743,8 +766,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 
   // ---- this warp's window sub-tiles (at most one unless the sequence has few splits)
   if (wj < win.n) {
-    const u16* qhi = &s_qw[0][g][32 * t];
-    const u16* qlo = &s_qw[1][g][32 * t];
+    const u16* qhi = &s_qw[0][g][D4 * t];
+    const u16* qlo = &s_qw[1][g][D4 * t];
     window_tile(st, wt, qhi, qlo, g, PH, rpair);
     for (wj += splits * NWARPS; wj < win.n; wj += splits * NWARPS) {
       load_win_tile(wt, win, wj, g, t);
@@ -754,7 +777,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   STAMP(3);
 
   // ---- the query as the key MMAs' B operand (column = head g).  Register i = 8w + 4hp + s holds
-  // channels (j, j + 2) + D/4 * s with j = 8t + 4w + hp, divided by 4^s; the A side uses the same order.
+  // channels (j, j + 2) + D/4 * s with j = KB t + 4w + hp, divided by 4^s; the A side uses the same order.
   Query q;
   q.magic = (u32)__shfl_sync(0xffffffffu, magic, 0);
 
@@ -762,12 +785,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     float off_part = 0.f, sum_part = 0.f;
     const float* qrow = s_q[g < GQA ? g : 0];
 #pragma unroll
-    for (int w = 0; w < 2; ++w)
+    for (int w = 0; w < KW; ++w)
 #pragma unroll
       for (int hp = 0; hp < 2; ++hp)
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-          const int j = 8 * t + 4 * w + hp;
+          const int j = KB * t + 4 * w + hp;
           const float x0 = g < GQA ? qrow[j + D4 * s] : 0.f;
           const float x1 = g < GQA ? qrow[j + 2 + D4 * s] : 0.f;
           const float f = 1.f / (float)(1 << (2 * s));
@@ -840,7 +863,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int j = 2 * i + r, s = j % 4;
-      const int ch = 4 * g + j / 4 + D4 * s;
+      const int ch = VB * g + j / 4 + D4 * s;
       const float f = 1.f / (float)(1 << (2 * s));
       s_acc[warp][2 * t][ch] = st.acc[i][2 * r] * f;
       s_acc[warp][2 * t + 1][ch] = st.acc[i][2 * r + 1] * f;
@@ -879,10 +902,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   // round up to NWARPS * MU splits), rounds combine online.  Pair k = u * GQA2 + hh (split u of the round,
   // head hh; GQA2 = GQA rounded up to a power of two) has its lse in lane k % 32 of register k / 32, so lane
   // i's lse values all belong to head i % GQA2 and the per-head max and sum are butterflies over the lanes
-  // i, i ^ GQA2, ...  Lane = 4 channels of the partials.  The warps' results are then merged in order
+  // i, i ^ GQA2, ...  Lane = 4 channels of the partials (lanes >= D/4 hold none).  The warps' results are then merged in order
   // (deterministic).
   constexpr int GQA2 = GQA <= 1 ? 1 : GQA <= 2 ? 2 : GQA <= 4 ? 4 : 8;
-  constexpr int MU = (GQA2 <= 4 ? 64 : 48) / GQA2;  // uint2 loads in flight per thread: <= 64 (128 registers)
+  // uint2 loads in flight per thread: <= 64 (128 registers); half at D = 64, whose 4 CTAs per SM get 128 in all
+  constexpr int MU = (GQA2 <= 4 ? 64 : 48) * D / 128 / GQA2;
   constexpr int LSE_REGS = (MU * GQA2 + 31) / 32;
   float4 o[GQA];
 #pragma unroll
@@ -901,7 +925,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
       const int s = s0 + NWARPS * u;
 #pragma unroll
       for (int hh = 0; hh < GQA; ++hh)
-        p[u][hh] = s < splits ? __ldcg(reinterpret_cast<const uint2*>(
+        p[u][hh] = s < splits && lane < D / 4 ? __ldcg(reinterpret_cast<const uint2*>(
                                     PO + po_head + (long long)hh * stride_poh + (long long)s * stride_pos) + lane)
                               : make_uint2(0u, 0u);
     }
@@ -944,14 +968,14 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   STAMP(9);
 #pragma unroll
   for (int hh = 0; hh < GQA; ++hh) {
-    *reinterpret_cast<float4*>(&s_acc[warp][hh][4 * lane]) = o[hh];
+    if (lane < D / 4) *reinterpret_cast<float4*>(&s_acc[warp][hh][4 * lane]) = o[hh];
   }
   if (lane < GQA) {  // lane hh holds head hh's running max and sum
     s_m[warp][lane] = m_run;
     s_l[warp][lane] = tot_run;
   }
   __syncthreads();
-  {
+  if (threadIdx.x < D) {
     const int ch = threadIdx.x;
 #pragma unroll
     for (int hh = 0; hh < GQA; ++hh) {
