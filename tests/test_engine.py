@@ -387,7 +387,12 @@ def test_position_aware_centering_runs_the_kernels_int2_and_bf16(model, tokenize
     that fallback ran out of memory at 32K on the GPU); it says so once."""
     pytest.importorskip("triton")
     assert small_rotations.key_centering == "rope"
-    assert make_engine(model, tokenizer, small_rotations, attention_backend="triton").runner.kernels is not None
+    int2 = make_engine(model, tokenizer, small_rotations, attention_backend="triton")
+    assert int2.runner.kernels is not None
+    # the RoPE tables are sized for max_model_len at start-up: never rebuilt mid-request, no device max per step
+    rope = int2.codecs[0].rope
+    assert rope.bound == int2.max_model_len + 1 and rope.cos.shape[0] >= int2.max_model_len + 1
+    rope.kernel_rope(int2.codecs[0].k_rope_mean, int2.max_model_len).check(int2.max_model_len)
     with caplog.at_level("INFO", logger="oscar_kv.engine.engine"):
         bf16 = make_engine(model, tokenizer, small_rotations, kv_cache_dtype="bf16", attention_backend="triton")
     assert bf16.kernel_status is None and bf16.runner.kernels is not None

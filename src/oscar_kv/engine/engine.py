@@ -146,6 +146,10 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context of {limit} tokens",
                               "max_model_len")
+        # per-position centering's RoPE tables, sized once for every position a kernel may read: grown on demand,
+        # they were rebuilt on the host mid-prefill while the GPU waited (and each step synced for the positions' max)
+        for rope in {id(codec.rope): codec.rope for codec in self.codecs if codec.k_rope_mean is not None}.values():
+            rope.reserve(self.max_model_len + 1, self.device)
         memory = config.kv_cache_memory if config.kv_cache_memory is not None else default_kv_cache_memory(self.device)
         memory = tp.smallest(memory)  # rank 0 places pages for all ranks: their pools must be equal
         self.plan = plan_pool(self.spec, int(memory * GB), self.max_model_len, config.max_num_seqs)

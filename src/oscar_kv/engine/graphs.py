@@ -101,10 +101,8 @@ class DecodeGraphs:
         positions = torch.zeros(1, bucket, dtype=torch.long, device=dev)
         slots = torch.full((2, bucket), -1, dtype=torch.int32, device=dev)
         fwd = PagedForward.for_graph(self.pool, self.codecs, self.view, step, positions[0], slots[0], slots[1], fused)
+        # the RoPE tables were reserved for max_model_len by the engine: a lookup inside the graph never grows them
         ropes = {id(codec.rope): codec.rope for codec in self.codecs if codec.k_rope_mean is not None}
-        for rope in ropes.values():
-            if rope.bound is None:
-                rope.reserve(self.max_model_len + 1, dev)
 
         def forward():
             return self.model.model(input_ids=ids, position_ids=positions, use_cache=False,
