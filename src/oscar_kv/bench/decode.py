@@ -84,6 +84,13 @@ ARCHS = {
                                           "original_max_position_embeddings": 8192},
                          rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000,
                          eos_token_id=[128001, 128008, 128009]),
+    # mixture of experts: Qwen3-style attention (4 KV heads), 128 experts of which 8 run per token
+    "qwen3-30b-a3b": dict(cls="Qwen3MoeConfig", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+                          mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, max_position_embeddings=131072,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
     # For CPU tests: head dim 64 is the smallest the extend kernel accepts.
     "tiny": dict(cls="LlamaConfig", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=131072,
