@@ -1,5 +1,5 @@
-"""Other attention variants with small random models: Qwen2 (QKV bias), Qwen3 (QK-norm), Mistral, and the
-mixture-of-experts decoders Qwen3-MoE and Mixtral (Llama-like attention)."""
+"""Other attention variants with small random models: Qwen2 (QKV bias), Qwen3 (QK-norm), Mistral, Phi-3 (fused
+qkv_proj), and the mixture-of-experts decoders Qwen3-MoE and Mixtral (Llama-like attention)."""
 
 import pytest
 import torch
@@ -14,6 +14,8 @@ ARCHS = {
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=16),
     "mistral": dict(model_type="mistral", sliding_window=None),
+    # a fused qkv_proj: values are folded into its last rows
+    "phi3": dict(model_type="phi3", sliding_window=None),
     # mixture-of-experts decoders: Llama-like attention, expert MLPs
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32),
@@ -31,7 +33,7 @@ def tiny_model(arch: str):
     with torch.no_grad():
         for layer in model.model.layers:
             attn = layer.self_attn
-            if attn.k_proj.bias is not None:  # Qwen2-style large key/value offsets
+            if getattr(attn, "k_proj", None) is not None and attn.k_proj.bias is not None:  # Qwen2-style large key/value offsets
                 attn.k_proj.bias.add_(torch.randn_like(attn.k_proj.bias) * 20)
                 attn.v_proj.bias.add_(torch.randn_like(attn.v_proj.bias) * 5)
     return model

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import OscarKVError
-from .models import AttentionGeometry
+from .models import AttentionGeometry, projection_rows
 from .rotation import ORTHOGONALITY_TOLERANCE, compose, orthogonality_error
 
 log = logging.getLogger(__name__)
@@ -231,8 +231,10 @@ def load_shipped(model_name: str, model) -> "Rotations | None":
 
 def model_fingerprint(model) -> str:
     """A short hash of the attention geometry and the first layer's key projection weights."""
-    geometry = json.dumps(AttentionGeometry.of(model.config).as_dict(), sort_keys=True)
-    k_proj = model.model.layers[0].self_attn.k_proj.weight.detach().to(torch.bfloat16).float().cpu()
+    of = AttentionGeometry.of(model.config)
+    geometry = json.dumps(of.as_dict(), sort_keys=True)
+    linear, rows = projection_rows(model.model.layers[0].self_attn, "k", of)
+    k_proj = linear.weight[rows].detach().to(torch.bfloat16).float().cpu()
     h = hashlib.sha256(geometry.encode())
     h.update(k_proj.numpy().tobytes())
     return h.hexdigest()[:16]

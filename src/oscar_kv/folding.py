@@ -1,4 +1,4 @@
-"""Fold the value rotation R_V and the value mean mu_V into v_proj / o_proj.
+"""Fold the value rotation R_V and the value mean mu_V into v_proj (or a fused qkv_proj's value rows) / o_proj.
 
 For KV head h with value projection v = x W_h^T + b_h, the cache stores v' = (v - mu_h) R_h:
     W_h <- R_h^T W_h,   b_h <- (b_h - mu_h) R_h                       (v_proj rows of head h)
@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from .models import AttentionGeometry
+from .models import AttentionGeometry, projection_rows
 
 
 def _attention_modules(model):
     return [layer.self_attn for layer in model.model.layers]
+
+
+def _value_projection(attn, geometry: AttentionGeometry) -> tuple[torch.nn.Linear, slice]:
+    return projection_rows(attn, "v", geometry)
 
 
 def restore_model(model) -> None:
@@ -25,9 +29,11 @@ def restore_model(model) -> None:
     saved = getattr(model, "_oscar_original_weights", None)
     if saved is None:
         return
+    g = AttentionGeometry.of(model.config)
     for attn, (wv, bv, wo, bo) in zip(_attention_modules(model), saved):
-        attn.v_proj.weight.data.copy_(wv)
-        attn.v_proj.bias = None if bv is None else torch.nn.Parameter(bv.clone(), requires_grad=False)
+        lin, _ = _value_projection(attn, g)
+        lin.weight.data.copy_(wv)
+        lin.bias = None if bv is None else torch.nn.Parameter(bv.clone(), requires_grad=False)
         attn.o_proj.weight.data.copy_(wo)
         attn.o_proj.bias = None if bo is None else torch.nn.Parameter(bo.clone(), requires_grad=False)
     model._oscar_original_weights = None
@@ -36,30 +42,35 @@ def restore_model(model) -> None:
 
 @torch.no_grad()
 def fold_values(model, v_rotation: torch.Tensor, v_mean: torch.Tensor, tag: object = None) -> None:
-    """Fold per-layer value rotations [L, H|1, D, D] and means [L, Hkv, D] into the model (idempotent per tag)."""
+    """Fold per-layer value rotations [L, H|1, D, D] and means [L, Hkv, D] into the model (idempotent per tag).
+    The value rows are v_proj's, or the last rows of a fused qkv_proj."""
     if tag is not None and getattr(model, "_oscar_folded", None) is tag:
         return
     restore_model(model)
     g = AttentionGeometry.of(model.config)
     saved = []
     for i, attn in enumerate(_attention_modules(model)):
-        wv, wo = attn.v_proj.weight, attn.o_proj.weight
-        bv = attn.v_proj.bias
+        lin, rows = _value_projection(attn, g)
+        wv, wo = lin.weight, attn.o_proj.weight
+        bv = lin.bias
         bo = attn.o_proj.bias
         saved.append((wv.detach().clone(), None if bv is None else bv.detach().clone(),
                       wo.detach().clone(), None if bo is None else bo.detach().clone()))
         rot = v_rotation[i].to(wv.device, torch.float64)  # artifacts load on the CPU; the model may not be
         rot = rot.expand(g.num_kv_heads, g.head_dim, g.head_dim) if rot.shape[0] == 1 else rot
         mu = v_mean[i].to(wv.device, torch.float64)  # [Hkv, D]
-        w = wv.detach().to(torch.float64).reshape(g.num_kv_heads, g.head_dim, -1)
+        w = wv.detach()[rows].to(torch.float64).reshape(g.num_kv_heads, g.head_dim, -1)
         new_w = torch.einsum("hde,hdk->hek", rot, w)  # R_h^T W_h
-        wv.copy_(new_w.reshape_as(wv).to(wv.dtype))
-        b = bv.detach().to(torch.float64).reshape(g.num_kv_heads, g.head_dim) if bv is not None else torch.zeros_like(mu)
+        wv[rows] = new_w.reshape(-1, wv.shape[1]).to(wv.dtype)
+        b = (bv.detach()[rows].to(torch.float64).reshape(g.num_kv_heads, g.head_dim) if bv is not None
+             else torch.zeros_like(mu))
         new_b = torch.einsum("hd,hde->he", b - mu, rot).reshape(-1)
         if bv is not None:
-            bv.copy_(new_b.to(bv.dtype))
-        elif mu.abs().max() > 0:
-            attn.v_proj.bias = torch.nn.Parameter(new_b.to(wv.dtype), requires_grad=False)
+            bv[rows] = new_b.to(bv.dtype)
+        elif mu.abs().max() > 0:  # a bias only on the value rows (zeros on a fused projection's q and k rows)
+            full = torch.zeros(wv.shape[0], dtype=wv.dtype, device=wv.device)
+            full[rows] = new_b.to(wv.dtype)
+            lin.bias = torch.nn.Parameter(full, requires_grad=False)
         # o_proj: column block j (query head j) uses the rotation and mean of its KV head.
         wo64 = wo.detach().to(torch.float64).reshape(wo.shape[0], g.num_attention_heads, g.head_dim)
         head_of = torch.arange(g.num_attention_heads, device=wv.device) // g.group

@@ -59,6 +59,20 @@ class AttentionGeometry:
         return dict(self.__dict__)
 
 
+def projection_rows(attn, which: str, geometry: AttentionGeometry) -> tuple[torch.nn.Linear, slice]:
+    """The linear layer and its output rows that produce one attention module's keys (``which="k"``) or values
+    ("v"): a separate k_proj / v_proj, or their rows of a fused qkv_proj (Phi-3 stacks q, k, v in that order)."""
+    separate = getattr(attn, f"{which}_proj", None)
+    if separate is not None:
+        return separate, slice(0, separate.out_features)
+    fused = getattr(attn, "qkv_proj", None)
+    if fused is None:
+        raise ValueError(f"{type(attn).__name__} has neither {which}_proj nor a fused qkv_proj")
+    q_rows, kv_rows = geometry.num_attention_heads * geometry.head_dim, geometry.num_kv_heads * geometry.head_dim
+    start = q_rows if which == "k" else q_rows + kv_rows
+    return fused, slice(start, start + kv_rows)
+
+
 def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
