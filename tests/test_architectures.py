@@ -14,6 +14,8 @@ ARCHS = {
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=16),
     "mistral": dict(model_type="mistral", sliding_window=None),
+    # head dim 256, as Gemma's
+    "llama-d256": dict(model_type="llama", head_dim=256),
     # a fused qkv_proj: values are folded into its last rows
     "phi3": dict(model_type="phi3", sliding_window=None),
     # mixture-of-experts decoders: Llama-like attention, expert MLPs
