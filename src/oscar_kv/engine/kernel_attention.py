@@ -77,8 +77,8 @@ class PoolView:
     """The engine pool through the interface the kernels take (``geometry`` and ``layer(i)``)."""
 
     def __init__(self, pool: PagePool):
-        self.pool, self.geometry = pool, pool.geometry
-        g = pool.geometry
+        self.pool, self.geometry = pool, pool.geometry  # the kernels address the engine pool as it is
+        g = self.geometry
         # A BF16 cache has no INT2 pool; the kernels still take (never read) INT2 tensors.
         self._no_codes = torch.zeros(1, g.num_kv_heads, g.page_size, g.head_dim // 4, dtype=torch.uint8,
                                      device=pool.device)

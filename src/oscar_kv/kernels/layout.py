@@ -162,7 +162,7 @@ class PoolGeometry:
 
     # ---- bytes -----------------------------------------------------------------------------------
     def window_bytes_per_token(self) -> int:
-        return 2 * self.head_dim * torch.empty(0, dtype=self.window_dtype).element_size()
+        return 2 * self.head_dim * self.window_dtype.itemsize
 
     def quant_bytes_per_token(self, layer: int = 0) -> int:
         """Layer ``layer``'s quantized bytes: codes + float16 scale and minimum per group (0 in a BF16 cache)."""
