@@ -7,8 +7,9 @@ import torch
 
 from oscar_kv.cache import CacheSettings, OscarCache, unprepare_model
 from oscar_kv.engine import EngineConfig, LLMEngine, SamplingParams
-from oscar_kv.engine.block_pool import PageAllocator, PoolSpec, plan_pool
+from oscar_kv.engine.block_pool import PageAllocator, plan_pool
 from oscar_kv.generation import build_prompt, generate
+from oscar_kv.kernels.layout import PoolGeometry
 
 GREEDY = dict(temperature=0.0)
 
@@ -137,8 +138,8 @@ def test_prefix_cache_reuses_pages_exactly(model, tokenizer, small_rotations, lo
     for rid in "ab":
         engine.add_request(rid, ids[0].tolist(), params)
         tokens[rid] = [t for o in run_all(engine)[rid] for t in o.token_ids]
-    spec, n = engine.spec, ids.shape[1]
-    hit = spec.sink_size + spec.int2_pages_for(n) * spec.page_size if dtype == "int2" else (n - 1) // 16 * 16
+    geom, n = engine.pool.geometry, ids.shape[1]
+    hit = geom.sink_size + geom.int2_pages_for(n) * geom.page_size if dtype == "int2" else (n - 1) // 16 * 16
     assert engine.pool.hit_tokens == hit and engine.stats().prefix_hit_rate == pytest.approx(hit / (2 * n))
     assert engine.pool.all_free()
     unprepare_model(model)
@@ -186,32 +187,32 @@ def test_requests_that_cannot_fit_are_refused(model, tokenizer, small_rotations)
 
 
 # ---- pure accounting / allocator tests (no model) ---------------------------------------------------
-def smol_spec(bits=2):
-    return PoolSpec(num_layers=30, num_kv_heads=3, head_dim=64, group_size=64, page_size=16, sink_size=64,
-                    recent_size=256, layer_bits=(bits,) * 30)
+def smol_geometry(bits=2):
+    return PoolGeometry(num_layers=30, num_kv_heads=3, head_dim=64, group_size=64, page_size=16, sink_size=64,
+                        recent_size=256, layer_bits=(bits,) * 30)
 
 
 def test_pool_accounting_counts_codes_metadata_and_windows():
-    spec = smol_spec()
+    geom = smol_geometry()
     # per token, layer and KV head: K+V codes 2*16 B + fp16 scale/min 2*4 B; BF16 window 2*64*2 B
-    assert spec.quant_page_bytes == 30 * 3 * 16 * 2 * (16 + 4)
-    assert spec.window_page_bytes == 30 * 3 * 16 * 2 * 64 * 2
+    assert geom.quant_page_bytes == 30 * 3 * 16 * 2 * (16 + 4)
+    assert geom.window_page_bytes == 30 * 3 * 16 * 2 * 64 * 2
     budget = 2 * 10**9
-    int2 = plan_pool(spec, budget, max_model_len=8192, max_num_seqs=64)
-    bf16 = plan_pool(smol_spec(16), budget, max_model_len=8192, max_num_seqs=64)
-    assert int2.total_bytes <= budget and budget - int2.total_bytes < spec.window_page_bytes
+    int2 = plan_pool(geom, budget, max_model_len=8192, max_num_seqs=64)
+    bf16 = plan_pool(smol_geometry(16), budget, max_model_len=8192, max_num_seqs=64)
+    assert int2.total_bytes <= budget and budget - int2.total_bytes < geom.window_page_bytes
     ratio = int2.capacity_tokens / bf16.capacity_tokens
     assert 4.5 < ratio < 6.4  # D = G = 64: INT2 is 2.5 bits (6.4x), BF16 windows take the rest
-    seqs_int2 = int2.total_bytes // spec.bytes_for(8192)
-    seqs_bf16 = bf16.total_bytes // smol_spec(16).bytes_for(8192)
+    seqs_int2 = int2.total_bytes // geom.sequence_bytes(8192)
+    seqs_bf16 = bf16.total_bytes // smol_geometry(16).sequence_bytes(8192)
     assert seqs_int2 >= 5 * seqs_bf16
 
 
 def test_pool_tensors_match_the_plan(tmp_path):
     from oscar_kv.engine.block_pool import PagePool
 
-    spec = smol_spec()
-    plan = plan_pool(spec, 50 * 10**6, max_model_len=1024, max_num_seqs=4)
+    geom = smol_geometry()
+    plan = plan_pool(geom, 50 * 10**6, max_model_len=1024, max_num_seqs=4)
     pool = PagePool(plan)
     assert pool.tensor_bytes() == plan.total_bytes
 
@@ -325,7 +326,7 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
             self.codecs = self.codecs[:checked]  # migrate the checked layers only (the interpreter is slow)
             kinds.append((type(self.kernel_step).__name__, self.fused_rotation, self.migrations is not None))
             if self.fused_rotation:
-                p = self.pool.spec.page_size
+                p = self.pool.geometry.page_size
                 decode_rows.update((st.seq.pages[st.start // p], st.start % p) for st in self.steps)
             got, _ = reference_attend(self, layer_idx, query, key, value, scaling)
             errors.append(((got.float() - ref.float()).norm() / ref.float().norm()).item())
@@ -366,7 +367,7 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
             x, y = getattr(a, name)[li], getattr(b, name)[li]
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (name, li)
             assert x.view(torch.uint8).any()
-    decoded = torch.zeros(a.k_win[0].shape[0], a.spec.page_size, dtype=torch.bool)
+    decoded = torch.zeros(a.k_win[0].shape[0], a.geometry.page_size, dtype=torch.bool)
     for page, off in decode_rows:
         decoded[page, off] = True
     assert int(decoded.sum()) == (3 if dtype == "int2" else 4)

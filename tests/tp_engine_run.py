@@ -36,7 +36,7 @@ def run(model_dir: str, rotations: str | None, dtype: str, tp: parallel.TensorPa
         int2_pages = [max(n, s.int2_pages) for n, s in zip(int2_pages, seqs)]
     engine.shutdown()
     return dict(outputs=[s.output_ids for s in seqs], int2_pages=int2_pages,
-                kv_heads_per_rank=engine.spec.num_kv_heads,
+                kv_heads_per_rank=engine.pool.geometry.num_kv_heads,
                 second_engine=_second_engine(model, tokenizer, rot, config, tp))
 
 

@@ -13,6 +13,7 @@ bandwidth measured in the same run, plus write-path and migration throughput.  W
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -201,10 +202,9 @@ def _mixed_batch(geom, bs: int, ctx: int, device, gen: torch.Generator):
     """Uniform-length batch with shuffled physical pages; returns (PagedBatch, int2 pages, window pages)."""
     from ..kernels.layout import PagedBatch
 
-    p, sp = geom.page_size, geom.sink_pages
-    npages = -(-ctx // p)
+    sp = geom.sink_pages
     nq = geom.int2_pages_for(ctx)
-    nw = npages - nq
+    nw = geom.pages_for(ctx) - nq
     q_ids = torch.randperm(bs * nq, generator=gen).view(bs, nq).int() if nq else torch.zeros(bs, 0, dtype=torch.int32)
     w_ids = torch.randperm(bs * nw, generator=gen).view(bs, nw).int()
     table = torch.cat([w_ids[:, :sp], q_ids, w_ids[:, sp:]], 1)
@@ -224,17 +224,19 @@ def _fill_pool(pool, gen_device_seed: int = 0):
         w.normal_()
 
 
+def _query_output_bytes(geom, bs: int) -> int:
+    """The BF16 query read and output written by one decode call."""
+    return 2 * bs * GEOMETRY["num_q_heads"] * geom.head_dim * 2
+
+
 def int2_bytes(geom, bs: int, ctx: int) -> int:
     """Bytes an INT2 decode call must read: codes + scale/min of history, BF16 sink/recent, q, out."""
-    nq_tok = geom.int2_pages_for(ctx) * geom.page_size
-    win = ctx - nq_tok
-    h = geom.num_kv_heads
-    qo = 2 * bs * GEOMETRY["num_q_heads"] * geom.head_dim * 2
-    return bs * h * (nq_tok * geom.int2_bytes_per_token() + win * geom.window_bytes_per_token()) + qo
+    return bs * geom.layer_read_bytes(ctx) + _query_output_bytes(geom, bs)
 
 
 def bf16_bytes(geom, bs: int, ctx: int) -> int:
-    return bs * geom.num_kv_heads * ctx * geom.window_bytes_per_token() + 2 * bs * GEOMETRY["num_q_heads"] * geom.head_dim * 2
+    """Bytes a BF16 decode call over the same context must read (the cache unquantized, q, out)."""
+    return bs * geom.as_bf16().layer_read_bytes(ctx) + _query_output_bytes(geom, bs)
 
 
 def _free_bytes(device) -> int:
@@ -392,7 +394,7 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
             del pool, batch
             torch.cuda.empty_cache()
             # ---- BF16 paged (all pages BF16)
-            npages = -(-ctx // geom.page_size)
+            npages = geom.pages_for(ctx)
             table = torch.randperm(bs * npages, generator=gen).view(bs, npages).int().to(device)
             lens = torch.full((bs,), ctx, dtype=torch.int32, device=device)
             kw = torch.randn(bs * npages, hkv, geom.page_size, d, device=device, dtype=torch.bfloat16)
@@ -456,14 +458,13 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
 
 def bench_write_path(geom, device, batch_sizes: list[int]) -> dict:
     """Write-path throughput: decode-step writes (one token per sequence), a prefill chunk, migration."""
-    from ..kernels.layout import PagedKVPool, PoolGeometry, clip_indices
+    from ..kernels.layout import PagedKVPool, clip_indices
     from ..kernels.write import migrate_pages, write_kv
 
     out = {}
     h, d, p = geom.num_kv_heads, geom.head_dim, geom.page_size
     layers = GEOMETRY["num_layers"]
-    g36 = PoolGeometry(num_layers=layers, num_kv_heads=h, head_dim=d, group_size=geom.group_size, page_size=p,
-                       sink_size=geom.sink_size, recent_size=geom.recent_size)
+    g36 = dataclasses.replace(geom, num_layers=layers, layer_bits=geom.layer_bits[:1] * layers)
     pool = PagedKVPool.allocate(g36, 4096, 4096, device=device)
     _fill_pool(pool)
     rot = _orthogonal(h, d, device)

@@ -146,55 +146,37 @@ class TokenIdsOnly:
 
 
 # ---------------------------------------------------------------------------------------------- pool arithmetic
-def pool_spec(scheme: str, geometry, page_size: int, sink: int, recent: int):
-    """The PoolSpec the engine builds for ``scheme`` (data-free rotations: every layer at 2 bits)."""
-    from ..engine.block_pool import PoolSpec
+def pool_geometry(scheme: str, geometry, page_size: int, sink: int, recent: int):
+    """The pool geometry the engine builds for ``scheme`` (data-free rotations: every layer at 2 bits)."""
+    from ..kernels.layout import PoolGeometry
 
     bits = 16 if scheme == "bf16" else 2
-    return PoolSpec(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, min(geometry.head_dim, 128),
-                    page_size, sink, recent, (bits,) * geometry.num_layers, torch.bfloat16)
-
-
-def pages_per_seq(spec, length: int) -> tuple[int, int]:
-    """(window pages, quantized pages) one sequence of ``length`` tokens holds at most while decoding."""
-    pages = -(-length // spec.page_size)
-    q = spec.int2_pages_for(length)
-    w = pages - q
-    if spec.quantizes:
-        w = min(pages, spec.window_pages_per_seq())  # sink + recent + the page in flight during migration
-    return w, q
+    return PoolGeometry(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, min(geometry.head_dim, 128),
+                        page_size, sink, recent, (bits,) * geometry.num_layers, torch.bfloat16)
 
 
 def max_batch(plan, length: int) -> tuple[int, str]:
     """Largest number of ``length``-token sequences the pool holds, and which pool limits it."""
-    w, q = pages_per_seq(plan.spec, length)
+    w, q = plan.geometry.decode_pages(length)
     by_w = plan.window_pages // w if w else 1 << 30
     by_q = plan.quant_pages // q if q else 1 << 30
     return min(by_w, by_q), ("BF16 window pages" if by_w <= by_q else "INT2 pages")
 
 
-def one_fits(plan, length: int) -> bool:
-    """The engine's start-up check (LLMEngine._check_plan): one max-length sequence fits."""
-    spec = plan.spec
-    q_need = spec.int2_pages_for(length)
-    w_need = -(-length // spec.page_size) - q_need + (1 if spec.quantizes else 0)
-    return plan.window_pages >= w_need and plan.quant_pages >= q_need
-
-
 def plan_summary(plan) -> dict:
-    s = plan.spec
+    s = plan.geometry
     return dict(window_pages=plan.window_pages, quant_pages=plan.quant_pages, window_page_bytes=s.window_page_bytes,
                 quant_page_bytes=s.quant_page_bytes, total_bytes=plan.total_bytes,
                 capacity_tokens=plan.capacity_tokens)
 
 
 def no_fit_reason(plan, scheme: str, batch: int, length: int) -> str:
-    s = plan.spec
-    w, q = pages_per_seq(s, length)
+    s = plan.geometry
+    w, q = s.decode_pages(length)
     fit, limit = max_batch(plan, length)
     need = f"{w} BF16 window pages" + (f" + {q} INT2 pages" if s.quantizes else "")
     have = f"{plan.window_pages} window pages" + (f" + {plan.quant_pages} INT2 pages" if s.quantizes else "")
-    return (f"{scheme}: a {length}-token sequence needs {need} ({s.bytes_for(length) / GB:.3g} GB); the "
+    return (f"{scheme}: a {length}-token sequence needs {need} ({s.sequence_bytes(length) / GB:.3g} GB); the "
             f"{plan.total_bytes / GB:.3g} GB pool has {have} (capacity {plan.capacity_tokens} tokens) and holds "
             f"{fit} such sequences (limited by {limit}), batch {batch} does not fit")
 
@@ -323,8 +305,8 @@ def prefill(unit: Unit, lengths: list[int], gen: torch.Generator, vocab: int, ma
     return seqs, clock.now() - t0, steps
 
 
-def _room(pool, spec, length: int, n: int) -> bool:
-    w, q = pages_per_seq(spec, length)
+def _room(pool, length: int, n: int) -> bool:
+    w, q = pool.geometry.decode_pages(length)
     return n * w <= pool.window.available and n * q <= pool.quant.available
 
 
@@ -684,15 +666,15 @@ def run(args) -> dict:
     budget_bytes = int(budget * GB)
     max_len: dict[str, int | None] = {}
     for scheme in schemes:
-        spec = pool_spec(scheme, geometry, args.page_size, args.sink_size, args.recent_size)
+        pool_geom = pool_geometry(scheme, geometry, args.page_size, args.sink_size, args.recent_size)
         max_len[scheme] = None
         for ctx in reversed(contexts):
             n = ctx + grow
-            if n <= minfo["max_position_embeddings"] and one_fits(plan_pool(spec, budget_bytes, n, args.max_num_seqs),
-                                                                   n):
+            if n <= minfo["max_position_embeddings"] and plan_pool(pool_geom, budget_bytes, n,
+                                                                   args.max_num_seqs).holds(n):
                 max_len[scheme] = n
                 break
-        plan = plan_pool(spec, budget_bytes, max_len[scheme], args.max_num_seqs) if max_len[scheme] else None
+        plan = plan_pool(pool_geom, budget_bytes, max_len[scheme], args.max_num_seqs) if max_len[scheme] else None
         result["schemes"][scheme] = dict(max_model_len=max_len[scheme], attention=None,
                                          plan=plan_summary(plan) if plan else None)
 
@@ -712,11 +694,11 @@ def run(args) -> dict:
     # Largest context first: the headline numbers (speedup at long context, throughput, breakdown) live there.
     for ctx in reversed(contexts):
         for scheme in schemes:
-            spec = pool_spec(scheme, geometry, args.page_size, args.sink_size, args.recent_size)
+            pool_geom = pool_geometry(scheme, geometry, args.page_size, args.sink_size, args.recent_size)
             length = ctx + grow
             mml = max_len[scheme]
             if mml is None or length > mml:
-                plan = plan_pool(spec, budget_bytes, min(length, 1 << 40), args.max_num_seqs)
+                plan = plan_pool(pool_geom, budget_bytes, min(length, 1 << 40), args.max_num_seqs)
                 why = (f"{scheme}: context {ctx} exceeds the model's {minfo['max_position_embeddings']} positions"
                        if length > minfo["max_position_embeddings"] else no_fit_reason(plan, scheme, 1, length))
                 for b in batch_sizes:
@@ -724,7 +706,7 @@ def run(args) -> dict:
                                                  reason=why if b == 1 else no_fit_reason(plan, scheme, b, length)))
                 if ctx == top:
                     throughput["schemes"][scheme] = dict(max_batch=0, limit=why, measured=False,
-                                                         bytes_per_sequence=spec.bytes_for(length))
+                                                         bytes_per_sequence=pool_geom.sequence_bytes(length))
                 print(f"does not fit: {why}", flush=True)
                 continue
             try:
@@ -781,7 +763,7 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
         engine.follow()
         return
     unit = Unit(engine, scheme, ctx)
-    spec, plan = engine.spec, engine.plan
+    geometry, plan = engine.pool.geometry, engine.plan
     info = result["schemes"][scheme]
     info["plan"] = plan_summary(plan)
     info["attention"] = (f"Triton kernels (decode kernel for decode steps; prefill: {_prefill_path(args)})"
@@ -827,7 +809,7 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
                 return seqs
             if unit.template is None:
                 unit.template = get_template()
-            if _room(engine.pool, spec, length, b):
+            if _room(engine.pool, length, b):
                 return [clone_sequence(unit, unit.template) for _ in range(b)]
             # the pool holds b sequences but not b copies next to the template: it decodes as one of them
             t, unit.template = unit.template, None
@@ -883,9 +865,9 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
 
         if want_throughput:
             fit, limit = max_batch(plan, length)
-            by_bytes = plan.total_bytes // spec.bytes_for(length)
+            by_bytes = plan.total_bytes // geometry.sequence_bytes(length)
             entry = dict(max_batch=fit, limit=limit, max_batch_by_bytes=by_bytes,
-                         bytes_per_sequence=spec.bytes_for(length), pool_bytes=plan.total_bytes,
+                         bytes_per_sequence=geometry.sequence_bytes(length), pool_bytes=plan.total_bytes,
                          capacity_tokens=plan.capacity_tokens)
             run_b = min(fit, args.max_batch, args.max_num_batched_tokens)
             if run_b < fit:

@@ -8,9 +8,9 @@ Small on purpose (scheduler + block pool + model runner + sequence), in the spir
   engine.py      LLMEngine (step loop) and EngineThread (drives it for the HTTP server)
 """
 
-from .block_pool import PagePool, PoolPlan, PoolSpec, plan_pool
+from .block_pool import PagePool, PoolPlan, plan_pool
 from .engine import EngineConfig, EngineStats, EngineThread, LLMEngine, RequestOutput
 from .sequence import SamplingParams, Sequence
 
-__all__ = ["EngineConfig", "EngineStats", "EngineThread", "LLMEngine", "PagePool", "PoolPlan", "PoolSpec",
-           "RequestOutput", "SamplingParams", "Sequence", "plan_pool"]
+__all__ = ["EngineConfig", "EngineStats", "EngineThread", "LLMEngine", "PagePool", "PoolPlan", "RequestOutput",
+           "SamplingParams", "Sequence", "plan_pool"]

@@ -1,7 +1,8 @@
 """The paged KV pool: BF16 window pages + INT2 history pages, with a prefix cache and LRU eviction.
 
 Layout (the same tensor layout as ``kernels/layout.py``, kept per layer so that layers stored at
-another precision by the artifact's layer policy simply get wider codes):
+another precision by the artifact's layer policy simply get wider codes; the shape, page rules and
+byte counts are ``kernels.layout.PoolGeometry``):
 
   window pool   k_win[l], v_win[l]    window dtype (BF16) [NW, H, P, D]     sink and recent pages
   INT2 pool     k_codes[l], v_codes[l] uint8   [NQ, H, P, D*bits/8]          stride-packed (quant.py)
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..kernels.layout import PoolGeometry
 
 log = logging.getLogger(__name__)
 
@@ -34,86 +36,18 @@ WINDOW, QUANT = "window", "quant"
 
 
 @dataclass(frozen=True)
-class PoolSpec:
-    """Geometry of the stored cache.  ``layer_bits[l] == 16`` everywhere means a plain BF16 cache."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    group_size: int
-    page_size: int
-    sink_size: int
-    recent_size: int
-    layer_bits: tuple[int, ...]
-    window_dtype: torch.dtype = torch.bfloat16
-
-    def __post_init__(self):
-        if self.quantizes:
-            if 16 in self.layer_bits:
-                raise ValueError("the paged engine cannot mix BF16 layers into a quantized cache; "
-                                 "recalibrate without a layer policy that stores layers at 16 bits")
-            if self.sink_size % self.page_size:
-                raise ConfigError(f"sink_size {self.sink_size} must be a multiple of page_size {self.page_size}",
-                                  "sink_size", "page_size")
-            if self.head_dim % self.group_size:
-                raise ConfigError(f"group_size {self.group_size} must divide the head dim {self.head_dim}", "group_size")
-
-    @property
-    def quantizes(self) -> bool:
-        return any(b < 16 for b in self.layer_bits)
-
-    @property
-    def sink_pages(self) -> int:
-        return self.sink_size // self.page_size if self.quantizes else 0
-
-    @property
-    def num_groups(self) -> int:
-        return self.head_dim // self.group_size
-
-    def int2_pages_for(self, seq_len: int) -> int:
-        """Steady-state quantized pages of a sequence of ``seq_len`` tokens (cache.py's migration rule)."""
-        if not self.quantizes:
-            return 0
-        return max(0, (seq_len - self.sink_size - self.recent_size) // self.page_size)
-
-    @property
-    def window_page_bytes(self) -> int:
-        elem = torch.empty(0, dtype=self.window_dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.page_size * self.head_dim * elem
-
-    @property
-    def quant_page_bytes(self) -> int:
-        if not self.quantizes:
-            return 0
-        per_row = sum(self.head_dim * b // 8 + 2 * 2 * self.num_groups for b in self.layer_bits)  # codes + fp16 scale/min
-        return 2 * self.num_kv_heads * self.page_size * per_row
-
-    def window_pages_per_seq(self) -> int:
-        """Window pages one sequence holds at most (sink + recent, plus one page in flight)."""
-        if not self.quantizes:
-            raise ValueError("a BF16 cache has no bound on window pages per sequence")
-        return self.sink_pages + -(-(self.recent_size + self.page_size - 1) // self.page_size) + 1
-
-    def bytes_for(self, seq_len: int) -> int:
-        """Pool bytes one sequence of ``seq_len`` tokens occupies (whole pages)."""
-        pages = -(-seq_len // self.page_size)
-        q = self.int2_pages_for(seq_len)
-        return (pages - q) * self.window_page_bytes + q * self.quant_page_bytes
-
-
-@dataclass(frozen=True)
 class PoolPlan:
     window_pages: int
     quant_pages: int
-    spec: PoolSpec
+    geometry: PoolGeometry
 
     @property
     def window_bytes(self) -> int:
-        return self.window_pages * self.spec.window_page_bytes
+        return self.window_pages * self.geometry.window_page_bytes
 
     @property
     def quant_bytes(self) -> int:
-        return self.quant_pages * self.spec.quant_page_bytes
+        return self.quant_pages * self.geometry.quant_page_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -121,10 +55,17 @@ class PoolPlan:
 
     @property
     def capacity_tokens(self) -> int:
-        return (self.window_pages + self.quant_pages) * self.spec.page_size
+        return (self.window_pages + self.quant_pages) * self.geometry.page_size
+
+    def holds(self, seq_len: int) -> bool:
+        """Whether one sequence of ``seq_len`` tokens fits, with its window page in flight during migration."""
+        g = self.geometry
+        quant = g.int2_pages_for(seq_len)
+        window = g.pages_for(seq_len) - quant + (1 if g.quantizes else 0)
+        return self.window_pages >= window and self.quant_pages >= quant
 
 
-def plan_pool(spec: PoolSpec, budget_bytes: int, max_model_len: int, max_num_seqs: int) -> PoolPlan:
+def plan_pool(geometry: PoolGeometry, budget_bytes: int, max_model_len: int, max_num_seqs: int) -> PoolPlan:
     """Split a byte budget into window and INT2 pages.
 
     A BF16 cache is all window pages.  A quantized cache gives the window pool the share that
@@ -133,16 +74,16 @@ def plan_pool(spec: PoolSpec, budget_bytes: int, max_model_len: int, max_num_seq
     """
     if budget_bytes <= 0:
         raise ConfigError("kv_cache_memory must be positive", "kv_cache_memory")
-    if not spec.quantizes:
-        return PoolPlan(budget_bytes // spec.window_page_bytes, 0, spec)
-    per_seq = spec.window_pages_per_seq()
-    q_long = spec.int2_pages_for(max_model_len)
-    w_long = -(-max_model_len // spec.page_size) - q_long
-    share = w_long * spec.window_page_bytes / max(spec.bytes_for(max_model_len), 1)
-    window = int(budget_bytes * share) // spec.window_page_bytes
-    window = min(max(window, min(per_seq, budget_bytes // spec.window_page_bytes)), per_seq * max_num_seqs)
-    quant = (budget_bytes - window * spec.window_page_bytes) // spec.quant_page_bytes
-    return PoolPlan(window, quant, spec)
+    if not geometry.quantizes:
+        return PoolPlan(budget_bytes // geometry.window_page_bytes, 0, geometry)
+    per_seq = geometry.window_pages_per_seq()
+    q_long = geometry.int2_pages_for(max_model_len)
+    w_long = geometry.pages_for(max_model_len) - q_long
+    share = w_long * geometry.window_page_bytes / max(geometry.sequence_bytes(max_model_len), 1)
+    window = int(budget_bytes * share) // geometry.window_page_bytes
+    window = min(max(window, min(per_seq, budget_bytes // geometry.window_page_bytes)), per_seq * max_num_seqs)
+    quant = (budget_bytes - window * geometry.window_page_bytes) // geometry.quant_page_bytes
+    return PoolPlan(window, quant, geometry)
 
 
 class PageAllocator:
@@ -220,16 +161,16 @@ class PagePool:
     """The KV tensors of both pools and their allocators."""
 
     def __init__(self, plan: PoolPlan, device: torch.device | str = "cpu"):
-        s = plan.spec
-        self.spec, self.plan, self.device = s, plan, torch.device(device)
-        h, p, d, ng = s.num_kv_heads, s.page_size, s.head_dim, s.num_groups
+        g = plan.geometry
+        self.geometry, self.plan, self.device = g, plan, torch.device(device)
+        h, p, d, ng = g.num_kv_heads, g.page_size, g.head_dim, g.num_groups
         nw, nq = max(plan.window_pages, 1), max(plan.quant_pages, 1)
         # torch.empty: pages are only ever read where they were written.
-        self.k_win = [torch.empty(nw, h, p, d, dtype=s.window_dtype, device=device) for _ in range(s.num_layers)]
-        self.v_win = [torch.empty(nw, h, p, d, dtype=s.window_dtype, device=device) for _ in range(s.num_layers)]
+        self.k_win = [torch.empty(nw, h, p, d, dtype=g.window_dtype, device=device) for _ in range(g.num_layers)]
+        self.v_win = [torch.empty(nw, h, p, d, dtype=g.window_dtype, device=device) for _ in range(g.num_layers)]
         self.k_codes, self.v_codes, self.k_meta, self.v_meta = [], [], [], []
-        if s.quantizes:
-            for bits in s.layer_bits:
+        if g.quantizes:
+            for bits in g.layer_bits:
                 for codes, meta in ((self.k_codes, self.k_meta), (self.v_codes, self.v_meta)):
                     codes.append(torch.empty(nq, h, p, d * bits // 8, dtype=torch.uint8, device=device))
                     meta.append(torch.empty(nq, h, p, 2 * ng, dtype=torch.float16, device=device))
@@ -242,7 +183,7 @@ class PagePool:
         return self.window if kind == WINDOW else self.quant
 
     def kind_of(self, logical_page: int, int2_pages: int) -> str:
-        sp = self.spec.sink_pages
+        sp = self.geometry.sink_pages
         return QUANT if sp <= logical_page < sp + int2_pages else WINDOW
 
     def tensor_bytes(self) -> int:
@@ -252,11 +193,11 @@ class PagePool:
     # ---- accounting ----------------------------------------------------------------------------
     @property
     def used_tokens(self) -> int:
-        return (self.window.used + self.quant.used) * self.spec.page_size
+        return (self.window.used + self.quant.used) * self.geometry.page_size
 
     @property
     def used_bytes(self) -> int:
-        return self.window.used * self.spec.window_page_bytes + self.quant.used * self.spec.quant_page_bytes
+        return self.window.used * self.geometry.window_page_bytes + self.quant.used * self.geometry.quant_page_bytes
 
     @property
     def hit_rate(self) -> float:
@@ -273,14 +214,14 @@ class PagePool:
         tokens = seq.num_tokens
         if not enabled:
             return
-        s = self.spec
-        max_q = s.int2_pages_for(tokens)
+        g = self.geometry
+        max_q = g.int2_pages_for(tokens)
         pages, q = [], 0
-        for i in range((tokens - 1) // s.page_size):
+        for i in range((tokens - 1) // g.page_size):
             kind = self.kind_of(i, max_q)
-            if s.quantizes and i >= s.sink_pages and kind == WINDOW:
+            if g.quantizes and i >= g.sink_pages and kind == WINDOW:
                 break  # recent-window pages are never shared
-            page = self.allocator(kind).lookup(seq.page_hash(i, s.page_size) + kind.encode())
+            page = self.allocator(kind).lookup(seq.page_hash(i, g.page_size) + kind.encode())
             if page is None:
                 break
             pages.append((kind, page))
@@ -289,22 +230,22 @@ class PagePool:
             self.allocator(kind).ref(page)
         seq.pages = [p for _, p in pages]
         seq.int2_pages = q
-        seq.num_computed = len(pages) * s.page_size
+        seq.num_computed = len(pages) * g.page_size
         seq.registered_pages = len(pages)
         seq.prefix_hit_tokens = seq.num_computed
 
     def register_sealed(self, seq) -> None:
         """Offer ``seq``'s newly sealed pages (full, final form) to the prefix cache."""
-        s = self.spec
-        full = seq.num_computed // s.page_size
-        if s.quantizes:
-            sealed = min(full, s.sink_pages) if seq.int2_pages == 0 else s.sink_pages + seq.int2_pages
+        g = self.geometry
+        full = seq.num_computed // g.page_size
+        if g.quantizes:
+            sealed = min(full, g.sink_pages) if seq.int2_pages == 0 else g.sink_pages + seq.int2_pages
             sealed = min(sealed, full)
         else:
             sealed = full
         for i in range(seq.registered_pages, sealed):
             kind = self.kind_of(i, seq.int2_pages)
-            self.allocator(kind).register(seq.pages[i], seq.page_hash(i, s.page_size) + kind.encode())
+            self.allocator(kind).register(seq.pages[i], seq.page_hash(i, g.page_size) + kind.encode())
         seq.registered_pages = max(seq.registered_pages, sealed)
 
     def release_seq(self, seq) -> None:

@@ -21,8 +21,9 @@ from ..codec import layer_codecs, validated_artifact
 from ..config import SERVED_KV_CACHE_DTYPES, ServedKVCacheDtype, check_window_sizes
 from ..errors import ConfigError
 from ..folding import fold_values
+from ..kernels.layout import PoolGeometry
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
-from .block_pool import PagePool, PoolPlan, PoolSpec, plan_pool
+from .block_pool import PagePool, PoolPlan, plan_pool
 from .kernel_attention import PoolView, kernel_support
 from .runner import ATTENTION_KEY, ModelRunner, register_paged_attention
 from .scheduler import Scheduler
@@ -138,9 +139,9 @@ class LLMEngine:
         self.codecs = [codec.keep_heads(heads).to(self.device) for codec in codecs]
         register_paged_attention()
         model.set_attn_implementation(ATTENTION_KEY)
-        self.spec = PoolSpec(geometry.num_layers, heads.stop - heads.start, geometry.head_dim, codecs[0].group_size,
-                             config.page_size, config.sink_size, config.recent_size,
-                             tuple(codec.bits for codec in self.codecs), config.window_dtype)
+        pool_geometry = PoolGeometry(geometry.num_layers, heads.stop - heads.start, geometry.head_dim,
+                                     codecs[0].group_size, config.page_size, config.sink_size, config.recent_size,
+                                     tuple(codec.bits for codec in self.codecs), config.window_dtype)
         limit = getattr(model.config, "max_position_embeddings", None) or 8192
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
@@ -152,7 +153,7 @@ class LLMEngine:
             rope.reserve(self.max_model_len + 1, self.device)
         memory = config.kv_cache_memory if config.kv_cache_memory is not None else default_kv_cache_memory(self.device)
         memory = tp.smallest(memory)  # rank 0 places pages for all ranks: their pools must be equal
-        self.plan = plan_pool(self.spec, int(memory * GB), self.max_model_len, config.max_num_seqs)
+        self.plan = plan_pool(pool_geometry, int(memory * GB), self.max_model_len, config.max_num_seqs)
         self._check_plan(memory)
         self.pool = PagePool(self.plan, self.device)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
@@ -182,10 +183,8 @@ class LLMEngine:
         self._recent: deque[tuple[float, int]] = deque()
 
     def _check_plan(self, memory: float) -> None:
-        spec, plan = self.spec, self.plan
-        q_need = spec.int2_pages_for(self.max_model_len)
-        w_need = -(-self.max_model_len // spec.page_size) - q_need + (1 if spec.quantizes else 0)
-        if plan.window_pages < w_need or plan.quant_pages < q_need:
+        plan = self.plan
+        if not plan.holds(self.max_model_len):
             raise ConfigError(
                 f"kv_cache_memory {memory:.3f} GB holds {plan.capacity_tokens} tokens "
                 f"({plan.window_pages} window + {plan.quant_pages} quantized pages), not one sequence of "
@@ -194,7 +193,7 @@ class LLMEngine:
 
     def describe(self) -> list[str]:
         """Start-up lines: scheme and pool capacity, compared with a BF16 cache of the same memory."""
-        spec, plan = self.spec, self.plan
+        spec, plan = self.pool.geometry, self.plan
         bf16_tokens = plan.total_bytes // spec.window_page_bytes * spec.page_size
         scheme = (f"{self.config.kv_cache_dtype} (sink {spec.sink_size}, recent {spec.recent_size}, "
                   f"group {spec.group_size}, page {spec.page_size}, layer bits {sorted(set(spec.layer_bits))})"
@@ -220,8 +219,8 @@ class LLMEngine:
                  f"KV pool capacity: {plan.capacity_tokens} tokens; a BF16 cache in the same memory holds "
                  f"{bf16_tokens} tokens ({plan.capacity_tokens / max(bf16_tokens, 1):.2f}x)"]
         if spec.quantizes:
-            per_seq = spec.bytes_for(self.max_model_len)
-            bf16_seq = -(-self.max_model_len // spec.page_size) * spec.window_page_bytes
+            per_seq = spec.sequence_bytes(self.max_model_len)
+            bf16_seq = spec.as_bf16().sequence_bytes(self.max_model_len)
             lines.append(f"one {self.max_model_len}-token sequence: {per_seq / 2**20:.1f} MiB "
                          f"({8 * per_seq / (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.max_model_len):.2f}"
                          f" bits/element; BF16 {bf16_seq / 2**20:.1f} MiB); the pool holds "
@@ -243,7 +242,7 @@ class LLMEngine:
         reaches past the sink and recent windows, so prefill, the write path, migration and the decode kernel
         with an INT2 history all run; counters and the prefix cache are reset afterwards.  Returns seconds."""
         started = time.perf_counter()
-        spec = self.spec
+        spec = self.pool.geometry
         n = max(1, min(self.max_model_len - 100, spec.sink_size + spec.recent_size + 4 * spec.page_size))
         vocab = self.model.config.vocab_size
         prompt = [(7 * i + 1) % vocab for i in range(n)]

@@ -48,8 +48,7 @@ class DecodeGraphs:
 
     def __init__(self, model, pool, codecs, view, max_model_len: int):
         self.model, self.pool, self.codecs, self.view = model, pool, codecs, view
-        spec = pool.spec
-        self.width = -(-max_model_len // spec.page_size)  # block table columns: the longest sequence's pages
+        self.width = pool.geometry.pages_for(max_model_len)  # block table columns: the longest sequence's pages
         self.max_model_len = max_model_len
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.mempool = torch.cuda.graph_pool_handle()
@@ -65,7 +64,7 @@ class DecodeGraphs:
             return None
         step = fwd.kernel_step
         bucket = next(x for x in BATCH_BUCKETS if x >= b)
-        quantizes = self.pool.spec.quantizes
+        quantizes = self.pool.geometry.quantizes
         length = length_bucket(step.max_int2_pages if quantizes else step.max_seq_len)
         key = (bucket, length, fwd.fused_rotation)  # fused: write_kv rotates the keys (not with rope centering)
         g = self.graphs.get(key) or self._capture(*key)
@@ -91,7 +90,7 @@ class DecodeGraphs:
         from .runner import PagedForward
 
         dev = self.pool.device
-        quantizes = self.pool.spec.quantizes
+        quantizes = self.pool.geometry.quantizes
         batch = PagedBatch(torch.zeros(bucket, self.width, dtype=torch.int32, device=dev),
                            torch.zeros(bucket, dtype=torch.int32, device=dev),
                            torch.zeros(bucket, dtype=torch.int32, device=dev))

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..kernels.layout import PagedBatch, PagedKVPool, PoolGeometry, clip_indices
+from ..kernels.layout import PagedBatch, PagedKVPool, clip_indices
 from .block_pool import PagePool
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -65,39 +65,24 @@ def kernel_support(pool: PagePool, backend: str = "auto", rope_centered: bool = 
         return "Triton is not installed"
     if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "the kernels need CUDA or TRITON_INTERPRET=1"
-    s = pool.spec
-    if rope_centered and not s.quantizes:
+    g = pool.geometry
+    if rope_centered and not g.quantizes:
         return "the BF16 decode kernel does not add the position-aware key offset (the INT2 kernels do)"
-    if s.quantizes and any(b != 2 for b in s.layer_bits):
-        return "the artifact stores some layers at other than 2 bits (the kernels read INT2 codes only)"
-    if s.head_dim < 64:
-        return f"head dim {s.head_dim} < 64 (the extend kernel needs at least 64)"
-    try:
-        view_geometry(pool)
-    except ValueError as exc:
-        return str(exc)
-    if s.window_dtype != torch.bfloat16:
-        return "the kernels read BF16 windows"
-    return None
-
-
-def view_geometry(pool: PagePool) -> PoolGeometry:
-    s = pool.spec
-    recent = s.recent_size - s.recent_size % s.page_size  # the decode kernel never reads the recent size
-    return PoolGeometry(s.num_layers, s.num_kv_heads, s.head_dim, s.group_size, s.page_size,
-                        s.sink_size if s.quantizes else 0, recent)
+    if g.head_dim < 64:
+        return f"head dim {g.head_dim} < 64 (the extend kernel needs at least 64)"
+    return g.kernel_error()
 
 
 class PoolView:
     """The engine pool through the interface the kernels take (``geometry`` and ``layer(i)``)."""
 
     def __init__(self, pool: PagePool):
-        self.pool, self.geometry = pool, view_geometry(pool)
-        s = pool.spec
+        self.pool, self.geometry = pool, pool.geometry  # the kernels address the engine pool as it is
+        g = self.geometry
         # A BF16 cache has no INT2 pool; the kernels still take (never read) INT2 tensors.
-        self._no_codes = torch.zeros(1, s.num_kv_heads, s.page_size, s.head_dim // 4, dtype=torch.uint8,
+        self._no_codes = torch.zeros(1, g.num_kv_heads, g.page_size, g.head_dim // 4, dtype=torch.uint8,
                                      device=pool.device)
-        self._no_meta = torch.zeros(1, s.num_kv_heads, s.page_size, 2 * s.num_groups, dtype=torch.float16,
+        self._no_meta = torch.zeros(1, g.num_kv_heads, g.page_size, 2 * g.num_groups, dtype=torch.float16,
                                     device=pool.device)
         self._clips: dict[int, tuple] = {}
         self._layer_pools: dict[int, PagedKVPool] = {}
@@ -108,7 +93,7 @@ class PoolView:
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         p = self.pool
-        if not p.spec.quantizes:
+        if not p.geometry.quantizes:
             return {"k_codes": self._no_codes, "v_codes": self._no_codes, "k_meta": self._no_meta,
                     "v_meta": self._no_meta, "k_win": p.k_win[i], "v_win": p.v_win[i]}
         return {"k_codes": p.k_codes[i], "v_codes": p.v_codes[i], "k_meta": p.k_meta[i], "v_meta": p.v_meta[i],
@@ -117,10 +102,10 @@ class PoolView:
     def layer_pool(self, i: int) -> PagedKVPool:
         """Layer i as a one-layer PagedKVPool (views of the engine's tensors, nothing copied)."""
         if i not in self._layer_pools:
-            t = self.layer(i)
-            self._layer_pools[i] = PagedKVPool(dataclasses.replace(self.geometry, num_layers=1),
-                                               *(t[n].unsqueeze(0) for n in ("k_codes", "v_codes", "k_meta",
-                                                                              "v_meta", "k_win", "v_win")))
+            t, g = self.layer(i), self.geometry
+            one = dataclasses.replace(g, num_layers=1, layer_bits=g.layer_bits[i:i + 1])
+            names = ("k_codes", "v_codes", "k_meta", "v_meta", "k_win", "v_win")
+            self._layer_pools[i] = PagedKVPool(one, *(t[n].unsqueeze(0) for n in names))
         return self._layer_pools[i]
 
     def clips(self, i: int, codec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,14 +169,14 @@ class DecodeStep:
         from ..kernels.decode import bf16_decode, int2_decode
 
         q = query[0].transpose(0, 1)  # [B, Hq, D]
-        if self.view.pool.spec.quantizes:
+        if self.view.pool.geometry.quantizes:
             out = int2_decode(q, self.view, layer_idx, self.batch, codec.k_rotation, scaling,
                               rope=_rope(codec, self.max_seq_len), max_int2_pages=self.max_int2_pages,
                               max_seq_len=self.max_seq_len)
         else:
             p = self.view.pool
             out = bf16_decode(q, p.k_win[layer_idx], p.v_win[layer_idx], self.batch.block_table, self.batch.seq_lens,
-                              codec.k_rotation, scaling, page_size=p.spec.page_size, max_seq_len=self.max_seq_len)
+                              codec.k_rotation, scaling, page_size=p.geometry.page_size, max_seq_len=self.max_seq_len)
         return out.unsqueeze(0)
 
 
@@ -201,8 +186,8 @@ class ExtendStep:
     reads_chunk = True  # attend needs the chunk's rotated keys and values
 
     def __init__(self, view: PoolView, steps):
-        spec = view.pool.spec
-        p, sink_end = spec.page_size, spec.sink_pages * spec.page_size
+        g = view.pool.geometry
+        p, sink_end = g.page_size, g.sink_pages * g.page_size
         history_int2 = []
         for st in steps:
             # INT2 pages (after this step) that hold positions before the chunk; the last may be partial.

@@ -121,8 +121,8 @@ class PagedForward:
         if self.kernel_step is not None:
             self._plan_kernels(kernels)
             return
-        s = pool.spec
-        p, sink_end = s.page_size, s.sink_pages * s.page_size
+        g = pool.geometry
+        p, sink_end = g.page_size, g.sink_pages * g.page_size
         win_writes, win_src, q_writes, q_src, mig_src, mig_dst = [], [], [], [], [], []
         win_reads, q_reads, views = [], [], []
         offset = n_win = n_q = 0
@@ -131,7 +131,7 @@ class PagedForward:
             table = torch.tensor(seq.pages, dtype=torch.long)
             hist_end = sink_end + seq.int2_pages * p
             pos = torch.arange(step.start, step.end)
-            in_q = (pos >= sink_end) & (pos < hist_end) if s.quantizes else torch.zeros_like(pos, dtype=torch.bool)
+            in_q = (pos >= sink_end) & (pos < hist_end) if g.quantizes else torch.zeros_like(pos, dtype=torch.bool)
             idx = torch.arange(offset, offset + step.num_tokens)
             win_writes.append(_Rows.of(table, pos[~in_q], p))
             win_src.append(idx[~in_q])
@@ -166,13 +166,13 @@ class PagedForward:
 
     def _plan_kernels(self, view: PoolView) -> None:
         """Kernel mode: flat window / INT2 slots of the step's tokens and the migrating pages."""
-        s = self.pool.spec
-        p, sink_end = s.page_size, s.sink_pages * s.page_size
+        g = self.pool.geometry
+        p, sink_end = g.page_size, g.sink_pages * g.page_size
         win, q, src, dst, views = [], [], [], [], []
         offset = 0
         for step in self.steps:
             pages = step.seq.pages
-            hist_end = sink_end + step.seq.int2_pages * p if s.quantizes else sink_end
+            hist_end = sink_end + step.seq.int2_pages * p if g.quantizes else sink_end
             for t in range(step.start, step.end):
                 slot = pages[t // p] * p + t % p
                 if sink_end <= t < hist_end:
@@ -256,7 +256,7 @@ class PagedForward:
         from ..kernels.write import write_kv
 
         self.run_migrations()  # first layer of the step: every layer's migrations
-        wdt = self.pool.spec.window_dtype
+        wdt = self.pool.geometry.window_dtype
         values = value if value.dtype == wdt else value.to(wdt)  # stored form, quantized as such (as _write)
         v_rows = values[0].transpose(0, 1)  # [N, H, D] views
         ck, cv = self.view.clips(li, codec)
@@ -273,7 +273,7 @@ class PagedForward:
 
     def _write(self, li: int, codec: LayerCodec, keys: torch.Tensor, values: torch.Tensor) -> None:
         pool = self.pool
-        wdt = pool.spec.window_dtype
+        wdt = pool.geometry.window_dtype
         k_rows = keys[0].transpose(0, 1).to(wdt)  # [N, H, D], stored form of the window
         v_rows = values[0].transpose(0, 1).to(wdt)
         if len(self.win_writes):

@@ -135,15 +135,15 @@ class Scheduler:
 
     def _allocate(self, seq: Sequence, n: int, reserve: int = 0) -> ScheduledSeq | None:
         """Give ``seq`` the pages its layout needs after ``n`` more tokens, or None if the pool is short."""
-        pool, spec = self.pool, self.pool.spec
+        pool, geometry = self.pool, self.pool.geometry
         start = seq.num_computed
         end = start + n
         h_old = seq.int2_pages
-        h_new = max(h_old, spec.int2_pages_for(end))
-        num_pages = -(-end // spec.page_size)
+        h_new = max(h_old, geometry.int2_pages_for(end))
+        num_pages = geometry.pages_for(end)
         # Only two kinds of pages change (cost independent of the sequence length): existing recent
         # pages that join the history (window -> quantized) and the new pages at the end.
-        migrating = range(spec.sink_pages + h_old, min(spec.sink_pages + h_new, len(seq.pages)))
+        migrating = range(geometry.sink_pages + h_old, min(geometry.sink_pages + h_new, len(seq.pages)))
         added = range(len(seq.pages), num_pages)
         need = {WINDOW: 0, QUANT: len(migrating)}
         for i in added:

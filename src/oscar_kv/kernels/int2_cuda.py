@@ -223,7 +223,7 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     po = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float16)
     pl = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     bt = batch.block_table
-    history_bytes = bsz * h * splits * chunk * geom.int2_bytes_per_token()  # an upper bound (the last chunk)
+    history_bytes = bsz * h * splits * chunk * geom.quant_bytes_per_token()  # an upper bound (the last chunk)
     kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, min_blocks(rope_r, d),
                      _DTYPES[q.dtype],
                      _DTYPES[target.dtype], stamps is not None, rope_r)

@@ -5,8 +5,8 @@ Why this layout
 The serving engine batches requests continuously and shares prompt prefixes between them.  What a
 prefix hit can share is the *settled* part of a sequence: the BF16 sink (first S0 tokens) and the
 INT2 history.  The recent window (last W .. W+P-1 tokens, BF16) keeps changing and belongs to one
-request.  Everything is therefore stored in fixed-size **pages of P tokens** (P = 16, 32 or 64; S0 and
-W must be multiples of P), in two pools:
+request.  Everything is therefore stored in fixed-size **pages of P tokens** (P = 16, 32 or 64; S0 must
+be a multiple of P), in two pools:
 
 * **window pool** (BF16, rotated/centered keys, rotated values) for sink pages and recent pages::
 
@@ -47,17 +47,37 @@ batch simply have seq_len 0.  Page ids are int32 (2^31 pages is far beyond any p
 Rotations: ``k_rotation`` float32/bfloat16 [Hr, D, D] with Hr = H (per KV head) or 1 (shared per
 layer).  Keys are stored as (k - mu_K) @ R_K, queries are rotated q @ R_K[kv_head(q)]; values arrive
 rotated.  Sink/recent rows are stored rotated too, so the whole cache lives in one space.
+
+One ``PoolGeometry`` describes a pool for both of its users: the engine (engine/block_pool.py: allocation,
+byte budget, prefix cache) and the kernels.  It lives here, in the lower layer, so that the page rules and
+byte counts are written once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from ..errors import ConfigError
+
+
+# The kernels read 2-bit codes; a geometry that names no bits per layer is such an INT2 cache.
+KERNEL_BITS = 2
 
 
 @dataclass(frozen=True)
 class PoolGeometry:
+    """The shape of a paged KV pool: what the engine allocates and accounts, and what the kernels address.
+
+    ``layer_bits[l]``: bits per code of layer l's quantized pages (default: 2 on every layer).  16 on every
+    layer is a plain cache in ``window_dtype``: window pages only, no sink, no quantized pages.  Settings that
+    no pool can use raise ``ConfigError``; :meth:`kernel_error` says what the kernels need beyond that.
+
+    Byte counts cover K and V.  ``*_bytes_per_token`` are per token, KV head and layer; ``*_page_bytes``
+    per page across every layer (a page id addresses the same slot in each layer's tensor).
+    """
+
     num_layers: int
     num_kv_heads: int
     head_dim: int = 128
@@ -65,17 +85,48 @@ class PoolGeometry:
     page_size: int = 16
     sink_size: int = 64
     recent_size: int = 256
+    layer_bits: tuple[int, ...] | None = None
+    window_dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
+        bits = (KERNEL_BITS,) * self.num_layers if self.layer_bits is None else tuple(self.layer_bits)
+        object.__setattr__(self, "layer_bits", bits)  # frozen: normalize once, here
+        if len(bits) != self.num_layers:
+            raise ValueError(f"layer_bits has {len(bits)} entries for {self.num_layers} layers")
+        if self.quantizes:
+            if 16 in bits:
+                raise ValueError("the paged engine cannot mix BF16 layers into a quantized cache; "
+                                 "recalibrate without a layer policy that stores layers at 16 bits")
+            if self.sink_size % self.page_size:
+                raise ConfigError(f"sink_size {self.sink_size} must be a multiple of page_size {self.page_size}",
+                                  "sink_size", "page_size")
+            if self.head_dim % self.group_size:
+                raise ConfigError(f"group_size {self.group_size} must divide the head dim {self.head_dim}",
+                                  "group_size")
+
+    def kernel_error(self) -> str | None:
+        """None when the Triton/CUDA kernels can address this pool, else why not."""
         d, g, p = self.head_dim, self.group_size, self.page_size
+        if self.quantizes and any(b != KERNEL_BITS for b in self.layer_bits):
+            return "the artifact stores some layers at other than 2 bits (the kernels read INT2 codes only)"
         if d % 4 or d % g or g < d // 4:
-            raise ValueError(f"group size {g} must divide head dim {d} and be >= D/4 = {d // 4}")
+            return f"group size {g} must divide head dim {d} and be >= D/4 = {d // 4}"
         if d & (d - 1) or d < 32:
-            raise ValueError(f"head dim must be a power of two >= 32, got {d}")
+            return f"head dim must be a power of two >= 32, got {d}"
         if p not in (16, 32, 64):
-            raise ValueError(f"page size must be 16, 32 or 64, got {p}")
-        if self.sink_size % p or self.recent_size % p:
-            raise ValueError("sink and recent sizes must be multiples of the page size")
+            return f"page size must be 16, 32 or 64, got {p}"
+        if self.window_dtype != torch.bfloat16:
+            return "the kernels read BF16 windows"
+        return None
+
+    def as_bf16(self) -> "PoolGeometry":
+        """The same pool stored without quantization (what a BF16 cache of these layers would hold)."""
+        return replace(self, layer_bits=(16,) * self.num_layers)
+
+    # ---- pages -----------------------------------------------------------------------------------
+    @property
+    def quantizes(self) -> bool:
+        return any(b < 16 for b in self.layer_bits)
 
     @property
     def num_groups(self) -> int:
@@ -83,18 +134,62 @@ class PoolGeometry:
 
     @property
     def sink_pages(self) -> int:
-        return self.sink_size // self.page_size
+        """Logical pages before the first quantized page (none in a BF16 cache: nothing follows them)."""
+        return self.sink_size // self.page_size if self.quantizes else 0
+
+    def pages_for(self, seq_len: int) -> int:
+        """Pages of a sequence of ``seq_len`` tokens (the last one possibly partly filled)."""
+        return -(-seq_len // self.page_size)
 
     def int2_pages_for(self, seq_len: int) -> int:
-        """Steady-state INT2 page count for a sequence of ``seq_len`` tokens."""
+        """Steady-state quantized pages of a sequence of ``seq_len`` tokens (see the module docstring)."""
+        if not self.quantizes:
+            return 0
         return max(0, (seq_len - self.sink_size - self.recent_size) // self.page_size)
 
-    def int2_bytes_per_token(self) -> int:
-        """Bytes read per token and KV head from the INT2 pool, K and V: codes + scale/min."""
-        return 2 * (self.head_dim // 4 + 4 * self.num_groups)
+    def window_pages_per_seq(self) -> int:
+        """Window pages one sequence holds at most (sink + recent, plus one page in flight)."""
+        if not self.quantizes:
+            raise ValueError("a BF16 cache has no bound on window pages per sequence")
+        return self.sink_pages + -(-(self.recent_size + self.page_size - 1) // self.page_size) + 1
 
+    def decode_pages(self, seq_len: int) -> tuple[int, int]:
+        """(window pages, quantized pages) one sequence holds at most while it grows to ``seq_len`` tokens."""
+        pages, q = self.pages_for(seq_len), self.int2_pages_for(seq_len)
+        if self.quantizes:  # sink + recent + the page in flight during migration
+            return min(pages, self.window_pages_per_seq()), q
+        return pages - q, q
+
+    # ---- bytes -----------------------------------------------------------------------------------
     def window_bytes_per_token(self) -> int:
-        return 2 * 2 * self.head_dim
+        return 2 * self.head_dim * self.window_dtype.itemsize
+
+    def quant_bytes_per_token(self, layer: int = 0) -> int:
+        """Layer ``layer``'s quantized bytes: codes + float16 scale and minimum per group (0 in a BF16 cache)."""
+        if not self.quantizes:
+            return 0
+        return 2 * (self.head_dim * self.layer_bits[layer] // 8 + 2 * 2 * self.num_groups)
+
+    @property
+    def window_page_bytes(self) -> int:
+        return self.num_layers * self.num_kv_heads * self.page_size * self.window_bytes_per_token()
+
+    @property
+    def quant_page_bytes(self) -> int:
+        per_token = sum(self.quant_bytes_per_token(layer) for layer in range(self.num_layers))
+        return self.num_kv_heads * self.page_size * per_token
+
+    def sequence_bytes(self, seq_len: int) -> int:
+        """Pool bytes one sequence of ``seq_len`` tokens occupies (whole pages)."""
+        q = self.int2_pages_for(seq_len)
+        return (self.pages_for(seq_len) - q) * self.window_page_bytes + q * self.quant_page_bytes
+
+    def layer_read_bytes(self, seq_len: int, layer: int = 0) -> int:
+        """Bytes of one layer's cache a decode step reads for a sequence of ``seq_len`` tokens: the quantized
+        history's codes and scale/min plus the window rows (tokens, not whole pages)."""
+        quant_tokens = self.int2_pages_for(seq_len) * self.page_size
+        return self.num_kv_heads * (quant_tokens * self.quant_bytes_per_token(layer)
+                                    + (seq_len - quant_tokens) * self.window_bytes_per_token())
 
 
 @dataclass
@@ -110,6 +205,9 @@ class PagedKVPool:
     @classmethod
     def allocate(cls, geom: PoolGeometry, num_int2_pages: int, num_window_pages: int,
                  device: torch.device | str = "cpu", fill_nan: bool = False) -> "PagedKVPool":
+        why = geom.kernel_error()
+        if why is not None:  # this pool exists for the kernels
+            raise ValueError(why)
         l, h, p, d, ng = geom.num_layers, geom.num_kv_heads, geom.page_size, geom.head_dim, geom.num_groups
         nq, nw = max(num_int2_pages, 1), max(num_window_pages, 1)
         codes = lambda: torch.zeros(l, nq, h, p, d // 4, dtype=torch.uint8, device=device)  # noqa: E731
