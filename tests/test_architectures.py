@@ -102,3 +102,10 @@ def test_engine_greedy_output_equals_generate(arch, tokenizer, held_out_ids):
             got += out.token_ids
     assert got == ref
     assert engine.pool.all_free()
+    if geometry.head_dim > 128:  # the kernels refuse it by name (the torch reference serves it, said at start-up)
+        from oscar_kv.errors import ConfigError
+
+        unprepare_model(model)
+        with pytest.raises(ConfigError, match=f"head dim {geometry.head_dim} > 128"):
+            LLMEngine(model, tokenizer, rot, EngineConfig(kv_cache_dtype="int2", kv_cache_memory=0.05,
+                                                          max_model_len=512, attention_backend="triton", **settings))
