@@ -196,9 +196,9 @@ class ModelConfig(Settings):
     def _check_together(self) -> None:
         super()._check_together()
         if self.tp > 1 and self.calibrate:
-            raise ConfigError(f"calibrate does not run under tp {self.tp}; make the artifact first (`oscar-kv calibrate "
-                              f"--model {self.model} --output-dir DIR`, with `--tp {self.tp}` if the model needs "
-                              f"several GPUs) and pass rotations DIR", "calibrate", "tp", "rotations")
+            raise ConfigError(f"calibrate does not run under tp {self.tp}; make the artifact first (`oscar-kv "
+                              f"calibrate --model {self.model} --output-dir DIR`, with `--tp {self.tp}` if the model "
+                              f"needs several GPUs) and pass rotations DIR", "calibrate", "tp", "rotations")
 
 
 @dataclass
