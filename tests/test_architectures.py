@@ -88,7 +88,7 @@ def test_engine_greedy_output_equals_generate(arch, tokenizer, held_out_ids):
     geometry = AttentionGeometry.of(model.config)
     rot = Rotations.data_free(geometry, "hadamard", geometry.head_dim)
     ids = held_out_ids[:, :150]
-    settings = dict(sink_size=16, recent_size=32, page_size=16, window_dtype=torch.float32)
+    settings = dict(sink_size=16, recent_size=32, page_size=16)
     cache = OscarCache(model, rot, CacheSettings("int2", **settings))
     ref = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
     assert cache.layers[0].history_len > 0

@@ -133,7 +133,21 @@ def test_artifact_for_another_model_is_refused(model):
 
 
 def test_bad_settings_are_refused(model):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'bf16', 'int2', 'int4' or 'int8', got 'int3'"):
         CacheSettings("int3")
-    with pytest.raises(ValueError, match="page size"):
+    with pytest.raises(ValueError, match="page_size must be at least 1"):
         CacheSettings(page_size=0)
+    with pytest.raises(ValueError, match="key_axis must be 'token' or 'channel'"):
+        CacheSettings(key_axis="row")
+
+
+def test_the_cache_quantizes_in_the_group_size_it_is_given(model, rotations):
+    """group_size is a CacheConfig field: the generate() cache honours it as the engine does."""
+    from oscar_kv.errors import ConfigError
+
+    cache = OscarCache(model, rotations, CacheSettings(group_size=32))
+    assert {layer.codec.group_size for layer in cache.layers} == {32}
+    assert {layer.codec.group_size for layer in OscarCache(model, rotations).layers} == {rotations.group_size}
+    with pytest.raises(ConfigError) as info:
+        OscarCache(model, rotations, CacheSettings(group_size=48))
+    assert info.value.fields == ("group_size",) and "must divide the head dim 64" in str(info.value)

@@ -103,12 +103,51 @@ def test_prompt_longer_than_the_model_is_refused(artifact_dir):
     assert "exceeds the model's context of 8192" in result.output
 
 
+# every flag of `oscar-kv serve` that users and scripts rely on: renaming a ServeConfig field must not rename one
+SERVE_FLAGS = ("--model", "-m", "--rotations", "-r", "--kv-cache-dtype", "--calibrate", "--sink-size", "--recent-size",
+               "--group-size", "--page-size", "--max-model-len", "--kv-cache-memory", "--max-num-seqs",
+               "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching", "--host", "--port",
+               "--api-key", "--served-model-name", "--device", "--attention-backend", "--enforce-eager", "--tp",
+               "--tensor-parallel-size", "--shutdown-timeout", "--max-body-mb", "--log-level")
+
+
 def test_serve_help_explains_the_flags():
     result = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    for flag in ("--rotations", "--kv-cache-dtype", "--kv-cache-memory", "--max-num-seqs", "--api-key", "--calibrate",
-                 "--enforce-eager"):
-        assert flag in result.output
+    for flag in SERVE_FLAGS:
+        assert flag in result.output, flag
+
+
+def test_serve_options_are_the_serve_config_fields():
+    """The options come from ServeConfig: one per field, its flag, its default, its help."""
+    import dataclasses
+
+    import typer
+
+    from oscar_kv.config import ServeConfig
+    from oscar_kv.errors import flag
+
+    options = {p.name: p for p in typer.main.get_command(app).commands["serve"].params}
+    assert set(options) == {f.name for f in dataclasses.fields(ServeConfig)}
+    for f in dataclasses.fields(ServeConfig):
+        option = options[f.name]
+        assert flag(f.name) in option.opts, f.name
+        assert option.default == f.default and option.help == f.metadata["help"], f.name
+    assert set(SERVE_FLAGS) == {name for o in options.values() for name in o.opts + o.secondary_opts}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
+    (["--kv-cache-memory", "-1"], "--kv-cache-memory must be positive, got -1.0"),
+    (["--sink-size", "24"], "--sink-size 24 must be a multiple of --page-size 16"),
+    (["--tp", "2", "--calibrate"], "--calibrate does not run under --tp 2; make the artifact first (`oscar-kv "
+                                   "calibrate --model smollm2-135m --output-dir DIR`"),
+])
+def test_serve_names_a_refused_setting_by_its_flag(args, message):
+    """The config names the field (max_num_seqs); the CLI prints its flag, before anything loads."""
+    result = runner.invoke(app, ["serve", "--port", "0", *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split()), result.output
 
 
 def test_serve_int2_without_rotations_refuses_with_advice():

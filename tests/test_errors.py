@@ -37,5 +37,9 @@ def test_the_server_reports_an_engine_setting_as_its_flag(model, tokenizer):
 def test_the_engine_refuses_a_dtype_it_does_not_serve(model, tokenizer, rotations):
     from oscar_kv.engine import EngineConfig, LLMEngine
 
-    with pytest.raises(ConfigError, match="the engine serves kv_cache_dtype bf16 or int2, not 'int4'"):
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be 'bf16' or 'int2', got 'int4'"):
         LLMEngine(model, tokenizer, rotations, EngineConfig(kv_cache_dtype="int4"))
+    config = EngineConfig()
+    config.kv_cache_dtype = "int4"  # changed after it was validated: the engine validates again
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be 'bf16' or 'int2', got 'int4'"):
+        LLMEngine(model, tokenizer, rotations, config)

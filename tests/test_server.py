@@ -10,6 +10,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from oscar_kv.artifacts import Rotations, model_fingerprint  # noqa: E402
+from oscar_kv.errors import ConfigError  # noqa: E402
 from oscar_kv.models import AttentionGeometry  # noqa: E402
 from oscar_kv.server import BackgroundServer, ServeConfig, ServeError  # noqa: E402
 from oscar_kv.server.main import build_engine, load_rotations  # noqa: E402
@@ -418,8 +419,8 @@ def test_int2_without_rotations_refuses_to_start_with_advice(smol):
         build_engine(ServeConfig(model="my-finetune", kv_cache_dtype="int2"), lm, tok)
     rot = load_rotations(ServeConfig(kv_cache_dtype="int2"), lm, tok)  # the embedded model's comes with the package
     assert rot is not None and rot.manifest["fingerprint"] == model_fingerprint(lm)
-    with pytest.raises(ServeError, match="kv-cache-dtype"):
-        ServeConfig(kv_cache_dtype="int3").validate()
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be 'bf16' or 'int2'"):
+        ServeConfig(kv_cache_dtype="int3")
 
 
 def test_load_test_reports_throughput_and_latency_percentiles(server, tmp_path):

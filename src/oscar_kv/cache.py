@@ -15,6 +15,7 @@ added back (codec.LayerCodec.restore_offsets).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from transformers import AttentionInterface
@@ -24,8 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .artifacts import Rotations
 from .codec import LayerCodec, layer_codecs, stored_attention, validated_artifact
-from .config import KV_CACHE_BITS, KV_CACHE_DTYPES, KVCacheDtype, check_window_sizes
-from .errors import ConfigError
+from .config import CacheConfig
 from .folding import fold_values, restore_model
 from .memory import KVFootprint
 from .quant import QuantizedRows
@@ -33,30 +33,15 @@ from .quant import QuantizedRows
 ATTENTION_KEY = "oscar_kv"
 
 
-@dataclass(frozen=True)
-class CacheSettings:
-    """How tokens are stored.  ``kv_cache_dtype='bf16'`` keeps every token in the window dtype."""
+@dataclass
+class CacheSettings(CacheConfig):
+    """The generate() cache's settings: CacheConfig's (dtype, windows, page, group size) plus how this cache holds
+    them in torch.  ``kv_cache_dtype='bf16'`` keeps every token in the window dtype."""
 
-    kv_cache_dtype: KVCacheDtype = "int2"
-    sink_size: int = 64
-    recent_size: int = 256
-    page_size: int = 16
     window_dtype: torch.dtype = torch.bfloat16
     # "token": one scale/min per token x head x channel group (OSCAR).  "channel": KIVI-style keys,
     # one scale/min per channel over each page of tokens (values stay per token).
-    key_axis: str = "token"
-
-    def __post_init__(self):
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
-                              "kv_cache_dtype")
-        if self.key_axis not in ("token", "channel"):
-            raise ValueError("key axis must be 'token' or 'channel'")
-        check_window_sizes(self.sink_size, self.recent_size, self.page_size)
-
-    @property
-    def bits(self) -> int:
-        return KV_CACHE_BITS[self.kv_cache_dtype]
+    key_axis: Literal["token", "channel"] = "token"
 
 
 class OscarCacheLayer(CacheLayerMixin):
@@ -187,7 +172,7 @@ class OscarCache(Cache):
         prepare_model(model, rotations)
         self.settings, self.rotations = settings, rotations
         key_page = settings.page_size if settings.key_axis == "channel" else None
-        codecs = layer_codecs(model, rotations, settings.kv_cache_dtype, key_page=key_page)
+        codecs = layer_codecs(model, rotations, settings.kv_cache_dtype, settings.group_size, key_page=key_page)
         super().__init__(layers=[OscarCacheLayer(settings, codec) for codec in codecs])
 
     def footprint(self) -> KVFootprint:

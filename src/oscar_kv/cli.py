@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
 from enum import Enum
+from inspect import Parameter, Signature  # not `import inspect`: a command has that name
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .config import KV_CACHE_DTYPES
-from .errors import user_message
+from .config import KV_CACHE_DTYPES, ServeConfig, choices, declaring_level, split_optional, type_hints
+from .errors import ConfigError, flag, user_message
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="2-bit KV caches with attention-aware rotations (OSCAR). Calibrate once, then generate or serve.")
@@ -346,66 +348,59 @@ def evaluate(
     typer.echo(f"wrote {output}/results.json, results.md and plots")
 
 
-def _serve_help(name: str) -> str:
-    from .server.main import ServeConfig
+# `oscar-kv serve`'s options are ServeConfig's fields: the flag is the field's name with dashes (errors.flag), the
+# type, default and help are the field's, and each level of the config tree is a panel of --help.  The CLI adds
+# only these spellings of its own:
+SERVE_ALIASES = {"model": ("-m",), "rotations": ("-r",), "tp": ("--tensor-parallel-size",)}
 
-    return ServeConfig.help(name)
+
+def _cli_type(hint):
+    """How typer parses a field: a Literal as text (the config names the choices when it refuses a value)."""
+    inner, optional = split_optional(hint)
+    if choices(inner) is not None:
+        inner = str
+    return Optional[inner] if optional else inner
 
 
-@app.command()
-def serve(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=_serve_help("model")),
-    rotations: Optional[Path] = typer.Option(None, "--rotations", "-r", help=_serve_help("rotations")),
-    kv_cache_dtype: str = typer.Option("int2", help=_serve_help("kv_cache_dtype")),
-    calibrate_now: bool = typer.Option(False, "--calibrate", help=_serve_help("calibrate")),
-    sink_size: int = typer.Option(64, help=_serve_help("sink_size")),
-    recent_size: int = typer.Option(256, help=_serve_help("recent_size")),
-    group_size: Optional[int] = typer.Option(None, help=_serve_help("group_size")),
-    page_size: int = typer.Option(16, help=_serve_help("page_size")),
-    max_model_len: Optional[int] = typer.Option(None, help=_serve_help("max_model_len")),
-    kv_cache_memory: Optional[float] = typer.Option(None, help=_serve_help("kv_cache_memory")),
-    max_num_seqs: int = typer.Option(64, help=_serve_help("max_num_seqs")),
-    max_num_batched_tokens: int = typer.Option(2048, help=_serve_help("max_num_batched_tokens")),
-    enable_prefix_caching: bool = typer.Option(True, help=_serve_help("enable_prefix_caching")),
-    host: str = typer.Option("127.0.0.1", help=_serve_help("host")),
-    port: int = typer.Option(30000, help=_serve_help("port")),
-    api_key: Optional[str] = typer.Option(None, help=_serve_help("api_key")),
-    served_model_name: Optional[str] = typer.Option(None, help=_serve_help("served_model_name")),
-    device: str = typer.Option("cpu", help=_serve_help("device")),
-    attention_backend: str = typer.Option("auto", help=_serve_help("attention_backend")),
-    enforce_eager: bool = typer.Option(False, "--enforce-eager", help=_serve_help("enforce_eager")),
-    tp: int = typer.Option(1, "--tp", "--tensor-parallel-size", help=_serve_help("tp")),
-    shutdown_timeout: float = typer.Option(30.0, help=_serve_help("shutdown_timeout")),
-    max_body_mb: float = typer.Option(16.0, help=_serve_help("max_body_mb")),
-    log_level: str = typer.Option("info", help=_serve_help("log_level")),
-):
+def config_options(config_class: type, aliases: dict[str, tuple[str, ...]]) -> Signature:
+    """A command signature with one option per field of ``config_class``.  A boolean that is off by default is a
+    switch (``--enforce-eager``); one that is on gets its ``--no-`` form (``--no-enable-prefix-caching``)."""
+    hints = type_hints(config_class)
+    params = []
+    for f in dataclasses.fields(config_class):
+        name = flag(f.name)
+        if hints[f.name] is bool and f.default:
+            name += f"/--no-{name[2:]}"
+        option = typer.Option(f.default, name, *aliases.get(f.name, ()), help=f.metadata["help"],
+                              rich_help_panel=declaring_level(config_class, f.name).title)
+        params.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=option, annotation=_cli_type(hints[f.name])))
+    return Signature(params)
+
+
+def serve(**options):
     """Serve the model behind an OpenAI-compatible API (/v1/chat/completions, /v1/completions) with a paged INT2 KV cache."""
-    from .server.main import ServeConfig, ServeError, listen_socket, run_server  # light: no torch yet
+    from .server.main import ServeError, listen_socket, run_server  # light: no torch yet
 
-    config = ServeConfig(model=model, rotations=str(rotations) if rotations else None, kv_cache_dtype=kv_cache_dtype,
-                         calibrate=calibrate_now, sink_size=sink_size, recent_size=recent_size, group_size=group_size,
-                         page_size=page_size, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         enable_prefix_caching=enable_prefix_caching, host=host, port=port, api_key=api_key,
-                         served_model_name=served_model_name, device=device,
-                         attention_backend=attention_backend, enforce_eager=enforce_eager, tp=tp,
-                         shutdown_timeout=shutdown_timeout, max_body_mb=max_body_mb, log_level=log_level)
     # bad flags and a taken port fail now, before torch is imported (seconds) and the model loads; under torchrun
     # only rank 0 listens (parallel.launched() without importing torch)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
-        config.validate()
+        config = ServeConfig(**options)
         sock = listen_socket(config) if not launched or os.environ["RANK"] == "0" else None
-    except ServeError as exc:
+    except (ConfigError, ServeError) as exc:
         _fail(user_message(exc))
     _quiet_transformers()
     try:
-        if tp > 1 and not launched:
+        if config.tp > 1 and not launched:
             sock.close()  # rank 0 of the N processes binds it again
-            _start_ranks(model, tp)
+            _start_ranks(config.model, config.tp)
         run_server(config, sock)
-    except ServeError as exc:
+    except (ConfigError, ServeError) as exc:
         _fail(user_message(exc))
+
+
+serve.__signature__ = config_options(ServeConfig, SERVE_ALIASES)
+app.command()(serve)
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: attention kernels and end-to-end decode (CUDA), server load.")

@@ -22,6 +22,7 @@ import torch
 
 from .artifacts import Rotations
 from .config import KV_CACHE_BITS
+from .errors import ConfigError
 from .models import AttentionGeometry
 from .quant import QuantizedRows, dequantize_rows, quantize_rows
 from .rope import RopeTable, kernel_pairs, key_offsets
@@ -183,12 +184,15 @@ def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: i
     """
     bits = KV_CACHE_BITS[kv_cache_dtype]
     geometry = rotations.geometry
+    group_size = group_size or rotations.group_size
+    if geometry.head_dim % group_size:
+        raise ConfigError(f"group_size {group_size} must divide the head dim {geometry.head_dim}", "group_size")
     rope = RopeTable(model, geometry.head_dim) if rotations.key_centering == "rope" else None
     codecs = []
     for i in range(geometry.num_layers):
         k_rope_mean = rotations.k_rope_mean[i].float()
         codecs.append(LayerCodec(
-            bits if bits == 16 else max(bits, int(rotations.layer_bits[i])), group_size or rotations.group_size,
+            bits if bits == 16 else max(bits, int(rotations.layer_bits[i])), group_size,
             rotations.k_rotation[i].float(), rotations.k_mean[i].float(), rotations.k_clip[i].float(),
             rotations.v_clip[i].float(), rotations.k_rescale, rotations.v_rescale,
             k_rope_mean if k_rope_mean.abs().max() > 0 else None, rope, key_page=key_page))

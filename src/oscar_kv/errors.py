@@ -22,11 +22,18 @@ class ConfigError(OscarKVError, ValueError):
         self.fields = fields
 
     def with_flags(self) -> str:
-        """The message with each named field written as its command-line flag."""
-        text = str(self)
-        for name in sorted(self.fields, key=len, reverse=True):
-            text = re.sub(rf"(?<![\w-]){re.escape(name)}\b", "--" + name.replace("_", "-"), text)
-        return text
+        """The message with each named field written as its command-line flag.  Text between backticks is a
+        command line, quoted as written."""
+        parts = str(self).split("`")
+        for i in range(0, len(parts), 2):  # outside the backticks
+            for name in sorted(self.fields, key=len, reverse=True):
+                parts[i] = re.sub(rf"(?<![\w-]){re.escape(name)}\b", flag(name), parts[i])
+        return "`".join(parts)
+
+
+def flag(name: str) -> str:
+    """A setting's command-line flag: its field name with dashes (``max_model_len`` -> ``--max-model-len``)."""
+    return "--" + name.replace("_", "-")
 
 
 def user_message(exc: BaseException) -> str:

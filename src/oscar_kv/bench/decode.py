@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SERVED_KV_CACHE_DTYPES
+from ..config import ATTENTION_BACKENDS, SERVED_KV_CACHE_DTYPES
 from ..rope import DEFAULT_PAIRS
 from .attention import _ints
 
@@ -1065,7 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--sink-size", type=int, default=64)
     ap.add_argument("--recent-size", type=int, default=256)
-    ap.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
+    ap.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     ap.add_argument("--rotations", default="synthetic",
                     help="INT2 artifact: a directory from `oscar-kv calibrate`, 'synthetic' (default: calibrated-like "
                          "for the random-weight model, per-position key means in --rope-pairs RoPE pairs) or 'hadamard' "

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..codec import layer_codecs, validated_artifact
-from ..config import SERVED_KV_CACHE_DTYPES, ServedKVCacheDtype, check_window_sizes
+from ..config import EngineConfig
 from ..errors import ConfigError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
@@ -34,23 +34,6 @@ log = logging.getLogger(__name__)
 GB = 1e9
 WARM_UP_ID = "oscar-kv-warm-up"  # the throwaway request of LLMEngine.warm_up
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this many seconds
-
-
-@dataclass
-class EngineConfig:
-    kv_cache_dtype: ServedKVCacheDtype = "int2"
-    sink_size: int = 64
-    recent_size: int = 256
-    page_size: int = 16
-    group_size: int | None = None  # default: the artifact's
-    max_model_len: int | None = None  # default: the model's context
-    kv_cache_memory: float | None = None  # GB; default: see default_kv_cache_memory
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    window_dtype: torch.dtype = torch.bfloat16
-    attention_backend: str = "auto"  # "auto": Triton kernels on CUDA, else the torch reference; "triton" / "torch"
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (graphs.py)
 
 
 @dataclass
@@ -118,10 +101,7 @@ class LLMEngine:
         if is_sharded(model):
             raise ValueError("this model was sharded for tensor parallelism by an earlier engine and holds only its "
                              "slices; load it again for a new engine")
-        if config.kv_cache_dtype not in SERVED_KV_CACHE_DTYPES:
-            raise ConfigError(f"the engine serves kv_cache_dtype {' or '.join(SERVED_KV_CACHE_DTYPES)}, not "
-                              f"{config.kv_cache_dtype!r}", "kv_cache_dtype")
-        check_window_sizes(config.sink_size, config.recent_size, config.page_size)
+        config.validate()  # again: a config's fields can change after it was built
         rotations = validated_artifact(model, rotations)
         fold_values(model, rotations.v_rotation, rotations.v_mean, tag=rotations)  # values are born rotated
         codecs = layer_codecs(model, rotations, config.kv_cache_dtype, config.group_size)
@@ -141,7 +121,7 @@ class LLMEngine:
         model.set_attn_implementation(ATTENTION_KEY)
         pool_geometry = PoolGeometry(geometry.num_layers, heads.stop - heads.start, geometry.head_dim,
                                      codecs[0].group_size, config.page_size, config.sink_size, config.recent_size,
-                                     tuple(codec.bits for codec in self.codecs), config.window_dtype)
+                                     tuple(codec.bits for codec in self.codecs))
         limit = getattr(model.config, "max_position_embeddings", None) or 8192
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:

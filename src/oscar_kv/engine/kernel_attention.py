@@ -28,11 +28,10 @@ import os
 import numpy as np
 import torch
 
+from ..config import ATTENTION_BACKENDS
 from ..errors import ConfigError
 from ..kernels.layout import PagedBatch, PagedKVPool, clip_indices
 from .block_pool import PagePool
-
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 # Chunks of at least this many tokens take the materialized flash path (extend_path).  Its fixed cost is one pass
 # over the history (~4.7 KB per token at Qwen3-8B: ~0.2 ms at 100K on an H100); the extend kernel costs per query

@@ -35,7 +35,7 @@ class Scheme:
 
     def bits_per_element(self, seq_len: int, geometry: AttentionGeometry) -> float:
         s = self.settings
-        group = self.rotations.group_size if self.rotations else min(geometry.head_dim, 128)
+        group = s.group_size or (self.rotations.group_size if self.rotations else min(geometry.head_dim, 128))
         layer_bits = self.rotations.layer_bits.tolist() if self.rotations is not None else None
         return bits_per_element(seq_len, geometry.head_dim, group, s.bits, s.sink_size, s.recent_size,
                                 layer_bits=layer_bits,

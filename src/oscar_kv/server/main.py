@@ -1,8 +1,6 @@
-"""``oscar-kv serve``: every flag in :class:`ServeConfig`, and :func:`run_server` to start.
-
-The CLI maps its options one to one onto ``ServeConfig`` (field name = flag name with dashes);
-``ServeConfig.help(name)`` gives each flag's help text.  ``BackgroundServer`` runs the same server
-in a thread (tests, notebooks).
+"""``oscar-kv serve``: :func:`run_server` starts the server of a :class:`~oscar_kv.config.ServeConfig` (every flag,
+declared in config.py; the CLI derives its options from it).  ``BackgroundServer`` runs the same server in a thread
+(tests, notebooks).
 """
 
 from __future__ import annotations
@@ -13,99 +11,15 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field, fields
-from pathlib import Path
 
-from ..config import SERVED_KV_CACHE_DTYPES
+from ..config import ServeConfig
 from ..errors import OscarKVError, user_message
 
 log = logging.getLogger("oscar_kv.serve")
 
 
-def _flag(default, help_text: str):
-    return field(default=default, metadata={"help": help_text})
-
-
 class ServeError(OscarKVError, ValueError):
     """The server cannot start; the message says what to do."""
-
-
-@dataclass
-class ServeConfig:
-    model: str = _flag("smollm2-135m", "HF model directory, .gguf file, hub id (when online), or 'smollm2-135m' "
-                                       "(the embedded default).")
-    rotations: str | None = _flag(None, "Rotation artifact directory from `oscar-kv calibrate` (needed for int2).")
-    kv_cache_dtype: str = _flag("int2", "KV cache storage: 'int2' (OSCAR: BF16 sink + recent window, INT2 history) "
-                                        "or 'bf16'.")
-    calibrate: bool = _flag(False, "If int2 has no --rotations: calibrate now (cached under "
-                                   "$OSCAR_KV_HOME/artifacts/<model>) instead of refusing to start.")
-    sink_size: int = _flag(64, "First tokens of every sequence kept in BF16 (a multiple of --page-size).")
-    recent_size: int = _flag(256, "Most recent tokens kept in BF16.")
-    group_size: int | None = _flag(None, "INT2 quantization group size (default: the artifact's; must divide the "
-                                         "head dim).")
-    page_size: int = _flag(16, "Tokens per KV page; also how many tokens leave the recent window at a time.")
-    max_model_len: int | None = _flag(None, "Longest prompt + completion in tokens (default: the model's context).")
-    kv_cache_memory: float | None = _flag(None, "KV pool size in GB, everything counted (INT2 codes, scale/min and "
-                                                "BF16 windows). Default: 80% of free GPU memory after loading the "
-                                                "model, or 10% of available RAM on CPU.")
-    max_num_seqs: int = _flag(64, "Most sequences decoded together.")
-    max_num_batched_tokens: int = _flag(2048, "Most tokens per forward step; longer prompts are prefilled in "
-                                              "chunks of this size. A step is not interrupted: an abort, a /metrics "
-                                              "scrape and the other streams wait for it (a 2000-token step took 40 s "
-                                              "on a busy 2-core CPU).")
-    enable_prefix_caching: bool = _flag(True, "Reuse cached KV pages of shared prompt prefixes.")
-    host: str = _flag("127.0.0.1", "Address to listen on.")
-    port: int = _flag(30000, "Port to listen on (checked before the model loads; 0: any free port).")
-    api_key: str | None = _flag(None, "If set, requests must send 'Authorization: Bearer <key>' "
-                                      "(default: $OSCAR_KV_API_KEY, else no auth).")
-    served_model_name: str | None = _flag(None, "Model name clients must send (default: --model).")
-    device: str = _flag("cpu", "cpu or cuda.")
-    attention_backend: str = _flag("auto", "Paged attention: 'triton' (kernels: decode + extend), 'torch' (reference), "
-                                           "or 'auto' (Triton on CUDA, torch on CPU).")
-    enforce_eager: bool = _flag(False, "Run decode steps eagerly (no CUDA graphs; they are used with the Triton "
-                                       "kernels on CUDA otherwise).")
-    tp: int = _flag(1, "Tensor parallelism: split the model, its KV heads and the KV pool over N GPUs, one process "
-                       "each (started by this command, or run it under `torchrun --nproc-per-node N`). "
-                       "N must divide the KV and query heads; --kv-cache-memory is per GPU.")
-    shutdown_timeout: float = _flag(30.0, "On SIGTERM / SIGINT: stop admitting, give requests in flight this many "
-                                          "seconds to finish, then end the rest with an error (streams get an error "
-                                          "event and [DONE]). A second signal stops at once.")
-    max_body_mb: float = _flag(16.0, "Largest request body in MB (2**20 bytes); larger ones get 413.")
-    log_level: str = _flag("info", "Log level of the server and uvicorn.")
-
-    @classmethod
-    def help(cls, name: str) -> str:
-        return next(f.metadata["help"] for f in fields(cls) if f.name == name)
-
-    def validate(self) -> None:
-        if self.kv_cache_dtype not in SERVED_KV_CACHE_DTYPES:
-            raise ServeError(f"--kv-cache-dtype must be {' or '.join(map(repr, SERVED_KV_CACHE_DTYPES))}, got "
-                             f"{self.kv_cache_dtype!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ServeError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.sink_size < 0 or self.recent_size < 0:
-            raise ServeError("--sink-size and --recent-size must be >= 0")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ServeError("--max-model-len must be at least 2")
-        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
-            raise ServeError("--kv-cache-memory must be a positive number of GB")
-        if not 0 <= self.port < 65536:
-            raise ServeError(f"--port must lie in 0..65535, got {self.port}")
-        if not self.shutdown_timeout >= 0:
-            raise ServeError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
-        if not self.max_body_mb > 0:
-            raise ServeError(f"--max-body-mb must be a positive number, got {self.max_body_mb}")
-        if self.tp < 1:
-            raise ServeError(f"--tp must be at least 1, got {self.tp}")
-        if self.tp > 1 and self.calibrate:
-            raise ServeError(f"--calibrate does not run under --tp; calibrate first (`oscar-kv calibrate --model "
-                             f"{self.model} --output-dir DIR`, add --tp {self.tp} if the model needs several GPUs) "
-                             f"and pass --rotations DIR")
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
 
 
 def load_rotations(config: ServeConfig, model, tokenizer):
@@ -128,7 +42,7 @@ def load_rotations(config: ServeConfig, model, tokenizer):
 def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None, tp=None):
     """Load (unless given) the model and artifact and build the engine; returns an ``EngineThread``.
     ``tp``: this process's parallel.TensorParallel (default: none); only rank 0 logs and warms up."""
-    from ..engine import EngineConfig, EngineThread, LLMEngine
+    from ..engine import EngineThread, LLMEngine
     from ..models import default_dtype, load_model
     from ..parallel import SINGLE, local_device
 
@@ -148,13 +62,9 @@ def build_engine(config: ServeConfig, model=None, tokenizer=None, rotations=None
         log.info("loaded %s (%s) in %.1f s", config.model, type(model).__name__, time.perf_counter() - started)
     if rotations is None:
         rotations = load_rotations(config, model, tokenizer)
-    engine_config = EngineConfig(config.kv_cache_dtype, config.sink_size, config.recent_size, config.page_size,
-                                 config.group_size, config.max_model_len, config.kv_cache_memory, config.max_num_seqs,
-                                 config.max_num_batched_tokens, config.enable_prefix_caching,
-                                 attention_backend=config.attention_backend, enforce_eager=config.enforce_eager)
     try:
         # under --tp the model is on the CPU until its slices move; otherwise the engine runs where the model is
-        engine = LLMEngine(model, tokenizer, rotations, engine_config, tp, device if tp.size > 1 else None)
+        engine = LLMEngine(model, tokenizer, rotations, config.engine, tp, device if tp.size > 1 else None)
     except ValueError as exc:
         raise ServeError(user_message(exc)) from None
     if not tp.is_driver:
