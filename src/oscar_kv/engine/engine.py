@@ -184,9 +184,8 @@ class LLMEngine:
         if self.kernel_status is None and any(codec.k_rope_mean is not None for codec in self.codecs):
             pairs = max(codec.rope_pairs.shape[1] for codec in self.codecs if codec.rope_pairs is not None)
             backend += (f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term "
-                        "(the one-launch CUDA decode kernel for head dim 64 or 128 and <= 32 pairs, "
-                        "benchmarks/NOTES.md runs F1 and S8; the Triton kernels otherwise, 1.7-2.1x the time of "
-                        "constant centering at 32 pairs, run R4)")
+                        "(INT2 decode: the one-launch CUDA kernel for head dim 64 or 128 and <= 32 pairs, else "
+                        "the slower Triton kernels)")
         if self.runner.graphs is not None:
             backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
         per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "
