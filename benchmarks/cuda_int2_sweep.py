@@ -24,7 +24,8 @@ import torch
 from oscar_kv.bench.attention import (_bench_call, copy_bandwidth, int2_bytes, int2_case, layer_geometry,
                                       use_head_dim)
 from oscar_kv.kernels import int2_cuda
-from oscar_kv.kernels.decode import LOG2E, _num_sms, int2_decode
+from oscar_kv.kernels.common import LOG2E, num_sms
+from oscar_kv.kernels.decode import int2_decode
 
 # stamp slot -> phase, in time order (slots 10-15: warp 0 after its n-th INT2 step; 8, 9 and 7: the merging
 # CTAs only)
@@ -36,7 +37,7 @@ PHASES = ((0, "start"), (1, "prologue"), (2, "query"), (3, "window"), (10, "step
 def stamp_phases(q, pool, batch, rot, geom, mp, dev) -> dict:
     """Microseconds from the first CTA's start to each phase: median and max over CTAs (merge: last CTAs)."""
     ns, chunk = int2_cuda.split_plan(mp * geom.page_size, q.shape[0] * geom.num_kv_heads, geom.page_size,
-                                     _num_sms(dev), int2_cuda.min_blocks(0, geom.head_dim))
+                                     num_sms(dev), int2_cuda.min_blocks(0, geom.head_dim))
     ts = torch.zeros(q.shape[0], geom.num_kv_heads, ns, 16, dtype=torch.int64, device=dev)
     out = torch.empty_like(q)
     flush = torch.empty(256 << 20, dtype=torch.int8, device=dev)
@@ -156,7 +157,7 @@ def main() -> None:
             # the default call, and the same without the query rotation (its in-kernel cost)
             int2_cuda.MIN_BLOCKS = int2_cuda.MIN_BLOCKS_D64 = int(a.min_blocks.split(",")[0])
             ns, chunk = int2_cuda.split_plan(mp * geom.page_size, bs * geom.num_kv_heads, geom.page_size,
-                                             _num_sms(dev), int2_cuda.min_blocks(0, geom.head_dim))
+                                             num_sms(dev), int2_cuda.min_blocks(0, geom.head_dim))
             parts = dict(
                 full=_bench_call(lambda: int2_decode(q, pool, 0, batch, rot, max_int2_pages=mp, backend="cuda")),
                 unrotated=_bench_call(lambda: int2_decode(q, pool, 0, batch, None, max_int2_pages=mp, backend="cuda")))

@@ -189,7 +189,8 @@ def test_cuda_int2_decode_matches_reference_and_triton(d, page_size):
     split counts from 1 to many per sequence, CTAs without INT2 tokens, and repeated calls (the merge counters
     must return to zero)."""
     from oscar_kv.kernels import int2_cuda
-    from oscar_kv.kernels.decode import LOG2E, int2_decode
+    from oscar_kv.kernels.common import LOG2E
+    from oscar_kv.kernels.decode import int2_decode
 
     geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=d, group_size=d, page_size=page_size,
                         sink_size=64, recent_size=256)

@@ -95,7 +95,7 @@ def test_cuda_rope_term_scheme_is_exact_enough_with_a_large_bias():
     W = (a - ib) e^{i p0 t} in float32 from KernelRope.phases, then W . [cos vt, -sin vt] (KernelRope.tile) with both
     operands as float16 hi + lo parts and three products.  With |mu_pre| ~ 900 (a k_proj bias) the term is
     hundreds of logit units: one float16 product would err by ~0.1, the split must stay below 1e-3."""
-    from oscar_kv.kernels.decode import rope_query_terms
+    from oscar_kv.kernels.common import rope_query_terms
     from oscar_kv.rope import KernelRope, kernel_pairs, keep_pairs, random_pairs
 
     gen = torch.Generator().manual_seed(3)

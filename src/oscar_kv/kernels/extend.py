@@ -22,7 +22,7 @@ Per program, one online softmax (base 2, float32) over, in this order:
      the values' 1024 offset is removed from the MMA accumulator tile by tile, not once at the end (a
      program may read 100K+ tokens: see _int2_history).  Its four per-slice accumulators are folded and
      concatenated into the [BLOCK_M, D] accumulator afterwards, so they are not live during the rest;
-  2. the BF16 sink and recent pages (decode._bf16_range);
+  2. the BF16 sink and recent pages (common.bf16_range);
   3. the chunk itself, causally (key j visible to chunk token i iff j <= i).
 The BF16 parts multiply with a bf16 hi + lo split of the float32 query (two MMAs, ~16-bit logits, as the
 decode window does); ``split_query=False`` uses one bf16 MMA.  The query is rotated before the launch
@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from ._compat import install_interpreter_shim
-from .decode import (LOG2E, _INTERPRET, _bf16_range, _grp_scores, _grp_values, _load_rope_ab, _merge, _mm, _num_sms,
-                     _rope_args, _rope_logits, _split_plan, _unpack4, _use_asm)
+from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, grp_scores, grp_values, load_rope_ab, merge, mm,
+                     num_sms, rope_args, rope_logits, split_plan, unpack4)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -122,7 +122,7 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
         mrow = phys * stride_mp + head_m + (offs % P) * (2 * NG)
         # keys loaded transposed ([D4, N]): the MMA's key operand needs no register transpose
         kraw = tl.load(Kc + crow[None, :] + offs_c[:, None], mask=valid[None, :], other=0)
-        k0, k1, k2, k3 = _unpack4(kraw, USE_ASM)
+        k0, k1, k2, k3 = unpack4(kraw, USE_ASM)
         if NG == 1:
             ks = tl.load(Km + mrow, mask=valid, other=0.0).to(tl.float32)
             kn = tl.load(Km + mrow + 1, mask=valid, other=0.0).to(tl.float32)
@@ -132,16 +132,16 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
             raw = tl.dot(q3, k3, raw)
             sc = ks[None, :] * (raw - o_all[:, None]) + kn[None, :] * t_all[:, None]
         else:
-            sc = _grp_scores(q0, k0, o0, t0s, Km, mrow, valid, (0 * D4) // G, NG)
-            sc += _grp_scores(q1, k1, o1, t1s, Km, mrow, valid, (1 * D4) // G, NG)
-            sc += _grp_scores(q2, k2, o2, t2s, Km, mrow, valid, (2 * D4) // G, NG)
-            sc += _grp_scores(q3, k3, o3, t3s, Km, mrow, valid, (3 * D4) // G, NG)
+            sc = grp_scores(q0, k0, o0, t0s, Km, mrow, valid, (0 * D4) // G, NG)
+            sc += grp_scores(q1, k1, o1, t1s, Km, mrow, valid, (1 * D4) // G, NG)
+            sc += grp_scores(q2, k2, o2, t2s, Km, mrow, valid, (2 * D4) // G, NG)
+            sc += grp_scores(q3, k3, o3, t3s, Km, mrow, valid, (3 * D4) // G, NG)
         if ROPE:
-            sc += _rope_logits(ra, rb, CS, PR, SINK_PAGES * P + offs, valid, D // 2)
+            sc += rope_logits(ra, rb, CS, PR, SINK_PAGES * P + offs, valid, D // 2)
         sc = tl.where(valid[None, :], sc, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
         vraw = tl.load(Vc + crow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
-        v0, v1, v2, v3 = _unpack4(vraw, USE_ASM)
+        v0, v1, v2, v3 = unpack4(vraw, USE_ASM)
         if NG == 1:
             vs = tl.load(Vm + mrow, mask=valid, other=0.0).to(tl.float32)
             vn = tl.load(Vm + mrow + 1, mask=valid, other=0.0).to(tl.float32)
@@ -154,10 +154,10 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
             a2 = tl.dot(pp, v2, a2 * alpha[:, None] - off[:, None])
             a3 = tl.dot(pp, v3, a3 * alpha[:, None] - off[:, None])
         else:
-            a0, n0 = _grp_values(p, v0, a0, n0, alpha, Vm, mrow, valid, (0 * D4) // G, NG)
-            a1, n1 = _grp_values(p, v1, a1, n1, alpha, Vm, mrow, valid, (1 * D4) // G, NG)
-            a2, n2 = _grp_values(p, v2, a2, n2, alpha, Vm, mrow, valid, (2 * D4) // G, NG)
-            a3, n3 = _grp_values(p, v3, a3, n3, alpha, Vm, mrow, valid, (3 * D4) // G, NG)
+            a0, n0 = grp_values(p, v0, a0, n0, alpha, Vm, mrow, valid, (0 * D4) // G, NG)
+            a1, n1 = grp_values(p, v1, a1, n1, alpha, Vm, mrow, valid, (1 * D4) // G, NG)
+            a2, n2 = grp_values(p, v2, a2, n2, alpha, Vm, mrow, valid, (2 * D4) // G, NG)
+            a3, n3 = grp_values(p, v3, a3, n3, alpha, Vm, mrow, valid, (3 * D4) // G, NG)
     if NG == 1:
         n1 = n0
         n2 = n0
@@ -182,16 +182,16 @@ def _chunk_causal(q, ql, m_i, l_i, acc, tok, n, end, Kn, Vn, stride_kt, stride_v
         valid = offs < n
         k = tl.load(Kn + offs.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=valid[:, None],
                     other=0.0).to(tl.bfloat16)
-        s = _mm(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK], tl.float32), F32DOT)
+        s = mm(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK], tl.float32), F32DOT)
         if SPLITQ:
-            s = _mm(ql, tl.trans(k), s, F32DOT)
+            s = mm(ql, tl.trans(k), s, F32DOT)
         if ROPE:
-            s += _rope_logits(ra, rb, CS, PR, first_pos + offs, valid, D // 2)
+            s += rope_logits(ra, rb, CS, PR, first_pos + offs, valid, D // 2)
         s = tl.where(valid[None, :] & (offs[None, :] <= tok[:, None]), s, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         v = tl.load(Vn + offs.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=valid[:, None],
                     other=0.0).to(tl.bfloat16)
-        acc = _mm(p.to(tl.bfloat16), v, acc * alpha[:, None], F32DOT)
+        acc = mm(p.to(tl.bfloat16), v, acc * alpha[:, None], F32DOT)
     return m_i, l_i, acc
 
 
@@ -229,8 +229,8 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO
     ra = None
     rb = None
     pr = PR + h * stride_prh  # this KV head's visited RoPE pairs
-    if ROPE:  # the position-aware key offset's coefficients of every row (decode.rope_query_terms)
-        ra, rb = _load_rope_ab(AB + row_t[:, None] * stride_abt + qh[:, None] * stride_abh, rmask, R)
+    if ROPE:  # the position-aware key offset's coefficients of every row (common.rope_query_terms)
+        ra, rb = load_rope_ab(AB + row_t[:, None] * stride_abt + qh[:, None] * stride_abh, rmask, R)
     # Ranges by split: without splits (num_splits == 0) program s = 0 does everything; with splits, s = 0
     # does the BF16 window + chunk and s >= 1 one slice of the INT2 history each.  Empty ranges run no loop.
     # INT2 history is clipped to the history length: a chunk boundary may fall inside an INT2 page.
@@ -248,9 +248,9 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO
     q_hi = qf.to(tl.bfloat16)
     q_lo = (qf - q_hi.to(tl.float32)).to(tl.bfloat16)
     head_w = h.to(tl.int64) * stride_wh
-    m_i, l_i, acc = _bf16_range(q_hi, q_lo, m_i, l_i, acc, 0, tl.where(mine, tl.minimum(hist, SINK), 0), bt_row,
+    m_i, l_i, acc = bf16_range(q_hi, q_lo, m_i, l_i, acc, 0, tl.where(mine, tl.minimum(hist, SINK), 0), bt_row,
                                 Kw, Vw, head_w, stride_wp, D, P, BLOCK_N, F32DOT, SPLITQ, ra, rb, CS, ROPE, pr)
-    m_i, l_i, acc = _bf16_range(q_hi, q_lo, m_i, l_i, acc, tl.minimum(SINK + nq * P, hist), tl.where(mine, hist, 0),
+    m_i, l_i, acc = bf16_range(q_hi, q_lo, m_i, l_i, acc, tl.minimum(SINK + nq * P, hist), tl.where(mine, hist, 0),
                                 bt_row, Kw, Vw, head_w, stride_wp, D, P, BLOCK_N, F32DOT, SPLITQ, ra, rb, CS, ROPE,
                                 pr)
     # 3. the chunk, causally; keys beyond the tile's last token are never needed
@@ -295,14 +295,14 @@ def _history_splits(programs: int, batch: PagedBatch, page_size: int, device: to
     prefix (prefix hit, small batch).  Then split 0 reads the BF16 window + chunk and splits 1.. share
     the INT2 history, as in decode; the partial outputs are merged by decode's merge kernel.
     """
-    if num_splits is None and programs >= split_target * _num_sms(device):
+    if num_splits is None and programs >= split_target * num_sms(device):
         return 0, 0  # enough programs already: no partials, no merge, no host sync
     if num_splits is not None and num_splits <= 0:
         return 0, 0
     if max_int2_pages is None:
         max_int2_pages = int(batch.int2_pages.max()) if batch.batch_size else 0
-    ns, split_len = _split_plan(max_int2_pages * page_size, programs, device, block_n, num_splits=num_splits,
-                                per_sm=split_target)
+    ns, split_len = split_plan(max_int2_pages * page_size, programs, device, block_n, num_splits=num_splits,
+                               per_sm=split_target)
     if num_splits is None and ns <= 1:
         return 0, 0
     return ns, split_len
@@ -379,7 +379,7 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
     bt = batch.block_table
     cu32 = cu_seqlens.to(device=q.device, dtype=torch.int32)
     # the extend kernel reads table rows of valid positions only (masked loads): its bound is exact
-    ab, pr, stride_abt, stride_abh, stride_prh, r, on = _rope_args(q, rope, sm_scale * LOG2E, 0)
+    ab, pr, stride_abt, stride_abh, stride_prh, r, on = rope_args(q, rope, sm_scale * LOG2E, 0)
     cs = rope.table if rope is not None else q
     _int2_extend_kernel[(num_tiles, bsz, h * (ns + 1))](
         qr, k_new, v_new, cu32, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, out, po, pl, ab, pr, cs,
@@ -390,6 +390,6 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
         bt.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
         pl.stride(1), num_tiles, ns, split_len,
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_T=block_t,
-        BLOCK_N=block_n, USE_ASM=_use_asm(q.device, use_asm), F32DOT=_INTERPRET, SPLITQ=split_query,
+        BLOCK_N=block_n, USE_ASM=asm_enabled(q.device, use_asm), F32DOT=INTERPRET, SPLITQ=split_query,
         PARTIAL=ns > 0, ROPE=on, R=r, num_warps=num_warps, num_stages=num_stages)
-    return _merge(po, pl, out) if ns else out
+    return merge(po, pl, out) if ns else out

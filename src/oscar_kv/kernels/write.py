@@ -22,18 +22,16 @@ of all inputs), on the CPU it divides exactly.  That ulp flips the float16 scale
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..quant import check_rescale
 from ._compat import install_interpreter_shim
+from .common import INTERPRET
 from .layout import PagedKVPool
 
 install_interpreter_shim()
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -231,7 +229,7 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh,
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
-        CENTER=k_mean is not None, SORT=not _INTERPRET, RECIP3=_scalar_div_is_reciprocal(k.device),
+        CENTER=k_mean is not None, SORT=not INTERPRET, RECIP3=_scalar_div_is_reciprocal(k.device),
         RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
         num_warps=num_warps or (8 if k_rotation is not None else 4))
 
@@ -253,6 +251,6 @@ def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages
         check_rescale(rescale[0]), check_rescale(rescale[1]),
         kw.stride(0), kw.stride(1), kw.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
         km.stride(0), km.stride(1), km.stride(2),
-        D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not _INTERPRET,
+        D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not INTERPRET,
         RECIP3=_scalar_div_is_reciprocal(pool.k_win.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
         num_warps=num_warps)

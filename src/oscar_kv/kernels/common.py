@@ -1,0 +1,264 @@
+"""Building blocks shared by the Triton attention kernels (decode.py, extend.py): INT2 code unpacking, per-group
+INT2 scores and values, the BF16 window range, the matmul helper, the position-aware (RoPE) logits, the split plan
+and the merge of split partials, and the constants and device queries they use.  The INT2 arithmetic is described
+in decode.py's docstring.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._compat import install_interpreter_shim
+
+install_interpreter_shim()
+
+LOG2E = 1.4426950408889634  # log2(e): logits are scaled by sm_scale * LOG2E and the softmax runs in base 2
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # True under Triton's CPU interpreter (the tests)
+
+# One PTX block per 4 packed code bytes -> 4 slices x 4 float16 values (2 registers each).
+_UNPACK_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi, z;
+mov.b32 z, 0;
+prmt.b32 lo, $8, z, 0x4140;
+prmt.b32 hi, $8, z, 0x4342;
+lop3.b32 $0, lo, 0x00030003, 0x64006400, 0xEA;
+lop3.b32 $1, hi, 0x00030003, 0x64006400, 0xEA;
+lop3.b32 $2, lo, 0x000C000C, 0x64006400, 0xEA;
+lop3.b32 $3, hi, 0x000C000C, 0x64006400, 0xEA;
+lop3.b32 $4, lo, 0x00300030, 0x64006400, 0xEA;
+lop3.b32 $5, hi, 0x00300030, 0x64006400, 0xEA;
+lop3.b32 $6, lo, 0x00C000C0, 0x64006400, 0xEA;
+lop3.b32 $7, hi, 0x00C000C0, 0x64006400, 0xEA;
+}
+""")
+
+
+@triton.jit
+def unpack4(raw, USE_ASM: tl.constexpr):
+    """uint8 codes -> four float16 tensors 1024 + (raw & (3 << 2k)), k = 0..3 (exact)."""
+    if USE_ASM:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            _UNPACK_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [raw],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        c0 = ((raw & 3).to(tl.float16) + 1024.0).to(tl.float16)
+        c1 = ((raw & 12).to(tl.float16) + 1024.0).to(tl.float16)
+        c2 = ((raw & 48).to(tl.float16) + 1024.0).to(tl.float16)
+        c3 = ((raw & 192).to(tl.float16) + 1024.0).to(tl.float16)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def load_rope_ab(abrow, rmask, R: tl.constexpr):
+    """Rows [M, R] a and b of the position-aware key offset over the R visited pairs (``rope_query_terms``)."""
+    offs_i = tl.arange(0, R)
+    a = tl.load(abrow + offs_i[None, :], mask=rmask, other=0.0)
+    b = tl.load(abrow + R + offs_i[None, :], mask=rmask, other=0.0)
+    return a, b
+
+
+@triton.jit
+def rope_logits(ra, rb, CS, PR, pos, valid, HALF: tl.constexpr):
+    """[M, N] logits q . RoPE_p(mu_pre) of keys at positions ``pos`` [N]: sum_i a_i cos(p t_i) + b_i sin(p t_i)
+    over the R pairs i listed at PR (rope.kernel_pairs; mu_pre is zero elsewhere), cos | sin read from the
+    float32 table [N, 2 HALF] (rope.py), multiplied in float32 (exact add-back).  One dot over 2R >= 16
+    (a_i, b_i interleaved against cos, sin rows)."""
+    M: tl.constexpr = ra.shape[0]
+    R: tl.constexpr = ra.shape[1]
+    x = tl.reshape(tl.join(ra, rb), (M, 2 * R))
+    offs_k = tl.arange(0, 2 * R)
+    col = tl.load(PR + offs_k // 2) + (offs_k % 2) * HALF
+    t = tl.load(CS + pos.to(tl.int64)[None, :] * (2 * HALF) + col[:, None], mask=valid[None, :], other=0.0)
+    return tl.dot(x, t, input_precision="ieee")
+
+
+@triton.jit
+def rope_logits_tiled(ra, rb, BASE, STEPS, PR, p0, N: tl.constexpr, HALF: tl.constexpr, F32DOT: tl.constexpr):
+    """rope_logits for the N positions p0 .. p0 + N - 1 (p0 and N multiples of 16) without a per-position
+    table: with p = p0 + 16u + v, a cos(p t) + b sin(p t) = Re(W_u e^{i v t}), W_u = (a - ib) e^{i (p0+16u) t}.
+    W needs one table row per 16 positions (BASE: cos | sin at multiples of 16); the sum over the R pairs
+    and the 16 v's is one [G*N/16, 2R] x [2R, 16] MMA against STEPS (rows 2i, 2i+1: cos(v t_i), -sin(v t_i)),
+    at ~float32 precision (3xTF32)."""
+    U: tl.constexpr = N // 16
+    G: tl.constexpr = ra.shape[0]
+    R: tl.constexpr = ra.shape[1]
+    offs_u = tl.arange(0, U)
+    pr = tl.load(PR + tl.arange(0, R))
+    row = BASE + (p0 // 16 + offs_u).to(tl.int64)[:, None] * (2 * HALF) + pr[None, :]
+    c0 = tl.load(row)[None, :, :]  # [1, U, R]
+    s0 = tl.load(row + HALF)[None, :, :]
+    a = ra[:, None, :]
+    b = rb[:, None, :]
+    x = tl.reshape(tl.join(a * c0 + b * s0, a * s0 - b * c0), (G * U, 2 * R))  # re, im interleaved per pair
+    offs_k = tl.arange(0, 2 * R)
+    srow = 2 * tl.load(PR + offs_k // 2) + offs_k % 2
+    f = tl.load(STEPS + srow[:, None] * 16 + tl.arange(0, 16)[None, :])
+    if F32DOT:
+        out = tl.dot(x, f)
+    else:
+        out = tl.dot(x, f, input_precision="tf32x3")
+    return tl.reshape(out, (G, N))
+
+
+@triton.jit
+def mm(a, b, acc, F32DOT: tl.constexpr):
+    """a @ b + acc; F32DOT (interpreter only: its bf16 dot is broken) multiplies in float32."""
+    if F32DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, stride_wp,
+                D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
+                ra=None, rb=None, CS=None, ROPE: tl.constexpr = False, PR=None,
+                BASE=None, STEPS=None, TILED: tl.constexpr = False):
+    """Online softmax over tokens [start, end) stored in BF16 window pages (logical page = t // P).
+    SPLITQ: the query is q + ql (bf16 hi and lo parts), two MMAs per tile.  ROPE: add the position-aware
+    key offset's logits (ra, rb, CS, PR: rope_logits; TILED: rope_logits_tiled from BASE / STEPS, start and
+    BLOCK multiples of 16)."""
+    offs_d = tl.arange(0, D)
+    for t0 in range(start, end, BLOCK):
+        offs = t0 + tl.arange(0, BLOCK)
+        valid = offs < end
+        phys = tl.load(bt_row + offs // P, mask=valid, other=0).to(tl.int64)
+        row = phys * stride_wp + head_off + (offs % P) * D
+        k = tl.load(Kw + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = mm(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK], tl.float32), F32DOT)
+        if SPLITQ:
+            s = mm(ql, tl.trans(k), s, F32DOT)
+        if ROPE:
+            if TILED:
+                s += rope_logits_tiled(ra, rb, BASE, STEPS, PR, t0, BLOCK, D // 2, F32DOT)
+            else:
+                s += rope_logits(ra, rb, CS, PR, offs, valid, D // 2)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(Vw + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc = mm(p.to(tl.bfloat16), v, acc * alpha[:, None], F32DOT)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def grp_scores(qk, ck, off, tsum, Km, mrow, valid, g: tl.constexpr, NG: tl.constexpr):
+    """Slice contribution s_g * (q_k . (1024 + c 4^k) - off_k) + m_g * sum(q_k) for the slice's group g."""
+    ks = tl.load(Km + mrow + g, mask=valid, other=0.0).to(tl.float32)
+    kn = tl.load(Km + mrow + NG + g, mask=valid, other=0.0).to(tl.float32)
+    raw = tl.dot(qk, ck)
+    return ks[None, :] * (raw - off[:, None]) + kn[None, :] * tsum[:, None]
+
+
+@triton.jit
+def grp_values(p, vk, acc, n, alpha, Vm, mrow, valid, g: tl.constexpr, NG: tl.constexpr):
+    """One tile of values for the slice's group g: acc <- alpha*acc + sum_n pp_n c_n 4^k, n <- alpha*n + sum_n p_n min_n.
+    The codes arrive as 1024 + c 4^k; the tile's offset 1024*sum(pp) leaves the accumulator operand before the MMA
+    adds it back, so the float32 accumulator never holds ~1024x the signal (the H100's MMA accumulation truncates,
+    and over a long split that bias reached 7e-2 relative error in the extend kernel)."""
+    vs = tl.load(Vm + mrow + g, mask=valid, other=0.0).to(tl.float32)
+    vn = tl.load(Vm + mrow + NG + g, mask=valid, other=0.0).to(tl.float32)
+    pp = (p * vs[None, :]).to(tl.float16)
+    off = 1024.0 * tl.sum(pp.to(tl.float32), 1)
+    acc = tl.dot(pp, vk, acc * alpha[:, None] - off[:, None])
+    n = n * alpha + tl.sum(p * vn[None, :], 1)
+    return acc, n
+
+
+@triton.jit(do_not_specialize=["NS"])  # the split count varies per step: one compile per BLOCK_S only
+def _merge_kernel(PO, PL, O, NS, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
+                  D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    sm = offs_s < NS
+    lse = tl.load(PL + b * stride_plb + hq * stride_plh + offs_s, mask=sm, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse - mx)
+    w = tl.where(sm, w, 0.0)
+    tot = tl.sum(w, 0)
+    o = tl.load(PO + b * stride_pob + hq * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
+                mask=sm[:, None] & (lse > float("-inf"))[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
+    tl.store(O + b * stride_ob + hq * stride_oh + offs_d, out.to(O.dtype.element_ty))
+
+
+# ------------------------------------------------------------------------------------------ host helpers
+def num_sms(device: torch.device) -> int:
+    """The device's streaming multiprocessor count (8 off CUDA, for the split plan under the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def asm_enabled(device: torch.device, use_asm: bool | None) -> bool:
+    """Whether the kernels convert codes with PTX (unpack4's USE_ASM): on a GPU unless use_asm is False."""
+    if INTERPRET or device.type != "cuda":
+        return False
+    return True if use_asm is None else bool(use_asm)
+
+
+def split_plan(tokens: int, programs_per_split: int, device: torch.device, block: int, min_tiles: int = 4,
+               num_splits: int | None = None, per_sm: int = 4) -> tuple[int, int]:
+    """(splits, chunk): enough programs to fill the GPU per_sm times over, each split >= min_tiles tiles."""
+    if tokens <= 0:
+        return 1, block
+    if num_splits is None:
+        target = per_sm * num_sms(device)
+        num_splits = max(1, -(-target // max(programs_per_split, 1)))
+        num_splits = min(num_splits, max(1, tokens // (block * min_tiles)))
+    chunk = -(-(-(-tokens // num_splits)) // block) * block
+    return -(-tokens // chunk), chunk
+
+
+def merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Combine the splits exactly: po [B, Hq, NS, D] normalized partials, pl [B, Hq, NS] log2-sum-exps -> out."""
+    b, hq, ns, d = po.shape
+    bd = min(d, 32)
+    _merge_kernel[(b, hq, d // bd)](po, pl, out, ns, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
+                                    pl.stride(1), out.stride(0), out.stride(1), D=d,
+                                    BLOCK_S=max(triton.next_power_of_2(ns), 2), BLOCK_D=bd, num_warps=4)
+    return out
+
+
+def rope_query_terms(q: torch.Tensor, mu_pre: torch.Tensor, scale: float, pairs: torch.Tensor) -> torch.Tensor:
+    """Per query row the coefficients that turn the position-aware key offset into logits:
+    q . RoPE_p(mu) = sum_i a_i cos(p t_i) + b_i sin(p t_i) (rotate-half layout, i < D/2) with
+    a_i = q_i mu_i + q_{i+D/2} mu_{i+D/2}, b_i = q_{i+D/2} mu_i - q_i mu_{i+D/2}, kept for the pairs the
+    kernels visit.  q [..., Hq, D] unrotated, mu_pre [Hkv, D], pairs [Hkv, R] -> float32 [..., Hq, 2R] =
+    [a | b] * scale."""
+    hq, d = q.shape[-2:]
+    half = d // 2
+    group = hq // mu_pre.shape[0]
+    mu = mu_pre.float().repeat_interleave(group, 0)  # each query head's KV head
+    idx = pairs.long().repeat_interleave(group, 0).expand(*q.shape[:-1], -1)
+    qf = q.float()
+    a = qf[..., :half] * mu[:, :half] + qf[..., half:] * mu[:, half:]
+    b = qf[..., half:] * mu[:, :half] - qf[..., :half] * mu[:, half:]
+    return (torch.cat([a.gather(-1, idx), b.gather(-1, idx)], -1) * scale).contiguous()
+
+
+def rope_args(q: torch.Tensor, rope, scale: float, positions: int, *blocks: int):
+    """(AB, PR, stride_b, stride_h, stride_prh, R, on) for the kernels; ``rope``: a rope.KernelRope or None.
+    ``positions``: a host bound on the positions of the keys the call scores (rope.KernelRope.check); its
+    tiles (``blocks`` keys each) read past the last key by less than rope.TILE_MARGIN rows."""
+    if rope is None:
+        return q, q, 0, 0, 0, 1, False
+    from ..rope import TILE_MARGIN
+
+    if max(blocks, default=0) > TILE_MARGIN:
+        raise ValueError(f"tiles of {max(blocks)} keys read past rope.TILE_MARGIN = {TILE_MARGIN} table rows")
+    rope.check(positions)
+    ab = rope_query_terms(q, rope.mu_pre, scale, rope.pairs)
+    return ab, rope.pairs, ab.stride(0), ab.stride(-2), rope.pairs.stride(0), rope.pairs.shape[1], True
+
