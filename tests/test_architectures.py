@@ -18,6 +18,8 @@ ARCHS = {
     "llama-d256": dict(model_type="llama", head_dim=256),
     # a fused qkv_proj: values are folded into its last rows
     "phi3": dict(model_type="phi3", sliding_window=None),
+    # partial rotary (RoPE on half of each head, as GLM-4 and Phi-4-mini): keys centered by a constant
+    "phi3-partial-rotary": dict(model_type="phi3", sliding_window=None, partial_rotary_factor=0.5),
     # mixture-of-experts decoders: Llama-like attention, expert MLPs
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32),
@@ -53,6 +55,8 @@ def test_cache_equivalences_and_calibration(arch, tokenizer, held_out_ids):
     unprepare_model(model)
     rot.validate(AttentionGeometry.of(model.config))
     assert rot.k_mean.abs().max() > 0
+    if ARCHS[arch].get("partial_rotary_factor"):  # per-position centering needs full-dimension RoPE: auto falls back
+        assert rot.key_centering == "constant"
 
     fold_values(model, rot.v_rotation, rot.v_mean)
     assert (model(ids).logits - ref).abs().max() < 1e-3, "folding R_V and mu_V must not change logits"
