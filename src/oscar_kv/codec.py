@@ -173,6 +173,11 @@ def validated_artifact(model, rotations: Rotations | None) -> Rotations:
     return rotations
 
 
+def shared_ropes(codecs: list["LayerCodec"]) -> list[RopeTable]:
+    """The RoPE tables of the codecs that center keys per position (one object shared by all layers)."""
+    return list({id(c.rope): c.rope for c in codecs if c.k_rope_mean is not None}.values())
+
+
 def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: int | None = None,
                  key_page: int | None = None) -> list[LayerCodec]:
     """Every layer's codec from a validated artifact (``validated_artifact``).

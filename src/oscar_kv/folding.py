@@ -20,10 +20,6 @@ def _attention_modules(model):
     return [layer.self_attn for layer in model.model.layers]
 
 
-def _value_projection(attn, geometry: AttentionGeometry) -> tuple[torch.nn.Linear, slice]:
-    return projection_rows(attn, "v", geometry)
-
-
 def restore_model(model) -> None:
     """Put back the weights saved by the last :func:`fold_values` (no-op if nothing was folded)."""
     saved = getattr(model, "_oscar_original_weights", None)
@@ -31,7 +27,7 @@ def restore_model(model) -> None:
         return
     g = AttentionGeometry.of(model.config)
     for attn, (wv, bv, wo, bo) in zip(_attention_modules(model), saved):
-        lin, _ = _value_projection(attn, g)
+        lin, _ = projection_rows(attn, "v", g)
         lin.weight.data.copy_(wv)
         lin.bias = None if bv is None else torch.nn.Parameter(bv.clone(), requires_grad=False)
         attn.o_proj.weight.data.copy_(wo)
@@ -50,7 +46,7 @@ def fold_values(model, v_rotation: torch.Tensor, v_mean: torch.Tensor, tag: obje
     g = AttentionGeometry.of(model.config)
     saved = []
     for i, attn in enumerate(_attention_modules(model)):
-        lin, rows = _value_projection(attn, g)
+        lin, rows = projection_rows(attn, "v", g)
         wv, wo = lin.weight, attn.o_proj.weight
         bv = lin.bias
         bo = attn.o_proj.bias

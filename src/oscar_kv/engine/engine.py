@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..codec import layer_codecs, validated_artifact
+from ..codec import layer_codecs, shared_ropes, validated_artifact
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..folding import fold_values
@@ -129,7 +129,7 @@ class LLMEngine:
                               "max_model_len")
         # per-position centering's RoPE tables, sized once for every position a kernel may read: grown on demand,
         # they were rebuilt on the host mid-prefill while the GPU waited (and each step synced for the positions' max)
-        for rope in {id(codec.rope): codec.rope for codec in self.codecs if codec.k_rope_mean is not None}.values():
+        for rope in shared_ropes(self.codecs):
             rope.reserve(self.max_model_len + 1, self.device)
         memory = config.kv_cache_memory if config.kv_cache_memory is not None else default_kv_cache_memory(self.device)
         memory = tp.smallest(memory)  # rank 0 places pages for all ranks: their pools must be equal

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codec import shared_ropes
 from ..kernels.layout import PagedBatch
 from .kernel_attention import DecodeStep
 
@@ -101,7 +102,7 @@ class DecodeGraphs:
         slots = torch.full((2, bucket), -1, dtype=torch.int32, device=dev)
         fwd = PagedForward.for_graph(self.pool, self.codecs, self.view, step, positions[0], slots[0], slots[1], fused)
         # the RoPE tables were reserved for max_model_len by the engine: a lookup inside the graph never grows them
-        ropes = {id(codec.rope): codec.rope for codec in self.codecs if codec.k_rope_mean is not None}
+        ropes = shared_ropes(self.codecs)
 
         def forward():
             return self.model.model(input_ids=ids, position_ids=positions, use_cache=False,
@@ -113,7 +114,7 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             forward()
         torch.cuda.current_stream(dev).wait_stream(side)
-        for rope in ropes.values():
+        for rope in ropes:
             rope.forget()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
