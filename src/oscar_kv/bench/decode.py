@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ATTENTION_BACKENDS, SERVED_KV_CACHE_DTYPES
+from ..config import ATTENTION_BACKENDS, MODEL_IMPLS, SERVED_KV_CACHE_DTYPES
 from ..rope import DEFAULT_PAIRS
 from .attention import _ints
 
@@ -130,9 +130,30 @@ def build_model(arch: str, layers: int | None, device: torch.device, dtype: torc
                 head_dim=config.head_dim, vocab_size=config.vocab_size,
                 max_position_embeddings=config.max_position_embeddings, parameters=params,
                 weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                streamed_weight_bytes=streamed_weight_bytes(model),
                 build_seconds=round(time.perf_counter() - started, 2),
                 weights=f"random (normal, std 0.02), {str(dtype).replace('torch.', '')}")
     return model, info
+
+
+def streamed_weight_bytes(model) -> int:
+    """Weight bytes a decode step reads: every parameter except an untied input embedding (it reads only the
+    batch's rows)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    if embed is not model.get_output_embeddings().weight:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def decode_floor(geometry, weight_bytes: int, context: int, batch: int, bandwidth: float | None) -> dict:
+    """The memory-bandwidth floor of one decode step: the weights once plus every sequence's cache (all layers),
+    at the copy bandwidth measured in the same run."""
+    kv = batch * sum(geometry.layer_read_bytes(context, layer) for layer in range(geometry.num_layers))
+    out = dict(floor_bytes=weight_bytes + kv)
+    if bandwidth:
+        out["floor_ms"] = round((weight_bytes + kv) / bandwidth * 1e3, 3)
+    return out
 
 
 class TokenIdsOnly:
@@ -271,7 +292,8 @@ def make_engine(model, scheme: str, rotations, args, max_model_len: int, budget_
                        page_size=args.page_size, max_model_len=max_model_len, kv_cache_memory=budget_gb,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=False,  # every sequence keeps private pages: honest memory traffic
-                       attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+                       attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                       model_impl=args.model_impl)
     return LLMEngine(model, TokenIdsOnly(), rotations if scheme != "bf16" else None, cfg, args.ranks)
 
 
@@ -626,6 +648,10 @@ def run(args) -> dict:
 
     result = dict(_device_info(device))
     result["timing_meaningful"] = device.type == "cuda"
+    if device.type == "cuda":
+        from .attention import copy_bandwidth
+
+        result["copy_bandwidth_GBps"] = round(copy_bandwidth(device) / 1e9, 1)
     if device.type != "cuda":
         print("NOTE: running on the CPU (torch reference attention): timings are not meaningful", flush=True)
     torch.manual_seed(args.seed)  # the same random weights on every rank
@@ -653,7 +679,8 @@ def run(args) -> dict:
         int2_rotations=args.rotations, key_centering=rotations.key_centering, k_clip=DEFAULT_K_CLIP,
         v_clip=DEFAULT_V_CLIP,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        attention_backend=args.attention_backend, prefill=args.prefill, prefix_caching=False,
+        attention_backend=args.attention_backend, model_impl=args.model_impl, prefill=args.prefill,
+        prefix_caching=False,
         prefill_only=args.prefill_only, prefill_attention=args.prefill_attention,
         timing="median over decode steps of wall time around LLMEngine.step with device synchronize; "
                "forward = ModelRunner.run minus PagedForward.__init__ (per-step index plan)"),
@@ -825,6 +852,10 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
             seqs = make_batch(b)
             try:
                 row.update(time_decode(engine, seqs, steps, args.warmup_steps, clock), measured=True)
+                row.update(decode_floor(geometry, result["model"]["streamed_weight_bytes"], ctx, b,
+                                        result.get("copy_bandwidth_GBps", 0) * 1e9))
+                if "floor_ms" in row:
+                    row["of_floor"] = round(row["floor_ms"] / row["step_ms"], 3)
                 print(_fmt_row(row), flush=True)
                 if with_breakdown:
                     bd = breakdown(engine, seqs, args.breakdown_steps, clock, args.profile_steps)
@@ -937,8 +968,9 @@ def finish_throughput(tp: dict | None) -> None:
 
 # ---------------------------------------------------------------------------------------------- output
 def _fmt_row(r: dict) -> str:
+    floor = f"{r['floor_ms']:9.2f} {100 * r['of_floor']:6.1f}%" if "floor_ms" in r else f"{'-':>9} {'-':>7}"
     return (f"{r['scheme']:>5} {r['context']:>7} {r['batch']:>4} {r['step_ms']:9.2f} {r['runner_ms']:9.2f} "
-            f"{r['plan_ms']:8.2f} {r['forward_ms']:9.2f} {r['tokens_per_s_per_seq']:9.1f} "
+            f"{r['plan_ms']:8.2f} {r['forward_ms']:9.2f} {floor} {r['tokens_per_s_per_seq']:9.1f} "
             f"{r['forward_tokens_per_s_per_seq']:9.1f} {r['tokens_per_s']:9.1f}")
 
 
@@ -955,9 +987,11 @@ def print_tables(result: dict) -> None:
     print(f"\n{result['device']}  {result['model']['arch']} ({result['model']['num_layers']} layers), KV budget "
           f"{result['settings']['kv_cache_memory_gb']} GB, {result['settings']['decode_steps']} decode steps "
           f"(median){'' if result['timing_meaningful'] else '  [CPU: timings not meaningful]'}")
-    print("step = LLMEngine.step; runner = ModelRunner.run; plan = PagedForward.__init__; fwd = runner - plan")
+    print("step = LLMEngine.step; runner = ModelRunner.run; plan = PagedForward.__init__; fwd = runner - plan; "
+          f"floor = (weights + KV read) / copy bandwidth ({result.get('copy_bandwidth_GBps', '-')} GB/s), "
+          f"% = floor / step; model forward: {result['settings']['model_impl']}")
     print(f"{'kv':>5} {'ctx':>7} {'bs':>4} {'step ms':>9} {'runner ms':>9} {'plan ms':>8} {'fwd ms':>9} "
-          f"{'tok/s/seq':>9} {'fwd t/s/s':>9} {'tok/s':>9}")
+          f"{'floor ms':>9} {'%floor':>7} {'tok/s/seq':>9} {'fwd t/s/s':>9} {'tok/s':>9}")
     for r in sorted(result["decode"], key=lambda r: (r["context"], r["batch"], r["scheme"])):
         if r.get("measured"):
             print(_fmt_row(r))
@@ -1074,6 +1108,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"RoPE pairs per KV head of the synthetic artifact's per-position key means (calibrate keeps "
                          f"{DEFAULT_PAIRS} by default, 8, 16 or 32 on request; the CUDA decode kernel's cost grows with them)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
+                    help="model forward: oscar (our executor), transformers, or auto (the engine's default)")
     ap.add_argument("--prefill-only", action="store_true",
                     help="time only the prefill of one prompt per (scheme, context): no decode, throughput or "
                          "breakdown")

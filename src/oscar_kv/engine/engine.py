@@ -22,10 +22,11 @@ from ..config import EngineConfig
 from ..errors import ConfigError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
+from ..models.llama import LlamaExecutor, executor_support
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
 from .block_pool import PagePool, PoolPlan, plan_pool
 from .kernel_attention import PoolView, kernel_support
-from .runner import ATTENTION_KEY, ModelRunner, register_paged_attention
+from .runner import ATTENTION_KEY, ModelForward, ModelRunner, register_paged_attention
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence, SeqStatus
 
@@ -148,12 +149,13 @@ class LLMEngine:
             log.warning("attention runs on the torch reference path on the GPU (slow, memory-hungry at long "
                         "context): %s", self.kernel_status)
         view = PoolView(self.pool) if self.kernel_status is None else None
+        self.executor_status, forward = self._model_forward(model, config.model_impl)
         graphs = None
         if view is not None and self.device.type == "cuda" and not config.enforce_eager:
             from .graphs import DecodeGraphs
 
-            graphs = DecodeGraphs(model, self.pool, self.codecs, view, self.max_model_len)
-        self.runner = ModelRunner(model, self.pool, self.codecs, view, graphs, tp)
+            graphs = DecodeGraphs(forward, self.pool, self.codecs, view, self.max_model_len)
+        self.runner = ModelRunner(model, self.pool, self.codecs, view, graphs, tp, forward)
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
         self.stop_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -161,6 +163,19 @@ class LLMEngine:
         self.prompt_tokens = self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self._recent: deque[tuple[float, int]] = deque()
+
+    def _model_forward(self, model, impl: str) -> tuple[str | None, ModelForward]:
+        """Our executor where it runs the model (and ``impl`` allows it), else transformers' forward.
+        Returns (None, forward) with the executor, else (why not, forward)."""
+        if impl == "transformers":
+            return "model_impl is 'transformers'", ModelForward(model)
+        why = executor_support(model)
+        if why is not None:
+            if impl == "oscar":
+                raise ConfigError(f"model_impl oscar: the executor cannot run this model: {why}", "model_impl")
+            log.info("model forward: transformers (%s)", why)
+            return why, ModelForward(model)
+        return None, ModelForward(model, LlamaExecutor(model, self.max_model_len + 1))
 
     def _check_plan(self, memory: float) -> None:
         plan = self.plan
@@ -190,7 +205,9 @@ class LLMEngine:
             backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
         per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "
                     f"on each of {self.tp.size} ranks)" if self.tp.size > 1 else "")
-        lines = [f"KV cache: {scheme}", f"attention: {backend}",
+        forward = ("oscar executor (fused QKV and gate/up GEMMs, fused norms and RoPE)" if self.executor_status is None
+                   else f"transformers ({self.executor_status})")
+        lines = [f"KV cache: {scheme}", f"attention: {backend}", f"model forward: {forward}",
                  f"KV pool{per_rank}: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
                  f"({plan.window_bytes / GB:.3f} GB, {plan.window_pages * spec.page_size} tokens) + "
                  f"{plan.quant_pages} quantized pages ({plan.quant_bytes / GB:.3f} GB incl. scale/min, "

@@ -47,8 +47,9 @@ class _Captured:
 class DecodeGraphs:
     """Captured decode forwards of one engine, keyed by (batch bucket, length bucket), captured on first use."""
 
-    def __init__(self, model, pool, codecs, view, max_model_len: int):
-        self.model, self.pool, self.codecs, self.view = model, pool, codecs, view
+    def __init__(self, forward, pool, codecs, view, max_model_len: int):
+        """``forward``: runner.ModelForward (input ids, positions, plan -> hidden states)."""
+        self.forward, self.pool, self.codecs, self.view = forward, pool, codecs, view
         self.width = pool.geometry.pages_for(max_model_len)  # block table columns: the longest sequence's pages
         self.max_model_len = max_model_len
         self.graphs: dict[tuple[int, int], _Captured] = {}
@@ -105,8 +106,7 @@ class DecodeGraphs:
         ropes = shared_ropes(self.codecs)
 
         def forward():
-            return self.model.model(input_ids=ids, position_ids=positions, use_cache=False,
-                                    oscar_paged=fwd).last_hidden_state
+            return self.forward(ids, positions, fwd)
 
         # one eager pass first (all rows are padding: nothing is written or read): compiles what is new
         side = torch.cuda.Stream(dev)

@@ -335,6 +335,23 @@ def _heads_first(rows: torch.Tensor) -> torch.Tensor:
     return rows.transpose(0, 1).unsqueeze(0)  # [n, H, D] -> [1, H, n, D]
 
 
+class ModelForward:
+    """The model's forward over a step: our executor (models/llama.py) or transformers' modules, whose attention
+    calls reach ``paged_attention`` through the model's forward kwargs."""
+
+    def __init__(self, model, executor=None):
+        self.model, self.executor = model, executor
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, fwd: "PagedForward") -> torch.Tensor:
+        """input_ids, positions [1, N] on the device -> the last hidden states [1, N, hidden]."""
+        if self.executor is not None:
+            return self.executor.forward(input_ids[0], positions[0], fwd)[None]
+        if self.model.config._attn_implementation != ATTENTION_KEY:  # someone ran generate() on the model
+            self.model.set_attn_implementation(ATTENTION_KEY)
+        return self.model.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                oscar_paged=fwd).last_hidden_state
+
+
 class ModelRunner:
     """Runs a step's forward and samples the next token of each sequence that completed its tokens.
 
@@ -343,11 +360,12 @@ class ModelRunner:
     forward on their heads: the row-parallel all-reduces inside the model meet.  Only rank 0 samples."""
 
     def __init__(self, model, pool: PagePool, codecs: list[LayerCodec], kernels: PoolView | None = None,
-                 graphs=None, tp: TensorParallel = SINGLE):
+                 graphs=None, tp: TensorParallel = SINGLE, forward: ModelForward | None = None):
         self.model, self.pool, self.codecs, self.kernels = model, pool, codecs, kernels
         self.device = next(model.parameters()).device
         self.graphs = graphs  # graphs.DecodeGraphs, or None: every step eager
         self.tp = tp
+        self.forward = forward or ModelForward(model)
 
     @torch.inference_mode()
     def run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
@@ -367,13 +385,9 @@ class ModelRunner:
 
     def _forward(self, fwd: PagedForward, input_ids: torch.Tensor) -> torch.Tensor:
         """The last hidden states [1, N, hidden] of the step (graph replay, or eager)."""
-        if self.model.config._attn_implementation != ATTENTION_KEY:  # someone ran generate() on the model
-            self.model.set_attn_implementation(ATTENTION_KEY)
         hidden = self.graphs.run(fwd, input_ids) if self.graphs is not None else None
-        if hidden is None:
-            position_ids = fwd.positions.to(self.device)[None]  # the step's positions, built once by the plan
-            hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                      oscar_paged=fwd).last_hidden_state
+        if hidden is None:  # the step's positions, built once by the plan
+            hidden = self.forward(input_ids, fwd.positions.to(self.device)[None], fwd)
         return hidden
 
     @torch.inference_mode()

