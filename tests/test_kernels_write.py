@@ -133,3 +133,40 @@ def test_migrate_bit_exact(p, rescale):
     ref.migrate_reference(a, src, dst, ck, cv, rescale=rescale)
     migrate_pages(b, src, dst, ck, cv, rescale=rescale)
     assert_pools_equal(a, b)
+
+
+def test_write_position_aware_centering():
+    """Keys centered per position (rope.py) inside the write kernel: the kernel's float32 offset against the
+    reference's; with a signed permutation every stored row matches and codes flip at rounding ties only."""
+    from oscar_kv.kernels.write import write_kv
+    from oscar_kv.rope import apply_rope
+
+    gen = torch.Generator().manual_seed(5)
+    d, h, p = 64, 2, 16
+    geom = PoolGeometry(num_layers=1, num_kv_heads=h, head_dim=d, group_size=64, page_size=p, sink_size=p,
+                        recent_size=p)
+    t = 40
+    slots = torch.randperm(8 * p, generator=gen)[:t]
+    win = torch.where(torch.arange(t) % 2 == 0, slots, -1).int().to(DEV)
+    q2 = torch.where(torch.arange(t) % 2 == 0, -1, slots).int().to(DEV)
+    positions = torch.randint(0, 30000, (t,), generator=gen).double()
+    angles = positions[:, None] * (10000.0 ** (-torch.arange(0, d, 2).double() / d))[None]
+    cos, sin = (f(torch.cat([angles, angles], -1)).float().to(DEV) for f in (torch.cos, torch.sin))
+    mu_pre = (torch.randn(h, d, generator=gen) * 8).to(DEV)
+    rot = signed_permutation(h, d, gen)
+    mean = torch.randn(h, d, generator=gen).to(DEV)
+    base = outliers(t, h, d, gen)
+    k = base + apply_rope(mu_pre[None], cos[:, None], sin[:, None])
+    v = outliers(t, h, d, gen)
+    ck = cv = clip_indices(0.96, d, (h,)).to(DEV)
+    a, b = pools(geom, 8, 8)
+    ref.write_reference(a, 0, k, v, win, q2, rot, mean, ck, cv, k_rope=(mu_pre, cos, sin))
+    write_kv(b, 0, k, v, win, q2, rot, mean, ck, cv, k_rope=(mu_pre, cos, sin))
+    assert torch.allclose(a.k_win.float(), b.k_win.float(), rtol=2 ** -7, atol=1e-6)
+    assert (a.k_codes != b.k_codes).float().mean() < 0.01
+    assert torch.allclose(a.k_meta.float(), b.k_meta.float(), rtol=1e-3, atol=1e-4)
+    # the offset is really removed: window rows are (k - offset - mean) @ R, i.e. the rotated outlier rows
+    w = win.long() >= 0
+    sl = win.long()[w]
+    expected = torch.einsum("thd,hde->the", base[w].double() - mean.double(), rot.double())
+    assert torch.allclose(b.k_win[0, sl // p, :, sl % p].double(), expected, rtol=2 ** -7, atol=1e-3)

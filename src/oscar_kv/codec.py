@@ -49,8 +49,14 @@ class LayerCodec:
     rope: RopeTable | None = None  # the model's cos / sin, shared by all layers (with k_rope_mean)
     rope_pairs: torch.Tensor | None = None  # rope.kernel_pairs(k_rope_mean), found once: finding them syncs the device
     key_page: int | None = None  # KIVI: keys quantized per channel over pages of this many tokens, unclipped
+    # keys are stored as they come (identity rotation, no centering: a BF16 cache without an artifact), so the
+    # kernels skip the rotation (computed once here: testing it on the device syncs)
+    keys_as_is: bool = dataclasses.field(init=False, default=False)
 
     def __post_init__(self):
+        eye = torch.eye(self.k_rotation.shape[-1], device=self.k_rotation.device)
+        self.keys_as_is = (self.k_rope_mean is None and not bool(self.k_mean.any())
+                           and bool((self.k_rotation == eye).all()))
         if self.k_rope_mean is not None:
             if self.rope is None:
                 raise ValueError("position-aware key centering needs the model's RoPE table")

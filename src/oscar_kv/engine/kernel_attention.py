@@ -177,7 +177,8 @@ class DecodeStep:
         else:
             p = self.view.pool
             out = bf16_decode(q, p.k_win[layer_idx], p.v_win[layer_idx], self.batch.block_table, self.batch.seq_lens,
-                              codec.k_rotation, scaling, page_size=p.geometry.page_size, max_seq_len=self.max_seq_len)
+                              None if codec.keys_as_is else codec.k_rotation, scaling,
+                              page_size=p.geometry.page_size, max_seq_len=self.max_seq_len)
         return out.unsqueeze(0)
 
 

@@ -189,11 +189,9 @@ class PagedForward:
         self.view, self.views, self.num_tokens = view, views, offset
         slots = torch.tensor([win, q], dtype=torch.int32).to(dev)  # one copy for both
         self.win_slot, self.int2_slot = slots[0], slots[1]
-        # the stored keys come from write_kv's own float32 rotation unless the attention needs them too
-        # or some token is quantized right away (its codes then come from the float64 rotation, as in _write)
-        # write_kv centers by a constant only: keys centered per position are rotated here (rotate_keys)
-        rope = any(codec.k_rope_mean is not None for codec in self.codecs)
-        self.fused_rotation = not self.kernel_step.reads_chunk and max(q, default=-1) < 0 and not rope
+        # the stored keys come from write_kv's own float32 centering and rotation unless the attention needs them
+        # too or some token is quantized right away (its codes then come from the float64 rotation, as in _write)
+        self.fused_rotation = not self.kernel_step.reads_chunk and max(q, default=-1) < 0
         self.migrations = torch.tensor([src, dst], dtype=torch.int32).to(dev) if src else None
 
     @classmethod
@@ -263,8 +261,13 @@ class PagedForward:
         if self.fused_rotation:
             keys = None
             k_rows = _unit_stride(key[0].transpose(0, 1))
-            write_kv(self.view, li, k_rows, _unit_stride(v_rows), self.win_slot, self.int2_slot, codec.k_rotation,
-                     codec.k_mean, ck, cv, rescale=(codec.k_rescale, codec.v_rescale))
+            rope = None
+            if codec.k_rope_mean is not None:  # the same positions tensor for every layer: one gather per step
+                rope = (codec.k_rope_mean, *codec.rope(self.positions))
+            as_is = codec.keys_as_is
+            write_kv(self.view, li, k_rows, _unit_stride(v_rows), self.win_slot, self.int2_slot,
+                     None if as_is else codec.k_rotation, None if as_is else codec.k_mean, ck, cv,
+                     rescale=(codec.k_rescale, codec.v_rescale), k_rope=rope)
         else:
             keys = codec.rotate_keys(key, self.positions).to(wdt)  # [1, H, N, D] in float64 as _write
             write_kv(self.view, li, keys[0].transpose(0, 1), _unit_stride(v_rows), self.win_slot, self.int2_slot,

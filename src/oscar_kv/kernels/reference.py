@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rope import apply_rope
 from ..rotation import rotate
 from ..quant import dequantize_rows, quantize_rows, QuantizedRows
 from .layout import PagedBatch, PagedKVPool
@@ -51,8 +52,10 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
                     win_slot: torch.Tensor, int2_slot: torch.Tensor,
                     k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
                     clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor,
-                    rescale: tuple[float, float] = (0.0, 0.0)) -> None:
-    """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D].
+                    rescale: tuple[float, float] = (0.0, 0.0),
+                    k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D]; k_rope: (mu_pre
+    [H, D], cos [T, D], sin [T, D]) of per-position centering: RoPE_p(mu_pre) is subtracted after k_mean.
 
     Keys are centered and rotated in float32; a token bound for a window page is stored as BF16,
     one bound for an INT2 page is clipped/quantized from the float32 row (quant.quantize_rows; ``rescale``:
@@ -60,7 +63,12 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
     """
     g = pool.geometry
     p = g.page_size
-    kr = rotate_keys(k, k_rotation, k_mean)
+    if k_rope is not None:  # (k - mu) - RoPE_p(mu_pre), in the kernel's order
+        mu_pre, cos, sin = (x.float() for x in k_rope)
+        kr = rotate_keys(rotate_keys(k, None, k_mean) - apply_rope(mu_pre[None], cos[:, None], sin[:, None]),
+                         k_rotation, None)
+    else:
+        kr = rotate_keys(k, k_rotation, k_mean)
     vr = v.float()
     win = win_slot.long() >= 0
     if win.any():

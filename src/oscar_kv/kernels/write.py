@@ -115,12 +115,12 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
 
 
 @triton.jit(do_not_specialize=["T"])  # the step's token count: one compile for all counts (server warm-up)
-def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T, GK, GV,
+def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T, GK, GV,
                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rh,
                   stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh,
                   D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr,
-                  ROTATE: tl.constexpr, CENTER: tl.constexpr, SORT: tl.constexpr, RECIP3: tl.constexpr,
-                  RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr):
+                  ROTATE: tl.constexpr, CENTER: tl.constexpr, ROPE_CENTER: tl.constexpr, SORT: tl.constexpr,
+                  RECIP3: tl.constexpr, RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // G
@@ -140,6 +140,14 @@ def _write_kernel(K, V, R, MU, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T, GK, GV
                 other=0.0).to(tl.float32)
     if CENTER:
         k = k - tl.load(MU + h * D + offs_d)[None, :]
+    if ROPE_CENTER:  # minus RoPE_p(mu_pre) = mu_pre * cos_p + rotate_half(mu_pre) * sin_p, per token
+        mu = tl.load(MUP + h * D + offs_d)
+        partner = tl.load(MUP + h * D + (offs_d + D // 2) % D)
+        mu_half = tl.where(offs_d < D // 2, -partner, partner)
+        trig = offs_t[:, None] * D + offs_d[None, :]
+        cos = tl.load(COS + trig, mask=tmask[:, None], other=0.0)
+        sin = tl.load(SIN + trig, mask=tmask[:, None], other=0.0)
+        k = k - (mu[None, :] * cos + mu_half[None, :] * sin)
     if ROTATE:
         r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
         k = tl.dot(k, r, input_precision="ieee")
@@ -203,11 +211,14 @@ def _scalar_div_is_reciprocal(device: torch.device) -> bool:
 def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, win_slot: torch.Tensor,
              int2_slot: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
              clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = 16,
-             num_warps: int | None = None, rescale: tuple[float, float] = (0.0, 0.0)) -> None:
+             num_warps: int | None = None, rescale: tuple[float, float] = (0.0, 0.0),
+             k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D] (any float
     dtype; last dim contiguous); win_slot / int2_slot: int32 [T] flat slots (page*P + offset) or -1
     (layout.token_slots); k_rotation [Hr, D, D] (Hr in {1, H}) or None when keys arrive rotated;
-    k_mean [H, D] or None; clip_*_idx: int32 [H] (layout.clip_indices); rescale: strengths (keys, values), quant.py.
+    k_mean [H, D] or None; clip_*_idx: int32 [H] (layout.clip_indices); rescale: strengths (keys, values), quant.py;
+    k_rope: per-position centering (rope.py), (mu_pre [H, D], cos [T, D], sin [T, D]) float32 of the tokens'
+    positions: RoPE_p(mu_pre) is subtracted after k_mean.
     num_warps: default 8 with a rotation
     (its float32 D x D operand spills out of 4 warps' registers: 79 us a launch instead of 7 on an H200,
     benchmarks/NOTES.md run W1), else 4."""
@@ -223,13 +234,14 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
     else:
         r, stride_rh = k, 0
     mu = k_mean.float().contiguous() if k_mean is not None else k
+    mu_pre, cos, sin = (x.float().contiguous() for x in k_rope) if k_rope is not None else (k, k, k)
     _write_kernel[(triton.cdiv(t, block_t), h)](
-        k, v, r, mu, win_slot, int2_slot, clip_k_idx, clip_v_idx, kc, km, vc, vm, kw, vw, t,
+        k, v, r, mu, mu_pre, cos, sin, win_slot, int2_slot, clip_k_idx, clip_v_idx, kc, km, vc, vm, kw, vw, t,
         check_rescale(rescale[0]), check_rescale(rescale[1]),  # float32 values: the interpreter keeps float64
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh,
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
-        CENTER=k_mean is not None, SORT=not INTERPRET, RECIP3=_scalar_div_is_reciprocal(k.device),
+        CENTER=k_mean is not None, ROPE_CENTER=k_rope is not None, SORT=not INTERPRET, RECIP3=_scalar_div_is_reciprocal(k.device),
         RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
         num_warps=num_warps or (8 if k_rotation is not None else 4))
 
