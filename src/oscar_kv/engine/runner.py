@@ -50,6 +50,7 @@ from ..parallel import SINGLE, TensorParallel
 from .block_pool import QUANT, WINDOW, PagePool
 from .kernel_attention import PoolView, kernel_step
 from .scheduler import Migration, ScheduledSeq
+from .sampling import sample
 from .sequence import Sequence
 
 ATTENTION_KEY = "oscar_kv_paged"
@@ -384,7 +385,7 @@ class ModelRunner:
             return {}
         last = torch.tensor([fwd.views[steps.index(st)].chunk[1] - 1 for st in sampling], device=self.device)
         logits = self.model.lm_head(hidden[0, last]).float()
-        return {st.seq: sample(logits[i], st.seq) for i, st in enumerate(sampling)}
+        return dict(zip((st.seq for st in sampling), sample(logits, [st.seq for st in sampling])))
 
     def _forward(self, fwd: PagedForward, input_ids: torch.Tensor) -> torch.Tensor:
         """The last hidden states [1, N, hidden] of the step (graph replay, or eager)."""
@@ -450,21 +451,3 @@ def _unwire(wire: dict) -> tuple[list[ScheduledSeq], list[int]]:
                                            wire["migrations"]):
         steps.append(ScheduledSeq(_PageTable(pages, int2, start + n), start, n, [Migration(*m) for m in migs]))
     return steps, wire["ids"]
-
-
-def sample(logits: torch.Tensor, seq: Sequence) -> int:
-    """Greedy (argmax, as transformers' generate) or temperature / top-k / top-p sampling."""
-    p = seq.params
-    if p.greedy:
-        return int(torch.argmax(logits))
-    x = logits / p.temperature
-    if p.top_k > 0 and p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, -1)
-        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest set whose mass reaches top_p
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = torch.softmax(x, -1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=seq.generator))
