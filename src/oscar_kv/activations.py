@@ -15,16 +15,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .errors import OscarKVError
+from .errors import NonFiniteActivations
 from .models import AttentionGeometry
 from .rotation import rotate
 
 CAPTURE_KEY = "oscar_kv_capture"
 _active: list = []  # the observer of the forward in flight (a stack, so captures can nest)
-
-
-class NonFiniteActivations(OscarKVError, ValueError):
-    pass
 
 
 def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -76,10 +72,10 @@ class LayerSample:
         """What centering subtracts from each key: [Hkv, 1, D] (constant) or [Hkv, T, D] (position-aware)."""
         offset = k_mean[:, None, :].float()
         if k_rope_mean is not None and k_rope_mean.abs().max() > 0:
-            from .rope import key_offsets
+            from .rope import RopeUnsupported, key_offsets
 
             if self.rope is None:
-                raise ValueError("position-aware centering needs the model's RoPE tables")
+                raise RopeUnsupported("position-aware centering needs the model's RoPE tables")
             offset = offset + key_offsets(k_rope_mean, *self.rope)
         return offset
 

@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 from .activations import (LayerSample, capture_samples, clip_candidate_errors, observing, quantized_attention_error,
                           run_layers)
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
-from .corpus import load_calibration_text
+from .corpus import CorpusError, load_calibration_text
+from .errors import ConfigError
 from .models import AttentionGeometry
 from .parallel import SINGLE, TensorParallel, shard_model
 from .quant import check_rescale
@@ -87,24 +88,24 @@ class CalibrationSettings:
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:
-            raise ValueError(f"key centering must be one of {KEY_CENTERINGS}")
+            raise ConfigError(f"key centering must be one of {KEY_CENTERINGS}")
         if self.rotation_scope not in SCOPES:
-            raise ValueError(f"rotation scope must be one of {SCOPES}")
+            raise ConfigError(f"rotation scope must be one of {SCOPES}")
         if self.clip not in ("fixed", "fit"):
-            raise ValueError("clip must be 'fixed' or 'fit'")
+            raise ConfigError("clip must be 'fixed' or 'fit'")
         if self.rope_pairs != "auto" and (type(self.rope_pairs) is not int or self.rope_pairs < 1):
-            raise ValueError(f"rope_pairs must be 'auto' or a whole number >= 1, got {self.rope_pairs!r}")
+            raise ConfigError(f"rope_pairs must be 'auto' or a whole number >= 1, got {self.rope_pairs!r}")
         if self.rope_horizon is not None and (type(self.rope_horizon) is not int or self.rope_horizon < 1):
-            raise ValueError(f"rope_horizon must be a whole number >= 1, got {self.rope_horizon!r}")
+            raise ConfigError(f"rope_horizon must be a whole number >= 1, got {self.rope_horizon!r}")
         check_rescale(self.key_rescale)
         check_rescale(self.value_rescale)
         if self.layer_policy not in ("off", "auto"):
-            raise ValueError("layer policy must be 'off' or 'auto'")
+            raise ConfigError("layer policy must be 'off' or 'auto'")
         if self.calib_tokens < 16 or self.seq_len < 16:
-            raise ValueError("calibration needs at least 16 tokens")
+            raise ConfigError("calibration needs at least 16 tokens")
         for c in (self.k_clip, self.v_clip):
             if not 0 < c <= 1:
-                raise ValueError("clip ratios must lie in (0, 1]")
+                raise ConfigError("clip ratios must lie in (0, 1]")
 
 
 class Statistics:
@@ -218,7 +219,7 @@ def token_sequences(tokenizer, texts: list[str], seq_len: int, count: int) -> li
             break
     available = len(ids) // seq_len
     if available == 0:
-        raise ValueError(f"the calibration text has only {len(ids)} tokens; need at least {seq_len}")
+        raise CorpusError(f"the calibration text has only {len(ids)} tokens; need at least {seq_len}")
     if available < count:
         log.warning("calibration text yields %d sequences of %d tokens, fewer than the %d asked for",
                     available, seq_len, count)
@@ -244,7 +245,7 @@ def split_probe(tokenizer, texts: list[str], seq_len: int, count: int, probe_tok
     held = math.ceil(probe_tokens / seq_len)
     sequences = token_sequences(tokenizer, texts, seq_len, count + held)
     if len(sequences) < 2:
-        raise ValueError("the calibration text is too short to hold back a validation sequence")
+        raise CorpusError("the calibration text is too short to hold back a validation sequence")
     held = min(held, len(sequences) - 1)
     return sequences[:-held], torch.cat(sequences[-held:], 1)[:, :probe_tokens]
 

@@ -25,7 +25,7 @@ from .config import KV_CACHE_BITS
 from .errors import ConfigError
 from .models import AttentionGeometry
 from .quant import QuantizedRows, dequantize_rows, quantize_rows
-from .rope import RopeTable, kernel_pairs, key_offsets
+from .rope import RopeTable, RopeUnsupported, kernel_pairs, key_offsets
 from .rotation import rotate
 
 
@@ -53,7 +53,7 @@ class LayerCodec:
     def __post_init__(self):
         if self.k_rope_mean is not None:
             if self.rope is None:
-                raise ValueError("position-aware key centering needs the model's RoPE table")
+                raise RopeUnsupported("position-aware key centering needs the model's RoPE table")
             if self.rope_pairs is None:
                 self.rope_pairs = kernel_pairs(self.k_rope_mean)
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import ConfigError, NonFiniteActivations
+
 METADATA_DTYPE = torch.float16
 SUPPORTED_BITS = (2, 4, 8)
 _F16_MAX = 65504.0
@@ -59,12 +61,14 @@ class QuantizedRows:
 
 
 def check_geometry(head_dim: int, group_size: int, bits: int) -> None:
+    """Raise ConfigError unless ``bits`` is supported, ``group_size`` divides ``head_dim`` and a row's codes fill
+    whole bytes."""
     if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+        raise ConfigError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
     if group_size <= 0 or head_dim % group_size != 0:
-        raise ValueError(f"group size {group_size} must divide the head dim {head_dim}")
+        raise ConfigError(f"group size {group_size} must divide the head dim {head_dim}")
     if head_dim % (8 // bits) != 0:
-        raise ValueError(f"head dim {head_dim} must be a multiple of {8 // bits} for {bits}-bit packing")
+        raise ConfigError(f"head dim {head_dim} must be a multiple of {8 // bits} for {bits}-bit packing")
 
 
 def clip_index(head_dim: int, ratio: float) -> int:
@@ -122,7 +126,7 @@ def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
     group_size = group_size or d
     check_geometry(d, group_size, bits)
     if not torch.isfinite(x).all():
-        raise ValueError("cannot quantize non-finite KV values (NaN or Inf in the activations)")
+        raise NonFiniteActivations("cannot quantize non-finite KV values (NaN or Inf in the activations)")
     xf = clip_rows(x.float(), clip_ratio) if _clips(clip_ratio) else x.float()
     groups = xf.reshape(*xf.shape[:-1], d // group_size, group_size)
     lo = groups.amin(dim=-1).clamp(-_F16_MAX, _F16_MAX)
@@ -143,7 +147,7 @@ def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
 def check_rescale(strength: float) -> float:
     """The strength as its float32 value (what a kernel receives), after checking it lies in [0, 1]."""
     if not 0.0 <= float(strength) <= 1.0:
-        raise ValueError(f"rescale strength must lie in [0, 1], got {strength}")
+        raise ConfigError(f"rescale strength must lie in [0, 1], got {strength}")
     return struct.unpack("f", struct.pack("f", float(strength)))[0]
 
 

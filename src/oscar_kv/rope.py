@@ -33,7 +33,8 @@ TILE_MARGIN = 1024  # table rows beyond the last key position: no kernel tile ma
 
 
 class RopeUnsupported(OscarKVError, ValueError):
-    pass
+    """The model's RoPE is not one that position-aware key centering can follow (no rotary module, not over the
+    full head dim, not a static rotate-half RoPE), or a caller needs the RoPE table and has none."""
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

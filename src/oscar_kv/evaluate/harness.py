@@ -15,7 +15,8 @@ from ..activations import capture_samples, observing, run_layers
 from ..artifacts import Rotations
 from ..cache import CacheSettings, unprepare_model
 from ..calibrate import CalibrationSettings, Statistics, split_probe
-from ..corpus import DEFAULT_CORPUS, load_calibration_text, read_text_file
+from ..corpus import DEFAULT_CORPUS, CorpusError, load_calibration_text, read_text_file
+from ..errors import ConfigError
 from ..models import AttentionGeometry
 from ..rope import DEFAULT_PAIRS, RopeTable, RopeUnsupported
 from . import tasks
@@ -48,11 +49,11 @@ class EvalConfig:
     def __post_init__(self):
         bad = [t for t in self.tasks if t not in TASKS]
         if bad:
-            raise ValueError(f"unknown tasks {bad}; choose from {', '.join(TASKS)}")
+            raise ConfigError(f"unknown tasks {bad}; choose from {', '.join(TASKS)}")
         if "bf16" not in self.methods:
             self.methods = ["bf16"] + list(self.methods)
         if any(c < 64 for c in self.context_lengths):
-            raise ValueError("context lengths must be at least 64 tokens")
+            raise ConfigError("context lengths must be at least 64 tokens")
 
     @classmethod
     def quick(cls, **overrides) -> "EvalConfig":
@@ -140,7 +141,7 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
     geometry = AttentionGeometry.of(model.config)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and max(config.context_lengths) > limit:
-        raise ValueError(f"context length {max(config.context_lengths)} exceeds the model's context of {limit}")
+        raise ConfigError(f"context length {max(config.context_lengths)} exceeds the model's context of {limit}")
     started = time.perf_counter()
     schemes = build_schemes(model, tokenizer, oscar, config)
     text = evaluation_text(config.text)
@@ -220,7 +221,7 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
 def _documents(all_ids: torch.Tensor, length: int, count: int) -> list[torch.Tensor]:
     total = all_ids.shape[1]
     if total < length:
-        raise ValueError(f"the evaluation text has {total} tokens, fewer than the context length {length}")
+        raise CorpusError(f"the evaluation text has {total} tokens, fewer than the context length {length}")
     stride = max((total - length) // max(count, 1), 1)
     return [all_ids[:, i * stride:i * stride + length] for i in range(count) if i * stride + length <= total]
 

@@ -15,6 +15,7 @@ import torch
 from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
 from ..cache import CacheSettings
 from ..calibrate import CalibrationSettings, Statistics, fit_clip_ratios, fit_rotations
+from ..errors import ConfigError
 from ..rotation import compose
 from ..memory import bits_per_element
 from ..models import AttentionGeometry
@@ -63,7 +64,7 @@ def standard_scheme(name: str, geometry: AttentionGeometry, oscar: Rotations, ba
     if name == EQUAL_WINDOWS:
         return Scheme(name, oscar, replace(base, sink_size=KIVI_RESIDUAL // 2, recent_size=KIVI_RESIDUAL // 2),
                       f"the shipped artifact with KIVI-2's {KIVI_RESIDUAL} BF16 tokens (half sink, half recent)")
-    raise ValueError(f"unknown method {name!r}; methods are {', '.join(STANDARD + (EQUAL_WINDOWS,))}")
+    raise ConfigError(f"unknown method {name!r}; methods are {', '.join(STANDARD + (EQUAL_WINDOWS,))}")
 
 
 def with_value_covariance(oscar: Rotations, c_s: torch.Tensor) -> Rotations:

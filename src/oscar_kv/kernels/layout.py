@@ -95,7 +95,7 @@ class PoolGeometry:
             raise ValueError(f"layer_bits has {len(bits)} entries for {self.num_layers} layers")
         if self.quantizes:
             if 16 in bits:
-                raise ValueError("the paged engine cannot mix BF16 layers into a quantized cache; "
+                raise ConfigError("the paged engine cannot mix BF16 layers into a quantized cache; "
                                  "recalibrate without a layer policy that stores layers at 16 bits")
             if self.sink_size % self.page_size:
                 raise ConfigError(f"sink_size {self.sink_size} must be a multiple of page_size {self.page_size}",
