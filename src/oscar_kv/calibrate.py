@@ -50,7 +50,7 @@ ROPE_GAIN = 0.05  # "auto" picks position-aware centering when it cuts the probe
 # "auto" keeps the fewest pairs within this share of the lowest probe error.  Qwen2.5 (pairs scored over 32K):
 # 8 pairs 6% above 32's on the probe, KL at 32K 0.030 vs 0.026 and at 8K equal, decode attention ~1.1x instead
 # of 1.5-1.95x constant centering's; a key bias spread over every pair measures several times 32's error with 8
-# and keeps 32 (NOTES.md run H1)
+# and keeps 32 (benchmarks/NOTES.md, "pairs scored over the model's context")
 PAIRS_TOLERANCE = 0.10
 # How the held-back probe is scored: every position, every key past the sink INT2.  Scoring it as served
 # instead (4096 tokens, recent window exact, the last 256 queries) chose harsher key clips on Qwen2.5 that shrank
@@ -82,7 +82,8 @@ class CalibrationSettings:
     layer_policy: str = "off"  # "auto" stores layers whose INT2 error is an outlier at INT4
     probe_tokens: int = 512
     # clipped keys lose the logit of the query aligned with them (the needle); the rescale gives this share of it
-    # back (quant.py).  0.5 beat both 0 and 1 on KL and multi-key retrieval (benchmarks/NOTES.md, run R1)
+    # back (quant.py).  0.5 beat both 0 and 1 on KL and single-needle retrieval (benchmarks/NOTES.md, "rescaled key
+    # rows against the needle's shrink")
     key_rescale: float = 0.5
     value_rescale: float = 0.0
 
@@ -177,9 +178,9 @@ class Statistics:
         most logit variance over positions p < horizon: the part of RoPE_p(mu_pre) that the constant mean
         (calibration's, c) misses, |mu|^2 E_p |e^{ipt} - c|^2, weighted by the queries' energy in the pair.
         Over the calibration's own positions that is |mu|^2 (1 - |c|^2); over a longer horizon it also counts
-        pairs that turn little within a calibration sequence but far by the horizon (the pairs fewer-pair
-        artifacts lost at 32K when they were scored over 1024 positions; NOTES.md run Q1).  The kernels then
-        visit only these pairs."""
+        pairs that turn little within a calibration sequence but far by the horizon, which the constant mean leaves
+        uncentred at long contexts (benchmarks/NOTES.md, "Why fewer pairs lost at 32K").  The kernels then visit
+        only these pairs."""
         half = mu_pre.shape[-1] // 2
         toks = self.tokens[:, None]
         scale = self.rope.scaling

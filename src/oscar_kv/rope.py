@@ -27,7 +27,8 @@ MIN_PAIRS = 8  # the kernels' dot over pairs needs 2 x pairs >= 16
 PAIR_COUNTS = (8, 16, 32)
 # pairs per KV head calibration keeps by default (and the benchmarks' synthetic mu_pre): scored over the model's
 # context, 8 pairs measured lower KL at 32K on Qwen2.5 than 32 pairs scored over the calibration's 1024 positions,
-# and the decode kernel runs them within 1.15x of constant centering (benchmarks/NOTES.md, runs H1 and S5)
+# and the decode kernel runs them within 1.15x of constant centering (benchmarks/NOTES.md, "pairs scored over the
+# model's context" and "the attention table with the kept kernel")
 DEFAULT_PAIRS = PAIR_COUNTS[0]
 TILE_MARGIN = 1024  # table rows beyond the last key position: no kernel tile may reach further past it
 

@@ -109,7 +109,8 @@ def _calibration_statistics(model, tokenizer, oscar: Rotations):
         rope = RopeTable(model, geometry.head_dim)
     except RopeUnsupported:
         rope = None
-    stats = Statistics(geometry, rope, settings.rope_horizon)  # pairs scored as the artifact's were (None: old ones)
+    # pairs scored as the artifact's were (None: the artifact records no horizon)
+    stats = Statistics(geometry, rope, settings.rope_horizon)
     unprepare_model(model)
     max_len = getattr(model.config, "max_position_embeddings", None) or settings.probe_tokens
     sequences, probe_ids = split_probe(tokenizer, texts, seq_len, count, min(settings.probe_tokens, max_len))

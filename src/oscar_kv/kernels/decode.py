@@ -37,7 +37,9 @@ from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
 
-ROPE_CAPPED_PAIRS = 16  # the register cap holds the position-aware term up to this many pairs (run R4)
+# the register cap holds the position-aware term up to this many pairs (benchmarks/NOTES.md, "cost vs pairs, with
+# and without the register cap")
+ROPE_CAPPED_PAIRS = 16
 
 @triton.jit
 def _load_query(Q, R, b, h, stride_qb, stride_qh, stride_rh, qk_scale,
@@ -285,8 +287,9 @@ def _rotate_query_kernel(Q, R, QR, stride_qb, stride_qh, stride_rh, D: tl.conste
 
 
 def rotate_query(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
-    """q @ R_K[kv_head(q)] in float32 ([B, Hq, D] -> float32 [B, Hq, D]), one small launch per call instead
-    of once per attention program (every split re-reading R from L2 cost ~8-10% in v2)."""
+    """q @ R_K[kv_head(q)] in float32 ([B, Hq, D] -> float32 [B, Hq, D]; R_K [Hkv | 1, D, D]), one small launch
+    per call instead of once per attention program (every split re-reading R from L2 costs ~8-10%;
+    benchmarks/NOTES.md, "Versions").  None: q as it is."""
     if k_rotation is None:
         return q
     bsz, hq, d = q.shape
@@ -348,7 +351,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     if _use_cuda(backend or os.environ.get("OSCAR_KV_INT2_KERNEL", "auto"), q.device, g, gqa, rope, q.dtype):
         from . import int2_cuda
 
-        # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (run C2)
+        # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
+        # rescale, window on a side stream, split targets")
         per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1], d)
         ns, chunk = int2_cuda.split_plan(max_int2_pages * g.page_size, bsz * h, g.page_size, num_sms(q.device),
                                          per_sm)
@@ -366,8 +370,9 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
     bt = batch.block_table
     h_pad = triton.next_power_of_2(gqa)
-    # the position-aware term needs more registers: capped at 128 it spilled (2.5-6x slower, NOTES.md run R2)
-    if maxnreg == "auto":  # capped, the full 64-pair term spilled (NOTES.md run R2)
+    # the position-aware term needs more registers: over more than ROPE_CAPPED_PAIRS pairs the 128 cap spills
+    # (2.5-6x slower; benchmarks/NOTES.md, "cost vs pairs, with and without the register cap")
+    if maxnreg == "auto":
         maxnreg = 128 if rope is None or rope.pairs.shape[1] <= ROPE_CAPPED_PAIRS else None
     extra = {"maxnreg": maxnreg} if (maxnreg and not INTERPRET) else {}
     if rope is not None and (g.page_size % 16 or block_n % 16 or block_w % 16):

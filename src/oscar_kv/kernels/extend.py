@@ -75,10 +75,10 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
     signal sum(pp*c*4^k) (<= 3/1024 of it in slice 0).  The offset is subtracted from the accumulator
     operand of each tile's MMA (acc*alpha - 1024*sum(pp): one FMA where a multiply was) instead of once at
     the end: the accumulator then only ever holds the signal plus one tile's offset.  Keeping the offset
-    for the whole range (as decode does for its ~2K-token splits) made the accumulator ~1024x the signal
-    and, the tensor cores' float32 accumulation truncating at every MMA step, the error grew with the
-    tokens of a program: rel. error ~0.075 over 131K tokens in one program on an H100 (~0.01 over 16K),
-    where the output (min + scale*c, outlier-dominated groups) is itself a small difference of large terms.
+    for the whole range makes the accumulator ~1024x the signal and, the tensor cores' float32 accumulation
+    truncating at every MMA step, the error grows with the tokens of a program: rel. error ~0.075 over 131K
+    tokens in one program on an H100 (~0.01 over 16K), where the output (min + scale*c, outlier-dominated
+    groups) is itself a small difference of large terms.
     """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G

@@ -6,7 +6,7 @@ contiguous float16 scratch in the rotated space: positions before the chunk as s
 dequantized, sink / recent BF16 pages copied), then the chunk's own keys and values exactly as given; keys
 get the position-aware offset RoPE_p(mu_pre) @ R_K added back (rope.py), as codec.LayerCodec.restore_offsets
 does.  Then one flash attention (torch SDPA, causal mask aligned to the lower right, GQA natively) of the
-rotated queries over [history | chunk].  Nothing about the attention itself is INT2-specific any more: the
+rotated queries over [history | chunk].  Nothing about the attention itself is INT2-specific: the
 cost is the BF16 cache's flash attention plus one streaming pass over the history.
 
 Why float16 and not bfloat16: with per-position centering a restored key is stored key + offset, and the
@@ -109,8 +109,9 @@ def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn,
     offs_d = tl.arange(0, D)
     if ROPE:
         # RoPE_p(mu_pre) @ R_K = sum over the kept pairs i of cos(p t_i) A_i + sin(p t_i) B_i (W rows: A | B),
-        # cos | sin from the float32 table (rope.KernelRope.table).  Float32 FMAs per pair: tl.dot with
-        # input_precision="ieee" made this pass 80x slower than the copy alone on the H100 (NOTES, run P1)
+        # cos | sin from the float32 table (rope.KernelRope.table).  Float32 FMAs per pair: a tl.dot with
+        # input_precision="ieee" makes this pass 80x slower than the copy alone on the H100 (benchmarks/NOTES.md,
+        # "Prefill with the float16-materialized path")
         trow = CS + pos.to(tl.int64) * (2 * HALF)
         for i in tl.static_range(R):
             col = tl.load(PR + h * stride_prh + i)

@@ -16,8 +16,8 @@ never.
 
 ``(max - min16) / 3`` must be rounded as torch rounds it on the same device: on CUDA torch divides a tensor
 by a Python scalar as ``x * float32(1/3)`` (one multiply by the reciprocal, off by one float32 ulp for a third
-of all inputs), on the CPU it divides exactly.  That ulp flips the float16 scale in ~1 of 500K groups
-(the v2 GPU test failures), so the kernel asks torch once per device type (``_scalar_div_is_reciprocal``).
+of all inputs), on the CPU it divides exactly.  That ulp flips the float16 scale in ~1 of 500K groups, so the
+kernel asks torch once per device type (``_scalar_div_is_reciprocal``).
 """
 
 from __future__ import annotations
@@ -204,13 +204,26 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
              int2_slot: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
              clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = 16,
              num_warps: int | None = None, rescale: tuple[float, float] = (0.0, 0.0)) -> None:
-    """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D] (any float
-    dtype; last dim contiguous); win_slot / int2_slot: int32 [T] flat slots (page*P + offset) or -1
-    (layout.token_slots); k_rotation [Hr, D, D] (Hr in {1, H}) or None when keys arrive rotated;
-    k_mean [H, D] or None; clip_*_idx: int32 [H] (layout.clip_indices); rescale: strengths (keys, values), quant.py.
-    num_warps: default 8 with a rotation
-    (its float32 D x D operand spills out of 4 warps' registers: 79 us a launch instead of 7 on an H200,
-    benchmarks/NOTES.md run W1), else 4."""
+    """Store T tokens of one layer: BF16 into window pages, or clipped, quantized and packed into INT2 pages.
+
+    Args:
+        pool, layer: the pool and the layer to write.
+        k: post-RoPE keys (any float dtype, last dim contiguous).
+        v: rotated values (likewise).
+        win_slot, int2_slot: each token's flat slot (page * P + offset) in the window / INT2 pool, or -1
+            (layout.token_slots).
+        k_rotation: R_K; None when keys arrive rotated.
+        k_mean: the constant key offset subtracted before the rotation; None: none.
+        clip_k_idx, clip_v_idx: per KV head, the index of the clip threshold in a row's ascending |x|
+            (layout.clip_indices).
+        block_t: tokens per program.
+        num_warps: default 8 with a rotation (its float32 D x D operand spills out of 4 warps' registers: 79 us
+            a launch instead of 7 on an H200; benchmarks/NOTES.md, "Tensor parallelism on 2 x H200"), else 4.
+        rescale: the quantizer's rescale strengths (keys, values), quant.py.
+    Shapes:
+        k, v: [T, Hkv, D]; win_slot, int2_slot: int32 [T]; k_rotation: [Hkv | 1, D, D]; k_mean: [Hkv, D];
+        clip_k_idx, clip_v_idx: int32 [Hkv].
+    """
     g = pool.geometry
     t, h, d = k.shape
     if t == 0:
