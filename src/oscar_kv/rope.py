@@ -144,6 +144,15 @@ class KernelRope:
 
     @classmethod
     def build(cls, mu_pre: torch.Tensor, inv_freq: torch.Tensor, scaling: float, n: int) -> "KernelRope":
+        """Fresh tables for keys at positions < n (``RopeTable.kernel_rope`` shares them between layers instead).
+
+        Args:
+            mu_pre: the mean pre-RoPE key per KV head, zero outside the pairs to visit.
+            inv_freq: the RoPE frequencies theta_i.
+            scaling: the rotary module's attention scaling (cos and sin are multiplied by it).
+        Shapes:
+            mu_pre: [Hkv, D]; inv_freq: [D/2].
+        """
         return cls(mu_pre, kernel_pairs(mu_pre), *cls.tables(inv_freq, scaling, n, mu_pre.device))
 
     @staticmethod
@@ -228,8 +237,16 @@ class RopeTable:
         self._last = None
 
     def kernel_rope(self, mu_pre: torch.Tensor, n: int, pairs: torch.Tensor | None = None) -> KernelRope:
-        """The kernels' argument for positions < n; the tables are shared by all layers, grown on demand.
-        ``pairs``: kernel_pairs(mu_pre), which callers keep per layer (computing it syncs the device)."""
+        """The kernels' argument for keys at positions < n; the tables are shared by all layers, grown on demand.
+
+        Args:
+            mu_pre: one layer's mean pre-RoPE key per KV head.
+            n: a bound on the key positions the kernels will score.
+            pairs: kernel_pairs(mu_pre), which callers keep per layer (computing it syncs the device); None:
+                computed here.
+        Shapes:
+            mu_pre: [Hkv, D]; pairs: int32 [Hkv, R].
+        """
         dev = mu_pre.device
         hit = self._kernel.get(dev)
         if hit is None or hit[0].shape[0] < table_rows(n):
