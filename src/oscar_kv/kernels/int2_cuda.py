@@ -131,7 +131,15 @@ def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: i
     at least two rounds and at most MAX_PAGES pages.  The CTAs (splits x programs_per_split) fill whole waves of
     per_sm x sms slots: one wave (rounded down) when the history allows it; when MAX_PAGES forces more splits, the
     count in [forced, 2 x forced] whose last wave is fullest (64K x 32 sequences: 3 splits, 1.94 waves, not 2 and
-    1.29)."""
+    1.29).
+
+    Args:
+        int2_tokens: a bound on the INT2 history of the longest sequence.
+        programs_per_split: sequences x KV heads.
+        page_size: P.
+        sms: the GPU's SM count.
+        per_sm: CTAs per SM (min_blocks).
+    """
     if int2_tokens <= 0:
         return 1, TOKENS_PER_ROUND
     pairs = max(programs_per_split, 1)
@@ -187,12 +195,24 @@ def _counters(device: torch.device, pairs: int) -> torch.Tensor:
 def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, torch.Tensor], geom: PoolGeometry,
            batch: PagedBatch, out: torch.Tensor, splits: int, chunk: int, qk_scale: float,
            stamps: torch.Tensor | None = None, rope=None) -> torch.Tensor:
-    """Decode attention into out [B, Hq, D] (q's dtype) from the unrotated query q [B, Hq, D]: ``splits`` CTAs
-    per (sequence, KV head) with ``chunk`` INT2 tokens each (split_plan); qk_scale = sm_scale * log2(e).
-    ``rope``: a rope.KernelRope when keys are centered per position (its tables must cover the sequences:
-    KernelRope.check, done by the caller).
-    ``stamps``: int64 [B, H, splits, 16] of %globaltimer stamps per CTA (a separately compiled variant;
-    benchmarks only)."""
+    """Decode attention over the mixed pool as one launch (``unsupported`` says which calls it takes).
+
+    Args:
+        q: the unrotated queries (float32, bfloat16 or float16).
+        k_rotation: R_K, applied in the kernel; None: q arrives rotated.
+        layer: one layer of the pool (``PagedKVPool.layer``).
+        geom, batch: the pool's geometry and the sequences' block tables and lengths.
+        out: the output, written in place (any of the three dtypes).
+        splits, chunk: CTAs per (sequence, KV head) and INT2 tokens each (split_plan).
+        qk_scale: sm_scale * log2(e).
+        stamps: %globaltimer stamps per CTA (a separately compiled variant; benchmarks only).
+        rope: a rope.KernelRope when keys are centered per position; its tables must cover the sequences
+            (KernelRope.check, done by the caller).
+    Shapes:
+        q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D]; stamps: int64 [B, Hkv, splits, 16].
+    Returns:
+        ``out``.
+    """
     bsz, hq, d = q.shape
     h = geom.num_kv_heads
     if bsz == 0:

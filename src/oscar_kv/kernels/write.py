@@ -250,9 +250,19 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
 def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
                   clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, num_warps: int = 4,
                   rescale: tuple[float, float] = (0.0, 0.0)) -> None:
-    """Quantize full BF16 window pages into INT2 pages, every layer, one launch.  src/dst: int32 [M];
-    clip_*_idx: int32 [L, H]; rescale: strengths (keys, values), the same for every layer (quant.py).  The caller
-    then swaps the block-table entries and frees the window pages."""
+    """Quantize full BF16 window pages into INT2 pages, every layer, one launch.  The caller then swaps the
+    block-table entries and frees the window pages.
+
+    Args:
+        pool: the pool.
+        src_win_pages, dst_int2_pages: window page src_win_pages[m] is quantized into INT2 page
+            dst_int2_pages[m].
+        clip_k_idx, clip_v_idx: per layer and KV head, as write_kv's.
+        num_warps: Triton's.
+        rescale: the quantizer's rescale strengths (keys, values), the same for every layer (quant.py).
+    Shapes:
+        src_win_pages, dst_int2_pages: int32 [M]; clip_k_idx, clip_v_idx: int32 [L, Hkv].
+    """
     g = pool.geometry
     m = src_win_pages.numel()
     if m == 0:
