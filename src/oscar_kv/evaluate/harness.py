@@ -33,6 +33,9 @@ EVAL_TEXT_OFFSET = 150_000
 
 @dataclass
 class EvalConfig:
+    """What ``oscar-kv eval`` runs; bad tasks or context lengths raise ConfigError.  "bf16" is always among the
+    methods (the reference)."""
+
     methods: list[str] = field(default_factory=lambda: list(STANDARD))
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
@@ -57,6 +60,7 @@ class EvalConfig:
 
     @classmethod
     def quick(cls, **overrides) -> "EvalConfig":
+        """The CI configuration (``--quick``): four schemes at 1024 tokens, 2 NIAH samples, no ablations."""
         base = dict(methods=["bf16", "naive-int2", "quarot-int2", "oscar"], context_lengths=[1024], niah_samples=2,
                     ablations=False)
         base.update(overrides)
@@ -64,6 +68,7 @@ class EvalConfig:
 
 
 def evaluation_text(path: str | None) -> str:
+    """The text of ``path`` (.txt / .jsonl), or the shipped corpus from EVAL_TEXT_OFFSET on."""
     if path:
         return "\n\n".join(read_text_file(path))
     return DEFAULT_CORPUS.read_text()[EVAL_TEXT_OFFSET:]
@@ -87,6 +92,7 @@ class AuthorsValueProxy:
         self.w[layer] += w.sum(-1).cpu()
 
     def covariance(self) -> torch.Tensor:
+        """The proxy covariance, float64 [L, Hkv, D, D]."""
         return self.wvv / self.w[..., None, None].clamp_min(1e-30)
 
 
@@ -127,6 +133,8 @@ def _calibration_statistics(model, tokenizer, oscar: Rotations):
 
 
 def build_schemes(model, tokenizer, oscar: Rotations, config: EvalConfig) -> list[Scheme]:
+    """The configured standard schemes, then (with ``config.ablations``) the ablations, fitted from the artifact's
+    calibration data streamed again."""
     geometry = AttentionGeometry.of(model.config)
     base = CacheSettings("int2", config.sink_size, config.recent_size, config.page_size)
     schemes = [standard_scheme(name, geometry, oscar, base) for name in config.methods]
@@ -137,6 +145,17 @@ def build_schemes(model, tokenizer, oscar: Rotations, config: EvalConfig) -> lis
 
 
 def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str | Path, progress: bool = True) -> dict:
+    """Score every scheme on the configured tasks at every context length.
+
+    Args:
+        model, tokenizer: the model under test.
+        oscar: the artifact to evaluate.
+        config: what to run.
+        output: the directory for results.json (rewritten after each context length), results.md and plots.
+        progress: show a progress bar.
+    Returns:
+        The results as written to results.json.
+    """
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     geometry = AttentionGeometry.of(model.config)
