@@ -1,10 +1,16 @@
 """Errors under one base class; a setting's error names its field in Python and its flag on the command line."""
 
 import pytest
+import torch
 
 from oscar_kv.artifacts import ArtifactError
-from oscar_kv.errors import ConfigError, OscarKVError, user_message
+from oscar_kv.calibrate import CalibrationSettings
+from oscar_kv.corpus import CorpusError, read_text_file
+from oscar_kv.errors import ConfigError, NonFiniteActivations, OscarKVError, user_message
+from oscar_kv.evaluate.harness import EvalConfig
 from oscar_kv.parallel import TensorParallel, TensorParallelError
+from oscar_kv.quant import check_rescale, quantize_rows
+from oscar_kv.rope import RopeUnsupported
 from oscar_kv.server.main import ServeError, ServeConfig, build_engine
 
 
@@ -22,8 +28,24 @@ def test_setting_errors_name_fields_and_the_cli_names_flags():
 
 
 def test_the_errors_raised_on_purpose_share_a_base_class():
-    for cls in (ConfigError, TensorParallelError, ArtifactError, ServeError):
+    for cls in (ConfigError, TensorParallelError, ArtifactError, ServeError, CorpusError, NonFiniteActivations,
+                RopeUnsupported):
         assert issubclass(cls, OscarKVError) and issubclass(cls, ValueError)  # callers catching ValueError still do
+
+
+def test_bad_settings_and_inputs_raise_oscar_errors(tmp_path):
+    bad = tmp_path / "data.csv"
+    bad.write_text("a,b\n")
+    with pytest.raises(CorpusError, match=".txt or .jsonl"):
+        read_text_file(bad)
+    with pytest.raises(ConfigError, match="rope_pairs"):
+        CalibrationSettings(rope_pairs=0)
+    with pytest.raises(ConfigError, match="rescale strength"):
+        check_rescale(2.0)
+    with pytest.raises(NonFiniteActivations, match="non-finite"):
+        quantize_rows(torch.full((1, 8), float("nan")))
+    with pytest.raises(ConfigError, match="unknown tasks"):
+        EvalConfig(tasks=["nope"])
 
 
 @pytest.mark.slow

@@ -15,16 +15,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .errors import OscarKVError
+from .errors import NonFiniteActivations
 from .models import AttentionGeometry
 from .rotation import rotate
 
 CAPTURE_KEY = "oscar_kv_capture"
 _active: list = []  # the observer of the forward in flight (a stack, so captures can nest)
-
-
-class NonFiniteActivations(OscarKVError, ValueError):
-    pass
 
 
 def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -76,10 +72,10 @@ class LayerSample:
         """What centering subtracts from each key: [Hkv, 1, D] (constant) or [Hkv, T, D] (position-aware)."""
         offset = k_mean[:, None, :].float()
         if k_rope_mean is not None and k_rope_mean.abs().max() > 0:
-            from .rope import key_offsets
+            from .rope import RopeUnsupported, key_offsets
 
             if self.rope is None:
-                raise ValueError("position-aware centering needs the model's RoPE tables")
+                raise RopeUnsupported("position-aware centering needs the model's RoPE tables")
             offset = offset + key_offsets(k_rope_mean, *self.rope)
         return offset
 
@@ -93,7 +89,8 @@ def run_layers(model, input_ids: torch.Tensor) -> None:
 
 @torch.no_grad()
 def capture_samples(model, input_ids: torch.Tensor) -> list[LayerSample]:
-    """Run one sequence and keep every layer's q, k, v."""
+    """Run one sequence (``input_ids`` [1, T]) and keep every layer's q, k, v: one LayerSample per layer, with
+    the RoPE tables of positions 0..T-1 when the model's RoPE allows position-aware centering."""
     from .rope import RopeTable, RopeUnsupported
 
     samples: dict[int, LayerSample] = {}
@@ -118,6 +115,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """|approx - exact| / |exact| over all elements."""
     return float((approx - exact).norm() / exact.norm().clamp_min(1e-12))
 
 
@@ -141,13 +139,26 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
                               rescale: tuple[float, float] = (0.0, 0.0)) -> float:
     """Relative error of one layer's attention output when its K/V are stored quantized.
 
-    The first ``sink_size`` tokens stay exact, and so do the ``recent_size`` most recent keys of each query
-    (the cache's recent window; 0: every key past the sink is quantized, the query's own too).  ``queries``: score
-    only the last that many positions (on a long probe: the queries whose attention reaches far back,
-    where retrieval happens); None scores every position.
-    Rotations [H|1, D, D], clips [Hkv], v_mean [Hkv, D]; k_mean is the key offset: [Hkv, D] or
-    per position [Hkv, T, D] (``LayerSample.key_offset``).  Attention adds the offset back exactly.
-    ``rescale``: quant.quantize_rows' strength for keys and values.
+    Args:
+        sample: the layer's exact q, k, v.
+        k_rotation, v_rotation: the layer's rotations.
+        k_mean: the key offset, constant or per position (``LayerSample.key_offset``); attention adds it back
+            exactly.
+        v_mean: the value mean (added back to the output).
+        k_clip, v_clip: clip ratios per KV head.
+        bits, group_size: the quantizer's (group_size None: the head dim).
+        quantize_keys, quantize_values: False keeps that side exact.
+        sink_size: the first tokens stay exact.
+        recent_size: so do the most recent keys of each query (the cache's recent window; 0: every key past the
+            sink is quantized, the query's own too).
+        queries: score only the last that many positions (on a long probe: the queries whose attention reaches
+            far back, where retrieval happens); None scores every position.
+        rescale: quant.quantize_rows' strength for keys and values.
+    Shapes:
+        k_rotation, v_rotation: [H | 1, D, D]; k_mean: [Hkv, D] or [Hkv, T, D]; v_mean: [Hkv, D];
+        k_clip, v_clip: [Hkv].
+    Returns:
+        |out - exact| / |exact| over the scored queries.
     """
     from .quant import fake_quantize  # local: quant is the lower layer
 
@@ -189,10 +200,22 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
                           sink_size: int = 64, recent_size: int = 0, queries: int | None = None,
                           rescale: float = 0.0) -> torch.Tensor:
     """For KV head ``head`` of one layer: the attention-output error of its query group for every clip ratio in
-    ``candidates`` [C], quantizing only the keys (``which="k"``) or only the values ("v"), with the windows
-    and scored queries of ``quantized_attention_error``.  Returns [C] squared error norms (comparable across
-    candidates; the other heads' errors do not depend on this head's clip).  All candidates in one pass.
-    ``rescale``: quant.quantize_rows' strength for the side quantized."""
+    ``candidates``, all in one pass.
+
+    Args:
+        sample, k_rotation, v_rotation, v_mean, bits, group_size, sink_size, recent_size, queries: as
+            ``quantized_attention_error``.
+        head: the KV head.
+        k_offset: the key offset (``k_mean`` there).
+        which: "k" quantizes only the keys, "v" only the values.
+        candidates: the clip ratios to try.
+        rescale: quant.quantize_rows' strength for the side quantized.
+    Shapes:
+        candidates: [C]; the rest as ``quantized_attention_error``.
+    Returns:
+        float32 [C]: squared error norms (comparable across candidates; the other heads' errors do not depend on
+        this head's clip).
+    """
     from .quant import fake_quantize
 
     hq, hkv = sample.q.shape[0], sample.k.shape[0]

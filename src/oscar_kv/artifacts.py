@@ -47,6 +47,14 @@ class ArtifactError(OscarKVError, ValueError):
 
 @dataclass
 class Rotations:
+    """A rotation artifact in memory: the tensors of the module docstring, the geometry and group size they are
+    for, and the manifest.
+
+    Shapes:
+        k_rotation, v_rotation: float32 [L, H | 1, D, D]; k_eigenvalues, v_eigenvalues: [L, H | 1, D];
+        k_mean, v_mean, k_rope_mean: [L, Hkv, D]; k_clip, v_clip: [L, Hkv]; layer_bits: int32 [L].
+    """
+
     k_rotation: torch.Tensor
     v_rotation: torch.Tensor
     k_eigenvalues: torch.Tensor
@@ -75,11 +83,13 @@ class Rotations:
 
     @property
     def key_centering(self) -> str:
+        """The keys' centering as the tensors say: "rope" (position-aware), "constant" or "off"."""
         if self.k_rope_mean.abs().max() > 0:
             return "rope"
         return "constant" if self.k_mean.abs().max() > 0 else "off"
 
     def rope_layers(self) -> list[int]:
+        """The layers whose keys are centered per position (a nonzero k_rope_mean)."""
         return [i for i in range(self.k_rope_mean.shape[0]) if self.k_rope_mean[i].abs().max() > 0]
 
     @property
@@ -90,6 +100,7 @@ class Rotations:
         return {name: getattr(self, name).contiguous() for name in self.TENSORS + self.OPTIONAL_TENSORS}
 
     def rotation_for_head(self, which: str, layer: int, kv_head: int) -> torch.Tensor:
+        """The [D, D] rotation of ``which`` ("k" or "v") for one layer and KV head."""
         r = getattr(self, f"{which}_rotation")[layer]
         return r[0] if r.shape[0] == 1 else r[kv_head]
 
@@ -97,7 +108,14 @@ class Rotations:
     @classmethod
     def data_free(cls, geometry: AttentionGeometry, composition: str, group_size: int | None = None,
                   k_clip: float = 1.0, v_clip: float = 1.0) -> "Rotations":
-        """Rotations that need no calibration: ``identity`` (naive INT2) or ``hadamard`` (QuaRot-style)."""
+        """Rotations that need no calibration, one per layer, no centering, 2-bit layers.
+
+        Args:
+            geometry: the model's attention geometry.
+            composition: ``identity`` (naive INT2) or ``hadamard`` (QuaRot-style; see rotation.compose).
+            group_size: the quantization group (default: the head dim, at most 128).
+            k_clip, v_clip: the clip ratio of every key / value row.
+        """
         g = geometry
         group_size = group_size or min(g.head_dim, 128)
         r, _ = compose(None, g.head_dim, group_size, composition)
@@ -111,6 +129,9 @@ class Rotations:
 
     # ---- validation ---------------------------------------------------------------------
     def validate(self, geometry: AttentionGeometry | None = None) -> None:
+        """Raise ArtifactError unless the tensors fit ``self.geometry`` (shapes, layer bits, group size), the
+        rotations are orthogonal, the clips lie in (0, 1] and nothing is NaN or Inf.  ``geometry``: the model's,
+        which must equal the artifact's; None: not compared."""
         g = self.geometry
         if geometry is not None:
             mine, theirs = g.as_dict(), geometry.as_dict()
@@ -145,6 +166,8 @@ class Rotations:
 
     # ---- persistence --------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
+        """Validate, then write the tensor file and the manifest (with the tensor file's sha256) to ``directory``;
+        returns it."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.validate()
@@ -161,6 +184,13 @@ class Rotations:
     @classmethod
     def load(cls, directory: str | Path, geometry: AttentionGeometry | None = None,
              fingerprint: str | None = None) -> "Rotations":
+        """Read and check an artifact directory; every problem raises ArtifactError.
+
+        Args:
+            directory: the artifact (``manifest.json`` and ``rotations.safetensors``).
+            geometry: the model's attention geometry, which the artifact's must equal; None: not compared.
+            fingerprint: the model's ``model_fingerprint``; a different stored one only logs a warning.
+        """
         directory = Path(directory)
         if not directory.is_dir():
             raise ArtifactError(f"rotation artifact {directory} does not exist (run `oscar-kv calibrate` first)")
@@ -251,9 +281,20 @@ def _sha256(path: Path) -> str:
 def import_reference_checkpoint(k_path: str | Path, v_path: str | Path, geometry: AttentionGeometry,
                                 group_size: int | None = None, k_clip: float = DEFAULT_K_CLIP,
                                 v_clip: float = DEFAULT_V_CLIP) -> Rotations:
-    """Import the authors' ``{k,v}_rotation_*.pt`` checkpoints (no centering, fixed clips): format 1 holds one
-    [D, D] rotation per layer, format 2 one per KV head, [H_kv, D, D] per layer (eigenvalues [D] / [H_kv, D],
-    ascending as ``eigh`` gives them)."""
+    """Import the authors' ``{k,v}_rotation_*.pt`` checkpoints as an artifact (no centering, fixed clips).
+
+    Args:
+        k_path, v_path: the key and value checkpoints: ``{"format_version": 1 | 2, "layers": {i: {"rotation",
+            "eigenvalues"}}}``.
+        geometry: the model's attention geometry.
+        group_size: the quantization group (default: the head dim, at most 128).
+        k_clip, v_clip: the clip ratio of every key / value row.
+    Shapes:
+        format 1, per layer: rotation [D, D], eigenvalues [D]; format 2: [Hkv, D, D] and [Hkv, D].  Eigenvalues
+        ascending, as ``eigh`` gives them (stored descending).
+    Returns:
+        The validated Rotations.
+    """
     per_layer = {}
     d, hkv = geometry.head_dim, geometry.num_kv_heads
     for which, path in (("k", k_path), ("v", v_path)):

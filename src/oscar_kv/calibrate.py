@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 from .activations import (LayerSample, capture_samples, clip_candidate_errors, observing, quantized_attention_error,
                           run_layers)
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
-from .corpus import load_calibration_text
+from .corpus import CorpusError, load_calibration_text
+from .errors import ConfigError
 from .models import AttentionGeometry
 from .parallel import SINGLE, TensorParallel, shard_model
 from .quant import check_rescale
@@ -49,7 +50,7 @@ ROPE_GAIN = 0.05  # "auto" picks position-aware centering when it cuts the probe
 # "auto" keeps the fewest pairs within this share of the lowest probe error.  Qwen2.5 (pairs scored over 32K):
 # 8 pairs 6% above 32's on the probe, KL at 32K 0.030 vs 0.026 and at 8K equal, decode attention ~1.1x instead
 # of 1.5-1.95x constant centering's; a key bias spread over every pair measures several times 32's error with 8
-# and keeps 32 (NOTES.md run H1)
+# and keeps 32 (benchmarks/NOTES.md, "pairs scored over the model's context")
 PAIRS_TOLERANCE = 0.10
 # How the held-back probe is scored: every position, every key past the sink INT2.  Scoring it as served
 # instead (4096 tokens, recent window exact, the last 256 queries) chose harsher key clips on Qwen2.5 that shrank
@@ -61,6 +62,8 @@ PROBE_SINK, PROBE_RECENT = 64, 0
 
 @dataclass
 class CalibrationSettings:
+    """What ``oscar-kv calibrate`` takes (each field's comment says what it does); a bad value raises ConfigError."""
+
     calib_tokens: int = 8192
     seq_len: int = 1024
     group_size: int | None = None
@@ -81,30 +84,31 @@ class CalibrationSettings:
     layer_policy: str = "off"  # "auto" stores layers whose INT2 error is an outlier at INT4
     probe_tokens: int = 512
     # clipped keys lose the logit of the query aligned with them (the needle); the rescale gives this share of it
-    # back (quant.py).  0.5 beat both 0 and 1 on KL and multi-key retrieval (benchmarks/NOTES.md, run R1)
+    # back (quant.py).  0.5 beat both 0 and 1 on KL and single-needle retrieval (benchmarks/NOTES.md, "rescaled key
+    # rows against the needle's shrink")
     key_rescale: float = 0.5
     value_rescale: float = 0.0
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:
-            raise ValueError(f"key centering must be one of {KEY_CENTERINGS}")
+            raise ConfigError(f"key centering must be one of {KEY_CENTERINGS}")
         if self.rotation_scope not in SCOPES:
-            raise ValueError(f"rotation scope must be one of {SCOPES}")
+            raise ConfigError(f"rotation scope must be one of {SCOPES}")
         if self.clip not in ("fixed", "fit"):
-            raise ValueError("clip must be 'fixed' or 'fit'")
+            raise ConfigError("clip must be 'fixed' or 'fit'")
         if self.rope_pairs != "auto" and (type(self.rope_pairs) is not int or self.rope_pairs < 1):
-            raise ValueError(f"rope_pairs must be 'auto' or a whole number >= 1, got {self.rope_pairs!r}")
+            raise ConfigError(f"rope_pairs must be 'auto' or a whole number >= 1, got {self.rope_pairs!r}")
         if self.rope_horizon is not None and (type(self.rope_horizon) is not int or self.rope_horizon < 1):
-            raise ValueError(f"rope_horizon must be a whole number >= 1, got {self.rope_horizon!r}")
+            raise ConfigError(f"rope_horizon must be a whole number >= 1, got {self.rope_horizon!r}")
         check_rescale(self.key_rescale)
         check_rescale(self.value_rescale)
         if self.layer_policy not in ("off", "auto"):
-            raise ValueError("layer policy must be 'off' or 'auto'")
+            raise ConfigError("layer policy must be 'off' or 'auto'")
         if self.calib_tokens < 16 or self.seq_len < 16:
-            raise ValueError("calibration needs at least 16 tokens")
+            raise ConfigError("calibration needs at least 16 tokens")
         for c in (self.k_clip, self.v_clip):
             if not 0 < c <= 1:
-                raise ValueError("clip ratios must lie in (0, 1]")
+                raise ConfigError("clip ratios must lie in (0, 1]")
 
 
 class Statistics:
@@ -130,6 +134,11 @@ class Statistics:
 
     @torch.no_grad()
     def add(self, layer: int, q, k, v, out) -> None:
+        """Accumulate one attention call (an ``activations.observing`` observer).
+
+        Shapes:
+            q, out: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; post-RoPE, positions 0..T-1.
+        """
         b, hq, t, d = q.shape
         hkv = k.shape[1]
         grouped_q = q.to(torch.float64).reshape(b, hkv, hq // hkv, t, d).transpose(0, 1).reshape(hkv, -1, d)
@@ -154,8 +163,15 @@ class Statistics:
         self.geometry = geometry
 
     def key_means(self, centering: str, pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mu_K, mu_pre) per layer and KV head for a key centering "rope", "constant" or "off".
-        ``pairs``: with "rope", mu_pre keeps only that many channel pairs per head (rope_pair_mask)."""
+        """The key means of one centering.
+
+        Args:
+            centering: "rope", "constant" or "off".
+            pairs: with "rope", mu_pre keeps only that many channel pairs per head (rope_pair_mask); None: all.
+        Returns:
+            (mu_K, mu_pre), float64 [L, Hkv, D] each: the constant offset and the mean pre-RoPE key (zeros
+            unless "rope").
+        """
         toks = self.tokens[:, None, None]
         zeros = torch.zeros_like(self.k_sum)
         if centering == "off":
@@ -176,9 +192,9 @@ class Statistics:
         most logit variance over positions p < horizon: the part of RoPE_p(mu_pre) that the constant mean
         (calibration's, c) misses, |mu|^2 E_p |e^{ipt} - c|^2, weighted by the queries' energy in the pair.
         Over the calibration's own positions that is |mu|^2 (1 - |c|^2); over a longer horizon it also counts
-        pairs that turn little within a calibration sequence but far by the horizon (the pairs fewer-pair
-        artifacts lost at 32K when they were scored over 1024 positions; NOTES.md run Q1).  The kernels then
-        visit only these pairs."""
+        pairs that turn little within a calibration sequence but far by the horizon, which the constant mean leaves
+        uncentred at long contexts (benchmarks/NOTES.md, "Why fewer pairs lost at 32K").  The kernels then visit
+        only these pairs."""
         half = mu_pre.shape[-1] // 2
         toks = self.tokens[:, None]
         scale = self.rope.scaling
@@ -195,7 +211,8 @@ class Statistics:
         return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)
 
     def moments(self, key_centering: str, center_values: bool, rope_pairs: int | None = None):
-        """(C_Q, C_S, mu_K, mu_V, mu_pre) per layer and KV head."""
+        """(C_Q, C_S, mu_K, mu_V, mu_pre) per layer and KV head, float64: C_Q, C_S [L, Hkv, D, D] (C_S about
+        mu_V), the means [L, Hkv, D].  Arguments as ``key_means``; ``center_values``: False makes mu_V zero."""
         rows = self.rows[:, None, None, None]
         toks = self.tokens[:, None, None]
         c_q = self.qq / rows
@@ -209,7 +226,8 @@ class Statistics:
 
 
 def token_sequences(tokenizer, texts: list[str], seq_len: int, count: int) -> list[torch.Tensor]:
-    """Concatenate documents (EOS-separated) and cut ``count`` sequences of ``seq_len`` tokens."""
+    """Concatenate documents (EOS-separated) and cut ``count`` sequences of ``seq_len`` tokens, int64 [1, seq_len]
+    each; fewer (with a warning) when the text runs out, CorpusError when it holds less than one."""
     sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     ids: list[int] = []
     for text in texts:
@@ -218,7 +236,7 @@ def token_sequences(tokenizer, texts: list[str], seq_len: int, count: int) -> li
             break
     available = len(ids) // seq_len
     if available == 0:
-        raise ValueError(f"the calibration text has only {len(ids)} tokens; need at least {seq_len}")
+        raise CorpusError(f"the calibration text has only {len(ids)} tokens; need at least {seq_len}")
     if available < count:
         log.warning("calibration text yields %d sequences of %d tokens, fewer than the %d asked for",
                     available, seq_len, count)
@@ -244,7 +262,7 @@ def split_probe(tokenizer, texts: list[str], seq_len: int, count: int, probe_tok
     held = math.ceil(probe_tokens / seq_len)
     sequences = token_sequences(tokenizer, texts, seq_len, count + held)
     if len(sequences) < 2:
-        raise ValueError("the calibration text is too short to hold back a validation sequence")
+        raise CorpusError("the calibration text is too short to hold back a validation sequence")
     held = min(held, len(sequences) - 1)
     return sequences[:-held], torch.cat(sequences[-held:], 1)[:, :probe_tokens]
 
@@ -253,9 +271,18 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
               progress: bool = True, tp: TensorParallel = SINGLE, device: str | None = None) -> Rotations | None:
     """Fit the OSCAR rotations for ``model`` and return them (not yet saved).
 
-    With ``tp`` (parallel.py; every rank calls this with the whole model, e.g. on the CPU): the model is sharded
-    and moved to ``device``, each rank accumulates the statistics and probe activations of its own KV heads,
-    rank 0 gathers them and fits the same artifact a single process would; the other ranks return None."""
+    Args:
+        model, tokenizer: the model to calibrate and its tokenizer.
+        settings: default CalibrationSettings().
+        calib_data: .txt / .jsonl files; None: the shipped corpus (corpus.py).
+        progress: show progress bars and one line per phase.
+        tp: tensor parallelism (parallel.py): every rank calls this with the whole model (e.g. on the CPU); the
+            model is sharded and moved to ``device``, each rank accumulates the statistics and probe activations
+            of its own KV heads, and rank 0 gathers them and fits the same artifact a single process would.
+        device: where the model runs (None: where it is).
+    Returns:
+        The Rotations with their manifest; None on ranks other than 0.
+    """
     settings = settings or CalibrationSettings()
     geometry = AttentionGeometry.of(model.config)
     fingerprint = model_fingerprint(model)  # of the whole weights, as serving checks them
@@ -323,6 +350,9 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
 
 
 def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: int) -> Rotations:
+    """Rotations (rotation.compose per layer and head, or per layer), means and the settings' fixed clips from the
+    statistics.  Key centering "auto" fits constant means, and rope_pairs "auto" the most pairs:
+    ``choose_key_centering`` settles both afterwards."""
     g = stats.geometry
     centering = "constant" if settings.key_centering == "auto" else settings.key_centering
     # "auto" pairs fit with the most; choose_key_centering settles the count on the probe
@@ -349,6 +379,8 @@ def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: 
 
 @dataclass(frozen=True)
 class CenteringChoice:
+    """What ``choose_centering`` picked, and why."""
+
     centering: str  # "rope" or "constant"
     pairs: int  # channel pairs per KV head the kernels visit for the per-position term (0 with constant)
     rope_pairs: int  # the rope candidate weighed against constant (the one chosen when centering is "rope")
@@ -357,12 +389,17 @@ class CenteringChoice:
 
 def choose_centering(rope_errors: dict[int, float], constant_error: float | None = None,
                      pairs: int | None = None) -> CenteringChoice:
-    """The cheapest key centering the probe errors justify.  ``rope_errors``: the probe error of position-aware
-    centering per pair count (the kernels' cost grows with it); ``constant_error``: constant centering's, or None
-    when it is not a candidate; ``pairs``: the pair count asked for, or None to take the fewest within
-    PAIRS_TOLERANCE of the lowest error.  Rope is chosen over constant when its lowest error (the count the probe
-    sees most of the position-dependent mean with) is ROPE_GAIN below constant's: whether the keys carry such a
-    mean is the model's, and a short probe understates what fewer pairs scored over a long horizon keep."""
+    """The cheapest key centering the probe errors justify.
+
+    Rope is chosen over constant when its lowest error (the count the probe sees most of the position-dependent
+    mean with) is ROPE_GAIN below constant's: whether the keys carry such a mean is the model's, and a short probe
+    understates what fewer pairs scored over a long horizon keep.
+
+    Args:
+        rope_errors: the probe error of position-aware centering per pair count (the kernels' cost grows with it).
+        constant_error: constant centering's, or None when it is not a candidate.
+        pairs: the pair count asked for, or None to take the fewest within PAIRS_TOLERANCE of the lowest error.
+    """
     lowest = min(rope_errors.values())
     best_pairs = min(p for p, e in rope_errors.items() if e == lowest)
     if pairs is not None:
@@ -388,9 +425,19 @@ def choose_centering(rope_errors: dict[int, float], constant_error: float | None
 
 def choose_key_centering(rot: Rotations, stats: Statistics, settings: CalibrationSettings,
                          probe: list[LayerSample]) -> dict:
-    """Settle what the settings leave to "auto" (the key centering, the RoPE pair count or both): measure the
-    mean INT2 attention error on the held-back probe for each candidate, set ``rot``'s key means to
-    choose_centering's pick and return the record for the manifest."""
+    """Settle what the settings leave to "auto" (the key centering, the RoPE pair count or both).
+
+    Measures the mean INT2 attention error on the held-back probe for each candidate and sets ``rot``'s key means
+    (k_mean, k_rope_mean) to choose_centering's pick.
+
+    Args:
+        rot: fit_rotations' result, changed in place.
+        stats: the statistics it was fitted from.
+        settings: the calibration's settings.
+        probe: one held-back LayerSample per layer.
+    Returns:
+        The record for the manifest: "chosen", "pairs", "reason" and, when measured, the probe errors.
+    """
     half = rot.geometry.head_dim // 2
     requested, pairs_asked = settings.key_centering, settings.rope_pairs
     if requested in ("constant", "off"):
@@ -435,8 +482,9 @@ def _layer_error(rot: Rotations, sample: LayerSample, layer: int, k_clip=None, v
 
 
 def fit_clip_ratios(rot: Rotations, probe: list[LayerSample], progress: bool = True) -> None:
-    """Pick, per layer (and KV head when rotations are per head), the clip ratio that minimizes the
-    attention output error on the held-back probe, keys and values separately (all candidates at once)."""
+    """Set ``rot``'s k_clip / v_clip in place: per layer (and KV head when rotations are per head), the ratio of
+    CLIP_CANDIDATES that minimizes the attention output error on the held-back ``probe`` (one LayerSample per
+    layer), keys and values separately."""
     hkv = rot.geometry.num_kv_heads
     per_head = rot.scope == "per-head"
     candidates = torch.tensor(CLIP_CANDIDATES)
@@ -483,6 +531,7 @@ def format_error_table(table: dict[str, list[float]]) -> str:
 
 
 def write_summary(rot: Rotations, directory: Path) -> None:
+    """Write the manifest's validation table to ``directory``/validation.txt and log the calibration settings."""
     (directory / "validation.txt").write_text(
         format_error_table(rot.manifest["validation"]["attention_relative_error"]) + "\n")
     log.info("artifact written to %s: %s", directory, json.dumps(rot.manifest["calibration"]))

@@ -25,7 +25,7 @@ from .config import KV_CACHE_BITS
 from .errors import ConfigError
 from .models import AttentionGeometry
 from .quant import QuantizedRows, dequantize_rows, quantize_rows
-from .rope import RopeTable, kernel_pairs, key_offsets
+from .rope import RopeTable, RopeUnsupported, kernel_pairs, key_offsets
 from .rotation import rotate
 
 
@@ -59,7 +59,7 @@ class LayerCodec:
                            and bool((self.k_rotation == eye).all()))
         if self.k_rope_mean is not None:
             if self.rope is None:
-                raise ValueError("position-aware key centering needs the model's RoPE table")
+                raise RopeUnsupported("position-aware key centering needs the model's RoPE table")
             if self.rope_pairs is None:
                 self.rope_pairs = kernel_pairs(self.k_rope_mean)
 
@@ -148,11 +148,14 @@ def stored_attention(q_rot: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """Attention in the stored space, float32: what the kernels compute, in torch.
 
     Args:
-        q_rot: [B, Hq, T, D] rotated queries (``LayerCodec.rotate_queries``).
-        keys, values: [B, Hkv, N, D] as stored, keys with their offsets restored (``restore_offsets``).
-        mask: applied to the logits [B, Hkv, Hq / Hkv, T, N] before softmax; None: every key is seen.
+        q_rot: rotated queries (``LayerCodec.rotate_queries``).
+        keys, values: as stored, keys with their offsets restored (``restore_offsets``).
+        scaling: the softmax scale of the logits.
+        mask: applied to the logits before softmax; None: every key is seen.
+    Shapes:
+        q_rot: [B, Hq, T, D]; keys, values: [B, Hkv, N, D]; the logits ``mask`` takes: [B, Hkv, Hq / Hkv, T, N].
     Returns:
-        [B, Hq, T, D]
+        [B, Hq, T, D] in the operands' dtype.
     """
     b, hq, t, d = q_rot.shape
     hkv, n = keys.shape[1], keys.shape[2]
@@ -189,9 +192,13 @@ def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: i
     """Every layer's codec from a validated artifact (``validated_artifact``).
 
     Args:
+        model: the model the artifact is for (its RoPE, when the artifact centers keys per position).
+        rotations: the artifact.
         kv_cache_dtype: the history's precision; a layer the artifact keeps wider keeps its own bits.
         group_size: channels per scale / minimum (default: the artifact's).
         key_page: quantize keys per channel over pages of this many tokens (KIVI) instead of per token.
+    Returns:
+        One LayerCodec per layer, tensors float32 on the artifact's device.
     """
     bits = KV_CACHE_BITS[kv_cache_dtype]
     geometry = rotations.geometry

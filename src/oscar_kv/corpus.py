@@ -9,8 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .errors import OscarKVError
+
 DATA_DIR = Path(__file__).parent / "data"
 DEFAULT_CORPUS = DATA_DIR / "python_docs.txt"
+
+
+class CorpusError(OscarKVError, ValueError):
+    """A calibration or evaluation text cannot be read, or holds too few tokens for what was asked."""
 
 
 def read_text_file(path: str | Path) -> list[str]:
@@ -21,7 +27,7 @@ def read_text_file(path: str | Path) -> list[str]:
     if path.suffix == ".txt":
         text = path.read_text(encoding="utf-8", errors="replace")
         if not text.strip():
-            raise ValueError(f"{path} is empty")
+            raise CorpusError(f"{path} is empty")
         return [text]
     if path.suffix == ".jsonl":
         docs = []
@@ -31,12 +37,12 @@ def read_text_file(path: str | Path) -> list[str]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n} is not valid JSON: {exc.msg}") from exc
+                raise CorpusError(f"{path}:{n} is not valid JSON: {exc.msg}") from exc
             docs.append(_document(row, f"{path}:{n}"))
         if not docs:
-            raise ValueError(f"{path} holds no documents")
+            raise CorpusError(f"{path} holds no documents")
         return docs
-    raise ValueError(f"calibration data must be .txt or .jsonl, got {path.name}")
+    raise CorpusError(f"calibration data must be .txt or .jsonl, got {path.name}")
 
 
 def _document(row, where: str) -> str:
@@ -47,7 +53,7 @@ def _document(row, where: str) -> str:
             return row["prompt"] + str(row.get("completion", ""))
         if isinstance(row.get("messages"), list):
             return "\n".join(str(m.get("content", "")) for m in row["messages"] if isinstance(m, dict))
-    raise ValueError(f"{where}: expected an object with 'text', 'prompt' or 'messages'")
+    raise CorpusError(f"{where}: expected an object with 'text', 'prompt' or 'messages'")
 
 
 def load_calibration_text(paths: list[str] | None = None) -> tuple[list[str], str]:

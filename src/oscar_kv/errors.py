@@ -31,6 +31,11 @@ class ConfigError(OscarKVError, ValueError):
         return "`".join(parts)
 
 
+class NonFiniteActivations(OscarKVError, ValueError):
+    """The model produced NaN or Inf queries, keys, values or attention outputs (bad weights, or a dtype too
+    narrow for them)."""
+
+
 def flag(name: str) -> str:
     """A setting's command-line flag: its field name with dashes (``max_model_len`` -> ``--max-model-len``)."""
     return "--" + name.replace("_", "-")

@@ -8,6 +8,7 @@ import torch
 
 from .artifacts import Rotations
 from .cache import CacheSettings, OscarCache
+from .errors import ConfigError
 from .memory import KVFootprint
 
 
@@ -38,8 +39,8 @@ def generate(model, tokenizer, prompt: str, rotations: Rotations | None, setting
     ids = build_prompt(tokenizer, prompt, chat).to(model.device)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and ids.shape[1] + max_new_tokens > limit:
-        raise ValueError(f"the prompt has {ids.shape[1]} tokens; with {max_new_tokens} new tokens it exceeds "
-                         f"the model's context of {limit}")
+        raise ConfigError(f"the prompt has {ids.shape[1]} tokens; with {max_new_tokens} new tokens it exceeds "
+                          f"the model's context of {limit}")
     cache = OscarCache(model, rotations, settings)
     torch.manual_seed(seed)
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import ConfigError, NonFiniteActivations
+
 METADATA_DTYPE = torch.float16
 SUPPORTED_BITS = (2, 4, 8)
 _F16_MAX = 65504.0
@@ -59,12 +61,14 @@ class QuantizedRows:
 
 
 def check_geometry(head_dim: int, group_size: int, bits: int) -> None:
+    """Raise ConfigError unless ``bits`` is supported, ``group_size`` divides ``head_dim`` and a row's codes fill
+    whole bytes."""
     if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+        raise ConfigError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
     if group_size <= 0 or head_dim % group_size != 0:
-        raise ValueError(f"group size {group_size} must divide the head dim {head_dim}")
+        raise ConfigError(f"group size {group_size} must divide the head dim {head_dim}")
     if head_dim % (8 // bits) != 0:
-        raise ValueError(f"head dim {head_dim} must be a multiple of {8 // bits} for {bits}-bit packing")
+        raise ConfigError(f"head dim {head_dim} must be a multiple of {8 // bits} for {bits}-bit packing")
 
 
 def clip_index(head_dim: int, ratio: float) -> int:
@@ -75,8 +79,15 @@ def clip_index(head_dim: int, ratio: float) -> int:
 def clip_rows(x: torch.Tensor, ratio: float | torch.Tensor) -> torch.Tensor:
     """Symmetrically clamp every row (last dim) at its ``ratio`` quantile of |x|.
 
-    ``ratio`` is a float, or a tensor broadcastable to ``x.shape[:-1]`` (per layer/head ratios).
-    A ratio of 1.0 leaves rows unchanged.  The threshold is the (floor(ratio*D))-th smallest |x|.
+    The threshold is the (floor(ratio*D))-th smallest |x| of the row; a ratio of 1.0 leaves rows unchanged.
+
+    Args:
+        x: rows to clip.
+        ratio: one ratio, or a tensor of them (per layer / head).
+    Shapes:
+        x: [..., D]; ratio: broadcastable to ``x.shape[:-1]``.
+    Returns:
+        The clipped rows, x's shape and dtype.
     """
     d = x.shape[-1]
     sorted_abs = x.abs().sort(dim=-1).values
@@ -115,14 +126,26 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
                   clip_ratio: float | torch.Tensor = 1.0, rescale: float = 0.0,
                   exact: torch.Tensor | None = None) -> QuantizedRows:
-    """Clip then asymmetrically quantize each row of ``x`` (last dim D) per group of channels; ``rescale``:
-    see the module docstring.  ``exact``: the unclipped rows the rescale aims at when ``x`` arrives clipped
-    already (calibration clips once for many candidate ratios); default ``x``."""
+    """Clip then asymmetrically quantize each row of ``x`` per group of channels.
+
+    Args:
+        x: rows to quantize; NaN or Inf raises NonFiniteActivations.
+        bits: 2, 4 or 8.
+        group_size: channels sharing one scale / minimum (default: the whole row).
+        clip_ratio: see :func:`clip_rows`.
+        rescale: the strength g of the metadata rescale (module docstring); 0: none.
+        exact: the unclipped rows the rescale aims at when ``x`` arrives clipped already (calibration clips
+            once for many candidate ratios); default ``x``.
+    Shapes:
+        x, exact: [..., D] (exact broadcastable to x).
+    Returns:
+        QuantizedRows: codes uint8 [..., D * bits / 8], scale and minimum float16 [..., D // group_size].
+    """
     d = x.shape[-1]
     group_size = group_size or d
     check_geometry(d, group_size, bits)
     if not torch.isfinite(x).all():
-        raise ValueError("cannot quantize non-finite KV values (NaN or Inf in the activations)")
+        raise NonFiniteActivations("cannot quantize non-finite KV values (NaN or Inf in the activations)")
     xf = clip_rows(x.float(), clip_ratio) if _clips(clip_ratio) else x.float()
     groups = xf.reshape(*xf.shape[:-1], d // group_size, group_size)
     lo = groups.amin(dim=-1).clamp(-_F16_MAX, _F16_MAX)
@@ -143,15 +166,27 @@ def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
 def check_rescale(strength: float) -> float:
     """The strength as its float32 value (what a kernel receives), after checking it lies in [0, 1]."""
     if not 0.0 <= float(strength) <= 1.0:
-        raise ValueError(f"rescale strength must lie in [0, 1], got {strength}")
+        raise ConfigError(f"rescale strength must lie in [0, 1], got {strength}")
     return struct.unpack("f", struct.pack("f", float(strength)))[0]
 
 
 def rescaled_metadata(exact: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                       strength: float = 1.0):
-    """Scale and minimum [..., NG] times 1 + strength (alpha - 1), alpha = <x, x> / <x, x_hat> per group
-    (``exact`` and ``codes``: [..., NG, G]).  The products in float64 are exact, so only the order of the sums
-    differs between devices; the strength enters as its float32 value, as the kernels receive it."""
+    """Scale and minimum times 1 + strength (alpha - 1), alpha = <x, x> / <x, x_hat> per group.
+
+    The products in float64 are exact, so only the order of the sums differs between devices; the strength
+    enters as its float32 value, as the kernels receive it.
+
+    Args:
+        exact: the unclipped rows x, split into groups.
+        codes: their codes (unpacked, any number type).
+        scale, minimum: the groups' stored metadata.
+        strength: g in [0, 1].
+    Shapes:
+        exact, codes: [..., NG, G]; scale, minimum: float16 [..., NG].
+    Returns:
+        (scale, minimum), float16 [..., NG] each.
+    """
     x = exact.double()
     x_hat = codes.double() * scale.double().unsqueeze(-1) + minimum.double().unsqueeze(-1)
     num, den = (x * x).sum(-1), (x * x_hat).sum(-1)
@@ -166,6 +201,7 @@ def rescaled_metadata(exact: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
 
 
 def dequantize_rows(q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """code * scale + minimum per group: the rows [..., D] in ``dtype``."""
     codes = unpack_codes(q.codes, q.bits).float()
     d = codes.shape[-1]
     groups = codes.reshape(*codes.shape[:-1], d // q.group_size, q.group_size)
@@ -176,7 +212,8 @@ def dequantize_rows(q: QuantizedRows, dtype: torch.dtype = torch.float32) -> tor
 def fake_quantize(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
                   clip_ratio: float | torch.Tensor = 1.0, rescale: float = 0.0,
                   exact: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize and dequantize in one go (for simulation and error probes)."""
+    """Quantize and dequantize in one go (for simulation and error probes); arguments as :func:`quantize_rows`.
+    Returns x's shape and dtype."""
     return dequantize_rows(quantize_rows(x, bits, group_size, clip_ratio, rescale, exact), x.dtype)
 
 

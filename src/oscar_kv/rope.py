@@ -27,13 +27,15 @@ MIN_PAIRS = 8  # the kernels' dot over pairs needs 2 x pairs >= 16
 PAIR_COUNTS = (8, 16, 32)
 # pairs per KV head calibration keeps by default (and the benchmarks' synthetic mu_pre): scored over the model's
 # context, 8 pairs measured lower KL at 32K on Qwen2.5 than 32 pairs scored over the calibration's 1024 positions,
-# and the decode kernel runs them within 1.15x of constant centering (benchmarks/NOTES.md, runs H1 and S5)
+# and the decode kernel runs them within 1.15x of constant centering (benchmarks/NOTES.md, "pairs scored over the
+# model's context" and "the attention table with the kept kernel")
 DEFAULT_PAIRS = PAIR_COUNTS[0]
 TILE_MARGIN = 1024  # table rows beyond the last key position: no kernel tile may reach further past it
 
 
 class RopeUnsupported(OscarKVError, ValueError):
-    pass
+    """The model's RoPE is not one that position-aware key centering can follow (no rotary module, not over the
+    full head dim, not a static rotate-half RoPE), or a caller needs the RoPE table and has none."""
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -142,6 +144,15 @@ class KernelRope:
 
     @classmethod
     def build(cls, mu_pre: torch.Tensor, inv_freq: torch.Tensor, scaling: float, n: int) -> "KernelRope":
+        """Fresh tables for keys at positions < n (``RopeTable.kernel_rope`` shares them between layers instead).
+
+        Args:
+            mu_pre: the mean pre-RoPE key per KV head, zero outside the pairs to visit.
+            inv_freq: the RoPE frequencies theta_i.
+            scaling: the rotary module's attention scaling (cos and sin are multiplied by it).
+        Shapes:
+            mu_pre: [Hkv, D]; inv_freq: [D/2].
+        """
         return cls(mu_pre, kernel_pairs(mu_pre), *cls.tables(inv_freq, scaling, n, mu_pre.device))
 
     @staticmethod
@@ -226,8 +237,16 @@ class RopeTable:
         self._last = None
 
     def kernel_rope(self, mu_pre: torch.Tensor, n: int, pairs: torch.Tensor | None = None) -> KernelRope:
-        """The kernels' argument for positions < n; the tables are shared by all layers, grown on demand.
-        ``pairs``: kernel_pairs(mu_pre), which callers keep per layer (computing it syncs the device)."""
+        """The kernels' argument for keys at positions < n; the tables are shared by all layers, grown on demand.
+
+        Args:
+            mu_pre: one layer's mean pre-RoPE key per KV head.
+            n: a bound on the key positions the kernels will score.
+            pairs: kernel_pairs(mu_pre), which callers keep per layer (computing it syncs the device); None:
+                computed here.
+        Shapes:
+            mu_pre: [Hkv, D]; pairs: int32 [Hkv, R].
+        """
         dev = mu_pre.device
         hit = self._kernel.get(dev)
         if hit is None or hit[0].shape[0] < table_rows(n):

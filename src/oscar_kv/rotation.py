@@ -61,6 +61,11 @@ def bit_reversal_placement(eigenvalues: torch.Tensor) -> torch.Tensor:
     """Permutation matrix P (columns of U @ P) placing eigen-directions by bit-reversed rank.
 
     ``(U @ P)[:, bitrev(r)] = U[:, rank_r]`` where rank_r is the r-th largest eigenvalue.
+
+    Shapes:
+        eigenvalues: [D], D a power of two.
+    Returns:
+        P, float64 [D, D].
     """
     dim = eigenvalues.shape[-1]
     ranked = torch.argsort(eigenvalues, descending=True)
@@ -70,7 +75,13 @@ def bit_reversal_placement(eigenvalues: torch.Tensor) -> torch.Tensor:
 
 
 def eigh_descending(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigen-decomposition of a symmetric matrix in float64, eigenvalues descending."""
+    """Eigen-decomposition of a symmetric matrix in float64, eigenvalues descending.
+
+    Shapes:
+        cov: [..., D, D] (symmetrized first).
+    Returns:
+        (eigenvalues float64 [..., D], eigenvectors float64 [..., D, D] as columns, in the same order).
+    """
     cov = cov.to(torch.float64)
     lam, vecs = torch.linalg.eigh((cov + cov.transpose(-1, -2)) / 2)
     return lam.flip(-1), vecs.flip(-1)
@@ -82,10 +93,17 @@ COMPOSITIONS = ("oscar", "u_h", "u", "hadamard", "identity")
 def compose(cov: torch.Tensor | None, dim: int, group_size: int, composition: str = "oscar"):
     """Build one D x D rotation and the eigenvalues it was built from.
 
-    composition: ``oscar`` = U.P_br.H_G (the method), ``u_h`` = U.H_G (no placement, contiguous
-    groups of eigen-directions), ``u`` = U alone, ``hadamard`` = H_G alone (QuaRot-style),
-    ``identity`` (naive).  ``cov`` may be None for the data-free ones.
-    Returns (R float64 [D, D], eigenvalues float64 [D] descending, zeros when data-free).
+    Args:
+        cov: the weighting covariance; may be None for the data-free compositions.
+        dim: D.
+        group_size: G, the order of the block Hadamard.
+        composition: ``oscar`` = U.P_br.H_G (the method), ``u_h`` = U.H_G (no placement, contiguous groups
+            of eigen-directions), ``u`` = U alone, ``hadamard`` = H_G alone (QuaRot-style), ``identity``
+            (naive).
+    Shapes:
+        cov: [D, D].
+    Returns:
+        (R float64 [D, D], eigenvalues float64 [D] descending; zeros when data-free).
     """
     if composition not in COMPOSITIONS:
         raise ValueError(f"unknown composition {composition!r}; choose from {COMPOSITIONS}")
@@ -108,8 +126,10 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """x @ R per head: the one torch rotation of keys, queries and values (transposed: back).
 
     Args:
-        x: [..., H, T, D] rows of H heads.
-        rotation: [H | 1, D, D] one matrix per head, or one shared by all.
+        x: rows of H heads.
+        rotation: one matrix per head, or one shared by all.
+    Shapes:
+        x: [..., H, T, D]; rotation: [H | 1, D, D].
     Returns:
         [..., H, T, D] in the dtype of the operands.
     """

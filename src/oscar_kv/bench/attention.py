@@ -92,7 +92,8 @@ def _bench_call(fn) -> float:
     (median, L2 flushed between replays).  Without the graph, a call of a few tens of microseconds
     measures Python launch overhead (several launches per call) rather than the GPU.  Falls back to
     eager timing when capture fails.  Events around a replay also count the graph's launch: an empty
-    kernel measures ~4.4 us this way on the H100 (``launch_floor_ms``; NOTES.md, C20)."""
+    kernel measures ~4.4 us this way on the H100 (``launch_floor_ms``; benchmarks/NOTES.md, "what timing adds,
+    per-step stamps, desync, a load-only loop")."""
     graph = _capture(fn) if USE_GRAPHS else None
     ms = _bench(graph.replay if graph is not None else fn)
     del graph
@@ -159,7 +160,7 @@ def _rope_mean(h: int, d: int, gen: torch.Generator, pairs: int = DEFAULT_PAIRS)
 
 
 def calibrated_like(geometry, seed: int = 0, pairs: int = DEFAULT_PAIRS):
-    """A synthetic artifact shaped like the one ``calibrate`` ships (issue 23), for random-weight models: per-head
+    """A synthetic artifact shaped like the one ``calibrate`` ships, for random-weight models: per-head
     orthogonal key and value rotations, a constant key mean plus per-position means live in ``pairs`` RoPE pairs
     per head (magnitude as _rope_mean), default clips.  Speed depends on this shape, not on the numbers."""
     from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
@@ -181,8 +182,7 @@ def calibrated_like(geometry, seed: int = 0, pairs: int = DEFAULT_PAIRS):
 
 def load_rotations(spec: str | None, geometry, validate: bool = True, rope_pairs: int = DEFAULT_PAIRS):
     """``--rotations`` of the benchmarks: an artifact directory, ``synthetic`` (default: calibrated_like with
-    ``rope_pairs`` pairs) or
-    ``hadamard`` (data-free, no centering: what the README's tables measured before issue 23).  ``validate``:
+    ``rope_pairs`` pairs) or ``hadamard`` (data-free, no centering: the cheapest decode attention).  ``validate``:
     a directory's artifact must be for ``geometry`` exactly (else only its KV heads and head dim)."""
     from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
 

@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
+from ..errors import ConfigError
+
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 PROMPTS = [
@@ -103,7 +105,7 @@ async def run_load(url: str, model: str, requests: int, concurrency: int, max_to
 
     host = urlparse(url).hostname
     if host not in LOOPBACK:
-        raise ValueError(f"the load test only targets loopback servers, not {host!r}")
+        raise ConfigError(f"the load test only targets loopback servers, not {host!r}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results: list[RequestResult] = []
     counter = iter(range(requests))

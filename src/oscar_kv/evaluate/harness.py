@@ -15,7 +15,8 @@ from ..activations import capture_samples, observing, run_layers
 from ..artifacts import Rotations
 from ..cache import CacheSettings, unprepare_model
 from ..calibrate import CalibrationSettings, Statistics, split_probe
-from ..corpus import DEFAULT_CORPUS, load_calibration_text, read_text_file
+from ..corpus import DEFAULT_CORPUS, CorpusError, load_calibration_text, read_text_file
+from ..errors import ConfigError
 from ..models import AttentionGeometry
 from ..rope import DEFAULT_PAIRS, RopeTable, RopeUnsupported
 from . import tasks
@@ -32,6 +33,9 @@ EVAL_TEXT_OFFSET = 150_000
 
 @dataclass
 class EvalConfig:
+    """What ``oscar-kv eval`` runs; bad tasks or context lengths raise ConfigError.  "bf16" is always among the
+    methods (the reference)."""
+
     methods: list[str] = field(default_factory=lambda: list(STANDARD))
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
@@ -48,14 +52,15 @@ class EvalConfig:
     def __post_init__(self):
         bad = [t for t in self.tasks if t not in TASKS]
         if bad:
-            raise ValueError(f"unknown tasks {bad}; choose from {', '.join(TASKS)}")
+            raise ConfigError(f"unknown tasks {bad}; choose from {', '.join(TASKS)}")
         if "bf16" not in self.methods:
             self.methods = ["bf16"] + list(self.methods)
         if any(c < 64 for c in self.context_lengths):
-            raise ValueError("context lengths must be at least 64 tokens")
+            raise ConfigError("context lengths must be at least 64 tokens")
 
     @classmethod
     def quick(cls, **overrides) -> "EvalConfig":
+        """The CI configuration (``--quick``): four schemes at 1024 tokens, 2 NIAH samples, no ablations."""
         base = dict(methods=["bf16", "naive-int2", "quarot-int2", "oscar"], context_lengths=[1024], niah_samples=2,
                     ablations=False)
         base.update(overrides)
@@ -63,6 +68,7 @@ class EvalConfig:
 
 
 def evaluation_text(path: str | None) -> str:
+    """The text of ``path`` (.txt / .jsonl), or the shipped corpus from EVAL_TEXT_OFFSET on."""
     if path:
         return "\n\n".join(read_text_file(path))
     return DEFAULT_CORPUS.read_text()[EVAL_TEXT_OFFSET:]
@@ -86,6 +92,7 @@ class AuthorsValueProxy:
         self.w[layer] += w.sum(-1).cpu()
 
     def covariance(self) -> torch.Tensor:
+        """The proxy covariance, float64 [L, Hkv, D, D]."""
         return self.wvv / self.w[..., None, None].clamp_min(1e-30)
 
 
@@ -108,7 +115,8 @@ def _calibration_statistics(model, tokenizer, oscar: Rotations):
         rope = RopeTable(model, geometry.head_dim)
     except RopeUnsupported:
         rope = None
-    stats = Statistics(geometry, rope, settings.rope_horizon)  # pairs scored as the artifact's were (None: old ones)
+    # pairs scored as the artifact's were (None: the artifact records no horizon)
+    stats = Statistics(geometry, rope, settings.rope_horizon)
     unprepare_model(model)
     max_len = getattr(model.config, "max_position_embeddings", None) or settings.probe_tokens
     sequences, probe_ids = split_probe(tokenizer, texts, seq_len, count, min(settings.probe_tokens, max_len))
@@ -125,6 +133,8 @@ def _calibration_statistics(model, tokenizer, oscar: Rotations):
 
 
 def build_schemes(model, tokenizer, oscar: Rotations, config: EvalConfig) -> list[Scheme]:
+    """The configured standard schemes, then (with ``config.ablations``) the ablations, fitted from the artifact's
+    calibration data streamed again."""
     geometry = AttentionGeometry.of(model.config)
     base = CacheSettings("int2", config.sink_size, config.recent_size, config.page_size)
     schemes = [standard_scheme(name, geometry, oscar, base) for name in config.methods]
@@ -135,12 +145,23 @@ def build_schemes(model, tokenizer, oscar: Rotations, config: EvalConfig) -> lis
 
 
 def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str | Path, progress: bool = True) -> dict:
+    """Score every scheme on the configured tasks at every context length.
+
+    Args:
+        model, tokenizer: the model under test.
+        oscar: the artifact to evaluate.
+        config: what to run.
+        output: the directory for results.json (rewritten after each context length), results.md and plots.
+        progress: show a progress bar.
+    Returns:
+        The results as written to results.json.
+    """
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     geometry = AttentionGeometry.of(model.config)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and max(config.context_lengths) > limit:
-        raise ValueError(f"context length {max(config.context_lengths)} exceeds the model's context of {limit}")
+        raise ConfigError(f"context length {max(config.context_lengths)} exceeds the model's context of {limit}")
     started = time.perf_counter()
     schemes = build_schemes(model, tokenizer, oscar, config)
     text = evaluation_text(config.text)
@@ -220,7 +241,7 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
 def _documents(all_ids: torch.Tensor, length: int, count: int) -> list[torch.Tensor]:
     total = all_ids.shape[1]
     if total < length:
-        raise ValueError(f"the evaluation text has {total} tokens, fewer than the context length {length}")
+        raise CorpusError(f"the evaluation text has {total} tokens, fewer than the context length {length}")
     stride = max((total - length) // max(count, 1), 1)
     return [all_ids[:, i * stride:i * stride + length] for i in range(count) if i * stride + length <= total]
 

@@ -118,6 +118,8 @@ def _stored_cache(model, stored: StoredHaystack) -> DynamicCache:
 
 @dataclass
 class AnswerScore:
+    """How a scheme's stored haystack answers one needle prompt (answer_score)."""
+
     nll: float  # mean negative log-likelihood of the answer's tokens, teacher-forced
     first_digit_correct: bool
     text: str  # the greedy answer
@@ -171,9 +173,20 @@ def answering_queries(model, prompt: NeedlePrompt, last: int = 1) -> list[torch.
 
 def head_report(queries: list[torch.Tensor], exact: StoredHaystack, stored: StoredHaystack,
                 prompt: NeedlePrompt, scaling: float | None = None) -> dict[str, torch.Tensor]:
-    """Per layer and query head [L, Hq], for the answering query over the haystack alone:
-    needle mass exact / stored, history mass exact / stored, the history logits' error (mean, std),
-    the mass-weighted logit error of the needle, and the relative error of the attention output."""
+    """Per layer and query head, for the answering query over the haystack alone: what the stored haystack
+    changes against the exact one.
+
+    Args:
+        queries: answering_queries(model, prompt) (the last query of each is used).
+        exact, stored: the haystack exact (the BF16 scheme) and as the scheme stores it.
+        prompt: the prompt, for the needle's span.
+        scaling: the softmax scale (default 1 / sqrt(D)).
+    Returns:
+        float32 [L, Hq] tensors on the CPU: "needle_exact" / "needle_stored" and "history_exact" /
+        "history_stored" (attention mass), "delta_mean" / "delta_std" (the history logits' error),
+        "needle_delta" (the mass-weighted logit error of the needle) and "out_error" (the relative error of
+        the attention output).
+    """
     lo, hi = stored.history
     n0, n1 = prompt.spans[prompt.target]
     rows = {k: [] for k in ("needle_exact", "needle_stored", "history_exact", "history_stored", "delta_mean",

@@ -14,6 +14,7 @@ COLUMNS = (("bits_per_element", "bits/elem", "{:.3f}"), ("kl", "KL vs bf16", "{:
 
 
 def markdown_table(results: dict) -> str:
+    """results.md's text: one table per context length (a column per measured quantity), then the methods."""
     lines = [f"# KV scheme evaluation: {results['model']}", ""]
     for ctx in results["context_lengths"]:
         key = str(ctx)
@@ -30,6 +31,7 @@ def markdown_table(results: dict) -> str:
 
 
 def write_report(results: dict, output: Path) -> None:
+    """Write results.md and, where matplotlib is installed, the plots to ``output``."""
     (output / "results.md").write_text(markdown_table(results))
     try:
         import matplotlib

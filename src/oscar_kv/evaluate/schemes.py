@@ -15,6 +15,7 @@ import torch
 from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
 from ..cache import CacheSettings
 from ..calibrate import CalibrationSettings, Statistics, fit_clip_ratios, fit_rotations
+from ..errors import ConfigError
 from ..rotation import compose
 from ..memory import bits_per_element
 from ..models import AttentionGeometry
@@ -28,12 +29,15 @@ KIVI_RESIDUAL = 128  # KIVI: full-precision residual of the most recent tokens
 
 @dataclass
 class Scheme:
+    """A named KV scheme: the rotations it stores with and the cache settings it runs at."""
+
     name: str
     rotations: Rotations | None  # None: unrotated, uncentered
     settings: CacheSettings = field(default_factory=CacheSettings)
     description: str = ""
 
     def bits_per_element(self, seq_len: int, geometry: AttentionGeometry) -> float:
+        """Mean stored bits per K/V element over a sequence of ``seq_len`` tokens (memory.bits_per_element)."""
         s = self.settings
         group = s.group_size or (self.rotations.group_size if self.rotations else min(geometry.head_dim, 128))
         layer_bits = self.rotations.layer_bits.tolist() if self.rotations is not None else None
@@ -43,6 +47,14 @@ class Scheme:
 
 
 def standard_scheme(name: str, geometry: AttentionGeometry, oscar: Rotations, base: CacheSettings) -> Scheme:
+    """One of the STANDARD schemes, or EQUAL_WINDOWS, by name; ConfigError for another name.
+
+    Args:
+        name: the scheme's name.
+        geometry: the model's attention geometry (for the data-free rotations).
+        oscar: the artifact under evaluation (its group size is every scheme's).
+        base: the cache settings the schemes share unless they change them.
+    """
     group = oscar.group_size
     if name == "bf16":
         return Scheme(name, None, replace(base, kv_cache_dtype="bf16"), "every token at 16 bits (reference)")
@@ -63,7 +75,7 @@ def standard_scheme(name: str, geometry: AttentionGeometry, oscar: Rotations, ba
     if name == EQUAL_WINDOWS:
         return Scheme(name, oscar, replace(base, sink_size=KIVI_RESIDUAL // 2, recent_size=KIVI_RESIDUAL // 2),
                       f"the shipped artifact with KIVI-2's {KIVI_RESIDUAL} BF16 tokens (half sink, half recent)")
-    raise ValueError(f"unknown method {name!r}; methods are {', '.join(STANDARD + (EQUAL_WINDOWS,))}")
+    raise ConfigError(f"unknown method {name!r}; methods are {', '.join(STANDARD + (EQUAL_WINDOWS,))}")
 
 
 def with_value_covariance(oscar: Rotations, c_s: torch.Tensor) -> Rotations:
@@ -78,6 +90,7 @@ def with_value_covariance(oscar: Rotations, c_s: torch.Tensor) -> Rotations:
 
 
 def with_fitted_clips(oscar: Rotations, probe) -> Rotations:
+    """A copy of ``oscar`` with clip ratios fitted on ``probe`` (calibrate.fit_clip_ratios)."""
     rot = copy.deepcopy(oscar)
     fit_clip_ratios(rot, probe, progress=False)
     return rot
@@ -87,8 +100,15 @@ def ablation_schemes(stats: Statistics, calibration: CalibrationSettings, oscar:
                      base: CacheSettings, proxy_c_s: torch.Tensor | None = None, probe=None) -> list[Scheme]:
     """OSCAR variants that each change one choice, fitted from the same statistics.
 
-    ``proxy_c_s``: the authors' logit-squared value covariance; ``probe``: held-back activations
-    for fitting clip ratios.
+    Args:
+        stats: the calibration statistics the artifact was fitted from (recomputed by the harness).
+        calibration: the artifact's calibration settings.
+        oscar: the artifact.
+        base: the cache settings the variants share unless they change them.
+        proxy_c_s: the authors' logit-squared value covariance; None: no such variant.
+        probe: held-back activations (one LayerSample per layer) for fitting clip ratios; None: no clip variant.
+    Shapes:
+        proxy_c_s: [L, Hkv, D, D].
     """
 
     def fitted(name, description, settings_change=None, group=None, cache=base, layer_bits=None):

@@ -16,7 +16,7 @@ import torch
 
 from ..cache import unprepare_model
 from ..engine import EngineConfig, LLMEngine, SamplingParams
-from ..errors import OscarKVError
+from ..errors import ConfigError, OscarKVError
 from ..models import AttentionGeometry
 from .tasks import NeedlePrompt
 
@@ -27,6 +27,10 @@ SERVED_SCHEMES = {"bf16": "bf16", "oscar": "int2"}  # harness scheme -> the engi
 
 class PrefixMissed(OscarKVError, RuntimeError):
     """The question's request did not reuse the stored haystack (the answer would not read the stored cache)."""
+
+
+class ServedRequestFailed(OscarKVError, RuntimeError):
+    """An engine request of the served evaluation finished with an error."""
 
 
 def _pool_gb(model, tokens: int) -> float:
@@ -41,7 +45,7 @@ def _run(engine: LLMEngine, request_id: str, ids: list[int], max_tokens: int):
     while not seq.finished:
         for out in engine.step():
             if out.error:
-                raise RuntimeError(f"engine request {out.request_id} failed: {out.error}")
+                raise ServedRequestFailed(f"engine request {out.request_id} failed: {out.error}")
     return seq
 
 
@@ -51,7 +55,7 @@ def served_answers(model, tokenizer, rotations, scheme: str, prompts: list[Needl
     "oscar", with ``rotations``).  Raises PrefixMissed if a question's request did not reuse the haystack's
     pages before its recent window."""
     if scheme not in SERVED_SCHEMES:
-        raise ValueError(f"the engine serves {', '.join(SERVED_SCHEMES)}, not {scheme!r}")
+        raise ConfigError(f"the engine serves {', '.join(SERVED_SCHEMES)}, not {scheme!r}")
     longest = max(len(p.haystack) + len(p.question) for p in prompts)
     limit = getattr(model.config, "max_position_embeddings", None) or longest + MAX_NEW_TOKENS
     unprepare_model(model)

@@ -61,7 +61,8 @@ QUERY_BLOCK = 256  # queries per block: the logits of one block are [g, QUERY_BL
 
 
 def simulated_attention_from_forms(layer: OscarCacheLayer, query: torch.Tensor, forms, start: int = 0) -> torch.Tensor:
-    """Causal attention of ``query`` [B, Hq, T, D] (positions start..) under decode semantics -> [B, Hq, T, D].
+    """Causal attention of ``query`` [B, Hq, T, D] (positions start..) under decode semantics -> [B, Hq, T, D],
+    over the keys and values of ``forms`` (stored_forms).
 
     Query i sees keys [S0, h(i)) in their quantized form and all others exact, h(i) = max(S0, history end).
     h grows with i, so within a block of queries the keys split into [0, S0) exact | [S0, h_min) quantized |
@@ -115,5 +116,6 @@ def simulating(model, cache: OscarCache):
 
 @torch.no_grad()
 def simulated_logits(model, cache: OscarCache, input_ids: torch.Tensor) -> torch.Tensor:
+    """The logits [B, T, V] of one forward of ``input_ids`` [B, T] under ``cache``'s decode semantics."""
     with simulating(model, cache):
         return model(input_ids, use_cache=False).logits

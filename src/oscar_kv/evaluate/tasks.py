@@ -36,7 +36,18 @@ def reference_hidden(model, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def kl_and_ppl(model, scheme: Scheme, ids: torch.Tensor, ref_hidden: torch.Tensor) -> dict[str, float]:
-    """Mean KL(bf16 || scheme) and top-1 agreement after KL_START, and the scheme's perplexity."""
+    """Mean KL(bf16 || scheme) and top-1 agreement after KL_START, and the scheme's perplexity.
+
+    Args:
+        model: the model; the scheme's cache is simulated over one teacher-forced forward (simulate.py).
+        scheme: the scheme to score.
+        ids: the text window.
+        ref_hidden: the exact model's final hidden states of ``ids`` (reference_hidden).
+    Shapes:
+        ids: [1, T]; ref_hidden: [T, hidden size].
+    Returns:
+        {"kl", "top1_agreement", "ppl"}.
+    """
     cache = prepare(model, scheme)
     ids = ids.to(model.device)
     with simulating(model, cache):
@@ -88,7 +99,18 @@ class NeedlePrompt:
 
 def needle_prompt(tokenizer, filler: str, length: int, needles: list[tuple[float, str]], question: str,
                   answer_prefix: str, answer: str, target: int = 0) -> NeedlePrompt:
-    """A chat prompt of about ``length`` tokens with each needle sentence inserted at its depth (0..1)."""
+    """A chat prompt of about ``length`` tokens with each needle sentence inserted at its depth.
+
+    Args:
+        tokenizer: the model's (its chat template, when it has one).
+        filler: the text the haystack is cut from, sentence by sentence.
+        length: the prompt's length in tokens, roughly.
+        needles: (depth in 0..1, sentence) pairs.
+        question: asked after the haystack.
+        answer_prefix: appended after the prompt, so that the answer starts with the digits.
+        answer: the expected answer.
+        target: the index of the needle the question asks about.
+    """
     sentences = re.split(r"(?<=[.!?])\s+", filler)
     budget = length - 60 - sum(len(tokenizer(n, add_special_tokens=False).input_ids) + 1 for _, n in needles)
     chosen, used = [], 0
@@ -180,6 +202,13 @@ def niah_answer(model, tokenizer, scheme: Scheme, kv, question: list[int], max_n
 
     The haystack is prefilled once for all schemes (its hidden states are exact in every scheme, as
     in a prefix-cache hit); the question and the answer must read the needle from the stored cache.
+
+    Args:
+        kv: the haystack's exact K/V per layer (haystack_kv).
+        question: the question's token ids (NeedlePrompt.question).
+        max_new_tokens: the answer stops here, at EOS or at the first 7-digit number.
+    Returns:
+        The answer's text.
     """
     cache = stored_cache(model, scheme, kv)
     ids = torch.tensor([question], device=model.device)
@@ -196,6 +225,7 @@ def niah_answer(model, tokenizer, scheme: Scheme, kv, question: list[int], max_n
 
 
 def needle_numbers(count: int, seed: int) -> list[str]:
+    """``count`` random 7-digit numbers, as text, from ``seed``."""
     rng = random.Random(seed)
     return [str(rng.randrange(1_000_000, 10_000_000)) for _ in range(count)]
 
@@ -203,7 +233,8 @@ def needle_numbers(count: int, seed: int) -> list[str]:
 # ---- per-layer attention error -------------------------------------------------------------------
 def layer_attention_errors(scheme: Scheme, cache: OscarCache, samples: list[LayerSample]) -> list[float]:
     """Relative error of each layer's attention output vs exact, on bf16 activations, under the
-    scheme's storage and decode semantics (windows included)."""
+    scheme's storage and decode semantics (windows included).  ``cache``: prepare(model, scheme);
+    ``samples``: one LayerSample per layer (activations.capture_samples)."""
     errors = []
     for i, s in enumerate(samples):
         layer = cache.layers[i]

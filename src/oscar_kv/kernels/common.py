@@ -210,7 +210,19 @@ def asm_enabled(device: torch.device, use_asm: bool | None) -> bool:
 
 def split_plan(tokens: int, programs_per_split: int, device: torch.device, block: int, min_tiles: int = 4,
                num_splits: int | None = None, per_sm: int = 4) -> tuple[int, int]:
-    """(splits, chunk): enough programs to fill the GPU per_sm times over, each split >= min_tiles tiles."""
+    """(splits, chunk): enough programs to fill the GPU per_sm times over, each split >= min_tiles tiles.
+
+    Args:
+        tokens: a bound on the tokens to split (the longest sequence's).
+        programs_per_split: programs per split index (sequences x KV heads).
+        device: whose SMs to fill.
+        block: tokens per tile; a chunk is whole tiles.
+        min_tiles: the fewest tiles per split.
+        num_splits: a fixed split count instead of the plan's.
+        per_sm: programs per SM to aim for.
+    Returns:
+        (splits, chunk): the split count and tokens per split.
+    """
     if tokens <= 0:
         return 1, block
     if num_splits is None:
@@ -222,7 +234,8 @@ def split_plan(tokens: int, programs_per_split: int, device: torch.device, block
 
 
 def merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Combine the splits exactly: po [B, Hq, NS, D] normalized partials, pl [B, Hq, NS] log2-sum-exps -> out."""
+    """Combine the splits exactly: po [B, Hq, NS, D] normalized partials, pl [B, Hq, NS] log2-sum-exps -> out
+    [B, Hq, D] (written and returned; a split with pl = -inf counts for nothing)."""
     b, hq, ns, d = po.shape
     bd = min(d, 32)
     _merge_kernel[(b, hq, d // bd)](po, pl, out, ns, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
@@ -235,8 +248,18 @@ def rope_query_terms(q: torch.Tensor, mu_pre: torch.Tensor, scale: float, pairs:
     """Per query row the coefficients that turn the position-aware key offset into logits:
     q . RoPE_p(mu) = sum_i a_i cos(p t_i) + b_i sin(p t_i) (rotate-half layout, i < D/2) with
     a_i = q_i mu_i + q_{i+D/2} mu_{i+D/2}, b_i = q_{i+D/2} mu_i - q_i mu_{i+D/2}, kept for the pairs the
-    kernels visit.  q [..., Hq, D] unrotated, mu_pre [Hkv, D], pairs [Hkv, R] -> float32 [..., Hq, 2R] =
-    [a | b] * scale."""
+    kernels visit.
+
+    Args:
+        q: the unrotated queries.
+        mu_pre: the mean pre-RoPE key per KV head.
+        scale: multiplies the coefficients (the kernels' sm_scale * log2(e)).
+        pairs: the pairs i each KV head visits (rope.kernel_pairs).
+    Shapes:
+        q: [..., Hq, D]; mu_pre: [Hkv, D]; pairs: [Hkv, R].
+    Returns:
+        float32 [..., Hq, 2R]: [a | b] * scale, contiguous.
+    """
     hq, d = q.shape[-2:]
     half = d // 2
     group = hq // mu_pre.shape[0]
@@ -249,9 +272,18 @@ def rope_query_terms(q: torch.Tensor, mu_pre: torch.Tensor, scale: float, pairs:
 
 
 def rope_args(q: torch.Tensor, rope, scale: float, positions: int, *blocks: int):
-    """(AB, PR, stride_b, stride_h, stride_prh, R, on) for the kernels; ``rope``: a rope.KernelRope or None.
-    ``positions``: a host bound on the positions of the keys the call scores (rope.KernelRope.check); its
-    tiles (``blocks`` keys each) read past the last key by less than rope.TILE_MARGIN rows."""
+    """The position-aware arguments of a kernel launch.
+
+    Args:
+        q: the unrotated queries.
+        rope: a rope.KernelRope, or None (placeholders, ``on`` False).
+        scale: sm_scale * log2(e).
+        positions: a host bound on the positions of the keys the call scores (rope.KernelRope.check).
+        blocks: the call's tile sizes in keys; a tile reads past the last key by less than rope.TILE_MARGIN rows.
+    Returns:
+        (AB, PR, stride_b, stride_h, stride_prh, R, on): rope_query_terms(q) and its batch / head strides, the
+        pairs [Hkv, R] and their head stride, R, and whether the term is on.
+    """
     if rope is None:
         return q, q, 0, 0, 0, 1, False
     from ..rope import TILE_MARGIN

@@ -37,7 +37,9 @@ from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
 
-ROPE_CAPPED_PAIRS = 16  # the register cap holds the position-aware term up to this many pairs (run R4)
+# the register cap holds the position-aware term up to this many pairs (benchmarks/NOTES.md, "cost vs pairs, with
+# and without the register cap")
+ROPE_CAPPED_PAIRS = 16
 
 @triton.jit
 def _load_query(Q, R, b, h, stride_qb, stride_qh, stride_rh, qk_scale,
@@ -285,8 +287,9 @@ def _rotate_query_kernel(Q, R, QR, stride_qb, stride_qh, stride_rh, D: tl.conste
 
 
 def rotate_query(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
-    """q @ R_K[kv_head(q)] in float32 ([B, Hq, D] -> float32 [B, Hq, D]), one small launch per call instead
-    of once per attention program (every split re-reading R from L2 cost ~8-10% in v2)."""
+    """q @ R_K[kv_head(q)] in float32 ([B, Hq, D] -> float32 [B, Hq, D]; R_K [Hkv | 1, D, D]), one small launch
+    per call instead of once per attention program (every split re-reading R from L2 costs ~8-10%;
+    benchmarks/NOTES.md, "Versions").  None: q as it is."""
     if k_rotation is None:
         return q
     bsz, hq, d = q.shape
@@ -310,24 +313,39 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
                 kt: bool = True, split_target: int | None = None, maxnreg: int | str | None = "auto",
                 backend: str | None = None, cuda_split_target: int | None = None,
                 max_seq_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention over the mixed pool.  q: [B, Hq, D] (unrotated if k_rotation is given; any float
-    dtype, float32 keeps the most precision) -> [B, Hq, D] in q's dtype.
+    """Decode attention over the mixed pool: one query token per sequence.
 
-    ``max_int2_pages`` (host int) avoids a device sync for the split plan; the engine knows it.  It may be
-    any upper bound (CUDA graphs capture with a bucketed one).  ``max_seq_len`` (host int) bounds the sequences'
-    lengths, i.e. the RoPE table rows a ``rope`` call reads (rope.KernelRope.check; None: a device sync).
-    Tuning knobs (benchmark sweep): block_n tokens per INT2 tile, num_warps/num_stages, use_asm (PTX
-    code conversion on GPU, default on), kt (keys loaded transposed), split_target (INT2 programs per SM;
-    default 4 when batch x KV heads <= 8, else 8: measured best at 128K, bs 1 and bs 8, H100 run v5),
-    maxnreg (register cap per thread: 128 gives 4 programs per SM instead of 3; "auto": 128 unless the
-    position-aware term visits more than ROPE_CAPPED_PAIRS pairs; None: no cap).
-    ``rope`` (rope.KernelRope) when the keys were centered per position: the kernel adds q . RoPE_p(mu_pre)
-    to every logit.  q must then be unrotated, and the page size a multiple of 16.
-    ``backend``: "cuda" runs the whole call as one CUDA launch (int2_cuda.py: rotation, window, history and
-    merge), "triton" as the Triton kernels here, "auto" CUDA where int2_cuda supports the call; None: the
-    environment variable OSCAR_KV_INT2_KERNEL, else "auto" (a server can be switched back to Triton without code).
-    ``cuda_split_target``:
-    CUDA CTAs per SM (default int2_cuda.min_blocks(pairs, head dim), the CTAs that fit on an SM at once).
+    Args:
+        q: the queries, unrotated if ``k_rotation`` is given (any float dtype; float32 keeps the most precision).
+        pool, layer: the paged pool and the layer to read.
+        batch: the sequences' block tables, lengths and INT2 page counts.
+        k_rotation: R_K, applied to q here; None: q arrives rotated.
+        sm_scale: default 1 / sqrt(D).
+        rope: rope.KernelRope when the keys were centered per position: the kernel adds q . RoPE_p(mu_pre) to
+            every logit.  q must then be unrotated, and the page size a multiple of 16.
+        max_int2_pages: a host bound on the sequences' INT2 pages, for the split plan without a device sync (the
+            engine knows it; CUDA graphs capture with a bucketed one).  None: a device sync.
+        max_seq_len: a host bound on the sequences' lengths, i.e. the RoPE table rows a ``rope`` call reads
+            (rope.KernelRope.check).  None: a device sync.
+        num_splits: INT2 splits of the Triton path (default: the split plan's).
+        block_n, block_w: tokens per INT2 / BF16 window tile (Triton).
+        num_warps, num_stages, use_asm, kt: Triton tuning knobs (benchmark sweep); use_asm: PTX code conversion
+            on the GPU (default on); kt: keys loaded transposed.
+        split_target: Triton INT2 programs per SM; default 4 when batch x KV heads <= 8, else 8 (measured best at 128K,
+            batch 1 and 8, on the H100).
+        maxnreg: register cap per thread: 128 gives 4 programs per SM instead of 3; "auto": 128 unless the
+            position-aware term visits more than ROPE_CAPPED_PAIRS pairs; None: no cap.
+        backend: "cuda" runs the whole call as one CUDA launch (int2_cuda.py: rotation, window, history and
+            merge), "triton" as the Triton kernels here, "auto" CUDA where int2_cuda supports the call; None: the
+            environment variable OSCAR_KV_INT2_KERNEL, else "auto" (a server can be switched back to Triton
+            without code).
+        cuda_split_target: CUDA CTAs per SM (default int2_cuda.min_blocks(pairs, head dim), the CTAs that fit on
+            an SM at once).
+        out: the output, written in place; None: a new tensor.
+    Shapes:
+        q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D].
+    Returns:
+        [B, Hq, D] in q's dtype (``out`` when given).
     """
     g = pool.geometry
     bsz, hq, d = q.shape
@@ -348,7 +366,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     if _use_cuda(backend or os.environ.get("OSCAR_KV_INT2_KERNEL", "auto"), q.device, g, gqa, rope, q.dtype):
         from . import int2_cuda
 
-        # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (run C2)
+        # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
+        # rescale, window on a side stream, split targets")
         per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1], d)
         ns, chunk = int2_cuda.split_plan(max_int2_pages * g.page_size, bsz * h, g.page_size, num_sms(q.device),
                                          per_sm)
@@ -366,8 +385,9 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
     bt = batch.block_table
     h_pad = triton.next_power_of_2(gqa)
-    # the position-aware term needs more registers: capped at 128 it spilled (2.5-6x slower, NOTES.md run R2)
-    if maxnreg == "auto":  # capped, the full 64-pair term spilled (NOTES.md run R2)
+    # the position-aware term needs more registers: over more than ROPE_CAPPED_PAIRS pairs the 128 cap spills
+    # (2.5-6x slower; benchmarks/NOTES.md, "cost vs pairs, with and without the register cap")
+    if maxnreg == "auto":
         maxnreg = 128 if rope is None or rope.pairs.shape[1] <= ROPE_CAPPED_PAIRS else None
     extra = {"maxnreg": maxnreg} if (maxnreg and not INTERPRET) else {}
     if rope is not None and (g.page_size % 16 or block_n % 16 or block_w % 16):
@@ -404,8 +424,25 @@ def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block
                 seq_lens: torch.Tensor, k_rotation: torch.Tensor | None = None, sm_scale: float | None = None, *,
                 page_size: int, max_seq_len: int | None = None, num_splits: int | None = None, block: int = 64,
                 num_warps: int = 4, num_stages: int = 2, out: torch.Tensor | None = None) -> torch.Tensor:
-    """BF16 paged decode (the in-house baseline).  k_win/v_win: one layer's pages [N, H, P, D]; every
-    logical page of a sequence points into them."""
+    """BF16 paged decode (the in-house baseline): every logical page of a sequence points into one BF16 pool.
+
+    Args:
+        q: the queries, unrotated if ``k_rotation`` is given.
+        k_win, v_win: one layer's pages.
+        block_table, seq_lens: the sequences' physical pages and lengths.
+        k_rotation: R_K, applied to q inside the kernel; None: q as it is.
+        sm_scale: default 1 / sqrt(D).
+        page_size: P.
+        max_seq_len: a host bound on seq_lens for the split plan; None: a device sync.
+        num_splits: unused (the split plan decides).
+        block, num_warps, num_stages: Triton tuning knobs (tokens per tile).
+        out: the output, written in place; None: a new tensor.
+    Shapes:
+        q, out: [B, Hq, D]; k_win, v_win: [N, Hkv, P, D]; block_table: int32 [B, max_pages]; seq_lens: int32 [B];
+        k_rotation: [Hkv | 1, D, D].
+    Returns:
+        [B, Hq, D] in q's dtype (``out`` when given).
+    """
     bsz, hq, d = q.shape
     h = k_win.shape[1]
     gqa = hq // h

@@ -75,10 +75,10 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
     signal sum(pp*c*4^k) (<= 3/1024 of it in slice 0).  The offset is subtracted from the accumulator
     operand of each tile's MMA (acc*alpha - 1024*sum(pp): one FMA where a multiply was) instead of once at
     the end: the accumulator then only ever holds the signal plus one tile's offset.  Keeping the offset
-    for the whole range (as decode does for its ~2K-token splits) made the accumulator ~1024x the signal
-    and, the tensor cores' float32 accumulation truncating at every MMA step, the error grew with the
-    tokens of a program: rel. error ~0.075 over 131K tokens in one program on an H100 (~0.01 over 16K),
-    where the output (min + scale*c, outlier-dominated groups) is itself a small difference of large terms.
+    for the whole range makes the accumulator ~1024x the signal and, the tensor cores' float32 accumulation
+    truncating at every MMA step, the error grows with the tokens of a program: rel. error ~0.075 over 131K
+    tokens in one program on an H100 (~0.01 over 16K), where the output (min + scale*c, outlier-dominated
+    groups) is itself a small difference of large terms.
     """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -317,22 +317,34 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Chunked-prefill attention over the mixed pool; semantics of reference.extend_reference.
 
-    q: [T, Hq, D] new queries, unrotated if ``k_rotation`` is given (else already rotated; float32 keeps
-    the most precision).  k_new / v_new: [T, H, D] the chunk's rotated, centered keys and rotated values
-    (consumed as BF16: float32 input is rounded in the kernel).  cu_seqlens: int [B+1], sequence b owns
-    rows cu_seqlens[b] .. cu_seqlens[b+1] (an empty chunk is allowed; cu_seqlens[-1] must be T).
-    ``batch`` describes each sequence's cache *before* the chunk (its seq_lens may end inside an INT2
-    page).  Returns [T, Hq, D] in q's dtype, or writes ``out`` (any float dtype, unit stride in D).
-
-    Host ints that avoid device syncs (the engine knows them): ``max_seqlen`` (the longest chunk) and
-    ``max_int2_pages`` (only read when the history is split).  ``num_splits``: INT2 history splits (None:
-    automatic, only when fewer than split_target programs per SM would run; 0: never).  Tuning knobs:
-    block_m query rows per program (chunk tokens x padded GQA group), block_n keys per tile (default 64
-    with one quantization group per head, 32 with several: sm_90 builds at 4 warps then fit in 255
-    registers without spilling), num_warps / num_stages, use_asm (PTX code conversion on GPU),
-    split_query (bf16 hi + lo query for the BF16 parts; off: one MMA, ~5x the logit error).
-    ``rope`` (rope.KernelRope) when keys are centered per position (decode.int2_decode); q must then be
-    unrotated.  This kernel reads the per-position table (its query rows share each key tile).
+    Args:
+        q: the chunks' new queries, unrotated if ``k_rotation`` is given, else rotated (float32 keeps the most
+            precision).
+        k_new, v_new: the chunks' rotated, centered keys and rotated values (consumed as BF16: float32 input is
+            rounded in the kernel).
+        cu_seqlens: sequence b owns rows cu_seqlens[b] .. cu_seqlens[b+1] (an empty chunk is allowed;
+            cu_seqlens[-1] must be T).
+        pool, layer: the paged pool and the layer to read.
+        batch: each sequence's cache *before* the chunk (its seq_lens may end inside an INT2 page).
+        k_rotation: R_K, applied to q here; None: q arrives rotated.
+        sm_scale: default 1 / sqrt(D).
+        rope: rope.KernelRope when keys are centered per position (decode.int2_decode); q must then be
+            unrotated.  This kernel reads the per-position table (its query rows share each key tile).
+        max_seqlen: a host bound on the longest chunk; None: a device sync.
+        max_int2_pages: a host bound on the INT2 pages, read only when the history is split; None: a device sync.
+        num_splits: INT2 history splits; None: automatic, only when fewer than ``split_target`` programs per SM
+            would run; 0: never.
+        block_m: query rows per program (chunk tokens x padded GQA group).
+        block_n: keys per tile; default 64 with one quantization group per head, 32 with several (sm_90 builds
+            at 4 warps then fit in 255 registers without spilling).
+        num_warps, num_stages, use_asm: Triton tuning knobs; use_asm: PTX code conversion on the GPU.
+        split_query: bf16 hi + lo query for the BF16 parts; off: one MMA, ~5x the logit error.
+        out: the output (any float dtype, unit stride in D), written in place; None: a new tensor.
+    Shapes:
+        q, out: [T, Hq, D]; k_new, v_new: [T, Hkv, D], unit stride in D; cu_seqlens: int [B + 1];
+        k_rotation: [Hkv | 1, D, D].
+    Returns:
+        [T, Hq, D] in q's dtype (``out`` when given).
     """
     g = pool.geometry
     t, hq, d = q.shape

@@ -11,7 +11,8 @@ probabilities from the key MMA's output layout to the value MMA's input layout.
 One launch does what the Triton path does in four (query rotation, window split, history splits, merge): each
 CTA rotates its query group's rows, takes a share of the BF16 window and a chunk of the INT2 history, and the
 last CTA of a (sequence, KV head) to finish merges the partials (an atomic counter per pair, left at zero).  At
-128K tokens and batch 1 the separate launches cost ~15 of ~60 us (NOTES.md, run C3).
+128K tokens and batch 1 the separate launches cost ~15 of ~60 us (benchmarks/NOTES.md, "decode attention as one
+CUDA launch").
 
 The kernel is compiled at first use by NVRTC, through torch (``torch.cuda._compile_kernel``), once per
 device, geometry and dtype.  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
@@ -37,9 +38,12 @@ NUM_WARPS = 4
 TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
 HEAD_DIMS = (64, 128)
-MIN_BLOCKS = 3  # CTAs per SM the register budget is set for (168 registers; 4 x 128 spilled: run C1)
+# CTAs per SM the register budget is set for: 3 (168 registers) beat 4 (128 registers, spilling) at batch 8 and 32
+# (benchmarks/NOTES.md, "first GPU run of the kernel")
+MIN_BLOCKS = 3
 # With the position-aware term over 8 pairs, 2 CTAs per SM (203 registers, no spill) beat 3 (168, spilled):
-# 1.04-1.16x constant centering's time instead of 1.14-1.32x; over 16 or 32 pairs 3 stay faster (NOTES.md S4)
+# 1.04-1.16x constant centering's time instead of 1.14-1.32x; over 16 or 32 pairs 3 stay faster
+# (benchmarks/NOTES.md, "2 CTAs per SM for R = 8")
 ROPE_MIN_BLOCKS = {8: 2}
 # Head dim 64 holds half the accumulators and query fragments: 4 CTAs fit in 128 registers without spilling
 MIN_BLOCKS_D64 = 4
@@ -53,7 +57,7 @@ def min_blocks(rope_pairs: int = 0, head_dim: int = 128) -> int:
         return ROPE_MIN_BLOCKS_D64.get(rope_pairs, MIN_BLOCKS_D64)
     return ROPE_MIN_BLOCKS.get(rope_pairs, MIN_BLOCKS)
 MAX_SPLITS = 512  # CTAs per (sequence, KV head), all merged by the last one (one wave here is <= 3 x SMs CTAs)
-STREAM_EVICT_FIRST_L2S = 2.0  # code loads are evict_first while a call's INT2 bytes are <= this many L2s (C25)
+STREAM_EVICT_FIRST_L2S = 2.0  # code loads are evict_first while a call's INT2 bytes are <= this many L2s
 MAX_ROPE_PAIRS = 32  # the position-aware term's shared tables for more pairs pass the 48 KB static limit
 _MAGIC = 0x64006400  # float16 1024 in both halves (see int2_decode.cu)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -103,7 +107,7 @@ def stream_evict_first(int2_bytes: int, device_index: int) -> bool:
     """Whether a call that streams ``int2_bytes`` of INT2 history loads its codes as L2 evict_first: it saves
     the write-back of what L2 holds (at most one L2 of lines), so it pays only for streams of up to about two
     L2s; beyond, losing L2 reuse of the 256-byte blocks costs more (128K: -4.3 us at batch 1, +2-3% at batch 8
-    and 32 on the H100, NOTES.md C25)."""
+    and 32 on the H100; benchmarks/NOTES.md, "evict_first chosen per call")."""
     return int2_bytes <= STREAM_EVICT_FIRST_L2S * _l2_bytes(device_index)
 
 
@@ -127,7 +131,15 @@ def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: i
     at least two rounds and at most MAX_PAGES pages.  The CTAs (splits x programs_per_split) fill whole waves of
     per_sm x sms slots: one wave (rounded down) when the history allows it; when MAX_PAGES forces more splits, the
     count in [forced, 2 x forced] whose last wave is fullest (64K x 32 sequences: 3 splits, 1.94 waves, not 2 and
-    1.29)."""
+    1.29).
+
+    Args:
+        int2_tokens: a bound on the INT2 history of the longest sequence.
+        programs_per_split: sequences x KV heads.
+        page_size: P.
+        sms: the GPU's SM count.
+        per_sm: CTAs per SM (min_blocks).
+    """
     if int2_tokens <= 0:
         return 1, TOKENS_PER_ROUND
     pairs = max(programs_per_split, 1)
@@ -183,12 +195,24 @@ def _counters(device: torch.device, pairs: int) -> torch.Tensor:
 def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, torch.Tensor], geom: PoolGeometry,
            batch: PagedBatch, out: torch.Tensor, splits: int, chunk: int, qk_scale: float,
            stamps: torch.Tensor | None = None, rope=None) -> torch.Tensor:
-    """Decode attention into out [B, Hq, D] (q's dtype) from the unrotated query q [B, Hq, D]: ``splits`` CTAs
-    per (sequence, KV head) with ``chunk`` INT2 tokens each (split_plan); qk_scale = sm_scale * log2(e).
-    ``rope``: a rope.KernelRope when keys are centered per position (its tables must cover the sequences:
-    KernelRope.check, done by the caller).
-    ``stamps``: int64 [B, H, splits, 16] of %globaltimer stamps per CTA (a separately compiled variant;
-    benchmarks only)."""
+    """Decode attention over the mixed pool as one launch (``unsupported`` says which calls it takes).
+
+    Args:
+        q: the unrotated queries (float32, bfloat16 or float16).
+        k_rotation: R_K, applied in the kernel; None: q arrives rotated.
+        layer: one layer of the pool (``PagedKVPool.layer``).
+        geom, batch: the pool's geometry and the sequences' block tables and lengths.
+        out: the output, written in place (any of the three dtypes).
+        splits, chunk: CTAs per (sequence, KV head) and INT2 tokens each (split_plan).
+        qk_scale: sm_scale * log2(e).
+        stamps: %globaltimer stamps per CTA (a separately compiled variant; benchmarks only).
+        rope: a rope.KernelRope when keys are centered per position; its tables must cover the sequences
+            (KernelRope.check, done by the caller).
+    Shapes:
+        q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D]; stamps: int64 [B, Hkv, splits, 16].
+    Returns:
+        ``out``.
+    """
     bsz, hq, d = q.shape
     h = geom.num_kv_heads
     if bsz == 0:

@@ -222,7 +222,7 @@ struct Source {
 
 // Read-only loads that have L2 fetch the whole 256-byte block around the address: a sub-tile's 512 code bytes
 // arrive in two DRAM requests instead of one per 32-byte sector the warp touches (the V loads touch every other
-// row).  -2% at batch >= 8, within noise at batch 1 (NOTES.md, C23).
+// row).  -2% at batch >= 8, within noise at batch 1 (benchmarks/NOTES.md, "loads with the L2::256B fetch hint").
 __device__ __forceinline__ u32 ldg_l2_256(const u32* p) {
   u32 r;
   asm("ld.global.nc.L2::256B.u32 %0, [%1];" : "=r"(r) : "l"(p));
@@ -232,7 +232,8 @@ __device__ __forceinline__ u32 ldg_l2_256(const u32* p) {
 // so the stream does not push out what L2 holds (dirty lines would first be written back).  That pays while a
 // call reads up to about twice the L2 (at most an L2 of lines to keep); longer streams lose more reuse of the
 // 256-byte blocks than they save, so the host picks (int2_cuda.STREAM_EVICT_FIRST_L2S).  The metadata keeps the
-// normal priority: four KV heads' CTAs share each 256-byte block of it.  NOTES.md, C24-C25.
+// normal priority: four KV heads' CTAs share each 256-byte block of it.  benchmarks/NOTES.md, "the flush leaves
+// dirty lines; evict_first" and "evict_first chosen per call".
 __device__ __forceinline__ unsigned long long stream_policy(int evict_first) {
   unsigned long long first, normal;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(first));
@@ -370,7 +371,8 @@ __device__ void rope_prologue(const float (*q)[D], const float* __restrict__ MU,
 
 // The phase (cos, sin) at p0 (a multiple of 16) of this lane's pair ``pair`` = PR[lane] for lanes < R, zeros
 // for the others.  The INT2 loop reads it one step ahead into registers and hands it to the lanes by shuffles:
-// staging through shared memory (cp.async, wait, warp barriers) cost 7-18% of the step (NOTES.md S2).
+// staging through shared memory (cp.async, wait, warp barriers) costs 7-18% of the step (benchmarks/NOTES.md,
+// "where the 1.1-1.9x goes").
 __device__ __forceinline__ float2 rope_phase(const float2* __restrict__ PH, int p0, int pair, bool go) {
   return go && (threadIdx.x & 31) < ROPE_R ? __ldg(PH + (long long)(p0 >> 4) * (D / 2) + pair)
                                            : make_float2(0.f, 0.f);

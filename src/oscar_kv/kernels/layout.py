@@ -95,7 +95,7 @@ class PoolGeometry:
             raise ValueError(f"layer_bits has {len(bits)} entries for {self.num_layers} layers")
         if self.quantizes:
             if 16 in bits:
-                raise ValueError("the paged engine cannot mix BF16 layers into a quantized cache; "
+                raise ConfigError("the paged engine cannot mix BF16 layers into a quantized cache; "
                                  "recalibrate without a layer policy that stores layers at 16 bits")
             if self.sink_size % self.page_size:
                 raise ConfigError(f"sink_size {self.sink_size} must be a multiple of page_size {self.page_size}",
@@ -194,6 +194,13 @@ class PoolGeometry:
 
 @dataclass
 class PagedKVPool:
+    """The pool's tensors for every layer (layout: the module docstring).
+
+    Shapes:
+        k_codes, v_codes: uint8 [L, N_int2, Hkv, P, D / 4]; k_meta, v_meta: float16 [L, N_int2, Hkv, P, 2 NG]
+        (scales | minima); k_win, v_win: bfloat16 [L, N_win, Hkv, P, D].
+    """
+
     geometry: PoolGeometry
     k_codes: torch.Tensor
     v_codes: torch.Tensor
@@ -205,6 +212,9 @@ class PagedKVPool:
     @classmethod
     def allocate(cls, geom: PoolGeometry, num_int2_pages: int, num_window_pages: int,
                  device: torch.device | str = "cpu", fill_nan: bool = False) -> "PagedKVPool":
+        """A pool of ``num_int2_pages`` INT2 and ``num_window_pages`` window pages (at least one each) for the
+        kernels; ValueError when they cannot address ``geom``.  ``fill_nan``: metadata and windows start as NaN
+        (tests: a read of an unwritten slot shows), else zeros."""
         why = geom.kernel_error()
         if why is not None:  # this pool exists for the kernels
             raise ValueError(why)
@@ -279,7 +289,14 @@ def token_slots(geom: PoolGeometry, batch: PagedBatch, seq_ids: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat destination slots (page * P + offset) of tokens, in the window pool or the INT2 pool.
 
-    Returns (win_slot, int2_slot), int32 [T] each, -1 where the token does not go to that pool.
+    Args:
+        geom, batch: the pool's geometry and the sequences' block tables and INT2 page counts.
+        seq_ids: each token's row in ``batch``.
+        positions: each token's position in its sequence.
+    Shapes:
+        seq_ids, positions: [T].
+    Returns:
+        (win_slot, int2_slot), int32 [T] each, -1 where the token does not go to that pool.
     """
     p, sp = geom.page_size, geom.sink_pages
     seq_ids, positions = seq_ids.long(), positions.long()

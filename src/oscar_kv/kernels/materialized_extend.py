@@ -6,7 +6,7 @@ contiguous float16 scratch in the rotated space: positions before the chunk as s
 dequantized, sink / recent BF16 pages copied), then the chunk's own keys and values exactly as given; keys
 get the position-aware offset RoPE_p(mu_pre) @ R_K added back (rope.py), as codec.LayerCodec.restore_offsets
 does.  Then one flash attention (torch SDPA, causal mask aligned to the lower right, GQA natively) of the
-rotated queries over [history | chunk].  Nothing about the attention itself is INT2-specific any more: the
+rotated queries over [history | chunk].  Nothing about the attention itself is INT2-specific: the
 cost is the BF16 cache's flash attention plus one streaming pass over the history.
 
 Why float16 and not bfloat16: with per-position centering a restored key is stored key + offset, and the
@@ -109,8 +109,9 @@ def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn,
     offs_d = tl.arange(0, D)
     if ROPE:
         # RoPE_p(mu_pre) @ R_K = sum over the kept pairs i of cos(p t_i) A_i + sin(p t_i) B_i (W rows: A | B),
-        # cos | sin from the float32 table (rope.KernelRope.table).  Float32 FMAs per pair: tl.dot with
-        # input_precision="ieee" made this pass 80x slower than the copy alone on the H100 (NOTES, run P1)
+        # cos | sin from the float32 table (rope.KernelRope.table).  Float32 FMAs per pair: a tl.dot with
+        # input_precision="ieee" makes this pass 80x slower than the copy alone on the H100 (benchmarks/NOTES.md,
+        # "Prefill with the float16-materialized path")
         trow = CS + pos.to(tl.int64) * (2 * HALF)
         for i in tl.static_range(R):
             col = tl.load(PR + h * stride_prh + i)
@@ -152,9 +153,16 @@ class MaterializePlan:
     @classmethod
     def build(cls, cu: list[int], starts: list[int], seqs: list[int], device,
               max_rows: int = SCRATCH_ROWS) -> "MaterializePlan":
-        """``cu``: chunk row offsets [B+1]; ``starts``: each sequence's history length; ``seqs``: the batch rows
-        to plan (non-empty chunks only are kept).  Consecutive sequences share a group while its rows fit
-        ``max_rows`` (a longer sequence gets a group of its own)."""
+        """Group the sequences: consecutive ones share a group while its rows fit ``max_rows`` (a longer sequence
+        gets a group of its own).
+
+        Args:
+            cu: chunk row offsets, B + 1 of them (cu_seqlens on the host).
+            starts: each sequence's history length (its cached tokens before the chunk).
+            seqs: the batch rows to plan (only those with a non-empty chunk are kept).
+            device: where the groups' index tensors go.
+            max_rows: scratch rows one group may take.
+        """
         groups, cur, rows = [], [], 0
 
         def close():
@@ -187,6 +195,8 @@ class Scratch:
         self.k = self.v = None
 
     def take(self, rows: int, heads: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) buffers of at least ``rows`` rows [>= rows, heads, dim], reallocated when too small or shaped
+        otherwise."""
         if self.k is None or self.k.shape[0] < rows or self.k.shape[1:] != (heads, dim) or self.k.device != device:
             shape = (max(rows, 1), heads, dim)
             self.k = self.v = None  # free the old pair first
@@ -200,9 +210,20 @@ class Scratch:
 
 
 def rope_key_weights(rope, k_rotation: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
-    """[H, 2R, D] float32 W with RoPE_p(mu_pre) @ R_K = [cos(p t_i) | sin(p t_i)]_(kept pairs i) @ W[h]:
-    rows A_i = mu_i R_i + mu_{i+D/2} R_{i+D/2}, then B_i = mu_i R_{i+D/2} - mu_{i+D/2} R_i (R_j: row j of R_K;
-    rotate-half layout, rope.key_offsets).  Built in float64."""
+    """W with RoPE_p(mu_pre) @ R_K = [cos(p t_i) | sin(p t_i)]_(kept pairs i) @ W[h], built in float64.
+
+    Rows A_i = mu_i R_i + mu_{i+D/2} R_{i+D/2}, then B_i = mu_i R_{i+D/2} - mu_{i+D/2} R_i (R_j: row j of R_K;
+    rotate-half layout, rope.key_offsets).
+
+    Args:
+        rope: the layer's rope.KernelRope (mu_pre and the kept pairs).
+        k_rotation: R_K; None: the identity.
+        num_kv_heads: the pool's, which mu_pre must have.
+    Shapes:
+        mu_pre: [H, D]; pairs: [H, R]; k_rotation: [H | 1, D, D].
+    Returns:
+        float32 [H, 2R, D].
+    """
     mu = rope.mu_pre.double()
     h, d = mu.shape
     half = d // 2
@@ -223,9 +244,19 @@ def rope_key_weights(rope, k_rotation: torch.Tensor | None, num_kv_heads: int) -
 def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.Tensor, v_new: torch.Tensor,
                 cu_seqlens: torch.Tensor, group: MaterializeGroup, k_out: torch.Tensor, v_out: torch.Tensor,
                 rope=None, rope_weights: torch.Tensor | None = None) -> None:
-    """Write the group's sequences, history as stored + chunk, into k_out / v_out [rows, H, D] (rows from
-    group.row0); ``rope`` (rope.KernelRope) with ``rope_weights`` (rope_key_weights): keys get the
-    position-aware offset back.  Semantics: materialize_reference."""
+    """Write the group's sequences, history as stored + chunk, into k_out / v_out from scratch row group.row0
+    on.  Semantics: materialize_reference.
+
+    Args:
+        pool, layer, batch: the pool, the layer and the cache before the chunk.
+        k_new, v_new, cu_seqlens: the packed chunks (as extend.int2_extend).
+        group: the sequences of this launch (MaterializePlan).
+        k_out, v_out: the scratch buffers (Scratch.take).
+        rope, rope_weights: a rope.KernelRope and its rope_key_weights, when keys get the position-aware offset
+            back; None: no offset.
+    Shapes:
+        k_new, v_new: [T, H, D]; cu_seqlens: int32 [B + 1]; k_out, v_out: float16 [rows, H, D].
+    """
     g = pool.geometry
     h, d = g.num_kv_heads, g.head_dim
     if group.rows == 0:
@@ -302,14 +333,22 @@ def materialized_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
                         sm_scale: float | None = None, *, rope=None, plan: MaterializePlan | None = None,
                         scratch: Scratch | None = None, rope_weights: torch.Tensor | None = None,
                         q_rotated: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Chunked-prefill attention over the mixed pool with the arguments and semantics of extend.int2_extend
-    (reference.extend_reference): q [T, Hq, D] unrotated if ``k_rotation`` is given, k_new / v_new [T, H, D] the
-    chunk's rotated, centered keys and rotated values, ``batch`` the cache before the chunk.  Returns [T, Hq, D]
-    in q's dtype, or writes the planned rows of ``out``.
+    """Chunked-prefill attention over the mixed pool with the semantics of extend.int2_extend
+    (reference.extend_reference).
 
-    ``plan`` (MaterializePlan): the sequences to compute (default: all, a host sync).  ``scratch``: buffers to
-    reuse.  ``rope_weights``: rope_key_weights(rope, k_rotation, H) when the caller keeps them per layer.
-    ``q_rotated``: q already rotated (float32), to skip the rotation."""
+    Args:
+        q, k_new, v_new, cu_seqlens, pool, layer, batch, k_rotation, sm_scale, rope: as extend.int2_extend
+            (q unrotated if ``k_rotation`` is given; ``batch``: the cache before the chunk).
+        plan: the sequences to compute (MaterializePlan; default: all, a host sync).
+        scratch: buffers to reuse; None: fresh ones for this call.
+        rope_weights: rope_key_weights(rope, k_rotation, H) when the caller keeps them per layer.
+        q_rotated: q already rotated (float32), to skip the rotation.
+        out: written in place (only the planned sequences' rows); None: a new tensor.
+    Shapes:
+        q, q_rotated, out: [T, Hq, D]; k_new, v_new: [T, Hkv, D], unit stride in D.
+    Returns:
+        [T, Hq, D] in q's dtype (``out`` when given).
+    """
     from .extend import _rotate_chunk_queries
 
     g = pool.geometry

@@ -54,12 +54,16 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
                     clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor,
                     rescale: tuple[float, float] = (0.0, 0.0),
                     k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D]; k_rope: (mu_pre
-    [H, D], cos [T, D], sin [T, D]) of per-position centering: RoPE_p(mu_pre) is subtracted after k_mean.
+    """Store T tokens of one layer; the specification of write.write_kv, with its arguments (``k_rope``:
+    RoPE_p(mu_pre) subtracted after k_mean, then the rotation).
 
     Keys are centered and rotated in float32; a token bound for a window page is stored as BF16,
     one bound for an INT2 page is clipped/quantized from the float32 row (quant.quantize_rows; ``rescale``:
     its strength for keys and values).
+
+    Shapes:
+        k (post-RoPE), v (rotated): [T, Hkv, D]; win_slot, int2_slot: int32 [T]; k_rotation: [Hkv | 1, D, D];
+        k_mean: [Hkv, D]; clip_k_idx, clip_v_idx: int32 [Hkv].
     """
     g = pool.geometry
     p = g.page_size
@@ -155,9 +159,20 @@ def with_rope_offsets(k: torch.Tensor, start: int, rope, k_rotation: torch.Tenso
 
 def decode_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, batch: PagedBatch,
                      k_rotation: torch.Tensor | None, sm_scale: float | None = None, rope=None) -> torch.Tensor:
-    """One new query token per sequence: q [B, Hq, D] (unrotated) -> out float32 [B, Hq, D].
+    """Decode attention, one new query token per sequence; the specification of decode.int2_decode.
 
-    A sequence of length 0 yields zeros.  ``rope``: see with_rope_offsets.
+    A sequence of length 0 yields zeros.
+
+    Args:
+        pool, layer, batch: the pool, the layer and the sequences.
+        q: the unrotated queries.
+        k_rotation: R_K; None: the identity.
+        sm_scale: default 1 / sqrt(D).
+        rope: a rope.KernelRope when keys are centered per position (with_rope_offsets); None: not.
+    Shapes:
+        q: [B, Hq, D]; k_rotation: [Hkv | 1, D, D].
+    Returns:
+        float32 [B, Hq, D].
     """
     g = pool.geometry
     qr = rotate_queries(q, k_rotation, g.num_kv_heads)
@@ -173,9 +188,16 @@ def decode_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, batch: Page
 def extend_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      cu_seqlens: torch.Tensor, batch: PagedBatch, k_rotation: torch.Tensor | None,
                      sm_scale: float | None = None, rope=None) -> torch.Tensor:
-    """Chunked prefill: sequence b's new tokens q[cu[b]:cu[b+1]] ([T, Hq, D], unrotated) attend to its cached
-    history (``batch`` describes the cache *before* the chunk) and causally to the chunk itself, whose
-    rotated keys/values k_new/v_new [T, H, D] are used exactly (as given, BF16).  Returns float32 [T, Hq, D].
+    """Chunked prefill; the specification of extend.int2_extend and materialized_extend.
+
+    Sequence b's new tokens q[cu[b]:cu[b+1]] (unrotated) attend to its cached history (``batch`` describes the
+    cache *before* the chunk) and causally to the chunk itself, whose rotated keys / values k_new / v_new are
+    used exactly as given.  Other arguments as decode_reference.
+
+    Shapes:
+        q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; cu_seqlens: int [B + 1].
+    Returns:
+        float32 [T, Hq, D].
     """
     g = pool.geometry
     qr = rotate_queries(q, k_rotation, g.num_kv_heads)

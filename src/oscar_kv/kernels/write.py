@@ -16,8 +16,8 @@ never.
 
 ``(max - min16) / 3`` must be rounded as torch rounds it on the same device: on CUDA torch divides a tensor
 by a Python scalar as ``x * float32(1/3)`` (one multiply by the reciprocal, off by one float32 ulp for a third
-of all inputs), on the CPU it divides exactly.  That ulp flips the float16 scale in ~1 of 500K groups
-(the v2 GPU test failures), so the kernel asks torch once per device type (``_scalar_div_is_reciprocal``).
+of all inputs), on the CPU it divides exactly.  That ulp flips the float16 scale in ~1 of 500K groups, so the
+kernel asks torch once per device type (``_scalar_div_is_reciprocal``).
 """
 
 from __future__ import annotations
@@ -213,15 +213,28 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
              clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = 16,
              num_warps: int | None = None, rescale: tuple[float, float] = (0.0, 0.0),
              k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Store T tokens of one layer.  k: post-RoPE keys [T, H, D]; v: rotated values [T, H, D] (any float
-    dtype; last dim contiguous); win_slot / int2_slot: int32 [T] flat slots (page*P + offset) or -1
-    (layout.token_slots); k_rotation [Hr, D, D] (Hr in {1, H}) or None when keys arrive rotated;
-    k_mean [H, D] or None; clip_*_idx: int32 [H] (layout.clip_indices); rescale: strengths (keys, values), quant.py;
-    k_rope: per-position centering (rope.py), (mu_pre [H, D], cos [T, D], sin [T, D]) float32 of the tokens'
-    positions: RoPE_p(mu_pre) is subtracted after k_mean.
-    num_warps: default 8 with a rotation
-    (its float32 D x D operand spills out of 4 warps' registers: 79 us a launch instead of 7 on an H200,
-    benchmarks/NOTES.md run W1), else 4."""
+    """Store T tokens of one layer: BF16 into window pages, or clipped, quantized and packed into INT2 pages.
+
+    Args:
+        pool, layer: the pool and the layer to write.
+        k: post-RoPE keys (any float dtype, last dim contiguous).
+        v: rotated values (likewise).
+        win_slot, int2_slot: each token's flat slot (page * P + offset) in the window / INT2 pool, or -1
+            (layout.token_slots).
+        k_rotation: R_K; None when keys arrive rotated.
+        k_mean: the constant key offset subtracted before the rotation; None: none.
+        clip_k_idx, clip_v_idx: per KV head, the index of the clip threshold in a row's ascending |x|
+            (layout.clip_indices).
+        block_t: tokens per program.
+        num_warps: default 8 with a rotation (its float32 D x D operand spills out of 4 warps' registers: 79 us
+            a launch instead of 7 on an H200; benchmarks/NOTES.md, "Tensor parallelism on 2 x H200"), else 4.
+        rescale: the quantizer's rescale strengths (keys, values), quant.py.
+        k_rope: per-position centering (rope.py): (mu_pre, cos, sin) float32 at the tokens' positions;
+            RoPE_p(mu_pre) is subtracted after k_mean.  None: none.
+    Shapes:
+        k, v: [T, Hkv, D]; win_slot, int2_slot: int32 [T]; k_rotation: [Hkv | 1, D, D]; k_mean: [Hkv, D];
+        clip_k_idx, clip_v_idx: int32 [Hkv]; k_rope: ([Hkv, D], [T, D], [T, D]).
+    """
     g = pool.geometry
     t, h, d = k.shape
     if t == 0:
@@ -249,9 +262,19 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
 def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
                   clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, num_warps: int = 4,
                   rescale: tuple[float, float] = (0.0, 0.0)) -> None:
-    """Quantize full BF16 window pages into INT2 pages, every layer, one launch.  src/dst: int32 [M];
-    clip_*_idx: int32 [L, H]; rescale: strengths (keys, values), the same for every layer (quant.py).  The caller
-    then swaps the block-table entries and frees the window pages."""
+    """Quantize full BF16 window pages into INT2 pages, every layer, one launch.  The caller then swaps the
+    block-table entries and frees the window pages.
+
+    Args:
+        pool: the pool.
+        src_win_pages, dst_int2_pages: window page src_win_pages[m] is quantized into INT2 page
+            dst_int2_pages[m].
+        clip_k_idx, clip_v_idx: per layer and KV head, as write_kv's.
+        num_warps: Triton's.
+        rescale: the quantizer's rescale strengths (keys, values), the same for every layer (quant.py).
+    Shapes:
+        src_win_pages, dst_int2_pages: int32 [M]; clip_k_idx, clip_v_idx: int32 [L, Hkv].
+    """
     g = pool.geometry
     m = src_win_pages.numel()
     if m == 0:
