@@ -5,12 +5,13 @@
 Per decode step: ``schedule`` = Scheduler.schedule (pages, migrations); ``plan`` = the runner's index plan
 (PagedForward in kernel mode, its DecodeStep block tables included) and the step's token ids (what ModelRunner.run
 builds before the forward); ``finish`` = Scheduler.finish_step for every sequence (frees migrated pages, offers
-newly sealed pages to the prefix cache).  ``gather``: the part of ``plan`` spent in BlockTables.gather (the copy of the
-step's rows out of the device table: on the CPU a host memcpy of batch x pages x 4 bytes, on a GPU one kernel).  Sequences are set up by the real scheduler and pool: one prefill step
-of ``--context`` + i tokens for sequence i (lengths staggered so page boundaries fall on different steps), then
-``--steps`` timed decode steps.  The geometry is 1 layer, 1 KV head, head dim 64, page 16: the pool tensors are
-never written (torch.empty), so 6.4M tokens cost little memory.  On the CPU the "device" work (table gather,
-scatter) runs on the host too; on a GPU it is asynchronous kernels.
+newly sealed pages to the prefix cache); ``gather``: the part of ``plan`` spent in BlockTables.gather (the copy of
+the step's rows out of the device table: on the CPU a host memcpy of batch x pages x 4 bytes, on a GPU one kernel).
+
+Sequences are set up by the real scheduler and pool: one prefill step of ``--context`` + i tokens for sequence i
+(lengths staggered so page boundaries fall on different steps), then ``--steps`` timed decode steps.  The geometry
+is 1 layer, 1 KV head, head dim 64, page 16: the pool tensors are never written (torch.empty), so 6.4M tokens cost
+little memory.  The script runs on the tree before issue 19 too (no block tables there: gather reads 0).
 """
 
 import argparse
