@@ -351,6 +351,7 @@ def clone_sequence(unit: Unit, src):
     engine.runner.copy_pages(WINDOW, src_w, [p for p, k in zip(seq.pages, kinds) if k != QUANT])  # on every rank
     if src_q:
         engine.runner.copy_pages(QUANT, src_q, [p for p, k in zip(seq.pages, kinds) if k == QUANT])
+    pool.tables.assign(seq)
     seq.status = SeqStatus.RUNNING
     engine.scheduler.running.append(seq)
     engine.requests[seq.request_id] = seq

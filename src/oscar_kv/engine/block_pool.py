@@ -29,6 +29,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels.layout import PoolGeometry
+from .block_table import BlockTables
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class PageAllocator:
 
 
 class PagePool:
-    """The KV tensors of both pools and their allocators."""
+    """The KV tensors of both pools, their allocators, and the running sequences' block tables (``tables``)."""
 
     def __init__(self, plan: PoolPlan, device: torch.device | str = "cpu"):
         g = plan.geometry
@@ -176,6 +177,9 @@ class PagePool:
                     meta.append(torch.empty(nq, h, p, 2 * ng, dtype=torch.float16, device=device))
         self.window = PageAllocator(plan.window_pages, WINDOW)
         self.quant = PageAllocator(plan.quant_pages, QUANT)
+        self.tables = BlockTables(device)
+        # read per sequence and step: the geometry's properties recompute them on every access
+        self.sink_pages, self.quantizes = g.sink_pages, g.quantizes
         self.hit_tokens = 0
         self.queried_tokens = 0
 
@@ -183,7 +187,7 @@ class PagePool:
         return self.window if kind == WINDOW else self.quant
 
     def kind_of(self, logical_page: int, int2_pages: int) -> str:
-        sp = self.geometry.sink_pages
+        sp = self.sink_pages
         return QUANT if sp <= logical_page < sp + int2_pages else WINDOW
 
     def tensor_bytes(self) -> int:
@@ -238,8 +242,8 @@ class PagePool:
         """Offer ``seq``'s newly sealed pages (full, final form) to the prefix cache."""
         g = self.geometry
         full = seq.num_computed // g.page_size
-        if g.quantizes:
-            sealed = min(full, g.sink_pages) if seq.int2_pages == 0 else g.sink_pages + seq.int2_pages
+        if self.quantizes:
+            sealed = min(full, self.sink_pages) if seq.int2_pages == 0 else self.sink_pages + seq.int2_pages
             sealed = min(sealed, full)
         else:
             sealed = full
@@ -251,6 +255,7 @@ class PagePool:
     def release_seq(self, seq) -> None:
         for i, page in enumerate(seq.pages):
             self.allocator(self.kind_of(i, seq.int2_pages)).release(page)
+        self.tables.release(seq)
         seq.pages, seq.int2_pages, seq.num_computed, seq.registered_pages = [], 0, 0, 0
 
     def reset_prefix_cache(self) -> None:

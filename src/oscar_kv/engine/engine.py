@@ -137,6 +137,7 @@ class LLMEngine:
         self.plan = plan_pool(pool_geometry, int(memory * GB), self.max_model_len, config.max_num_seqs)
         self._check_plan(memory)
         self.pool = PagePool(self.plan, self.device)
+        self.pool.tables.reserve(config.max_num_seqs, pool_geometry.pages_for(self.max_model_len))
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_prefix_caching)
         self.kernel_status = kernel_support(self.pool, config.attention_backend,

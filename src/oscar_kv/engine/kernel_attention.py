@@ -134,12 +134,14 @@ class PoolView:
         return hit[1]
 
 
-def _block_table(tables: list[list[int]], device) -> torch.Tensor:
-    # numpy fills rows from Python lists ~10x faster than torch.tensor per row (a 100K-token sequence has 6K pages)
-    table = np.zeros((len(tables), max(1, max(len(t) for t in tables))), dtype=np.int32)
-    for i, t in enumerate(tables):
-        table[i, :len(t)] = t
-    return torch.from_numpy(table).to(device)
+def _step_batch(view: PoolView, steps, lengths: list[int], int2_pages: list[int]) -> PagedBatch:
+    """The step's block tables (its rows of the pool's device tables, gathered on the device: no host work per
+    page) with ``lengths`` / ``int2_pages`` as seq_lens / int2_pages; one host-to-device copy for the three."""
+    tables = view.pool.tables
+    meta = np.array([tables.rows_of(st.seq for st in steps), lengths, int2_pages], dtype=np.int32)
+    meta = torch.from_numpy(meta).to(view.pool.device)  # numpy builds it faster than torch.tensor
+    width = max(1, max(len(st.seq.pages) for st in steps))
+    return PagedBatch(tables.gather(meta[0], width), meta[1], meta[2])
 
 
 class DecodeStep:
@@ -158,11 +160,7 @@ class DecodeStep:
         """``steps``: the step's ScheduledSeqs, one token each, already counted in their page tables."""
         seq_lens = [st.end for st in steps]
         int2_pages = [st.seq.int2_pages for st in steps]
-        dev = view.pool.device
-        batch = PagedBatch(_block_table([st.seq.pages for st in steps], dev),
-                           torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                           torch.tensor(int2_pages, dtype=torch.int32, device=dev))
-        return cls(view, batch, max(int2_pages), max(seq_lens))
+        return cls(view, _step_batch(view, steps, seq_lens, int2_pages), max(int2_pages), max(seq_lens))
 
     def attend(self, layer_idx: int, codec, query: torch.Tensor, keys=None, values=None,
                scaling: float | None = None) -> torch.Tensor:
@@ -203,11 +201,8 @@ class ExtendStep:
         self.cu = cu
         self.starts = [st.start for st in steps]
         self.history_int2 = history_int2
-        self.tables = [st.seq.pages for st in steps]
         self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
-        self.batch = PagedBatch(_block_table(self.tables, dev),
-                                torch.tensor(self.starts, dtype=torch.int32, device=dev),
-                                torch.tensor(history_int2, dtype=torch.int32, device=dev))
+        self.batch = _step_batch(view, steps, self.starts, history_int2)
         self.max_seqlen = max(st.num_tokens for st in steps)
         self.max_int2_pages = max(history_int2)
         self.max_position = max(st.end for st in steps)
@@ -283,9 +278,9 @@ class _KernelPart:
             sub_cu.append(sub_cu[-1] + cu[i + 1] - cu[i])
         self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
         self.cu_seqlens = torch.tensor(sub_cu, dtype=torch.int32, device=dev)
-        self.batch = PagedBatch(_block_table([step.tables[i] for i in seqs], dev),
-                                torch.tensor([step.starts[i] for i in seqs], dtype=torch.int32, device=dev),
-                                torch.tensor([step.history_int2[i] for i in seqs], dtype=torch.int32, device=dev))
+        pick = torch.tensor(seqs, dtype=torch.long, device=dev)
+        self.batch = PagedBatch(*(x.index_select(0, pick) for x in (step.batch.block_table, step.batch.seq_lens,
+                                                                     step.batch.int2_pages)))
         self.max_seqlen = max(cu[i + 1] - cu[i] for i in seqs)
         self.max_int2_pages = max(step.history_int2[i] for i in seqs)
 

@@ -115,13 +115,13 @@ class PagedForward:
     def __init__(self, pool: PagePool, codecs: list[LayerCodec], steps: list[ScheduledSeq],
                  kernels: PoolView | None = None):
         self.pool, self.codecs, self.steps = pool, codecs, steps
-        # position of every token of the step, in batch order: the position ids, and position-aware key centering
-        self.positions = torch.cat([torch.arange(st.start, st.end) for st in steps]).to(pool.device)
         # With kernels enabled, decode-only steps use the decode kernel and others the extend kernel.
         self.kernel_step = kernel_step(kernels, steps) if kernels is not None else None
         if self.kernel_step is not None:
             self._plan_kernels(kernels)
             return
+        # position of every token of the step, in batch order: the position ids, and position-aware key centering
+        self.positions = torch.cat([torch.arange(st.start, st.end) for st in steps]).to(pool.device)
         g = pool.geometry
         p, sink_end = g.page_size, g.sink_pages * g.page_size
         win_writes, win_src, q_writes, q_src, mig_src, mig_dst = [], [], [], [], [], []
@@ -166,14 +166,14 @@ class PagedForward:
         self.num_tokens = offset
 
     def _plan_kernels(self, view: PoolView) -> None:
-        """Kernel mode: flat window / INT2 slots of the step's tokens and the migrating pages."""
+        """Kernel mode: flat window / INT2 slots and positions of the step's tokens, and the migrating pages
+        (host work per token and migration, never per page of a sequence's history)."""
         g = self.pool.geometry
-        p, sink_end = g.page_size, g.sink_pages * g.page_size
-        win, q, src, dst, views = [], [], [], [], []
-        offset = 0
+        p, sink_end = g.page_size, self.pool.sink_pages * g.page_size
+        win, q, positions, src, dst = [], [], [], [], []
         for step in self.steps:
             pages = step.seq.pages
-            hist_end = sink_end + step.seq.int2_pages * p if g.quantizes else sink_end
+            hist_end = sink_end + step.seq.int2_pages * p if self.pool.quantizes else sink_end
             for t in range(step.start, step.end):
                 slot = pages[t // p] * p + t % p
                 if sink_end <= t < hist_end:
@@ -182,13 +182,15 @@ class PagedForward:
                 else:
                     win.append(slot)
                     q.append(-1)
+            positions += range(step.start, step.end)
             src += [m.src for m in step.migrations]
             dst += [m.dst for m in step.migrations]
-            views.append(_SeqView((offset, offset + step.num_tokens), step.start, (0, 0), (0, 0), (0, 0)))
-            offset += step.num_tokens
         dev = self.pool.device
-        self.view, self.views, self.num_tokens = view, views, offset
-        slots = torch.tensor([win, q], dtype=torch.int32).to(dev)  # one copy for both
+        self.view, self.views, self.num_tokens = view, [], len(positions)
+        # one host-to-device copy for the slots and the position ids (numpy builds it faster than torch.tensor)
+        plan = torch.from_numpy(np.array([win, q, positions], dtype=np.int64)).to(dev)
+        self.positions = plan[2]
+        slots = plan[:2].to(torch.int32)
         self.win_slot, self.int2_slot = slots[0], slots[1]
         # the stored keys come from write_kv's own float32 centering and rotation unless the attention needs them
         # too or some token is quantized right away (its codes then come from the float64 rotation, as in _write)
@@ -360,7 +362,7 @@ class ModelRunner:
     """Runs a step's forward and samples the next token of each sequence that completed its tokens.
 
     Under tensor parallelism rank 0 runs the scheduler and calls ``run``; before its forward it sends the
-    step (token ids, page tables, migrations) to the other ranks, which wait in ``follow`` and run the same
+    step (token ids, block-table changes, migrations) to the other ranks, which wait in ``follow`` and run the same
     forward on their heads: the row-parallel all-reduces inside the model meet.  Only rank 0 samples."""
 
     def __init__(self, model, pool: PagePool, codecs: list[LayerCodec], kernels: PoolView | None = None,
@@ -373,17 +375,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
+        changes = self.pool.tables.flush()  # the scheduler's block-table changes, for this rank and the others
         fwd = PagedForward(self.pool, self.codecs, steps, self.kernels)
-        ids = []
-        for st in steps:
-            ids += st.seq.tokens[st.start:st.end]
+        ids = step_token_ids(steps)
         if self.tp.size > 1:
-            self.tp.broadcast(("step", _wire(steps, ids)))
+            self.tp.broadcast(("step", _wire(steps, ids, changes)))
         hidden = self._forward(fwd, torch.tensor([ids], dtype=torch.long, device=self.device))
-        sampling = [st for st in steps if st.samples]
+        sampling, last, offset = [], [], 0
+        for st in steps:  # each sampling sequence's last token in the packed row
+            offset += st.num_tokens
+            if st.samples:
+                sampling.append(st)
+                last.append(offset - 1)
         if not sampling:
             return {}
-        last = torch.tensor([fwd.views[steps.index(st)].chunk[1] - 1 for st in sampling], device=self.device)
+        last = torch.tensor(last, device=self.device)
         logits = self.model.lm_head(hidden[0, last]).float()
         return dict(zip((st.seq for st in sampling), sample(logits, [st.seq for st in sampling])))
 
@@ -423,31 +429,45 @@ class ModelRunner:
             if op == "copy":
                 self.copy_pages(*payload)
                 continue
-            steps, ids = _unwire(payload)
+            steps, ids = _unwire(payload, self.pool.tables)
             fwd = PagedForward(self.pool, self.codecs, steps, self.kernels)
             self._forward(fwd, torch.tensor([ids], dtype=torch.long, device=self.device))
 
 
+def step_token_ids(steps: list[ScheduledSeq]) -> list[int]:
+    """The token ids a step computes, in batch order."""
+    ids = []
+    for st in steps:
+        ids += st.seq.token_range(st.start, st.end)
+    return ids
+
+
 @dataclass(eq=False)
 class _PageTable:
-    """What a following rank knows of a sequence: its page table as rank 0 scheduled the step."""
+    """What a following rank knows of a sequence: its page table as rank 0 scheduled the step (a view of the
+    rank's block-table mirror) and its block-table row."""
 
     pages: np.ndarray
     int2_pages: int
     num_tokens: int
+    block_row: int
 
 
-def _wire(steps: list[ScheduledSeq], ids: list[int]) -> dict:
-    """A step as plain arrays (cheap to pickle: a 100K-token sequence has 6K pages)."""
+def _wire(steps: list[ScheduledSeq], ids: list[int], changes: np.ndarray | None) -> dict:
+    """A step as plain arrays: the block-table changes since the last step, not the page lists (a 100K-token
+    sequence has 6K pages)."""
     return dict(ids=ids, starts=[st.start for st in steps], counts=[st.num_tokens for st in steps],
-                int2=[st.seq.int2_pages for st in steps],
-                pages=[np.asarray(st.seq.pages, dtype=np.int32) for st in steps],
+                int2=[st.seq.int2_pages for st in steps], rows=[st.seq.block_row for st in steps],
+                num_pages=[len(st.seq.pages) for st in steps], changes=changes,
                 migrations=[[(m.index, m.src, m.dst) for m in st.migrations] for st in steps])
 
 
-def _unwire(wire: dict) -> tuple[list[ScheduledSeq], list[int]]:
+def _unwire(wire: dict, tables) -> tuple[list[ScheduledSeq], list[int]]:
+    """The step on a following rank, after applying rank 0's block-table changes to this rank's ``tables``."""
+    tables.apply(wire["changes"])
     steps = []
-    for start, n, int2, pages, migs in zip(wire["starts"], wire["counts"], wire["int2"], wire["pages"],
-                                           wire["migrations"]):
-        steps.append(ScheduledSeq(_PageTable(pages, int2, start + n), start, n, [Migration(*m) for m in migs]))
+    for start, n, int2, row, num_pages, migs in zip(wire["starts"], wire["counts"], wire["int2"], wire["rows"],
+                                                    wire["num_pages"], wire["migrations"]):
+        pages = tables.host[row, :num_pages]
+        steps.append(ScheduledSeq(_PageTable(pages, int2, start + n, row), start, n, [Migration(*m) for m in migs]))
     return steps, wire["ids"]

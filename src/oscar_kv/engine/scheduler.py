@@ -119,6 +119,7 @@ class Scheduler:
             self.waiting.popleft()
             self.pool.queried_tokens += seq.num_tokens
             self.pool.hit_tokens += seq.num_computed
+            self.pool.tables.assign(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(step)
@@ -141,9 +142,11 @@ class Scheduler:
         h_old = seq.int2_pages
         h_new = max(h_old, geometry.int2_pages_for(end))
         num_pages = geometry.pages_for(end)
+        if h_new == h_old and num_pages <= len(seq.pages):
+            return ScheduledSeq(seq, start, n)  # most decode steps: the same pages
         # Only two kinds of pages change (cost independent of the sequence length): existing recent
         # pages that join the history (window -> quantized) and the new pages at the end.
-        migrating = range(geometry.sink_pages + h_old, min(geometry.sink_pages + h_new, len(seq.pages)))
+        migrating = range(pool.sink_pages + h_old, min(pool.sink_pages + h_new, len(seq.pages)))
         added = range(len(seq.pages), num_pages)
         need = {WINDOW: 0, QUANT: len(migrating)}
         for i in added:
@@ -152,13 +155,17 @@ class Scheduler:
                 (need[QUANT] and need[QUANT] + reserve > pool.quant.available):
             return None
         fresh = {kind: iter(pool.allocator(kind).allocate(k)) for kind, k in need.items()}
-        pages, migrations = list(seq.pages), []
+        # in place and recorded for the device block tables: never a copy of the whole list (block_table.py)
+        pages, migrations = seq.pages, []
         for i in migrating:
             page = next(fresh[QUANT])
             migrations.append(Migration(i, pages[i], page))
             pages[i] = page
-        pages += [next(fresh[pool.kind_of(i, h_new)]) for i in added]
-        seq.pages, seq.int2_pages = pages, h_new
+            pool.tables.write(seq, i, (page,))
+        new = [next(fresh[pool.kind_of(i, h_new)]) for i in added]
+        pool.tables.write(seq, len(pages), new)
+        pages += new
+        seq.int2_pages = h_new
         return ScheduledSeq(seq, start, n, migrations)
 
     def finish_step(self, step: ScheduledSeq) -> None:

@@ -61,6 +61,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     pages: list[int] = field(default_factory=list)
     int2_pages: int = 0
+    block_row: int = -1  # its row of the pool's device block tables while running (block_table.py)
     num_computed: int = 0
     registered_pages: int = 0  # leading pages already offered to the prefix cache
     prefix_hit_tokens: int = 0
@@ -84,6 +85,15 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_range(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without building the whole token list (per step: O(end - start), not O(context))."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
@@ -94,11 +104,10 @@ class Sequence:
 
     def page_hash(self, index: int, page_size: int) -> bytes:
         """Chained hash of the tokens of pages [0, index]: equal hashes mean equal token prefixes."""
-        tokens = self.tokens
         while len(self._page_hashes) <= index:
             i = len(self._page_hashes)
             parent = self._page_hashes[-1] if self._page_hashes else b""
-            chunk = tokens[i * page_size:(i + 1) * page_size]
+            chunk = self.token_range(i * page_size, (i + 1) * page_size)
             if len(chunk) < page_size:
                 raise ValueError("only full pages have a hash")
             h = hashlib.blake2b(parent, digest_size=16)
