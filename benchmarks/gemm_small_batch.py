@@ -1,0 +1,76 @@
+"""Decode-step GEMMs of one model at small batch: time and share of copy bandwidth per shape, cuBLAS against
+cuBLASLt (torch.backends.cuda.preferred_blas_library), with and without a bias.
+
+    python3 benchmarks/gemm_small_batch.py [--arch qwen3-8b] [--batches 1,8,16]
+
+Shapes are the executor's (models/llama.py): q|k|v, o_proj, gate|up, down, lm_head.  Times are medians of CUDA
+graph replays of 20 back-to-back calls on distinct weight copies (so the L2 cache holds none of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from oscar_kv.bench.attention import copy_bandwidth
+from oscar_kv.bench.decode import ARCHS
+
+
+def shapes(arch: str) -> dict[str, tuple[int, int]]:
+    a = ARCHS[arch]
+    d, hq, hkv, c, f = a["head_dim"], a["num_attention_heads"], a["num_key_value_heads"], a["hidden_size"], \
+        a["intermediate_size"]
+    return {"qkv": ((hq + 2 * hkv) * d, c), "o_proj": (c, hq * d), "gate_up": (2 * f, c), "down": (c, f),
+            "lm_head": (a["vocab_size"], c)}
+
+
+def time_linear(n: int, k: int, m: int, bias: bool) -> float:
+    """ms per call."""
+    copies = max(2, min(20, int(4e9 // (2 * n * k))))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for w in ws:  # warm up (and pick the algorithm) outside the graph
+        torch.nn.functional.linear(x, w, b)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for w in ws:
+            torch.nn.functional.linear(x, w, b)
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / copies)
+    del ws, g
+    torch.cuda.empty_cache()
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="qwen3-8b", choices=sorted(ARCHS))
+    ap.add_argument("--batches", default="1,8,16")
+    args = ap.parse_args()
+    bw = copy_bandwidth(torch.device("cuda"))
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; ms per call (% of copy bandwidth for the weight bytes)")
+    print(f"{'shape':>8} {'n x k':>14} {'m':>3} {'cublas':>15} {'cublaslt':>15} {'cublas+b':>15} {'cublaslt+b':>15}")
+    for name, (n, k) in shapes(args.arch).items():
+        floor = 2 * n * k / bw * 1e3
+        for m in (int(x) for x in args.batches.split(",")):
+            cells = []
+            for bias in (False, True):
+                for lib in ("cublas", "cublaslt"):
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    ms = time_linear(n, k, m, bias)
+                    cells.append(f"{ms:7.4f} ({100 * floor / ms:3.0f}%)")
+            print(f"{name:>8} {f'{n}x{k}':>14} {m:>3} " + " ".join(f"{c:>15}" for c in cells), flush=True)
+    torch.backends.cuda.preferred_blas_library("cublas")
+
+
+if __name__ == "__main__":
+    main()
