@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from oscar_kv.bench.attention import copy_bandwidth
-from oscar_kv.bench.decode import ARCHS
+from oscar_kv.bench.models import ARCHS
 
 
 def shapes(arch: str) -> dict[str, tuple[int, int]]:

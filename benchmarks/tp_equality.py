@@ -20,7 +20,7 @@ import torch
 
 from oscar_kv import parallel
 from oscar_kv.artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
-from oscar_kv.bench.decode import TokenIdsOnly, build_model
+from oscar_kv.bench.models import TokenIdsOnly, build_model
 from oscar_kv.engine import EngineConfig, LLMEngine, SamplingParams
 from oscar_kv.models import AttentionGeometry
 

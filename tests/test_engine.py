@@ -174,6 +174,35 @@ def test_abort_releases_pages(model, tokenizer, small_rotations):
     assert engine.pool.all_free() and not engine.has_work()
 
 
+def test_fork_continues_from_the_same_cache_and_pause_keeps_it(model, tokenizer, small_rotations, long_prompt):
+    """A fork copies a request's pages (INT2 history and BF16 windows): greedy, it produces the tokens the original
+    produces; a paused request is not scheduled and keeps its pages."""
+    engine = make_engine(model, tokenizer, small_rotations, page_size=16, sink_size=16, recent_size=32)
+    prompt = build_prompt(tokenizer, long_prompt)[0].tolist()
+    engine.add_request("a", prompt, SamplingParams(max_tokens=40, **GREEDY))
+    while engine.requests["a"].num_computed < len(prompt):  # prefilled, its first token sampled
+        engine.step()
+    assert engine.requests["a"].int2_pages > 0
+    engine.fork("a", "b")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.fork("a", "b")
+    engine.pause("b")
+    tokens = {"a": [], "b": []}
+    for _ in range(5):
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+    assert len(tokens["a"]) == 5 and tokens["b"] == []
+    engine.resume("b")
+    engine.pause("a")
+    for _ in range(5):
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+    assert tokens["b"] == tokens["a"]
+    engine.resume("a")
+    run_all(engine)
+    assert engine.pool.all_free()
+
+
 def test_requests_that_cannot_fit_are_refused(model, tokenizer, small_rotations):
     engine = make_engine(model, tokenizer, small_rotations, max_model_len=64)
     with pytest.raises(ValueError, match="maximum context length is 64"):

@@ -59,92 +59,11 @@ import torch
 from ..config import ATTENTION_BACKENDS, MODEL_IMPLS, SERVED_KV_CACHE_DTYPES
 from ..rope import DEFAULT_PAIRS
 from .attention import _ints
+from .models import ARCHS, TokenIdsOnly, build_model
+from .report import finish_throughput, fmt_breakdown, fmt_row, plot, print_tables, speedups
 
 GB = 1e9
-
-# Public architecture numbers (config.json of each model).  Qwen3's published max_position_embeddings is
-# 40960 (131072 with YaRN per the model card); 131072 is used so that 100K contexts are accepted - RoPE
-# scaling does not change the cost of a step.
-ARCHS = {
-    "qwen3-8b": dict(cls="Qwen3Config", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                     rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
-                     max_window_layers=36),
-    "qwen3-4b": dict(cls="Qwen3Config", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                     rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
-                     max_window_layers=36),
-    "llama-3.1-8b": dict(cls="LlamaConfig", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         max_position_embeddings=131072,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 8192},
-                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000,
-                         eos_token_id=[128001, 128008, 128009]),
-    # mixture of experts: Qwen3-style attention (4 KV heads), 128 experts of which 8 run per token
-    "qwen3-30b-a3b": dict(cls="Qwen3MoeConfig", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
-                          mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                          head_dim=128, max_position_embeddings=131072,
-                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
-                          tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
-    # For CPU tests: head dim 64 is the smallest the extend kernel accepts.
-    "tiny": dict(cls="LlamaConfig", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=131072,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
-                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
-}
 SCHEMES = SERVED_KV_CACHE_DTYPES
-
-
-# ---------------------------------------------------------------------------------------------- model
-def build_model(arch: str, layers: int | None, device: torch.device, dtype: torch.dtype | None = None):
-    """A causal LM with the architecture's public numbers and random weights (bf16 on a GPU), built on ``device``."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    spec = dict(ARCHS[arch])
-    config = getattr(transformers, spec.pop("cls"))(**spec)
-    if layers:
-        config.num_hidden_layers = min(layers, config.num_hidden_layers)
-        if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[:config.num_hidden_layers]
-        if getattr(config, "max_window_layers", None):
-            config.max_window_layers = min(config.max_window_layers, config.num_hidden_layers)
-    # bf16 as served on a GPU; float32 on the CPU, where bf16 matmuls are slow and timings are not meaningful anyway
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    started = time.perf_counter()
-    # Parameters are created and initialized (normal_, std 0.02) on the device itself: seconds for 8B on a GPU.
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.eval().requires_grad_(False)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    params = sum(p.numel() for p in model.parameters())
-    info = dict(arch=arch, model_type=config.model_type, num_layers=config.num_hidden_layers,
-                hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                num_attention_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim, vocab_size=config.vocab_size,
-                max_position_embeddings=config.max_position_embeddings, parameters=params,
-                weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-                streamed_weight_bytes=streamed_weight_bytes(model),
-                build_seconds=round(time.perf_counter() - started, 2),
-                weights=f"random (normal, std 0.02), {str(dtype).replace('torch.', '')}")
-    return model, info
-
-
-def streamed_weight_bytes(model) -> int:
-    """Weight bytes a decode step reads: every parameter except an untied input embedding (it reads only the
-    batch's rows)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.get_input_embeddings().weight
-    if embed is not model.get_output_embeddings().weight:
-        total -= embed.numel() * embed.element_size()
-    return total
-
 
 def decode_floor(geometry, weight_bytes: int, context: int, batch: int, bandwidth: float | None) -> dict:
     """The memory-bandwidth floor of one decode step: the weights once plus every sequence's cache (all layers),
@@ -156,17 +75,6 @@ def decode_floor(geometry, weight_bytes: int, context: int, batch: int, bandwidt
     return out
 
 
-class TokenIdsOnly:
-    """Stand-in tokenizer: the engine detokenizes outputs (discarded here) and falls back to
-    ``eos_token_id`` when the generation config has none.  Requests set ignore_eos, so no EOS stops them."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return ""
-
-
-# ---------------------------------------------------------------------------------------------- pool arithmetic
 def pool_geometry(scheme: str, geometry, page_size: int, sink: int, recent: int):
     """The pool geometry the engine builds for ``scheme`` (data-free rotations: every layer at 2 bits)."""
     from ..kernels.layout import PoolGeometry
@@ -238,26 +146,35 @@ class Regions:
     then partition the stream's timeline of a step (a CPU-only region shows up as the time the GPU waited
     for it), so they add up to the step time measured with synchronize."""
 
-    def __init__(self, clock: Clock):
-        self.clock = clock
+    def __init__(self, clock: Clock, names: tuple[str, ...] | None = None):
+        self.clock, self.names = clock, names  # names: the regions recorded (None: all)
         self.marks: dict[str, list] = {}
 
-    def wrap(self, name: str, fn):
-        clock = self.clock
-
-        def timed(*args, **kwargs):
-            if clock.cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = fn(*args, **kwargs)
+    @contextlib.contextmanager
+    def region(self, name: str):
+        """The engine's timing seam (engine/timing.py): ``engine.runner.regions = this``."""
+        if self.names is not None and name not in self.names:
+            yield
+            return
+        if self.clock.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
                 end.record()
                 self.marks.setdefault(name, []).append((start, end))
-            else:
-                t0 = time.perf_counter()
-                out = fn(*args, **kwargs)
+        else:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
                 self.marks.setdefault(name, []).append(time.perf_counter() - t0)
-            return out
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            with self.region(name):
+                return fn(*args, **kwargs)
 
         return timed
 
@@ -335,27 +252,8 @@ def _room(pool, length: int, n: int) -> bool:
 @torch.no_grad()
 def clone_sequence(unit: Unit, src):
     """A new running sequence whose pages are fresh copies of ``src``'s pages (same tokens, same state)."""
-    from ..engine.block_pool import QUANT, WINDOW
-    from ..engine.sequence import Sequence, SeqStatus
-
-    engine, pool = unit.engine, unit.engine.pool
     unit.counter += 1
-    seq = Sequence(f"{unit.scheme}-{unit.context}-{unit.counter}", src.prompt_ids, src.params)
-    seq.output_ids = list(src.output_ids)
-    kinds = [pool.kind_of(i, src.int2_pages) for i in range(len(src.pages))]
-    src_q = [p for p, k in zip(src.pages, kinds) if k == QUANT]
-    src_w = [p for p, k in zip(src.pages, kinds) if k != QUANT]
-    new_q, new_w = iter(pool.quant.allocate(len(src_q))), iter(pool.window.allocate(len(src_w)))
-    seq.pages = [next(new_q) if k == QUANT else next(new_w) for k in kinds]
-    seq.int2_pages, seq.num_computed = src.int2_pages, src.num_computed
-    engine.runner.copy_pages(WINDOW, src_w, [p for p, k in zip(seq.pages, kinds) if k != QUANT])  # on every rank
-    if src_q:
-        engine.runner.copy_pages(QUANT, src_q, [p for p, k in zip(seq.pages, kinds) if k == QUANT])
-    pool.tables.assign(seq)
-    seq.status = SeqStatus.RUNNING
-    engine.scheduler.running.append(seq)
-    engine.requests[seq.request_id] = seq
-    return seq
+    return unit.engine.fork(src.request_id, f"{unit.scheme}-{unit.context}-{unit.counter}")
 
 
 def release(unit: Unit, seqs) -> None:
@@ -365,33 +263,31 @@ def release(unit: Unit, seqs) -> None:
 
 
 class StepTimer:
-    """Per engine step: wall time, time in ModelRunner.run, and in PagedForward.__init__ (the plan)."""
+    """Per engine step: wall time, time in ModelRunner.run, and in its step plan (engine/timing.py's regions
+    "runner" and "step_plan", host clock with a device sync at each edge)."""
 
     def __init__(self, engine, clock: Clock):
         self.engine, self.clock = engine, clock
         self.runner_s = self.plan_s = 0.0
 
     @contextlib.contextmanager
+    def region(self, name: str):
+        if name not in ("runner", "step_plan"):
+            yield
+            return
+        t0 = self.clock.now()
+        try:
+            yield
+        finally:
+            spent = self.clock.now() - t0
+            if name == "runner":
+                self.runner_s += spent
+            else:
+                self.plan_s += spent
+
+    @contextlib.contextmanager
     def installed(self):
-        from ..engine import runner as runner_mod
-
-        timer, clock = self, self.clock
-        base = runner_mod.PagedForward
-        run = self.engine.runner.run
-
-        class TimedForward(base):
-            def __init__(self, *args, **kwargs):
-                t0 = clock.now()
-                super().__init__(*args, **kwargs)
-                timer.plan_s += clock.now() - t0
-
-        def timed_run(steps):
-            t0 = clock.now()
-            out = run(steps)
-            timer.runner_s += clock.now() - t0
-            return out
-
-        with patched(runner_mod, "PagedForward", TimedForward), patched(self.engine.runner, "run", timed_run):
+        with patched(self.engine.runner, "regions", self):
             yield self
 
     def step(self, seqs) -> dict:
@@ -410,19 +306,11 @@ class StepTimer:
 
 
 @contextlib.contextmanager
-def attend_timer(clock: Clock):
-    """While active, the time spent in PagedForward.attend (every layer's key rotation, KV write and attention),
-    as Regions' "attend" (CUDA events on a GPU)."""
-    from ..engine import runner as runner_mod
-
-    regions = Regions(clock)
-    wrap = regions.wrap
-
-    class TimedAttend(runner_mod.PagedForward):
-        def attend(self, *args, **kwargs):
-            return wrap("attend", super().attend)(*args, **kwargs)
-
-    with patched(runner_mod, "PagedForward", TimedAttend):
+def attend_timer(engine, clock: Clock):
+    """While active, the time spent in the attention layers (every layer's key rotation, KV write and attention),
+    as Regions' "attend_total" (CUDA events on a GPU)."""
+    regions = Regions(clock, ("attend_total",))
+    with patched(engine.runner, "regions", regions):
         yield regions
 
 
@@ -464,11 +352,9 @@ def time_decode(engine, seqs, steps: int, warmup: int, clock: Clock) -> dict:
 
 
 def breakdown(engine, seqs, steps: int, clock: Clock, profile_steps: int) -> dict:
-    """Where one decode step's time goes (average over ``steps`` steps), and a GPU kernel summary.  Under
-    tensor parallelism only the kernel summary (rank 0's GPU, graph-mode steps): the regions patch rank 0's
-    forward, which the other ranks would no longer match."""
-    from ..engine import runner as runner_mod
-
+    """Where one decode step's time goes (average over ``steps`` steps, eager: the runner's timing regions,
+    engine/timing.py), and a GPU kernel summary.  Under tensor parallelism only the kernel summary (rank 0's GPU,
+    graph-mode steps): rank 0 alone would run eagerly."""
     if engine.tp.size > 1:
         out = dict(steps=0, regions_ms={}, note="tensor parallel: GPU kernels of rank 0 only")
         if clock.cuda and profile_steps:
@@ -477,38 +363,9 @@ def breakdown(engine, seqs, steps: int, clock: Clock, profile_steps: int) -> dic
         return out
 
     regions = Regions(clock)
-    base = runner_mod.PagedForward
-    wrap = regions.wrap
-
-    class RegionForward(base):
-        def __init__(self, *args, **kwargs):
-            wrap("step_plan", super().__init__)(*args, **kwargs)
-
-        def attend(self, *args, **kwargs):
-            return wrap("attend_total", super().attend)(*args, **kwargs)
-
-        def _write(self, *args, **kwargs):
-            return wrap("kv_write_and_migration", super()._write)(*args, **kwargs)
-
-        def _write_kernels(self, *args, **kwargs):  # kernel mode: fused rotate + write (+ migrations)
-            return wrap("kv_write_and_migration", super()._write_kernels)(*args, **kwargs)
-
-    stack = contextlib.ExitStack()
-    with stack:
-        stack.enter_context(patched(runner_mod, "PagedForward", RegionForward))
-        stack.enter_context(patched(engine.runner, "run", wrap("runner", engine.runner.run)))
-        stack.enter_context(patched(engine.runner, "graphs", None))  # the regions are timed on eager steps
-        stack.enter_context(patched(runner_mod, "sample", wrap("sampling", runner_mod.sample)))
-        for codec in engine.codecs:
-            stack.enter_context(patched(codec, "rotate_keys", wrap("key_rotation", codec.rotate_keys)))
-            stack.enter_context(patched(codec, "rotate_queries", wrap("query_rotation", codec.rotate_queries)))
-        if engine.kernel_status is None:  # Triton kernel path: the query is rotated by its own launch (the CUDA
-            # INT2 kernel rotates inside its one launch: counted as attention)
-            from ..kernels import decode as kdecode
-
-            stack.enter_context(patched(kdecode, "rotate_query", wrap("query_rotation", kdecode.rotate_query)))
+    with patched(engine.runner, "regions", regions), patched(engine.runner, "graphs", None):  # regions: eager steps
         timer = StepTimer(engine, clock)
-        step = wrap("step", lambda: timer.step(seqs))
+        step = regions.wrap("step", lambda: timer.step(seqs))
         for _ in range(steps):
             step()
         t = {k: v / steps for k, v in regions.totals_ms().items()}
@@ -816,9 +673,9 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
             predicted = prev[1] * (ctx / prev[0]) ** 2 if prev else 0.0  # attention prefill is quadratic
             if not deadline.allows(predicted):
                 raise TimeoutError(f"prefill of {ctx} tokens predicted at {predicted:.0f} s exceeds --time-limit")
-            with attend_timer(clock) as regions:
+            with attend_timer(engine, clock) as regions:
                 (seq,), seconds, steps = prefill(unit, [ctx], gen, vocab, grow, clock)
-            attend = regions.totals_ms().get("attend", 0.0) / 1e3
+            attend = regions.totals_ms().get("attend_total", 0.0) / 1e3
             prefill_history[scheme] = (ctx, seconds)
             result["prefill"].append(dict(scheme=scheme, context=ctx, batch=1, seconds=round(seconds, 3),
                                           tokens_per_s=round(ctx / seconds, 1), chunks=steps,
@@ -826,7 +683,7 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
                                           path=info["attention"]))
             print(f"prefill {scheme} ctx={ctx}: {seconds:.2f} s ({ctx / seconds:.0f} tok/s, {steps} chunks; "
                   f"attention layers {attend:.2f} s)", flush=True)
-            engine.scheduler.running.remove(seq)  # parked: only its copies decode
+            engine.pause(seq.request_id)  # parked: only its copies decode
             return seq
 
         def make_batch(b: int):
@@ -841,7 +698,7 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
                 return [clone_sequence(unit, unit.template) for _ in range(b)]
             # the pool holds b sequences but not b copies next to the template: it decodes as one of them
             t, unit.template = unit.template, None
-            engine.scheduler.running.insert(0, t)
+            engine.resume(t.request_id)
             return [t] + [clone_sequence(unit, t) for _ in range(b - 1)]
 
         def measure(b: int, steps: int, with_breakdown: bool) -> dict:
@@ -857,12 +714,12 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
                                         result.get("copy_bandwidth_GBps", 0) * 1e9))
                 if "floor_ms" in row:
                     row["of_floor"] = round(row["floor_ms"] / row["step_ms"], 3)
-                print(_fmt_row(row), flush=True)
+                print(fmt_row(row), flush=True)
                 if with_breakdown:
                     bd = breakdown(engine, seqs, args.breakdown_steps, clock, args.profile_steps)
                     bd.update(scheme=scheme, context=ctx, batch=b)
                     result["breakdown"].append(bd)
-                    print(_fmt_breakdown(bd), flush=True)
+                    print(fmt_breakdown(bd), flush=True)
             finally:
                 release(unit, seqs)
             return row
@@ -935,148 +792,6 @@ def _skip_all(result, scheme, ctx, batch_sizes, why):
         result["decode"].append(dict(scheme=scheme, context=ctx, batch=b, fits=None, measured=False, reason=why))
     result["skipped"].append(f"{scheme} ctx={ctx}: {why}")
     print(f"skipped {scheme} ctx={ctx}: {why}", flush=True)
-
-
-def speedups(result: dict) -> None:
-    rows = {(r["scheme"], r["context"], r["batch"]): r for r in result["decode"]}
-    for (scheme, ctx, b), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-        if scheme != "int2":
-            continue
-        base = rows.get(("bf16", ctx, b))
-        if base is None:
-            continue
-        entry = dict(context=ctx, batch=b)
-        if r.get("measured") and base.get("measured"):
-            entry.update(engine_step=round(base["step_ms"] / r["step_ms"], 3),
-                         forward=round(base["forward_ms"] / r["forward_ms"], 3))
-        else:
-            entry.update(engine_step=None, forward=None,
-                         note="; ".join(x.get("reason") or x.get("error") or f"{x['scheme']}: not measured"
-                                        for x in (base, r) if not x.get("measured")))
-        result["speedup"].append(entry)
-
-
-def finish_throughput(tp: dict | None) -> None:
-    if not tp:
-        return
-    s = tp["schemes"]
-    a, b = s.get("bf16", {}), s.get("int2", {})
-    if a.get("max_batch") is not None and b.get("max_batch") is not None:
-        tp["max_batch_ratio_int2_over_bf16"] = round(b["max_batch"] / a["max_batch"], 2) if a["max_batch"] else None
-    if a.get("tokens_per_s") and b.get("tokens_per_s"):
-        tp["tokens_per_s_ratio_int2_over_bf16"] = round(b["tokens_per_s"] / a["tokens_per_s"], 2)
-
-
-# ---------------------------------------------------------------------------------------------- output
-def _fmt_row(r: dict) -> str:
-    floor = f"{r['floor_ms']:9.2f} {100 * r['of_floor']:6.1f}%" if "floor_ms" in r else f"{'-':>9} {'-':>7}"
-    return (f"{r['scheme']:>5} {r['context']:>7} {r['batch']:>4} {r['step_ms']:9.2f} {r['runner_ms']:9.2f} "
-            f"{r['plan_ms']:8.2f} {r['forward_ms']:9.2f} {floor} {r['tokens_per_s_per_seq']:9.1f} "
-            f"{r['forward_tokens_per_s_per_seq']:9.1f} {r['tokens_per_s']:9.1f}")
-
-
-def _fmt_breakdown(bd: dict) -> str:
-    parts = ", ".join(f"{k} {v:.2f}" for k, v in bd["regions_ms"].items())
-    line = f"breakdown {bd['scheme']} ctx={bd['context']} bs={bd['batch']}: step {bd['step_ms']:.2f} ms = {parts}"
-    g = bd.get("gpu_kernels")
-    if g and "kernel_ms_per_step" in g:
-        line += f"; GPU kernels {g['kernel_ms_per_step']:.2f} ms/step (busy {g['busy_fraction']}), {g['groups_ms']}"
-    return line
-
-
-def print_tables(result: dict) -> None:
-    print(f"\n{result['device']}  {result['model']['arch']} ({result['model']['num_layers']} layers), KV budget "
-          f"{result['settings']['kv_cache_memory_gb']} GB, {result['settings']['decode_steps']} decode steps "
-          f"(median){'' if result['timing_meaningful'] else '  [CPU: timings not meaningful]'}")
-    print("step = LLMEngine.step; runner = ModelRunner.run; plan = PagedForward.__init__; fwd = runner - plan; "
-          f"floor = (weights + KV read) / copy bandwidth ({result.get('copy_bandwidth_GBps', '-')} GB/s), "
-          f"% = floor / step; model forward: {result['settings']['model_impl']}")
-    print(f"{'kv':>5} {'ctx':>7} {'bs':>4} {'step ms':>9} {'runner ms':>9} {'plan ms':>8} {'fwd ms':>9} "
-          f"{'floor ms':>9} {'%floor':>7} {'tok/s/seq':>9} {'fwd t/s/s':>9} {'tok/s':>9}")
-    for r in sorted(result["decode"], key=lambda r: (r["context"], r["batch"], r["scheme"])):
-        if r.get("measured"):
-            print(_fmt_row(r))
-        else:
-            why = r.get("reason") or r.get("error") or "not measured"
-            what = "does not fit" if r.get("fits") is False else "not measured"
-            print(f"{r['scheme']:>5} {r['context']:>7} {r['batch']:>4}  {what}: {why}")
-    if result["prefill"]:
-        print("\nprefill of one prompt (chunked, through LLMEngine.step; attend = attention layers: key rotation, KV "
-              "write, attention)")
-        print(f"{'kv':>5} {'ctx':>7} {'seconds':>9} {'tok/s':>9} {'chunks':>6} {'attend s':>9}")
-        by = {}
-        for r in sorted(result["prefill"], key=lambda r: (r["context"], r["scheme"])):
-            if r["batch"] == 1:
-                by[(r["scheme"], r["context"])] = r
-                print(f"{r['scheme']:>5} {r['context']:>7} {r['seconds']:9.2f} {r['tokens_per_s']:9.1f} "
-                      f"{r['chunks']:>6} {r.get('attend_seconds', float('nan')):9.2f}")
-        for (scheme, ctx), r in sorted(by.items(), key=lambda kv: kv[0][1]):
-            if scheme == "int2" and ("bf16", ctx) in by:
-                print(f"prefill int2 / bf16 time at {ctx}: {r['seconds'] / by[('bf16', ctx)]['seconds']:.3f}x")
-    if result["speedup"]:
-        print("\nspeedup int2 / bf16 (tokens/s ratio)")
-        print(f"{'ctx':>7} {'bs':>4} {'engine':>8} {'forward':>8}")
-        for s in result["speedup"]:
-            if s.get("engine_step") is None:
-                print(f"{s['context']:>7} {s['batch']:>4}        -        -  ({s.get('note', '')[:160]})")
-            else:
-                print(f"{s['context']:>7} {s['batch']:>4} {s['engine_step']:7.2f}x {s['forward']:7.2f}x")
-    tp = result.get("throughput_at_budget")
-    if tp:
-        print(f"\nthroughput at a {tp['kv_cache_memory_gb']} GB KV budget, context {tp['context']}")
-        for scheme, e in tp["schemes"].items():
-            line = f"{scheme:>5}: max batch {e.get('max_batch')}"
-            if e.get("limit"):
-                line += f" (limited by {e['limit']})" if e.get("max_batch") else f" ({e['limit']})"
-            if e.get("measured"):
-                line += f"; measured at batch {e['batch']}: {e['tokens_per_s']:.1f} tok/s ({e['step_ms']:.1f} ms/step)"
-            elif e.get("note") or e.get("error"):
-                line += f"; {e.get('note') or e.get('error')}"
-            print(line)
-        for k in ("max_batch_ratio_int2_over_bf16", "tokens_per_s_ratio_int2_over_bf16"):
-            if tp.get(k) is not None:
-                print(f"{k}: {tp[k]}")
-    for bd in result["breakdown"]:
-        print(_fmt_breakdown(bd))
-    for s in result["skipped"]:
-        print("skipped:", s)
-    for e in result["errors"]:
-        print("error:", e)
-
-
-def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
-        print("matplotlib is not importable: no PNG written")
-        return
-    rows = [r for r in result["decode"] if r.get("measured") and not r.get("throughput_run")]
-    if not rows:
-        return
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), squeeze=False)
-    for ax, key, title in ((axes[0][0], "tokens_per_s_per_seq", "engine step (LLMEngine.step)"),
-                           (axes[0][1], "forward_tokens_per_s_per_seq", "forward (runner minus per-step plan)")):
-        for scheme, style in (("bf16", "--"), ("int2", "-")):
-            for i, b in enumerate(batches):
-                rr = sorted((r for r in rows if r["scheme"] == scheme and r["batch"] == b), key=lambda r: r["context"])
-                if rr:  # one colour per batch, dashed BF16 / solid INT2
-                    ax.plot([r["context"] / 1000 for r in rr], [r[key] for r in rr], style, marker="o",
-                            color=f"C{i}", label=f"{scheme} batch {b}")
-        ax.set_xlabel("context (K tokens)")
-        ax.set_ylabel("decode tokens/s per sequence")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    note = "" if result["timing_meaningful"] else " (CPU: not meaningful)"
-    fig.suptitle(f"{result['model']['arch']} ({result['model']['num_layers']} layers), {result['device']}, KV budget "
-                 f"{result['settings']['kv_cache_memory_gb']} GB{note}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -298,6 +298,45 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def fork(self, request_id: str, new_id: str) -> Sequence:
+        """A new running request with the tokens, sampling parameters and a copy of the KV cache of a running
+        request (fresh pages, every layer, on every rank): decoding continues from the same state.  The decode
+        benchmark builds its batches this way.  Raises MemoryError when the pool is short of pages."""
+        from .block_pool import QUANT, WINDOW
+
+        src = self.requests[request_id]
+        if new_id in self.requests:
+            raise ValueError(f"request id {new_id!r} is already in use")
+        pool = self.pool
+        seq = Sequence(new_id, src.prompt_ids, src.params)
+        seq.output_ids = list(src.output_ids)
+        kinds = [pool.kind_of(i, src.int2_pages) for i in range(len(src.pages))]
+        src_q = [p for p, k in zip(src.pages, kinds) if k == QUANT]
+        src_w = [p for p, k in zip(src.pages, kinds) if k != QUANT]
+        new_q = pool.quant.allocate(len(src_q))
+        try:
+            new_w = pool.window.allocate(len(src_w))
+        except MemoryError:
+            for page in new_q:
+                pool.quant.release(page)
+            raise
+        q_it, w_it = iter(new_q), iter(new_w)
+        seq.pages = [next(q_it) if k == QUANT else next(w_it) for k in kinds]
+        seq.int2_pages, seq.num_computed = src.int2_pages, src.num_computed
+        self.runner.copy_pages(WINDOW, src_w, new_w)
+        if src_q:
+            self.runner.copy_pages(QUANT, src_q, new_q)
+        self.scheduler.admit_running(seq)
+        self.requests[new_id] = seq
+        return seq
+
+    def pause(self, request_id: str) -> None:
+        """Stop decoding a running request; it keeps its KV cache (``resume``, or ``abort_request`` to free it)."""
+        self.scheduler.pause(self.requests[request_id])
+
+    def resume(self, request_id: str) -> None:
+        self.scheduler.resume(self.requests[request_id])
+
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()

@@ -51,6 +51,7 @@ from .block_pool import QUANT, WINDOW, PagePool
 from .kernel_attention import PoolView, kernel_step
 from .scheduler import Migration, ScheduledSeq
 from .sampling import sample
+from .timing import NO_REGIONS
 from .sequence import Sequence
 
 ATTENTION_KEY = "oscar_kv_paged"
@@ -113,8 +114,8 @@ class PagedForward:
     """Index plan of one step, shared by all layers; ``attend`` is called once per layer."""
 
     def __init__(self, pool: PagePool, codecs: list[LayerCodec], steps: list[ScheduledSeq],
-                 kernels: PoolView | None = None):
-        self.pool, self.codecs, self.steps = pool, codecs, steps
+                 kernels: PoolView | None = None, regions=NO_REGIONS):
+        self.pool, self.codecs, self.steps, self.regions = pool, codecs, steps, regions
         # With kernels enabled, decode-only steps use the decode kernel and others the extend kernel.
         self.kernel_step = kernel_step(kernels, steps) if kernels is not None else None
         if self.kernel_step is not None:
@@ -206,7 +207,7 @@ class PagedForward:
         fwd.pool, fwd.codecs, fwd.steps, fwd.views = pool, codecs, [], []
         fwd.view, fwd.kernel_step, fwd.positions = view, step, positions
         fwd.win_slot, fwd.int2_slot, fwd.num_tokens = win_slot, int2_slot, len(win_slot)
-        fwd.fused_rotation, fwd.migrations = fused, None
+        fwd.fused_rotation, fwd.migrations, fwd.regions = fused, None, NO_REGIONS
         return fwd
 
     def run_migrations(self) -> None:
@@ -223,14 +224,22 @@ class PagedForward:
 
     # ---- per layer -----------------------------------------------------------------------------
     def attend(self, layer_idx: int, query, key, value, scaling):
-        codec = self.codecs[layer_idx]
-        if self.kernel_step is not None:
-            return self._attend_kernels(layer_idx, codec, query, key, value, scaling), None
-        keys = codec.rotate_keys(key, self.positions)  # [1, H, N, D] float32, (k - offset) @ R_K
+        with self.regions.region("attend_total"):
+            codec = self.codecs[layer_idx]
+            if self.kernel_step is not None:
+                return self._attend_kernels(layer_idx, codec, query, key, value, scaling), None
+            return self._attend_reference(layer_idx, codec, query, key, value, scaling), None
+
+    def _attend_reference(self, layer_idx: int, codec: LayerCodec, query, key, value, scaling) -> torch.Tensor:
+        """The torch path: write (quantizing in torch), then attend to the stored history per sequence."""
+        with self.regions.region("key_rotation"):
+            keys = codec.rotate_keys(key, self.positions)  # [1, H, N, D] float32, (k - offset) @ R_K
         values = value.float()
-        self._write(layer_idx, codec, keys, values)
+        with self.regions.region("kv_write_and_migration"):
+            self._write(layer_idx, codec, keys, values)
         hist_k, hist_v = self._gather(layer_idx, self.win_reads, self.q_reads)
-        q_rot = codec.rotate_queries(query)  # [1, Hq, N, D]
+        with self.regions.region("query_rotation"):
+            q_rot = codec.rotate_queries(query)  # [1, Hq, N, D]
         _, hq, n_tok, d = query.shape
         scaling = d ** -0.5 if scaling is None else scaling
         out = query.new_empty(1, n_tok, hq, d)
@@ -243,7 +252,7 @@ class PagedForward:
             v_all = torch.cat(vs + [values[:, :, c0:c1]], 2)
             mask = _causal_mask(view.start, c1 - c0, k_all.shape[2], query.device) if c1 - c0 > 1 else None
             out[:, c0:c1] = stored_attention(q_rot[:, :, c0:c1], k_all, v_all, scaling, mask).transpose(1, 2)
-        return out, None
+        return out
 
     def _attend_kernels(self, li: int, codec: LayerCodec, query, key, value, scaling) -> torch.Tensor:
         """Fused write (kernels/write.py) then the decode / extend kernel; returns [1, N, Hq, D]."""
@@ -256,11 +265,11 @@ class PagedForward:
         values the extend kernel reads, [1, H, N, D] in the window dtype (keys None when write_kv rotated)."""
         from ..kernels.write import write_kv
 
-        self.run_migrations()  # first layer of the step: every layer's migrations
         wdt = self.pool.geometry.window_dtype
         values = value if value.dtype == wdt else value.to(wdt)  # stored form, quantized as such (as _write)
-        v_rows = values[0].transpose(0, 1)  # [N, H, D] views
+        v_rows = _unit_stride(values[0].transpose(0, 1))  # [N, H, D]
         ck, cv = self.view.clips(li, codec)
+        rescale = (codec.k_rescale, codec.v_rescale)
         if self.fused_rotation:
             keys = None
             k_rows = _unit_stride(key[0].transpose(0, 1))
@@ -268,13 +277,15 @@ class PagedForward:
             if codec.k_rope_mean is not None:  # the same positions tensor for every layer: one gather per step
                 rope = (codec.k_rope_mean, *codec.rope(self.positions))
             as_is = codec.keys_as_is
-            write_kv(self.view, li, k_rows, _unit_stride(v_rows), self.win_slot, self.int2_slot,
-                     None if as_is else codec.k_rotation, None if as_is else codec.k_mean, ck, cv,
-                     rescale=(codec.k_rescale, codec.v_rescale), k_rope=rope)
+            rotation, mean = (None, None) if as_is else (codec.k_rotation, codec.k_mean)
         else:
-            keys = codec.rotate_keys(key, self.positions).to(wdt)  # [1, H, N, D] in float64 as _write
-            write_kv(self.view, li, keys[0].transpose(0, 1), _unit_stride(v_rows), self.win_slot, self.int2_slot,
-                     None, None, ck, cv, rescale=(codec.k_rescale, codec.v_rescale))
+            with self.regions.region("key_rotation"):
+                keys = codec.rotate_keys(key, self.positions).to(wdt)  # [1, H, N, D] in float64 as _write
+            k_rows, rope, rotation, mean = keys[0].transpose(0, 1), None, None, None
+        with self.regions.region("kv_write_and_migration"):
+            self.run_migrations()  # first layer of the step: every layer's migrations
+            write_kv(self.view, li, k_rows, v_rows, self.win_slot, self.int2_slot, rotation, mean, ck, cv,
+                     rescale=rescale, k_rope=rope)
         return keys, values
 
     def _write(self, li: int, codec: LayerCodec, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -372,11 +383,17 @@ class ModelRunner:
         self.graphs = graphs  # graphs.DecodeGraphs, or None: every step eager
         self.tp = tp
         self.forward = forward or ModelForward(model)
+        self.regions = NO_REGIONS  # engine/timing.py: a benchmark installs its own to time the step's parts
 
     @torch.inference_mode()
     def run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
-        changes = self.pool.tables.flush()  # the scheduler's block-table changes, for this rank and the others
-        fwd = PagedForward(self.pool, self.codecs, steps, self.kernels)
+        with self.regions.region("runner"):
+            return self._run(steps)
+
+    def _run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
+        with self.regions.region("step_plan"):
+            changes = self.pool.tables.flush()  # the scheduler's block-table changes, for this rank and the others
+            fwd = PagedForward(self.pool, self.codecs, steps, self.kernels, self.regions)
         ids = step_token_ids(steps)
         if self.tp.size > 1:
             self.tp.broadcast(("step", _wire(steps, ids, changes)))
@@ -391,7 +408,9 @@ class ModelRunner:
             return {}
         last = torch.tensor(last, device=self.device)
         logits = self.model.lm_head(hidden[0, last]).float()
-        return dict(zip((st.seq for st in sampling), sample(logits, [st.seq for st in sampling])))
+        seqs = [st.seq for st in sampling]
+        with self.regions.region("sampling"):
+            return dict(zip(seqs, sample(logits, seqs)))
 
     def _forward(self, fwd: PagedForward, input_ids: torch.Tensor) -> torch.Tensor:
         """The last hidden states [1, N, hidden] of the step (graph replay, or eager)."""

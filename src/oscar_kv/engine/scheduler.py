@@ -81,6 +81,20 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.release_seq(seq)
 
+    def pause(self, seq: Sequence) -> None:
+        """Stop scheduling a running sequence; it keeps its pages until ``resume`` or ``remove``."""
+        self.running.remove(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """Schedule a paused sequence again, first in line."""
+        self.running.insert(0, seq)
+
+    def admit_running(self, seq: Sequence) -> None:
+        """Take in a sequence that already holds its pages (LLMEngine.fork), as running."""
+        seq.status = SeqStatus.RUNNING
+        self.pool.tables.assign(seq)
+        self.running.append(seq)
+
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
