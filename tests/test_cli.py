@@ -108,7 +108,7 @@ SERVE_FLAGS = ("--model", "-m", "--rotations", "-r", "--kv-cache-dtype", "--cali
                "--group-size", "--page-size", "--max-model-len", "--kv-cache-memory", "--max-num-seqs",
                "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching", "--host", "--port",
                "--api-key", "--served-model-name", "--device", "--attention-backend", "--enforce-eager", "--tp",
-               "--tensor-parallel-size", "--shutdown-timeout", "--max-body-mb", "--log-level")
+               "--tensor-parallel-size", "--shutdown-timeout", "--max-body-mb", "--log-level", "--model-impl")
 
 
 def test_serve_help_explains_the_flags():

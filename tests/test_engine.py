@@ -290,13 +290,14 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
 
     errors = {"DecodeStep": [], "ExtendStep": []}
     paths = []  # per extend step: which paths ran
-    reference_attend = runner.PagedForward.attend
+    reference_attend = runner.StepAttention.attend
 
     def attend_and_check(self, layer_idx, query, key, value, scaling):
         out, weights = reference_attend(self, layer_idx, query, key, value, scaling)
-        if layer_idx in (0, len(self.codecs) - 1):
-            codec = self.codecs[layer_idx]
-            plan = kernel_step(PoolView(self.pool), self.steps)
+        codecs = self.backend.codecs
+        if layer_idx in (0, len(codecs) - 1):
+            codec = codecs[layer_idx]
+            plan = kernel_step(PoolView(self.backend.pool), self.plan.steps)
             got = plan.attend(layer_idx, codec, query, codec.rotate_keys(key, self.positions), value.float(), scaling)
             errors[type(plan).__name__].append(((got.float() - out.float()).norm() / out.float().norm()).item())
             if layer_idx == 0 and type(plan).__name__ == "ExtendStep":
@@ -304,7 +305,7 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
                 paths.append(("flash",) * bool(flash.groups) + ("kernel",) * (part is not None))
         return out, weights
 
-    monkeypatch.setattr(runner.PagedForward, "attend", attend_and_check)
+    monkeypatch.setattr(runner.StepAttention, "attend", attend_and_check)
     rotations = small_rotations if centering == "rope" else constant_rotations
     assert rotations.key_centering == centering
     engine = make_engine(model, tokenizer, rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
@@ -340,31 +341,34 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
     INT2 page) and prefills alongside; then decode steps with migrations (fused rotation) and without."""
     pytest.importorskip("triton")
     from oscar_kv.engine import runner
+    from oscar_kv.engine.attention import KernelPlan
+    from oscar_kv.engine.timing import NO_REGIONS
 
     checked = 2  # layers written by the fused path in the kernel engine (layer 0 also attends with the kernels)
-    reference_attend = runner.PagedForward.attend
+    reference_attend = runner.StepAttention.attend
     recorded, errors, decode_rows, kinds = [], [], set(), []
 
     def attend(self, layer_idx, query, key, value, scaling):
-        if self.kernel_step is None:
+        plan, backend = self.plan, self.backend
+        if not isinstance(plan, KernelPlan):  # the torch engine
             out = reference_attend(self, layer_idx, query, key, value, scaling)
             recorded.append(out[0])
             return out
         ref = recorded[layer_idx]
         if layer_idx == 0:
-            self.codecs = self.codecs[:checked]  # migrate the checked layers only (the interpreter is slow)
-            kinds.append((type(self.kernel_step).__name__, self.fused_rotation, self.migrations is not None))
-            if self.fused_rotation:
-                p = self.pool.geometry.page_size
-                decode_rows.update((st.seq.pages[st.start // p], st.start % p) for st in self.steps)
+            backend.codecs = backend.codecs[:checked]  # migrate the checked layers only (the interpreter is slow)
+            kinds.append((type(plan.step).__name__, plan.fused_rotation, plan.migrations is not None))
+            if plan.fused_rotation:
+                p = backend.pool.geometry.page_size
+                decode_rows.update((st.seq.pages[st.start // p], st.start % p) for st in plan.steps)
             got, _ = reference_attend(self, layer_idx, query, key, value, scaling)
             errors.append(((got.float() - ref.float()).norm() / ref.float().norm()).item())
         elif layer_idx < checked:  # the fused writes alone (the attention kernels are slow when interpreted)
-            self._write_kernels(layer_idx, self.codecs[layer_idx], key, value)
-        assert self.migrations is None  # every layer's migrations ran with layer 0
+            backend._write(plan, layer_idx, backend.codecs[layer_idx], key, value, NO_REGIONS)
+        assert plan.migrations is None  # every layer's migrations ran with layer 0
         return ref, None
 
-    monkeypatch.setattr(runner.PagedForward, "attend", attend)
+    monkeypatch.setattr(runner.StepAttention, "attend", attend)
     engines = [make_engine(model, tokenizer, constant_rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
                            max_num_batched_tokens=72, attention_backend=backend) for backend in ("torch", "triton")]
     ids = tokenizer(long_prompt).input_ids[:127]

@@ -6,7 +6,8 @@ import torch
 from oscar_kv.artifacts import ArtifactError
 from oscar_kv.calibrate import CalibrationSettings
 from oscar_kv.corpus import CorpusError, read_text_file
-from oscar_kv.errors import ConfigError, NonFiniteActivations, OscarKVError, user_message
+from oscar_kv.errors import (ConfigError, ModelNotFound, NonFiniteActivations, OscarKVError, RequestError,
+                             user_message)
 from oscar_kv.evaluate.harness import EvalConfig
 from oscar_kv.parallel import TensorParallel, TensorParallelError
 from oscar_kv.quant import check_rescale, quantize_rows
@@ -29,8 +30,9 @@ def test_setting_errors_name_fields_and_the_cli_names_flags():
 
 def test_the_errors_raised_on_purpose_share_a_base_class():
     for cls in (ConfigError, TensorParallelError, ArtifactError, ServeError, CorpusError, NonFiniteActivations,
-                RopeUnsupported):
+                RopeUnsupported, RequestError):
         assert issubclass(cls, OscarKVError) and issubclass(cls, ValueError)  # callers catching ValueError still do
+    assert issubclass(ModelNotFound, OscarKVError) and issubclass(ModelNotFound, FileNotFoundError)
 
 
 def test_bad_settings_and_inputs_raise_oscar_errors(tmp_path):
@@ -46,6 +48,13 @@ def test_bad_settings_and_inputs_raise_oscar_errors(tmp_path):
         quantize_rows(torch.full((1, 8), float("nan")))
     with pytest.raises(ConfigError, match="unknown tasks"):
         EvalConfig(tasks=["nope"])
+    from oscar_kv.engine.sequence import SamplingParams
+    from oscar_kv.models import resolve_model
+
+    with pytest.raises(RequestError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ModelNotFound, match="GGUF file not found"):
+        resolve_model(str(tmp_path / "missing.gguf"))
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ from typing import Optional
 
 import typer
 
-from .config import KV_CACHE_DTYPES, ServeConfig, choices, declaring_level, split_optional, type_hints
+from .config import (KV_CACHE_DTYPES, CacheConfig, ServeConfig, choices, declaring_level, setting_help,
+                     split_optional, type_hints)
 from .errors import ConfigError, flag, user_message
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -249,9 +250,9 @@ def generate(
     rotations: Optional[Path] = typer.Option(None, "--rotations", "-r", help="Artifact from `oscar-kv calibrate` (needed for int2/int4)."),
     kv_cache_dtype: KVDtype = typer.Option(KVDtype.int2, help="bf16 keeps every token at 16 bits; int2 is OSCAR."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
-    sink_size: int = typer.Option(64, help="First tokens kept in BF16."),
-    recent_size: int = typer.Option(256, help="Most recent tokens kept in BF16."),
-    page_size: int = typer.Option(16, help="Tokens moved from the recent window to INT2 at a time."),
+    sink_size: int = typer.Option(CacheConfig.sink_size, help=setting_help(CacheConfig, "sink_size")),
+    recent_size: int = typer.Option(CacheConfig.recent_size, help=setting_help(CacheConfig, "recent_size")),
+    page_size: int = typer.Option(CacheConfig.page_size, help=setting_help(CacheConfig, "page_size")),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     seed: int = typer.Option(0),
     chat: bool = typer.Option(True, help="Wrap the prompt in the model's chat template."),

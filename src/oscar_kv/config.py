@@ -115,6 +115,11 @@ class Settings:
         return level(**{f.name: getattr(self, f.name) for f in fields(level)})
 
 
+def setting_help(config_class: type, name: str) -> str:
+    """A field's help text (for a command that offers the setting outside ``serve``)."""
+    return next(f for f in fields(config_class) if f.name == name).metadata["help"]
+
+
 def declaring_level(config_class: type, name: str) -> type:
     """The level of the tree that declares field ``name`` first (the one it belongs to)."""
     return next(c for c in reversed(config_class.__mro__) if name in vars(c).get("__annotations__", {}))

@@ -36,6 +36,15 @@ class NonFiniteActivations(OscarKVError, ValueError):
     narrow for them)."""
 
 
+class RequestError(OscarKVError, ValueError):
+    """A request the engine cannot take as asked: an empty or too long prompt, token ids outside the vocabulary,
+    sampling parameters out of range, a request id in use (the server answers 400)."""
+
+
+class ModelNotFound(OscarKVError, FileNotFoundError):
+    """``--model`` names nothing that can be loaded here; the message says what was looked for and how to get it."""
+
+
 def flag(name: str) -> str:
     """A setting's command-line flag: its field name with dashes (``max_model_len`` -> ``--max-model-len``)."""
     return "--" + name.replace("_", "-")

@@ -14,7 +14,7 @@ memory: only the KV scheme differs.  Three measurements:
    prefilled through ``LLMEngine.step`` (chunked prefill, excluded from timing), then
    ``--decode-steps`` engine steps are timed (``torch.cuda.synchronize`` + ``perf_counter``, median
    per step).  Each step is also split into the model runner (``ModelRunner.run``) and, inside it,
-   the per-step index plan (``PagedForward.__init__``); ``forward`` = runner minus plan.  A (context,
+   the per-step plan (the attention backend's ``plan``, engine/attention.py); ``forward`` = runner minus plan.  A (context,
    batch) that does not fit the KV pool (``engine.plan``) is recorded as not fitting, with why.
 2. **Throughput at a fixed KV budget.**  At the largest context: the largest batch each scheme's pool
    holds, and generated tokens/s measured at that batch.
@@ -31,7 +31,7 @@ times only that (no decode), for BF16 vs INT2 prefill at long context::
         --prefill-only --output DIR
 
 ``--prefill-attention kernel`` routes every prefill chunk through the extend kernel instead of the materialized
-flash path (kernel_attention.extend_path), to compare with the numbers before it.
+flash path (kernel_attention.extend_path), to compare the two.
 
 By default one sequence per (scheme, context) is prefilled through the engine and the other
 sequences of a batch are copies of its pages into freshly allocated pages (``--prefill replicate``):
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ATTENTION_BACKENDS, MODEL_IMPLS, SERVED_KV_CACHE_DTYPES
+from ..config import ATTENTION_BACKENDS, MODEL_IMPLS, SERVED_KV_CACHE_DTYPES, EngineConfig
 from ..rope import DEFAULT_PAIRS
 from .attention import _ints
 from .models import ARCHS, TokenIdsOnly, build_model
@@ -316,7 +316,7 @@ def attend_timer(engine, clock: Clock):
 
 @contextlib.contextmanager
 def prefill_attention(path: str):
-    """``kernel``: every prefill chunk runs the extend kernel (the path before the materialized one); ``auto``:
+    """``kernel``: every prefill chunk runs the extend kernel; ``auto``:
     kernel_attention.extend_path decides."""
     if path == "auto":
         yield
@@ -541,7 +541,7 @@ def run(args) -> dict:
         prefix_caching=False,
         prefill_only=args.prefill_only, prefill_attention=args.prefill_attention,
         timing="median over decode steps of wall time around LLMEngine.step with device synchronize; "
-               "forward = ModelRunner.run minus PagedForward.__init__ (per-step index plan)"),
+               "forward = ModelRunner.run minus the step plan (the attention backend's plan())"),
         schemes={}, prefill=[], decode=[], speedup=[], throughput_at_budget=None, breakdown=[], skipped=[], errors=[])
     print(f"{result['device']}: {args.arch} ({minfo['num_layers']} layers, {minfo['parameters'] / 1e9:.2f}B params, "
           f"built in {minfo['build_seconds']} s); KV budget {budget} GB", flush=True)
@@ -811,11 +811,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="replicate: prefill one sequence per context through the engine and copy its pages for the "
                          "rest of a batch; engine: prefill every sequence")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill chunk (engine step budget)")
-    ap.add_argument("--max-num-seqs", type=int, default=64, help="engine setting (bounds the window-pool share)")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--sink-size", type=int, default=64)
-    ap.add_argument("--recent-size", type=int, default=256)
-    ap.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                    help="engine setting (bounds the window-pool share)")
+    ap.add_argument("--page-size", type=int, default=EngineConfig.page_size)
+    ap.add_argument("--sink-size", type=int, default=EngineConfig.sink_size)
+    ap.add_argument("--recent-size", type=int, default=EngineConfig.recent_size)
+    ap.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=EngineConfig.attention_backend)
     ap.add_argument("--rotations", default="synthetic",
                     help="INT2 artifact: a directory from `oscar-kv calibrate`, 'synthetic' (default: calibrated-like "
                          "for the random-weight model, per-position key means in --rope-pairs RoPE pairs) or 'hadamard' "
@@ -824,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"RoPE pairs per KV head of the synthetic artifact's per-position key means (calibrate keeps "
                          f"{DEFAULT_PAIRS} by default, 8, 16 or 32 on request; the CUDA decode kernel's cost grows with them)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    ap.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
+    ap.add_argument("--model-impl", choices=MODEL_IMPLS, default=EngineConfig.model_impl,
                     help="model forward: oscar (our executor), transformers, or auto (the engine's default)")
     ap.add_argument("--prefill-only", action="store_true",
                     help="time only the prefill of one prompt per (scheme, context): no decode, throughput or "

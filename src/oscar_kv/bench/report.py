@@ -53,7 +53,7 @@ def print_tables(result: dict) -> None:
     print(f"\n{result['device']}  {result['model']['arch']} ({result['model']['num_layers']} layers), KV budget "
           f"{result['settings']['kv_cache_memory_gb']} GB, {result['settings']['decode_steps']} decode steps "
           f"(median){'' if result['timing_meaningful'] else '  [CPU: timings not meaningful]'}")
-    print("step = LLMEngine.step; runner = ModelRunner.run; plan = PagedForward.__init__; fwd = runner - plan; "
+    print("step = LLMEngine.step; runner = ModelRunner.run; plan = the step plan; fwd = runner - plan; "
           f"floor = (weights + KV read) / copy bandwidth ({result.get('copy_bandwidth_GBps', '-')} GB/s), "
           f"% = floor / step; model forward: {result['settings']['model_impl']}")
     print(f"{'kv':>5} {'ctx':>7} {'bs':>4} {'step ms':>9} {'runner ms':>9} {'plan ms':>8} {'fwd ms':>9} "

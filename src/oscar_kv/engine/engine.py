@@ -19,7 +19,7 @@ import torch
 
 from ..codec import layer_codecs, shared_ropes, validated_artifact
 from ..config import EngineConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, RequestError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
 from ..models.llama import LlamaExecutor, executor_support
@@ -114,7 +114,7 @@ class LLMEngine:
         self.device = next(model.parameters()).device
         if config.kv_cache_dtype == "bf16" and any(codec.k_rope_mean is not None for codec in codecs):
             # BF16 keys need no centering (softmax is exact without it) and the BF16 kernel does not add the
-            # position-aware term back: drop it rather than fall back to the torch reference (issue 23)
+            # position-aware term back: drop it rather than fall back to the torch reference
             log.info("BF16 KV cache: the artifact's per-position key means are not used (they serve INT2 only)")
             codecs = [replace(codec, k_rope_mean=None, rope_pairs=None) for codec in codecs]
         self.codecs = [codec.keep_heads(heads).to(self.device) for codec in codecs]
@@ -151,12 +151,11 @@ class LLMEngine:
                         "context): %s", self.kernel_status)
         view = PoolView(self.pool) if self.kernel_status is None else None
         self.executor_status, forward = self._model_forward(model, config.model_impl)
-        graphs = None
+        self.runner = ModelRunner(model, self.pool, self.codecs, view, None, tp, forward)
         if view is not None and self.device.type == "cuda" and not config.enforce_eager:
             from .graphs import DecodeGraphs
 
-            graphs = DecodeGraphs(forward, self.pool, self.codecs, view, self.max_model_len)
-        self.runner = ModelRunner(model, self.pool, self.codecs, view, graphs, tp, forward)
+            self.runner.graphs = DecodeGraphs(forward, self.runner.attention, self.max_model_len)
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
         self.stop_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -266,21 +265,21 @@ class LLMEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a client-facing message if the request cannot be served."""
         if not prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty")
         n = len(prompt_ids)
         if n >= self.max_model_len:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; "
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; "
                              f"the prompt has {n} tokens")
         if n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                              f"{n} tokens and max_tokens is {params.max_tokens} (at most {self.max_model_len - n})")
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids), params)
         self.requests[request_id] = seq
@@ -306,7 +305,7 @@ class LLMEngine:
 
         src = self.requests[request_id]
         if new_id in self.requests:
-            raise ValueError(f"request id {new_id!r} is already in use")
+            raise RequestError(f"request id {new_id!r} is already in use")
         pool = self.pool
         seq = Sequence(new_id, src.prompt_ids, src.params)
         seq.output_ids = list(src.output_ids)

@@ -3,7 +3,7 @@
 The engine pool keeps one tensor per layer in exactly the layout of ``kernels/layout.py``; ``PoolView``
 lets the kernels address it (``layer(i)`` for the per-layer kernels, ``layer_pool(i)`` a one-layer
 ``PagedKVPool`` of views for ``write.migrate_pages``, which takes a pool with a leading layer dimension).
-The step's tokens are written by ``write.write_kv`` (runner.PagedForward) before either kernel runs:
+The step's tokens are written by ``write.write_kv`` (attention.KernelAttention) before either kernel runs:
 
 * ``DecodeStep`` (every sequence computes one token): the decode kernel reads the new token from its
   BF16 window page together with the rest of the cache (so write_kv may rotate the keys itself).
@@ -16,7 +16,7 @@ The step's tokens are written by ``write.write_kv`` (runner.PagedForward) before
   the step, a short suffix after a prefix hit) runs the extend kernel, which reads the compressed pool
   directly (kernels/extend.py) instead of writing the whole history once for a few queries.
 
-These are the reference path's semantics (``runner.PagedForward``), computed with float16 / bf16 tensor-core
+These are the reference path's semantics (``attention.TorchAttention``), computed with float16 / bf16 tensor-core
 arithmetic instead of float32, so outputs agree to ~1e-2 relative, not bit for bit.
 """
 
@@ -35,7 +35,7 @@ from .block_pool import PagePool
 
 # Chunks of at least this many tokens take the materialized flash path (extend_path).  Its fixed cost is one pass
 # over the history (~4.7 KB per token at Qwen3-8B: ~0.2 ms at 100K on an H100); the extend kernel costs per query
-# x key, ~13x more with per-position key centering (its term runs on CUDA cores: 315 tokens/s at 100K, issue 23),
+# x key, ~13x more with per-position key centering (its term runs on CUDA cores: 315 tokens/s at 100K),
 # hence the lower bound there.  Estimates from the H100 prefill numbers; tune with bench decode --prefill-only.
 FLASH_MIN_TOKENS = 64
 FLASH_MIN_TOKENS_ROPE = 8

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import RequestError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,13 +28,13 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+            raise RequestError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
@@ -75,7 +77,7 @@ class Sequence:
 
     def __post_init__(self):
         if not self.prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty")
         if not self.params.greedy:
             self.generator = torch.Generator()
             seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

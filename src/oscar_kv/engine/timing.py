@@ -6,7 +6,7 @@ patched.  Regions inside the model forward (per layer) open only on eager steps:
 Python.
 
     runner                 ModelRunner.run: the whole step after scheduling
-    step_plan              the step's index plan (runner.PagedForward)
+    step_plan              the step's plan (the attention backend's plan(), attention.py)
     attend_total           a layer's attention call, KV write included
     kv_write_and_migration a layer's KV write (the first layer's includes the step's page migrations)
     key_rotation           rotating keys in torch (steps that do not fuse it into the write)

@@ -7,7 +7,7 @@ most of a decode step beside the weights.  The executor runs the same arithmetic
     residual add + RMSNorm   one launch (kernels/elementwise.rms_norm)
     q | k | v                one GEMM over the fused weight (+ bias: Qwen2, or values folded with a mean)
     q/k norm + RoPE + split  one launch (Qwen3's per-head q_norm / k_norm included)
-    attention                the engine's (runner.PagedForward.attend: OSCAR write + paged kernels)
+    attention                the engine's (runner.StepAttention.attend: OSCAR write + paged kernels)
     o_proj                   one GEMM
     residual add + RMSNorm   one launch
     gate | up                one GEMM over the fused weight
@@ -144,7 +144,7 @@ class LlamaExecutor:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """Args: input_ids [N] and positions [N] (int64, on the model's device) of the step's packed tokens;
         ``attention``: has ``attend(layer, query, key, value, scaling)`` taking [1, heads, N, D] tensors and
-        returning ([1, N, Hq, D], _) (runner.PagedForward).  Returns the final hidden states [N, C]."""
+        returning ([1, N, Hq, D], _) (runner.StepAttention).  Returns the final hidden states [N, C]."""
         n = input_ids.shape[0]
         h = self.embed(input_ids)
         residual = None

