@@ -350,6 +350,10 @@ def test_cuda_backend_is_refused_off_the_gpu():
     if not GPU:
         with pytest.raises(ValueError, match="not a CUDA device"):
             _use_cuda("cuda", torch.device("cpu"), geom, 4, None)
+    from oscar_kv.kernels.decode import int2_kernel_choice
+
+    assert int2_kernel_choice(torch.device("cpu"), geom, 4) == ("triton", "not a CUDA device")
+    assert int2_kernel_choice(torch.device("cpu"), geom, 4, backend="triton")[0] == "triton"
 
 
 @pytest.mark.skipif(GPU, reason="checks the refusal on a machine without CUDA")

@@ -86,18 +86,23 @@ def test_write_bit_exact(d, g, p, mode):
     assert_pools_equal(a, b)
 
 
+def _alternating_slots(d, h, p, t, gen):
+    """A one-layer geometry and t tokens over 8 pages, alternately bound for window and INT2 slots."""
+    geom = PoolGeometry(num_layers=1, num_kv_heads=h, head_dim=d, group_size=64, page_size=p, sink_size=p,
+                        recent_size=p)
+    slots = torch.randperm(8 * p, generator=gen)[:t]
+    win = torch.where(torch.arange(t) % 2 == 0, slots, -1).int().to(DEV)
+    q2 = torch.where(torch.arange(t) % 2 == 0, -1, slots).int().to(DEV)
+    return geom, win, q2
+
+
 def test_write_random_rotation_close():
     """With a dense rotation the float32 sums differ in order: codes may flip at rounding ties only."""
     from oscar_kv.kernels.write import write_kv
 
     gen = torch.Generator().manual_seed(1)
-    d, h, p = 64, 2, 16
-    geom = PoolGeometry(num_layers=1, num_kv_heads=h, head_dim=d, group_size=64, page_size=p, sink_size=p,
-                        recent_size=p)
-    t = 40
-    slots = torch.randperm(8 * p, generator=gen)[:t]
-    win = torch.where(torch.arange(t) % 2 == 0, slots, -1).int().to(DEV)
-    q2 = torch.where(torch.arange(t) % 2 == 0, -1, slots).int().to(DEV)
+    d, h, p, t = 64, 2, 16, 40
+    geom, win, q2 = _alternating_slots(d, h, p, t, gen)
     qm, _ = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
     rot = qm.float().to(DEV)
     k, v = outliers(t, h, d, gen), outliers(t, h, d, gen)
@@ -142,13 +147,8 @@ def test_write_position_aware_centering():
     from oscar_kv.rope import apply_rope
 
     gen = torch.Generator().manual_seed(5)
-    d, h, p = 64, 2, 16
-    geom = PoolGeometry(num_layers=1, num_kv_heads=h, head_dim=d, group_size=64, page_size=p, sink_size=p,
-                        recent_size=p)
-    t = 40
-    slots = torch.randperm(8 * p, generator=gen)[:t]
-    win = torch.where(torch.arange(t) % 2 == 0, slots, -1).int().to(DEV)
-    q2 = torch.where(torch.arange(t) % 2 == 0, -1, slots).int().to(DEV)
+    d, h, p, t = 64, 2, 16, 40
+    geom, win, q2 = _alternating_slots(d, h, p, t, gen)
     positions = torch.randint(0, 30000, (t,), generator=gen).double()
     angles = positions[:, None] * (10000.0 ** (-torch.arange(0, d, 2).double() / d))[None]
     cos, sin = (f(torch.cat([angles, angles], -1)).float().to(DEV) for f in (torch.cos, torch.sin))

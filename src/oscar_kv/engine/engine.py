@@ -198,9 +198,11 @@ class LLMEngine:
                    else f"torch reference ({self.kernel_status})")
         if self.kernel_status is None and any(codec.k_rope_mean is not None for codec in self.codecs):
             pairs = max(codec.rope_pairs.shape[1] for codec in self.codecs if codec.rope_pairs is not None)
-            backend += (f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term "
-                        "(INT2 decode: the one-launch CUDA kernel for head dim 64 or 128 and <= 32 pairs, else "
-                        "the slower Triton kernels)")
+            backend += f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term"
+        if self.kernel_status is None and spec.quantizes:
+            kernel, why = self.int2_decode_kernel()
+            backend += ("; INT2 decode: the one-launch CUDA kernel" if kernel == "cuda"
+                        else f"; INT2 decode: the Triton kernel ({why})")
         if self.runner.graphs is not None:
             backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
         per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "
@@ -223,6 +225,18 @@ class LLMEngine:
                          f"{min(plan.window_pages // spec.window_pages_per_seq(), plan.total_bytes // per_seq)} such "
                          f"sequences, a BF16 pool {plan.total_bytes // bf16_seq}")
         return lines
+
+    def int2_decode_kernel(self) -> tuple[str, str | None]:
+        """("cuda", None) or ("triton", why): the kernel this engine's INT2 decode steps run (kernels/decode.py)."""
+        from types import SimpleNamespace
+
+        from ..kernels.decode import int2_kernel_choice
+
+        codec = next((c for c in self.codecs if c.rope_pairs is not None), None)
+        rope = SimpleNamespace(pairs=codec.rope_pairs) if codec is not None else None  # only its pair count counts
+        gqa = self.model.config.num_attention_heads // (getattr(self.model.config, "num_key_value_heads", None)
+                                                        or self.model.config.num_attention_heads)
+        return int2_kernel_choice(self.device, self.pool.geometry, gqa, rope, next(self.model.parameters()).dtype)
 
     def follow(self) -> None:
         """Ranks > 0 under tensor parallelism: run rank 0's steps until it shuts down."""

@@ -363,7 +363,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         raise ValueError("block_n must be a multiple of the page size")
     if split_target is None:
         split_target = 4 if bsz * h <= 8 else 8
-    if _use_cuda(backend or os.environ.get("OSCAR_KV_INT2_KERNEL", "auto"), q.device, g, gqa, rope, q.dtype):
+    if _use_cuda(backend, q.device, g, gqa, rope, q.dtype):
         from . import int2_cuda
 
         # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
@@ -407,17 +407,30 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     return merge(po, pl, out)
 
 
-def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16) -> bool:
+INT2_KERNEL_ENV = "OSCAR_KV_INT2_KERNEL"  # "auto" (default) | "cuda" | "triton": which INT2 decode kernel runs
+
+
+def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: torch.dtype = torch.bfloat16,
+                       backend: str | None = None) -> tuple[str, str | None]:
+    """Which kernel INT2 decode attention runs for this pool: ("cuda", None), the one-launch CUDA kernel, or
+    ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
+    "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
+    None.  The engine reports the choice at start-up; ``int2_decode`` makes it per call."""
+    backend = backend or os.environ.get(INT2_KERNEL_ENV, "auto")
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"backend must be auto, cuda or triton, got {backend!r}")
     if backend == "triton":
-        return False
+        return "triton", f"{INT2_KERNEL_ENV} or the caller asked for triton"
     from . import int2_cuda
 
     why = int2_cuda.unsupported(device, geom, gqa, rope, dtype) or ("the Triton interpreter is on" if INTERPRET else None)
     if why and backend == "cuda":
         raise ValueError(f"the CUDA INT2 kernel cannot run this call: {why}")
-    return why is None
+    return ("triton", why) if why else ("cuda", None)
+
+
+def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16) -> bool:
+    return int2_kernel_choice(device, geom, gqa, rope, dtype, backend)[0] == "cuda"
 
 
 def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block_table: torch.Tensor,
