@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/host_plan.py [--batch 64] [--context 100000] [--steps 64] [--dtype int2 bf16]
 
 Per decode step: ``schedule`` = Scheduler.schedule (pages, migrations); ``plan`` = the runner's index plan
-(PagedForward in kernel mode, its DecodeStep block tables included) and the step's token ids (what ModelRunner.run
+(KernelAttention.plan, its DecodeStep block tables included) and the step's token ids (what ModelRunner.run
 builds before the forward); ``finish`` = Scheduler.finish_step for every sequence (frees migrated pages, offers
 newly sealed pages to the prefix cache); ``gather``: the part of ``plan`` spent in BlockTables.gather (the copy of
 the step's rows out of the device table: on the CPU a host memcpy of batch x pages x 4 bytes, on a GPU one kernel).
@@ -27,6 +27,15 @@ from oscar_kv.engine.kernel_attention import PoolView
 from oscar_kv.engine.scheduler import Scheduler
 from oscar_kv.engine.sequence import SamplingParams, Sequence
 from oscar_kv.kernels.layout import PoolGeometry
+
+
+def plan_step(pool, codecs, view, steps) -> str:
+    """The runner's plan of a step in kernel mode; returns the attention step's kind."""
+    try:
+        from oscar_kv.engine.attention import KernelAttention
+    except ImportError:  # the tree before the attention backends
+        return type(runner.PagedForward(pool, codecs, steps, view).kernel_step).__name__
+    return type(KernelAttention(pool, codecs, view).plan(steps).step).__name__
 
 
 def step_ids(steps) -> list[int]:
@@ -94,13 +103,13 @@ def measure(dtype: str, batch: int, context: int, steps: int, device: str) -> di
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        fwd = runner.PagedForward(pool, codecs, out.scheduled, view)
+        kind = plan_step(pool, codecs, view, out.scheduled)
         step_ids(out.scheduled)
         t2 = time.perf_counter()
         for st in out.scheduled:
             sched.finish_step(st)
         t3 = time.perf_counter()
-        assert len(out.scheduled) == batch and type(fwd.kernel_step).__name__ == "DecodeStep"
+        assert len(out.scheduled) == batch and kind == "DecodeStep"
         for k, a, b in (("schedule", t0, t1), ("plan", t1, t2), ("finish", t2, t3)):
             if step:
                 times[k].append(1e3 * (b - a))
