@@ -31,14 +31,13 @@ import torch
 from ..config import ATTENTION_BACKENDS
 from ..errors import ConfigError
 from ..kernels.layout import PagedBatch, PagedKVPool, clip_indices
+from ..kernels.tuning import TUNING
 from .block_pool import PagePool
 
-# Chunks of at least this many tokens take the materialized flash path (extend_path).  Its fixed cost is one pass
-# over the history (~4.7 KB per token at Qwen3-8B: ~0.2 ms at 100K on an H100); the extend kernel costs per query
-# x key, ~13x more with per-position key centering (its term runs on CUDA cores: 315 tokens/s at 100K),
-# hence the lower bound there.  Estimates from the H100 prefill numbers; tune with bench decode --prefill-only.
-FLASH_MIN_TOKENS = 64
-FLASH_MIN_TOKENS_ROPE = 8
+# Chunks of at least this many tokens take the materialized flash path (extend_path; kernels/tuning.py says why).
+# Module names so that bench decode --prefill-attention can move them; tune with bench decode --prefill-only.
+FLASH_MIN_TOKENS = TUNING.flash_min_tokens
+FLASH_MIN_TOKENS_ROPE = TUNING.flash_min_tokens_rope
 
 
 def extend_path(num_tokens: int, rope_centered: bool) -> str:

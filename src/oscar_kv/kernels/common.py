@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._compat import install_interpreter_shim
+from .tuning import TUNING
 
 install_interpreter_shim()
 
@@ -208,7 +209,8 @@ def asm_enabled(device: torch.device, use_asm: bool | None) -> bool:
     return True if use_asm is None else bool(use_asm)
 
 
-def split_plan(tokens: int, programs_per_split: int, device: torch.device, block: int, min_tiles: int = 4,
+def split_plan(tokens: int, programs_per_split: int, device: torch.device, block: int,
+               min_tiles: int = TUNING.split_min_tiles,
                num_splits: int | None = None, per_sm: int = 4) -> tuple[int, int]:
     """(splits, chunk): enough programs to fill the GPU per_sm times over, each split >= min_tiles tiles.
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ._compat import install_interpreter_shim
+from .tuning import TUNING
 from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, grp_scores, grp_values, load_rope_ab, merge,
                      num_sms, rope_args, rope_logits_tiled, split_plan, unpack4)
 from .layout import PagedBatch, PagedKVPool
@@ -309,7 +310,8 @@ def rotate_query(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads:
 def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatch,
                 k_rotation: torch.Tensor | None = None, sm_scale: float | None = None, *, rope=None,
                 max_int2_pages: int | None = None, num_splits: int | None = None, block_n: int | None = None,
-                block_w: int = 64, num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
+                block_w: int = TUNING.decode_block_w, num_warps: int = TUNING.decode_num_warps,
+                num_stages: int = TUNING.decode_num_stages, use_asm: bool | None = None,
                 kt: bool = True, split_target: int | None = None, maxnreg: int | str | None = "auto",
                 backend: str | None = None, cuda_split_target: int | None = None,
                 max_seq_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -358,11 +360,11 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         max_int2_pages = int(batch.int2_pages.max()) if bsz else 0
     if rope is not None and max_seq_len is None:
         max_seq_len = int(batch.seq_lens.max()) if bsz else 0
-    block_n = block_n or max(g.page_size, 256)
+    block_n = block_n or max(g.page_size, TUNING.decode_block_n)
     if block_n % g.page_size:
         raise ValueError("block_n must be a multiple of the page size")
     if split_target is None:
-        split_target = 4 if bsz * h <= 8 else 8
+        split_target = TUNING.decode_split_target_small if bsz * h <= 8 else TUNING.decode_split_target
     if _use_cuda(backend, q.device, g, gqa, rope, q.dtype):
         from . import int2_cuda
 
@@ -435,8 +437,9 @@ def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: t
 
 def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block_table: torch.Tensor,
                 seq_lens: torch.Tensor, k_rotation: torch.Tensor | None = None, sm_scale: float | None = None, *,
-                page_size: int, max_seq_len: int | None = None, num_splits: int | None = None, block: int = 64,
-                num_warps: int = 4, num_stages: int = 2, out: torch.Tensor | None = None) -> torch.Tensor:
+                page_size: int, max_seq_len: int | None = None, num_splits: int | None = None,
+                block: int = TUNING.bf16_decode_block, num_warps: int = TUNING.bf16_decode_num_warps,
+                num_stages: int = TUNING.bf16_decode_num_stages, out: torch.Tensor | None = None) -> torch.Tensor:
     """BF16 paged decode (the in-house baseline): every logical page of a sequence points into one BF16 pool.
 
     Args:

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ._compat import install_interpreter_shim
+from .tuning import TUNING
 from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, grp_scores, grp_values, load_rope_ab, merge, mm,
                      num_sms, rope_args, rope_logits, split_plan, unpack4)
 from .layout import PagedBatch, PagedKVPool
@@ -312,8 +313,10 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
                 pool: PagedKVPool, layer: int, batch: PagedBatch, k_rotation: torch.Tensor | None = None,
                 sm_scale: float | None = None, *, rope=None, max_seqlen: int | None = None,
                 max_int2_pages: int | None = None,
-                num_splits: int | None = None, split_target: int = 2, block_m: int = 64, block_n: int | None = None,
-                num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None, split_query: bool = True,
+                num_splits: int | None = None, split_target: int = TUNING.extend_split_target,
+                block_m: int = TUNING.extend_block_m, block_n: int | None = None,
+                num_warps: int = TUNING.extend_num_warps, num_stages: int = TUNING.extend_num_stages,
+                use_asm: bool | None = None, split_query: bool = True,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Chunked-prefill attention over the mixed pool; semantics of reference.extend_reference.
 

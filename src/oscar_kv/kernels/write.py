@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..quant import check_rescale
 from ._compat import install_interpreter_shim
+from .tuning import TUNING
 from .common import INTERPRET
 from .layout import PagedKVPool
 
@@ -210,7 +211,7 @@ def _scalar_div_is_reciprocal(device: torch.device) -> bool:
 
 def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, win_slot: torch.Tensor,
              int2_slot: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
-             clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = 16,
+             clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = TUNING.write_block_t,
              num_warps: int | None = None, rescale: tuple[float, float] = (0.0, 0.0),
              k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Store T tokens of one layer: BF16 into window pages, or clipped, quantized and packed into INT2 pages.
@@ -254,13 +255,13 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh,
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
-        CENTER=k_mean is not None, ROPE_CENTER=k_rope is not None, SORT=not INTERPRET, RECIP3=_scalar_div_is_reciprocal(k.device),
-        RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
-        num_warps=num_warps or (8 if k_rotation is not None else 4))
+        CENTER=k_mean is not None, ROPE_CENTER=k_rope is not None, SORT=not INTERPRET,
+        RECIP3=_scalar_div_is_reciprocal(k.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
+        num_warps=num_warps or (TUNING.write_num_warps_rotating if k_rotation is not None else TUNING.write_num_warps))
 
 
 def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
-                  clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, num_warps: int = 4,
+                  clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, num_warps: int = TUNING.migrate_num_warps,
                   rescale: tuple[float, float] = (0.0, 0.0)) -> None:
     """Quantize full BF16 window pages into INT2 pages, every layer, one launch.  The caller then swaps the
     block-table entries and frees the window pages.

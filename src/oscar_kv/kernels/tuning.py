@@ -1,0 +1,49 @@
+"""The kernels' launch parameters, in one place: tile sizes, warps, pipeline stages, split targets, and where the
+prefill path switches from the extend kernel to the materialized flash path.
+
+Each kernel takes these as keyword defaults (``TUNING.<name>``); benchmarks and sweeps pass their own per call
+(``bench attention``'s sweep, ``benchmarks/cuda_int2_sweep.py``).  The values were chosen on an H100
+(benchmarks/NOTES.md: "Kernel notes", "Prefill with the float16-materialized path").  Compile-time constants of the
+CUDA INT2 kernel (warps per CTA, tokens per round, the most splits and pages) live in int2_cuda.py beside its source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    # INT2 decode (Triton): history tokens per tile (at least a page), window tokens per tile, warps, stages, and
+    # programs per SM the split plan aims for (fewer when batch x KV heads is small: each split is short then)
+    decode_block_n: int = 256
+    decode_block_w: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
+    decode_split_target: int = 8
+    decode_split_target_small: int = 4  # when batch x KV heads <= 8
+    # BF16 paged decode (Triton)
+    bf16_decode_block: int = 64
+    bf16_decode_num_warps: int = 4
+    bf16_decode_num_stages: int = 2
+    # split plans of the Triton decode kernels: a split is at least this many tiles
+    split_min_tiles: int = 4
+    # extend (chunked prefill, short chunks): query rows per tile, warps, stages, programs per SM
+    extend_block_m: int = 64
+    extend_num_warps: int = 4
+    extend_num_stages: int = 2
+    extend_split_target: int = 2
+    # write path: tokens per program; warps with a rotation (its float32 D x D operand spills out of 4 warps'
+    # registers) and without
+    write_block_t: int = 16
+    write_num_warps_rotating: int = 8
+    write_num_warps: int = 4
+    migrate_num_warps: int = 4
+    # prefill chunks of at least this many tokens take the materialized flash path (one pass over the history,
+    # then flash attention), shorter ones the extend kernel; per-position centering makes the extend kernel ~13x
+    # dearer per query x key (its term runs on CUDA cores), hence its lower bound
+    flash_min_tokens: int = 64
+    flash_min_tokens_rope: int = 8
+
+
+TUNING = KernelTuning()
