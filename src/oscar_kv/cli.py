@@ -398,6 +398,20 @@ def serve(**options):
         run_server(config, sock)
     except (ConfigError, ServeError) as exc:
         _fail(user_message(exc))
+    if launched:
+        _end_rank()
+
+
+def _end_rank() -> None:
+    """A tensor-parallel rank's process ends here, its work done and its process group destroyed.  Interpreter
+    finalization can then abort in the destructor of a thread torch started ("terminate called without an active
+    exception", exit 134, seen under load): flush what was written and leave without it."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 serve.__signature__ = config_options(ServeConfig, SERVE_ALIASES)
