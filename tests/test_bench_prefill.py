@@ -24,3 +24,19 @@ def test_prefill_only_reports_both_schemes_and_no_decode(tmp_path, capsys):
         assert r["seconds"] == pytest.approx(ctx / r["tokens_per_s"], abs=6e-4)  # seconds are rounded to 1 ms
     out = capsys.readouterr().out
     assert "prefill int2 / bf16 time at 600:" in out
+    m = data["model"]
+    for (scheme, ctx), r in rows.items():  # the compute floor: weight GEMMs plus causal attention, no GEMM rate here
+        attention = 4 * m["num_attention_heads"] * m["head_dim"] * ctx * (ctx + 1) / 2 * m["num_layers"]
+        assert r["floor_flops"] == pytest.approx(2 * m["token_matmul_parameters"] * ctx + attention)
+        assert "floor_seconds" not in r
+    assert 0 < m["token_matmul_parameters"] < m["parameters"]
+
+
+def test_prefill_floor_of_qwen3_8b_at_100k():
+    """NOTES.md's hand count (run E7): 1.39 PFLOP of weight GEMMs and 2.95 PFLOP of causal attention."""
+    from oscar_kv.bench.decode import prefill_floor
+
+    info = dict(token_matmul_parameters=6_946_000_000, num_attention_heads=32, head_dim=128, num_layers=36)
+    floor = prefill_floor(info, 100_000, 790e12)
+    assert floor["floor_flops"] == pytest.approx(1.39e15 + 2.95e15, rel=0.01)
+    assert floor["floor_seconds"] == pytest.approx(5.5, rel=0.01)

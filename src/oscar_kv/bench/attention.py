@@ -149,6 +149,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def matmul_throughput(device: torch.device, n: int = 8192) -> float:
+    """Dense bfloat16 tensor-core FLOP/s of one large square GEMM (cuBLAS): the compute floor's peak."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ms = _bench(lambda: a @ b, warmup_ms=300, rep_ms=300)  # long warm-up: clocks settle under tensor-core load
+    del a, b
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
 def _orthogonal(h: int, d: int, device) -> torch.Tensor:
     q, _ = torch.linalg.qr(torch.randn(h, d, d, dtype=torch.float64))
     return q.float().to(device)

@@ -75,6 +75,19 @@ def decode_floor(geometry, weight_bytes: int, context: int, batch: int, bandwidt
     return out
 
 
+def prefill_floor(model_info: dict, context: int, peak: float | None) -> dict:
+    """The compute floor of prefilling one ``context``-token prompt: every token through the weight GEMMs
+    (2 FLOPs per parameter) plus causal attention (QK^T and PV, 4 x Hq x D FLOPs per query-key pair, half the
+    square), at the dense tensor-core FLOP/s measured in the same run."""
+    m = model_info
+    gemm = 2 * m["token_matmul_parameters"] * context
+    attention = 4 * m["num_attention_heads"] * m["head_dim"] * context * (context + 1) / 2 * m["num_layers"]
+    out = dict(floor_flops=gemm + attention)
+    if peak:
+        out["floor_seconds"] = round((gemm + attention) / peak, 3)
+    return out
+
+
 def pool_geometry(scheme: str, geometry, page_size: int, sink: int, recent: int):
     """The pool geometry the engine builds for ``scheme`` (data-free rotations: every layer at 2 bits)."""
     from ..kernels.layout import PoolGeometry
@@ -507,9 +520,10 @@ def run(args) -> dict:
     result = dict(_device_info(device))
     result["timing_meaningful"] = device.type == "cuda"
     if device.type == "cuda":
-        from .attention import copy_bandwidth
+        from .attention import copy_bandwidth, matmul_throughput
 
         result["copy_bandwidth_GBps"] = round(copy_bandwidth(device) / 1e9, 1)
+        result["matmul_TFLOPs"] = round(matmul_throughput(device) / 1e12, 1)
     if device.type != "cuda":
         print("NOTE: running on the CPU (torch reference attention): timings are not meaningful", flush=True)
     torch.manual_seed(args.seed)  # the same random weights on every rank
@@ -677,10 +691,13 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
                 (seq,), seconds, steps = prefill(unit, [ctx], gen, vocab, grow, clock)
             attend = regions.totals_ms().get("attend_total", 0.0) / 1e3
             prefill_history[scheme] = (ctx, seconds)
-            result["prefill"].append(dict(scheme=scheme, context=ctx, batch=1, seconds=round(seconds, 3),
-                                          tokens_per_s=round(ctx / seconds, 1), chunks=steps,
-                                          chunk_tokens=args.max_num_batched_tokens, attend_seconds=round(attend, 3),
-                                          path=info["attention"]))
+            row = dict(scheme=scheme, context=ctx, batch=1, seconds=round(seconds, 3),
+                       tokens_per_s=round(ctx / seconds, 1), chunks=steps, chunk_tokens=args.max_num_batched_tokens,
+                       attend_seconds=round(attend, 3), path=info["attention"],
+                       **prefill_floor(result["model"], ctx, result.get("matmul_TFLOPs", 0) * 1e12))
+            if "floor_seconds" in row:
+                row["of_floor"] = round(row["floor_seconds"] / seconds, 3)
+            result["prefill"].append(row)
             print(f"prefill {scheme} ctx={ctx}: {seconds:.2f} s ({ctx / seconds:.0f} tok/s, {steps} chunks; "
                   f"attention layers {attend:.2f} s)", flush=True)
             engine.pause(seq.request_id)  # parked: only its copies decode
@@ -831,7 +848,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="time only the prefill of one prompt per (scheme, context): no decode, throughput or "
                          "breakdown")
     ap.add_argument("--prefill-attention", choices=("auto", "kernel"), default="auto",
-                    help="auto: long prefill chunks materialize their history and run flash attention, short ones "
+                    help="auto: long prefill chunks materialize their history and attend over it (kernels/chunk_attention.py), short ones "
                          "the extend kernel (kernel_attention.extend_path); kernel: the extend kernel for every chunk")
     ap.add_argument("--throughput-steps", type=int, default=8,
                     help="decode steps for the fixed-budget throughput run at the largest context (0: skip)")

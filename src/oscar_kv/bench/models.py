@@ -36,6 +36,13 @@ ARCHS = {
                           head_dim=128, max_position_embeddings=131072,
                           rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
                           tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    # fused qkv_proj and gate_up_proj (transformers' forward runs it, not our executor); the 128K model's LongRoPE
+    # factors are left out (default RoPE): they do not change the cost of a step
+    "phi-3-medium": dict(cls="Phi3Config", vocab_size=32064, hidden_size=5120, intermediate_size=17920,
+                         num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
+                         max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000,
+                         sliding_window=None),
     # For CPU tests: head dim 64 is the smallest the extend kernel accepts.
     "tiny": dict(cls="LlamaConfig", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=131072,
@@ -71,10 +78,12 @@ def build_model(arch: str, layers: int | None, device: torch.device, dtype: torc
     info = dict(arch=arch, model_type=config.model_type, num_layers=config.num_hidden_layers,
                 hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                 num_attention_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim, vocab_size=config.vocab_size,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                vocab_size=config.vocab_size,
                 max_position_embeddings=config.max_position_embeddings, parameters=params,
                 weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                 streamed_weight_bytes=streamed_weight_bytes(model),
+                token_matmul_parameters=token_matmul_parameters(model),
                 build_seconds=round(time.perf_counter() - started, 2),
                 weights=f"random (normal, std 0.02), {str(dtype).replace('torch.', '')}")
     return model, info
@@ -88,6 +97,13 @@ def streamed_weight_bytes(model) -> int:
     if embed is not model.get_output_embeddings().weight:
         total -= embed.numel() * embed.element_size()
     return total
+
+
+def token_matmul_parameters(model) -> int:
+    """Parameters every prompt token multiplies in a prefill: all but the embedding and the LM head (which sees
+    only each chunk's last token)."""
+    skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    return sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
 
 
 class TokenIdsOnly:

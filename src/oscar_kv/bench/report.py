@@ -68,13 +68,19 @@ def print_tables(result: dict) -> None:
     if result["prefill"]:
         print("\nprefill of one prompt (chunked, through LLMEngine.step; attend = attention layers: key rotation, KV "
               "write, attention)")
-        print(f"{'kv':>5} {'ctx':>7} {'seconds':>9} {'tok/s':>9} {'chunks':>6} {'attend s':>9}")
+        if result.get("matmul_TFLOPs"):
+            print(f"floor = (2 x weight-GEMM parameters x tokens + causal attention FLOPs) / the bf16 GEMM rate "
+                  f"measured in the same run ({result['matmul_TFLOPs']} TFLOP/s), % = floor / seconds")
+        print(f"{'kv':>5} {'ctx':>7} {'seconds':>9} {'tok/s':>9} {'chunks':>6} {'attend s':>9} {'floor s':>8} "
+              f"{'%floor':>7}")
         by = {}
         for r in sorted(result["prefill"], key=lambda r: (r["context"], r["scheme"])):
             if r["batch"] == 1:
                 by[(r["scheme"], r["context"])] = r
+                floor = (f" {r['floor_seconds']:8.2f} {100 * r['of_floor']:6.1f}%" if "of_floor" in r
+                         else f" {'-':>8} {'-':>7}")
                 print(f"{r['scheme']:>5} {r['context']:>7} {r['seconds']:9.2f} {r['tokens_per_s']:9.1f} "
-                      f"{r['chunks']:>6} {r.get('attend_seconds', float('nan')):9.2f}")
+                      f"{r['chunks']:>6} {r.get('attend_seconds', float('nan')):9.2f}{floor}")
         for (scheme, ctx), r in sorted(by.items(), key=lambda kv: kv[0][1]):
             if scheme == "int2" and ("bf16", ctx) in by:
                 print(f"prefill int2 / bf16 time at {ctx}: {r['seconds'] / by[('bf16', ctx)]['seconds']:.3f}x")

@@ -25,6 +25,7 @@ from ..kernels.layout import PoolGeometry
 from ..models.llama import LlamaExecutor, executor_support
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
 from .block_pool import PagePool, PoolPlan, plan_pool
+from .detokenize import IncrementalText
 from .kernel_attention import PoolView, kernel_support
 from .runner import ATTENTION_KEY, ModelForward, ModelRunner, register_paged_attention
 from .scheduler import Scheduler
@@ -193,9 +194,9 @@ class LLMEngine:
         scheme = (f"{self.config.kv_cache_dtype} (sink {spec.sink_size}, recent {spec.recent_size}, "
                   f"group {spec.group_size}, page {spec.page_size}, layer bits {sorted(set(spec.layer_bits))})"
                   if spec.quantizes else f"bf16 (page {spec.page_size})")
-        backend = ("Triton kernels (paged decode; prefill chunks: history materialized in float16 + flash attention, "
-                   "short chunks through the extend kernel)" if self.kernel_status is None
-                   else f"torch reference ({self.kernel_status})")
+        backend = (f"Triton kernels (paged decode; prefill chunks: history materialized in float16, then "
+                   f"{self.prefill_attention_description()}; short chunks through the extend kernel)"
+                   if self.kernel_status is None else f"torch reference ({self.kernel_status})")
         if self.kernel_status is None and any(codec.k_rope_mean is not None for codec in self.codecs):
             pairs = max(codec.rope_pairs.shape[1] for codec in self.codecs if codec.rope_pairs is not None)
             backend += f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term"
@@ -226,6 +227,10 @@ class LLMEngine:
                          f"sequences, a BF16 pool {plan.total_bytes // bf16_seq}")
         return lines
 
+    def _gqa(self) -> int:
+        config = self.model.config
+        return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
     def int2_decode_kernel(self) -> tuple[str, str | None]:
         """("cuda", None) or ("triton", why): the kernel this engine's INT2 decode steps run (kernels/decode.py)."""
         from types import SimpleNamespace
@@ -234,9 +239,21 @@ class LLMEngine:
 
         codec = next((c for c in self.codecs if c.rope_pairs is not None), None)
         rope = SimpleNamespace(pairs=codec.rope_pairs) if codec is not None else None  # only its pair count counts
-        gqa = self.model.config.num_attention_heads // (getattr(self.model.config, "num_key_value_heads", None)
-                                                        or self.model.config.num_attention_heads)
-        return int2_kernel_choice(self.device, self.pool.geometry, gqa, rope, next(self.model.parameters()).dtype)
+        return int2_kernel_choice(self.device, self.pool.geometry, self._gqa(), rope,
+                                  next(self.model.parameters()).dtype)
+
+    def prefill_attention_description(self) -> str:
+        """How the kernels' long prefill chunks attend over their materialized history (kernels/chunk_attention.py)."""
+        from ..kernels.chunk_attention import prefill_attention_choice
+        from ..kernels.materialized_extend import SCRATCH_DTYPE
+
+        spec = self.pool.geometry
+        kernel, why = prefill_attention_choice(self.device, SCRATCH_DTYPE, spec.num_kv_heads * self._gqa(),
+                                               spec.num_kv_heads, spec.head_dim)
+        if kernel == "split":
+            return ("attention over the history and over the chunk (causal) merged by log-sum-exp"
+                    + (" (cuDNN)" if self.device.type == "cuda" else ""))
+        return f"one flash attention call with a lower-right causal mask ({why})"
 
     def follow(self) -> None:
         """Ranks > 0 under tensor parallelism: run rank 0's steps until it shuts down."""
@@ -296,6 +313,7 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids), params)
+        seq.detokenizer = IncrementalText(self.tokenizer)
         self.requests[request_id] = seq
         self.prompt_tokens += len(seq.prompt_ids)
         self.scheduler.add(seq)
@@ -323,6 +341,7 @@ class LLMEngine:
         pool = self.pool
         seq = Sequence(new_id, src.prompt_ids, src.params)
         seq.output_ids = list(src.output_ids)
+        seq.detokenizer = src.detokenizer.copy() if src.detokenizer is not None else None
         kinds = [pool.kind_of(i, src.int2_pages) for i in range(len(src.pages))]
         src_q = [p for p, k in zip(src.pages, kinds) if k == QUANT]
         src_w = [p for p, k in zip(src.pages, kinds) if k != QUANT]
@@ -383,8 +402,19 @@ class LLMEngine:
             reason = "stop"
         elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        full = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        cut = min((i for i in (full.find(s) for s in seq.params.stop if s) if i >= 0), default=-1)
+        text = seq.detokenizer
+        if text is None:  # a sequence the engine did not create: its earlier tokens once
+            text = seq.detokenizer = IncrementalText(self.tokenizer)
+            for earlier in seq.output_ids[:-1]:
+                text.add(earlier)
+        grown_from = len(text.text)
+        text.add(token)
+        if reason is not None:
+            text.flush()
+        full = text.text
+        # a stop string not found before ends in the new text: search only from where it could start
+        start = max(0, grown_from - max((len(s) for s in seq.params.stop), default=0))
+        cut = min((i for i in (full.find(s, start) for s in seq.params.stop if s) if i >= 0), default=-1)
         if cut >= 0:
             full, reason = full[:cut], "stop"
         if reason is None:

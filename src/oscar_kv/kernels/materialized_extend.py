@@ -1,13 +1,13 @@
-"""Extend (prefill chunk) attention at the cost of float16 flash attention: materialize, then SDPA.
+"""Extend (prefill chunk) attention at the cost of float16 BF16-cache attention: materialize, then SDPA.
 Specification: reference.extend_reference (the same semantics as extend.int2_extend).
 
 Per sequence and layer, one Triton pass writes the sequence's keys and values of positions [0, n) into a
 contiguous float16 scratch in the rotated space: positions before the chunk as stored (INT2 pages
 dequantized, sink / recent BF16 pages copied), then the chunk's own keys and values exactly as given; keys
 get the position-aware offset RoPE_p(mu_pre) @ R_K added back (rope.py), as codec.LayerCodec.restore_offsets
-does.  Then one flash attention (torch SDPA, causal mask aligned to the lower right, GQA natively) of the
-rotated queries over [history | chunk].  Nothing about the attention itself is INT2-specific: the
-cost is the BF16 cache's flash attention plus one streaming pass over the history.
+does.  Then the rotated queries attend over [history | chunk] (chunk_attention.py: cuDNN over the history and
+the chunk, merged by log-sum-exp, or one flash call with a lower-right mask).  Nothing about the attention
+itself is INT2-specific: the cost is the BF16 cache's attention plus one streaming pass over the history.
 
 Why float16 and not bfloat16: with per-position centering a restored key is stored key + offset, and the
 offset can be large (|mu_pre| in the hundreds with a k_proj bias, as in Qwen2.5).  A scratch element is
@@ -22,7 +22,7 @@ minimum are float16 already) overflows: the caller checks the outputs are finite
 
 Cost per chunk and layer (Qwen3-8B, 8 KV heads, D = 128; history h tokens, chunk T): the pass reads 72 B
 (codes + scale/min of K and V) or 512 B (BF16 window rows) and writes 512 B per token and KV head:
-~4.7 KB x h, plus 2R x D float32 multiply-adds per key for the offset; flash attention does
+~4.7 KB x h, plus 2R x D float32 multiply-adds per key for the offset; the attention does
 4 x 32 x 128 x T x (h + T/2) FLOPs.  At h = 96K, T = 8K: 0.45 GB (~0.15 ms at 3 TB/s) against 1.1e13 FLOPs
 (~25 ms): the pass is < 1% of the attention.
 
@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ._compat import install_interpreter_shim
+from .chunk_attention import chunk_attention, prefill_attention_choice
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -305,29 +306,6 @@ def _heads_first(rows: torch.Tensor) -> torch.Tensor:
     return rows.transpose(0, 1).unsqueeze(0)  # [n, H, D] -> [1, H, n, D] (a view)
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """SDPA of q [1, Hq, T, D] over k / v [1, H, N, D] (GQA), query i seeing keys <= N - T + i."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
-    from torch.nn.functional import scaled_dot_product_attention
-
-    t, n = q.shape[2], k.shape[2]
-    if q.device.type != "cuda":  # the CPU (tests): SDPA materializes the mask
-        return scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, n), scale=sm_scale,
-                                            enable_gqa=True)
-    # Only flash attention takes a lower-right causal mask and GQA without copies: never fall back silently.
-    from torch.backends.cuda import SDPAParams, can_use_flash_attention
-
-    params = SDPAParams(q, k, v, None, 0.0, False, True)
-    if not can_use_flash_attention(params, False):
-        can_use_flash_attention(params, True)  # warns why
-        raise RuntimeError(f"flash attention cannot run the materialized extend (q {tuple(q.shape)}, "
-                           f"k {tuple(k.shape)}, {q.dtype}); see the warning above")
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, n), scale=sm_scale,
-                                            enable_gqa=True)
-
-
 def materialized_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_seqlens: torch.Tensor,
                         pool: PagedKVPool, layer: int, batch: PagedBatch, k_rotation: torch.Tensor | None = None,
                         sm_scale: float | None = None, *, rope=None, plan: MaterializePlan | None = None,
@@ -370,11 +348,12 @@ def materialized_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     qr = q_rotated if q_rotated is not None else _rotate_chunk_queries(q, k_rotation, h)
     qr = qr.to(SCRATCH_DTYPE)
     k_buf, v_buf = (scratch or Scratch()).take(plan.rows, h, d, q.device)
+    kernel, _ = prefill_attention_choice(q.device, SCRATCH_DTYPE, hq, h, d)
     cu32 = cu_seqlens.to(device=q.device, dtype=torch.int32)
     for group in plan.groups:
         materialize(pool, layer, batch, k_new, v_new, cu32, group, k_buf, v_buf, rope, rope_weights)
         for lo, hi, r0, n in group.calls:
-            o = _flash(_heads_first(qr[lo:hi]), _heads_first(k_buf[r0:r0 + n]), _heads_first(v_buf[r0:r0 + n]),
-                       sm_scale)
+            o = chunk_attention(_heads_first(qr[lo:hi]), _heads_first(k_buf[r0:r0 + n]),
+                                _heads_first(v_buf[r0:r0 + n]), sm_scale, kernel)
             out[lo:hi] = o[0].transpose(0, 1)
     return out
