@@ -151,3 +151,16 @@ def test_the_cache_quantizes_in_the_group_size_it_is_given(model, rotations):
     with pytest.raises(ConfigError) as info:
         OscarCache(model, rotations, CacheSettings(group_size=48))
     assert info.value.fields == ("group_size",) and "must divide the head dim 64" in str(info.value)
+
+
+def test_codecs_hold_contiguous_key_rotations(model, rotations):
+    """An artifact built in memory may hold column-major rotations (linalg.qr's Q): the codecs keep them
+    contiguous, or the write kernel would copy R_K per layer and decode step (benchmarks/NOTES.md, run E11)."""
+    from dataclasses import replace
+
+    from oscar_kv.codec import layer_codecs
+
+    strided = replace(rotations, k_rotation=rotations.k_rotation.transpose(-1, -2).contiguous().transpose(-1, -2))
+    assert not strided.k_rotation[0].is_contiguous()
+    for codec, want in zip(layer_codecs(model, strided, "int2"), rotations.k_rotation):
+        assert codec.k_rotation.is_contiguous() and torch.equal(codec.k_rotation, want.float())

@@ -211,7 +211,8 @@ def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: i
         k_rope_mean = rotations.k_rope_mean[i].float()
         codecs.append(LayerCodec(
             bits if bits == 16 else max(bits, int(rotations.layer_bits[i])), group_size,
-            rotations.k_rotation[i].float(), rotations.k_mean[i].float(), rotations.k_clip[i].float(),
+            # contiguous once here: the write kernel takes R_K contiguous, and would copy it per layer and step
+            rotations.k_rotation[i].float().contiguous(), rotations.k_mean[i].float(), rotations.k_clip[i].float(),
             rotations.v_clip[i].float(), rotations.k_rescale, rotations.v_rescale,
             k_rope_mean if k_rope_mean.abs().max() > 0 else None, rope, key_page=key_page))
     return codecs

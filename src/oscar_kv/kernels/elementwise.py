@@ -1,13 +1,9 @@
 """The executor's fused elementwise steps (models/llama.py) in Triton, each beside its torch reference.
 
-* ``rms_norm``: optional bias and residual adds, then RMSNorm: one launch instead of transformers' five or six.
+* ``rms_norm``: optional residual add, then RMSNorm: one launch instead of transformers' five or six.
 * ``silu_mul``: SiLU(gate) * up from the fused gate|up projection.
-* ``rope_qkv``: add the projection's bias, split the fused q|k|v projection into heads, RMS-normalize q and k per
-  head (Qwen3), apply RoPE to both and copy v out: one launch per layer.
-
-A projection's bias joins the next fused step instead of its GEMM: at one token torch's addmm copies the bias into
-the output before a beta = 1 GEMM (a copy launch per projection and layer); here it costs nothing.  That rounds
-twice (the product, then the sum) where a GEMM's epilogue rounds once: one bf16 rounding step apart at most.
+* ``rope_qkv``: split the fused q|k|v projection into heads, RMS-normalize q and k per head (Qwen3), apply RoPE
+  to both and copy v out: one launch per layer.
 
 The references reproduce transformers' arithmetic step by step, including where it rounds to the model dtype
 (Llama's ``RMSNorm.forward``, ``apply_rotary_pos_emb``, ``LlamaMLP``), so that our executor on the CPU matches the
@@ -28,13 +24,10 @@ install_interpreter_shim()
 
 # ---- torch references (the specification) -------------------------------------------------------------------
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Args: x [N, C] (the sublayer's output without its bias), weight [C], residual [N, C] or None (the first
-    layer), bias [C] or None (the sublayer's).
-    Returns: (RMSNorm(x + bias + residual), x + bias + residual) in x's dtype; the second is the next residual."""
-    if bias is not None:
-        x = x + bias
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Args: x [N, C] (the sublayer's output), weight [C], residual [N, C] or None (the first layer).
+    Returns: (RMSNorm(x + residual), x + residual) in x's dtype; the second is the next residual."""
     if residual is not None:
         x = residual + x
     h = x.float()
@@ -55,16 +48,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope_qkv_reference(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        heads: tuple[int, int], head_dim: int, qk_norm: torch.Tensor | None = None,
-                       eps: float = 1e-6, bias: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Args: qkv [N, (Hq + 2 Hkv) D] (the fused projection without its bias), positions [N] int64, cos / sin
-    [max positions, D] in the model dtype (rotary tables), heads (Hq, Hkv), qk_norm [2, D] (Qwen3's q_norm | k_norm
-    weights) or None, bias [(Hq + 2 Hkv) D] (the projection's) or None.
+                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Args: qkv [N, (Hq + 2 Hkv) D] (the fused projection), positions [N] int64, cos / sin [max positions, D] in
+    the model dtype (rotary tables), heads (Hq, Hkv), qk_norm [2, D] (Qwen3's q_norm | k_norm weights) or None.
     Returns: q [N, Hq, D], k [N, Hkv, D] after the norm and RoPE, v [N, Hkv, D] (contiguous)."""
     hq, hkv = heads
     n = qkv.shape[0]
-    if bias is not None:
-        qkv = qkv + bias
     q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
     q, k, v = q.view(n, hq, head_dim), k.view(n, hkv, head_dim), v.reshape(n, hkv, head_dim)
     if qk_norm is not None:
@@ -88,40 +77,34 @@ def _round(x, dt: tl.constexpr):
         return x.to(dt).to(tl.float32)
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, n_cols, eps, x_stride, res_stride,
-                     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, x_stride, res_stride,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dt = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        x = _round(x + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32), dt)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
         x = _round(x + r, dt)  # the residual stream is kept in the model dtype, as transformers keeps it
-    if HAS_RESIDUAL or HAS_BIAS:
         tl.store(res_out_ptr + row * n_cols + cols, x.to(dt), mask=mask)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, _round(w * _round(x * inv, dt), dt).to(dt), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm_reference`` in one launch.  x, residual [N, C] with unit column stride; returns new tensors."""
     n, c = x.shape
     out = torch.empty((n, c), dtype=x.dtype, device=x.device)
-    if residual is None and bias is not None:  # the biased sublayer output is the next residual: store it
-        res_out, res = torch.empty_like(out), x
-    elif residual is None:
+    if residual is None:
         res_out, res = x, x
     else:
         res_out, res = torch.empty_like(out), residual
     block = triton.next_power_of_2(c)
-    _rms_norm_kernel[(n,)](x, res, weight, bias if bias is not None else weight, out, res_out, c, eps, x.stride(0),
-                           res.stride(0), HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK=block,
-                           num_warps=min(16, max(1, block // 256)))
+    _rms_norm_kernel[(n,)](x, res, weight, out, res_out, c, eps, x.stride(0), res.stride(0),
+                           HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out, res_out
 
 
@@ -150,9 +133,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_qkv_kernel(qkv_ptr, b_ptr, pos_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, k_ptr, v_ptr, qkv_stride, eps,
-                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
+def _rope_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, k_ptr, v_ptr, qkv_stride, eps,
+                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): query heads, then HKV key heads, then HKV value heads
     offs = tl.arange(0, HALF)
@@ -161,9 +143,6 @@ def _rope_qkv_kernel(qkv_ptr, b_ptr, pos_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr,
     src = qkv_ptr + t * qkv_stride + h * D
     lo = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     hi = tl.load(src + D // 2 + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        lo = _round(lo + tl.load(b_ptr + h * D + offs, mask=mask, other=0.0).to(tl.float32), dt)
-        hi = _round(hi + tl.load(b_ptr + h * D + D // 2 + offs, mask=mask, other=0.0).to(tl.float32), dt)
     if h >= HQ + HKV:
         dst = v_ptr + (t * HKV + h - HQ - HKV) * D
         tl.store(dst + offs, lo.to(dt), mask=mask)
@@ -192,7 +171,7 @@ def _rope_qkv_kernel(qkv_ptr, b_ptr, pos_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr,
 
 def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              heads: tuple[int, int], head_dim: int, qk_norm: torch.Tensor | None = None,
-             eps: float = 1e-6, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rope_qkv_reference`` in one launch (qkv with unit column stride; cos / sin contiguous)."""
     hq, hkv = heads
     n = qkv.shape[0]
@@ -201,7 +180,7 @@ def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     v = torch.empty((n, hkv, head_dim), dtype=qkv.dtype, device=qkv.device)
     if n:
         _rope_qkv_kernel[(n, hq + 2 * hkv)](
-            qkv, bias if bias is not None else qkv, positions, cos, sin, qk_norm if qk_norm is not None else cos,
-            q, k, v, qkv.stride(0), eps, HQ=hq, HKV=hkv, D=head_dim, HALF=triton.next_power_of_2(head_dim // 2),
-            NORM=qk_norm is not None, HAS_BIAS=bias is not None, num_warps=1 if head_dim <= 128 else 2)
+            qkv, positions, cos, sin, qk_norm if qk_norm is not None else cos, q, k, v, qkv.stride(0), eps,
+            HQ=hq, HKV=hkv, D=head_dim, HALF=triton.next_power_of_2(head_dim // 2), NORM=qk_norm is not None,
+            num_warps=1 if head_dim <= 128 else 2)
     return q, k, v

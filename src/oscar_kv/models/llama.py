@@ -150,13 +150,11 @@ class LlamaExecutor:
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = self.rms_norm(h, layer.input_norm, self.eps, residual)
-            # biases join the fused step after their GEMM (kernels/elementwise.py says why)
-            weight, bias = layer.qkv
-            q, k, v = self.rope_qkv(F.linear(x, weight), positions, self.cos, self.sin, self.heads, self.head_dim,
-                                    layer.qk_norm, self.eps, bias)
+            q, k, v = self.rope_qkv(F.linear(x, *layer.qkv), positions, self.cos, self.sin, self.heads,
+                                    self.head_dim, layer.qk_norm, self.eps)
             out, _ = attention.attend(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                       layer.scaling)
-            h = F.linear(out.reshape(n, -1), layer.o_proj.weight)
-            x, residual = self.rms_norm(h, layer.post_norm, self.eps, residual, layer.o_proj.bias)
+            h = layer.o_proj(out.reshape(n, -1))
+            x, residual = self.rms_norm(h, layer.post_norm, self.eps, residual)
             h = layer.down(self.silu_mul(F.linear(x, *layer.gate_up)))
         return self.rms_norm(h, self.final_norm, self.eps, residual)[0]
