@@ -107,6 +107,13 @@ def rope_logits_tiled(ra, rb, BASE, STEPS, PR, p0, N: tl.constexpr, HALF: tl.con
 
 
 @triton.jit
+def cat4(a0, a1, a2, a3, M: tl.constexpr, D4: tl.constexpr):
+    """Four column slices [M, D4] -> [M, 4*D4] with slice k at columns k*D4 .. (k+1)*D4."""
+    x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [M, D4, 2 (inner pair), 2 (outer pair)]
+    return tl.reshape(tl.permute(x, (0, 3, 2, 1)), (M, 4 * D4))
+
+
+@triton.jit
 def mm(a, b, acc, F32DOT: tl.constexpr):
     """a @ b + acc; F32DOT (interpreter only: its bf16 dot is broken) multiplies in float32."""
     if F32DOT:

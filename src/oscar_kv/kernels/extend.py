@@ -39,8 +39,8 @@ import triton.language as tl
 
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
-from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, grp_scores, grp_values, load_rope_ab, merge, mm,
-                     num_sms, rope_args, rope_logits, split_plan, unpack4)
+from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, cat4, grp_scores, grp_values, load_rope_ab, merge,
+                     mm, num_sms, rope_args, rope_logits, split_plan, unpack4)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -53,13 +53,6 @@ def _online_softmax(s, m_i, l_i):
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _cat4(a0, a1, a2, a3, M: tl.constexpr, D4: tl.constexpr):
-    """Four column slices [M, D4] -> [M, 4*D4] with slice k at columns k*D4 .. (k+1)*D4."""
-    x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [M, D4, 2 (inner pair), 2 (outer pair)]
-    return tl.reshape(tl.permute(x, (0, 3, 2, 1)), (M, 4 * D4))
 
 
 @triton.jit
@@ -167,7 +160,7 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
     a1 = a1 * 0.25 + n1[:, None]
     a2 = a2 * 0.0625 + n2[:, None]
     a3 = a3 * 0.015625 + n3[:, None]
-    return m_i, l_i, _cat4(a0, a1, a2, a3, M, D4)
+    return m_i, l_i, cat4(a0, a1, a2, a3, M, D4)
 
 
 @triton.jit

@@ -29,10 +29,14 @@ import triton.language as tl
 from ..quant import check_rescale
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
-from .common import INTERPRET
+from .common import INTERPRET, cat4
 from .layout import PagedKVPool
 
 install_interpreter_shim()
+
+# Head dims up to this rotate keys with one float32 D x D MMA operand (64 KiB of shared memory at 128); above, in
+# four column slices (_rotate_by_column_slices).  benchmarks/kernel_smem.py prints what each compiles to.
+ROTATE_WHOLE_MAX_DIM = 128
 
 
 @triton.jit
@@ -115,13 +119,28 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
     tl.store(Meta + mrow[:, None] + NG + offs_g[None, :], mn16, mask=rmask[:, None])
 
 
+@triton.jit
+def _rotate_by_column_slices(k, Rh, D: tl.constexpr, ROWS: tl.constexpr):
+    """k [ROWS, D] @ R (float32, Rh: R's first element) as four [D, D/4] column slices, so that the MMA's float32
+    R operand is a quarter of D x D (the whole one is 256 KiB at D = 256, past an SM's 227 KiB)."""
+    D4: tl.constexpr = D // 4
+    offs_d = tl.arange(0, D)
+    cols = offs_d[:, None] * D + tl.arange(0, D4)[None, :]
+    k0 = tl.dot(k, tl.load(Rh + cols).to(tl.float32), input_precision="ieee")
+    k1 = tl.dot(k, tl.load(Rh + D4 + cols).to(tl.float32), input_precision="ieee")
+    k2 = tl.dot(k, tl.load(Rh + 2 * D4 + cols).to(tl.float32), input_precision="ieee")
+    k3 = tl.dot(k, tl.load(Rh + 3 * D4 + cols).to(tl.float32), input_precision="ieee")
+    return cat4(k0, k1, k2, k3, ROWS, D4)
+
+
 @triton.jit(do_not_specialize=["T"])  # the step's token count: one compile for all counts (server warm-up)
 def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T, GK, GV,
                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rh,
                   stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh,
                   D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr,
-                  ROTATE: tl.constexpr, CENTER: tl.constexpr, ROPE_CENTER: tl.constexpr, SORT: tl.constexpr,
-                  RECIP3: tl.constexpr, RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr):
+                  ROTATE: tl.constexpr, ROTATE_SLICED: tl.constexpr, CENTER: tl.constexpr,
+                  ROPE_CENTER: tl.constexpr, SORT: tl.constexpr, RECIP3: tl.constexpr, RESCALE_K: tl.constexpr,
+                  RESCALE_V: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // G
@@ -149,7 +168,9 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw
         cos = tl.load(COS + trig, mask=tmask[:, None], other=0.0)
         sin = tl.load(SIN + trig, mask=tmask[:, None], other=0.0)
         k = k - (mu[None, :] * cos + mu_half[None, :] * sin)
-    if ROTATE:
+    if ROTATE and ROTATE_SLICED:
+        k = _rotate_by_column_slices(k, R + h * stride_rh, D, BLOCK_T)
+    elif ROTATE:
         r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
         k = tl.dot(k, r, input_precision="ieee")
     tl.store(Kw + wrow[:, None] + offs_d[None, :], k.to(tl.bfloat16), mask=wmask[:, None])
@@ -255,7 +276,7 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh,
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
-        CENTER=k_mean is not None, ROPE_CENTER=k_rope is not None, SORT=not INTERPRET,
+        ROTATE_SLICED=d > ROTATE_WHOLE_MAX_DIM, CENTER=k_mean is not None, ROPE_CENTER=k_rope is not None, SORT=not INTERPRET,
         RECIP3=_scalar_div_is_reciprocal(k.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
         num_warps=num_warps or (TUNING.write_num_warps_rotating if k_rotation is not None else TUNING.write_num_warps))
 
