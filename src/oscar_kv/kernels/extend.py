@@ -308,7 +308,7 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
                 max_int2_pages: int | None = None,
                 num_splits: int | None = None, split_target: int = TUNING.extend_split_target,
                 block_m: int = TUNING.extend_block_m, block_n: int | None = None,
-                num_warps: int = TUNING.extend_num_warps, num_stages: int = TUNING.extend_num_stages,
+                num_warps: int | None = None, num_stages: int = TUNING.extend_num_stages,
                 use_asm: bool | None = None, split_query: bool = True,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Chunked-prefill attention over the mixed pool; semantics of reference.extend_reference.
@@ -332,8 +332,9 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
             would run; 0: never.
         block_m: query rows per program (chunk tokens x padded GQA group).
         block_n: keys per tile; default 64 with one quantization group per head, 32 with several (sm_90 builds
-            at 4 warps then fit in 255 registers without spilling).
-        num_warps, num_stages, use_asm: Triton tuning knobs; use_asm: PTX code conversion on the GPU.
+            at 4 warps then fit in 255 registers without spilling) or at head dim 256 (shared memory; tuning.py).
+        num_warps, num_stages, use_asm: Triton tuning knobs; use_asm: PTX code conversion on the GPU; num_warps
+            default: 4, 8 at head dim 256 (tuning.py).
         split_query: bf16 hi + lo query for the BF16 parts; off: one MMA, ~5x the logit error.
         out: the output (any float dtype, unit stride in D), written in place; None: a new tensor.
     Shapes:
@@ -362,7 +363,9 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     gqa = hq // h
     h_pad = triton.next_power_of_2(gqa)
-    block_n = block_n or (64 if g.group_size == d else 32)
+    wide = d > 128
+    block_n = block_n or (TUNING.extend_block_n_d256 if wide else 64 if g.group_size == d else 32)
+    num_warps = num_warps or (TUNING.extend_num_warps_d256 if wide else TUNING.extend_num_warps)
     block_t = max(1, block_m // h_pad)
     if block_t * h_pad < 16 or block_n < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
         raise ValueError("block_m and block_n must be powers of two giving >= 16 rows / keys per tile")
