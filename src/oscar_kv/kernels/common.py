@@ -246,7 +246,7 @@ def merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor) -> torch.Tensor
     """Combine the splits exactly: po [B, Hq, NS, D] normalized partials, pl [B, Hq, NS] log2-sum-exps -> out
     [B, Hq, D] (written and returned; a split with pl = -inf counts for nothing)."""
     b, hq, ns, d = po.shape
-    bd = min(d, 32)
+    bd = d if INTERPRET else min(d, 32)  # the interpreter's cost is per program: one per head there
     _merge_kernel[(b, hq, d // bd)](po, pl, out, ns, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
                                     pl.stride(1), out.stride(0), out.stride(1), D=d,
                                     BLOCK_S=max(triton.next_power_of_2(ns), 2), BLOCK_D=bd, num_warps=4)

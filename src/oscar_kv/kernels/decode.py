@@ -304,10 +304,11 @@ def rotate_query(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads:
         raise ValueError(f"k_rotation must have 1 or {num_kv_heads} heads, got {r.shape[0]}")
     gqa = hq // num_kv_heads
     out = torch.empty(bsz, hq, d, device=q.device, dtype=torch.float32)
+    block_e = d if INTERPRET else 16  # the interpreter's cost is per program: one per head there
     if bsz:
-        _rotate_query_kernel[(bsz, num_kv_heads, d // 16)](
+        _rotate_query_kernel[(bsz, num_kv_heads, d // block_e)](
             q, r, out, q.stride(0), q.stride(1), 0 if r.shape[0] == 1 else r.stride(0),
-            D=d, GQA=gqa, H_PAD=triton.next_power_of_2(gqa), BLOCK_E=16, num_warps=4)
+            D=d, GQA=gqa, H_PAD=triton.next_power_of_2(gqa), BLOCK_E=block_e, num_warps=4)
     return out
 
 
