@@ -143,14 +143,15 @@ def test_migrate_bit_exact(p, rescale, d):
     assert_pools_equal(a, b)
 
 
-def test_write_position_aware_centering():
+@pytest.mark.parametrize("d", [64, 256])
+def test_write_position_aware_centering(d):
     """Keys centered per position (rope.py) inside the write kernel: the kernel's float32 offset against the
     reference's; with a signed permutation every stored row matches and codes flip at rounding ties only."""
     from oscar_kv.kernels.write import write_kv
     from oscar_kv.rope import apply_rope
 
     gen = torch.Generator().manual_seed(5)
-    d, h, p, t = 64, 2, 16, 40
+    h, p, t = 2, 16, 40
     geom, win, q2 = _alternating_slots(d, h, p, t, gen)
     positions = torch.randint(0, 30000, (t,), generator=gen).double()
     angles = positions[:, None] * (10000.0 ** (-torch.arange(0, d, 2).double() / d))[None]

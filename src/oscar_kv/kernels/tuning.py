@@ -45,6 +45,9 @@ class KernelTuning:
     # registers) and without
     write_block_t: int = 16
     write_num_warps_rotating: int = 8
+    # at head dim 256 (the rotation in four row slices): sm_90 builds spill 8 KB a thread at 4 warps, 376 B at 8, 16 B
+    # at 16 (benchmarks/kernel_smem.py; not yet timed)
+    write_num_warps_rotating_d256: int = 16
     write_num_warps: int = 4
     migrate_num_warps: int = 4
     # prefill chunks of at least this many tokens take the materialized flash path (one pass over the history,
