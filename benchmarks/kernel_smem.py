@@ -117,6 +117,12 @@ def _cases(d: int, gqa: int):
     q1 = torch.randn(1, h * gqa, d, dtype=torch.bfloat16)
     qt = torch.randn(t, h * gqa, d, dtype=torch.bfloat16)
     cu = torch.tensor([0, t], dtype=torch.int32)
+    # per-position key centering over 8 pairs per head (calibration's default)
+    from oscar_kv.rope import KernelRope, keep_pairs, random_pairs
+
+    gen = torch.Generator().manual_seed(0)
+    mu = keep_pairs(torch.randn(h, d, generator=gen), random_pairs(h, d // 2, 8, gen))
+    rope = KernelRope.build(mu, 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d), 1.0, pages * p + t)
     scratch = materialized_extend.Scratch()
     yield "write_kv (rotating)", lambda: write.write_kv(pool, 0, k, k, slots, slots, rot, None, clip, clip)
     yield "write_kv (keys rotated)", lambda: write.write_kv(pool, 0, k, k, slots, slots, None, None, clip, clip)
@@ -130,6 +136,11 @@ def _cases(d: int, gqa: int):
                                                                  max_seq_len=pages * p)
     yield "int2_extend", lambda: extend.int2_extend(qt, k, k, cu, pool, 0, batch, rot, max_seqlen=t,
                                                     max_int2_pages=4, num_splits=2)
+    yield "int2_decode (rope, 8 pairs)", lambda: decode.int2_decode(q1, pool, 0, batch, rot, rope=rope,
+                                                                    max_int2_pages=4, max_seq_len=pages * p,
+                                                                    backend="triton")
+    yield "int2_extend (rope, 8 pairs)", lambda: extend.int2_extend(qt, k, k, cu, pool, 0, batch, rot, rope=rope,
+                                                                    max_seqlen=t, max_int2_pages=4, num_splits=2)
     plan = materialized_extend.MaterializePlan.build([0, t], [pages * p], [0], "cpu")
     kb, vb = scratch.take(plan.rows, h, d, "cpu")
     yield "materialize", lambda: materialized_extend.materialize(pool, 0, batch, k, k, cu, plan.groups[0], kb, vb)
