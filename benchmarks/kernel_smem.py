@@ -6,7 +6,7 @@ int2_decode, bf16_decode, int2_extend, materialize) compile instead of launch: a
 sm_90 target, every launch becomes a warm-up (compile only), and the kernel names and bytes are recorded.  An
 SM of an H100 grants a CTA at most 227 KiB (232448 bytes).
 
-    python benchmarks/kernel_smem.py [--dims 64 128 256] [--gqa 2]
+    python benchmarks/kernel_smem.py [--dims 64 128 256] [--gqa 2] [--group 256] [--only extend]
 
 Run it without TRITON_INTERPRET (the interpreter compiles nothing).  Inputs are random CPU tensors; only their
 dtypes, strides and shapes matter.
@@ -94,8 +94,8 @@ def compile_only(record: list):
         driver._active = before
 
 
-def _cases(d: int, gqa: int):
-    """(label, thunk) per kernel call the engine makes, at head dim d."""
+def _cases(d: int, gqa: int, group: int):
+    """(label, thunk) per kernel call the engine makes, at head dim d and quantization group size ``group``."""
     import torch
 
     from oscar_kv.kernels import decode, extend, materialized_extend, write
@@ -104,7 +104,7 @@ def _cases(d: int, gqa: int):
     # the PTX code conversion, as on a GPU (the wrappers turn it off for a CPU device)
     decode.asm_enabled = extend.asm_enabled = lambda device, use_asm: True
     h, p, pages = 2, 16, 8
-    geom = PoolGeometry(num_layers=1, num_kv_heads=h, head_dim=d, group_size=d, page_size=p, sink_size=p,
+    geom = PoolGeometry(num_layers=1, num_kv_heads=h, head_dim=d, group_size=group, page_size=p, sink_size=p,
                         recent_size=2 * p)
     pool = PagedKVPool.allocate(geom, pages, pages, device="cpu")
     bt = torch.arange(pages, dtype=torch.int32).reshape(1, pages)
@@ -151,13 +151,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--gqa", type=int, default=2, help="query heads per KV head")
     ap.add_argument("--only", default="", help="cases whose label contains this")
+    ap.add_argument("--group", type=int, default=0,
+                    help="quantization group size (default: calibration's, min(head dim, 128); larger: one per head)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter compiles nothing", file=sys.stderr)
         return 2
     worst = 0
     for d in args.dims:
-        for label, call in _cases(d, args.gqa):
+        group = min(d, args.group or 128)
+        for label, call in _cases(d, args.gqa, group):
             if args.only not in label:
                 continue
             record: list = []
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
                 call()
             for name, shared, warps, stages, res in record:
                 flag = "  OVER" if shared > SM_LIMIT else ""
-                print(f"D={d:4d}  {label:26s} {name:22s} warps {warps} stages {stages}  {res:20s} "
+                print(f"D={d:4d} G={group:3d}  {label:26s} {name:22s} warps {warps} stages {stages}  {res:20s} "
                       f"shared {shared / 1024:6.1f} KiB{flag}", flush=True)
                 worst = max(worst, shared)
     print(f"largest: {worst / 1024:.1f} KiB (an H100 SM grants {SM_LIMIT / 1024:.0f} KiB per CTA)")

@@ -157,26 +157,22 @@ def test_bf16_decode_matches_reference():
     assert rel_err(out, want) < 1e-2
 
 
-def d256_geom():
-    """Gemma's head dim (256, one group per head)."""
-    return PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=256, page_size=16, sink_size=16,
-                        recent_size=32)
-
-
-@pytest.mark.parametrize("centering", ["constant", "rope"])
-def test_int2_decode_head_dim_256(centering):
-    """Head dim 256 through the Triton INT2 kernel (the CUDA one is written for 64 / 128 and says so), GQA 2 as
-    Gemma 3; per-head and shared rotations, and the position-aware key offset."""
+@pytest.mark.parametrize("group,centering", [(256, "constant"), (128, "rope")])
+def test_int2_decode_head_dim_256(group, centering):
+    """Head dim 256 (Gemma's) through the Triton INT2 kernel (the CUDA one is written for 64 / 128 and says so), GQA
+    2 as Gemma 3; one group per head or two (calibration's default there, 128); per-head and shared rotations, and
+    the position-aware key offset."""
     from oscar_kv.kernels import int2_cuda
     from oscar_kv.kernels.decode import int2_decode, int2_kernel_choice
 
-    geom = d256_geom()
-    gen = torch.Generator().manual_seed(256)
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=group, page_size=16, sink_size=16,
+                        recent_size=32)
+    gen = torch.Generator().manual_seed(group)
     seq_lens = [0, 7, 150] if not GPU else [0, 7, 64, 5003, 65536 + 77]
     pool, batch, rot = build_pool(geom, seq_lens, gen)
     q = torch.randn(len(seq_lens), 4, 256, generator=gen).to(DEV, torch.bfloat16)
     why = int2_cuda.unsupported(torch.device("cuda"), geom, 2, None)
-    assert "head dim 256" in why
+    assert f"head dim 256 / group {group}" in why
     if GPU:
         assert int2_kernel_choice(q.device, geom, 2) == ("triton", why)
     rope = rope_case(2, 256, max(seq_lens), gen, live=3) if centering == "rope" else None
