@@ -157,6 +157,56 @@ def test_bf16_decode_matches_reference():
     assert rel_err(out, want) < 1e-2
 
 
+@pytest.mark.parametrize("group,centering", [(256, "constant"), (128, "rope")])
+def test_int2_decode_head_dim_256(group, centering):
+    """Head dim 256 (Gemma's) through the Triton INT2 kernel (the CUDA one is written for 64 / 128 and says so), GQA
+    2 as Gemma 3; one group per head or two (calibration's default there, 128); per-head and shared rotations, and
+    the position-aware key offset."""
+    from oscar_kv.kernels import int2_cuda
+    from oscar_kv.kernels.decode import int2_decode, int2_kernel_choice
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=group, page_size=16, sink_size=16,
+                        recent_size=32)
+    gen = torch.Generator().manual_seed(group)
+    seq_lens = [0, 7, 150] if not GPU else [0, 7, 64, 5003, 65536 + 77]
+    pool, batch, rot = build_pool(geom, seq_lens, gen)
+    q = torch.randn(len(seq_lens), 4, 256, generator=gen).to(DEV, torch.bfloat16)
+    why = int2_cuda.unsupported(torch.device("cuda"), geom, 2, None)
+    assert f"head dim 256 / group {group}" in why
+    if GPU:
+        assert int2_kernel_choice(q.device, geom, 2) == ("triton", why)
+    rope = rope_case(2, 256, max(seq_lens), gen, live=3) if centering == "rope" else None
+    for r in (rot, rot[:1]) if rope is None else (rot,):
+        want = ref.decode_reference(pool, 0, q, batch, r, None, rope=rope)
+        out = torch.full_like(q, float("nan"))
+        int2_decode(q, pool, 0, batch, r, rope=rope, num_splits=2, out=out)
+        assert not out.isnan().any()
+        assert rel_err(out, want) < 1e-2
+        assert out[0].abs().max() == 0  # empty sequence
+
+
+def test_bf16_decode_head_dim_256():
+    """The BF16 kernel at head dim 256: the query is rotated before the launch there (decode.py)."""
+    from oscar_kv.kernels.decode import bf16_decode
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=256, page_size=16, sink_size=0,
+                        recent_size=16)
+    gen = torch.Generator().manual_seed(6)
+    seq_lens = [1, 90, 0] if not GPU else [1, 100, 65536 + 5, 0]
+    batch, _, nw = plan_batch(geom, seq_lens, [0] * len(seq_lens), generator=gen)
+    pool = PagedKVPool.allocate(geom, 1, nw, device=DEV)
+    pool.k_win.normal_()
+    pool.v_win.normal_()
+    batch = batch.to(DEV)
+    rot = random_orthogonal(2, 256, gen).to(DEV)
+    q = torch.randn(len(seq_lens), 4, 256, generator=gen).to(DEV, torch.bfloat16)
+    for r in (rot, None):
+        want = ref.decode_reference(pool, 0, q, batch, r, None)
+        out = bf16_decode(q, pool.k_win[0], pool.v_win[0], batch.block_table, batch.seq_lens, r, page_size=16)
+        assert out.dtype == q.dtype and not out.isnan().any()
+        assert rel_err(out, want) < 1e-2
+
+
 def test_int2_decode_variants_agree():
     """Tile sizes, warps, key-load orientation and the PTX code conversion give the same result."""
     from oscar_kv.kernels.decode import int2_decode

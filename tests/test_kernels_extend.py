@@ -193,3 +193,21 @@ def test_extend_adds_the_position_aware_key_offset(splits, live):
     want = c.reference(c.rot, rope=rope)
     assert_matches(c, c.kernel(c.rot, rope=rope, num_splits=splits), want, splits)
     assert rel_err(c.reference(c.rot), want) > 0.1
+
+
+@pytest.mark.parametrize("group,centering", [(256, "constant"), (128, "rope")])
+def test_head_dim_256(group, centering):
+    """Gemma's head dim: 32 keys per tile and 8 warps there (tuning.py, shared memory); one or two quantization
+    groups, GQA 2; the history split in two and merged; the position-aware key offset."""
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=group, page_size=16, sink_size=16,
+                        recent_size=32)
+    gen = torch.Generator().manual_seed(group)
+    hist, chunk = ([0, 120], [9, 5]) if not GPU else ([0, 5000, 40000], [300, 129, 7])
+    c = Case(geom, hist, chunk, gen, gqa=2)
+    rope = None
+    if centering == "rope":
+        rope = rope_case(2, 256, max(h + n for h, n in zip(hist, chunk)), gen, live=3)
+    want = c.reference(c.rot, rope=rope)
+    for splits in (0, 2):
+        assert_matches(c, c.kernel(c.rot, rope=rope, num_splits=splits, max_int2_pages=int(c.batch.int2_pages.max())),
+                       want, splits)

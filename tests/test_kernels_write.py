@@ -53,7 +53,8 @@ def assert_pools_equal(a, b):
             assert torch.allclose(x.float(), y.float(), rtol=2 ** -7, atol=0), name
 
 
-CASES = [(64, 64, 16), (128, 32, 32)] + ([(128, 128, 16), (128, 64, 64)] if GPU else [])
+# head dim 256 (Gemma): the write kernel rotates in column slices there (kernels/write.py)
+CASES = [(64, 64, 16), (128, 32, 32), (256, 256, 16)] + ([(128, 128, 16), (128, 64, 64), (256, 64, 32)] if GPU else [])
 
 
 @pytest.mark.parametrize("d,g,p", CASES)
@@ -96,12 +97,13 @@ def _alternating_slots(d, h, p, t, gen):
     return geom, win, q2
 
 
-def test_write_random_rotation_close():
+@pytest.mark.parametrize("d", [64, 256])
+def test_write_random_rotation_close(d):
     """With a dense rotation the float32 sums differ in order: codes may flip at rounding ties only."""
     from oscar_kv.kernels.write import write_kv
 
     gen = torch.Generator().manual_seed(1)
-    d, h, p, t = 64, 2, 16, 40
+    h, p, t = 2, 16, 40
     geom, win, q2 = _alternating_slots(d, h, p, t, gen)
     qm, _ = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
     rot = qm.float().to(DEV)
@@ -116,14 +118,15 @@ def test_write_random_rotation_close():
     assert torch.equal(a.v_codes, b.v_codes)
 
 
-@pytest.mark.parametrize("p,rescale", [(16, (0.0, 0.0)), (32, (0.0, 0.0)), (16, (1.0, 0.25))]
-                         + ([(64, (0.0, 0.0)), (64, (0.5, 0.0))] if GPU else []))
-def test_migrate_bit_exact(p, rescale):
+@pytest.mark.parametrize("p,rescale,d", [(16, (0.0, 0.0), 64), (32, (0.0, 0.0), 64), (16, (1.0, 0.25), 64),
+                                         (16, (1.0, 0.25), 256)]
+                         + ([(64, (0.0, 0.0), 64), (64, (0.5, 0.0), 64), (32, (0.0, 0.0), 256)] if GPU else []))
+def test_migrate_bit_exact(p, rescale, d):
     from oscar_kv.kernels.write import migrate_pages
 
     gen = torch.Generator().manual_seed(p)
-    d, h, layers = 64, 2, 3
-    geom = PoolGeometry(num_layers=layers, num_kv_heads=h, head_dim=d, group_size=32, page_size=p, sink_size=p,
+    h, layers = 2, 3
+    geom = PoolGeometry(num_layers=layers, num_kv_heads=h, head_dim=d, group_size=d // 2, page_size=p, sink_size=p,
                         recent_size=p)
     nq, nw = 6, 6
     a, b = pools(geom, nq, nw)
@@ -140,14 +143,15 @@ def test_migrate_bit_exact(p, rescale):
     assert_pools_equal(a, b)
 
 
-def test_write_position_aware_centering():
+@pytest.mark.parametrize("d", [64, 256])
+def test_write_position_aware_centering(d):
     """Keys centered per position (rope.py) inside the write kernel: the kernel's float32 offset against the
     reference's; with a signed permutation every stored row matches and codes flip at rounding ties only."""
     from oscar_kv.kernels.write import write_kv
     from oscar_kv.rope import apply_rope
 
     gen = torch.Generator().manual_seed(5)
-    d, h, p, t = 64, 2, 16, 40
+    h, p, t = 2, 16, 40
     geom, win, q2 = _alternating_slots(d, h, p, t, gen)
     positions = torch.randint(0, 30000, (t,), generator=gen).double()
     angles = positions[:, None] * (10000.0 ** (-torch.arange(0, d, 2).double() / d))[None]

@@ -53,7 +53,7 @@ def ulps(got, want, slack=0.0):
 
 
 # ------------------------------------------------------------------------------------------ the pass
-@pytest.mark.parametrize("d,g,p,live", [(64, 64, 16, None), (128, 64, 32, 3), (128, 32, 16, 12)])
+@pytest.mark.parametrize("d,g,p,live", [(64, 64, 16, None), (128, 64, 32, 3), (128, 32, 16, 12), (256, 128, 16, 3)])
 def test_materialize_writes_the_history_as_stored(d, g, p, live):
     """Scratch rows = history as stored (INT2 dequantized per group, BF16 windows) then the chunk, keys with
     RoPE_p(mu_pre) @ R_K added, to within one float16 rounding; groups of several sequences at their rows."""
@@ -91,6 +91,7 @@ CONFIGS = [  # (head dim, group, page, GQA, centering)
     (128, 128, 16, 4, "rope20"),
     (128, 64, 32, 4, "rope900"),
     (64, 64, 16, 8, "rope900"),
+    (256, 256, 16, 2, "rope900"),  # Gemma's head dim
 ]
 
 
@@ -122,8 +123,8 @@ def bf16_materialization_error(c, rope, want):
 @pytest.mark.parametrize("d,g,p,gqa,centering", CONFIGS)
 def test_matches_the_reference(d, g, p, gqa, centering):
     """Against reference.extend_reference (float32 keys, float64 softmax): constant and per-position centering
-    (|mu_pre| ~ 20 in every pair, and ~900 in 3 pairs as a k_proj bias gives), pages of 16 and 32, GQA 1 / 4 / 8,
-    head dim 64 and 128, one and several quantization groups, a prefix-hit layout."""
+    (|mu_pre| ~ 20 in every pair, and ~900 in 3 pairs as a k_proj bias gives), pages of 16 and 32, GQA 1 / 2 / 4 / 8,
+    head dim 64, 128 and 256, one and several quantization groups, a prefix-hit layout."""
     geom = geometry(d, g, p, heads=2 if not GPU else 8, sink=None if not GPU else 64, recent=64 if not GPU else 256)
     gen = torch.Generator().manual_seed(d * gqa + p)
     c = hit_case(geom, gen, gqa)

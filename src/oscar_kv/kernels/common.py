@@ -107,6 +107,13 @@ def rope_logits_tiled(ra, rb, BASE, STEPS, PR, p0, N: tl.constexpr, HALF: tl.con
 
 
 @triton.jit
+def cat4(a0, a1, a2, a3, M: tl.constexpr, D4: tl.constexpr):
+    """Four column slices [M, D4] -> [M, 4*D4] with slice k at columns k*D4 .. (k+1)*D4."""
+    x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [M, D4, 2 (inner pair), 2 (outer pair)]
+    return tl.reshape(tl.permute(x, (0, 3, 2, 1)), (M, 4 * D4))
+
+
+@triton.jit
 def mm(a, b, acc, F32DOT: tl.constexpr):
     """a @ b + acc; F32DOT (interpreter only: its bf16 dot is broken) multiplies in float32."""
     if F32DOT:
@@ -239,7 +246,7 @@ def merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor) -> torch.Tensor
     """Combine the splits exactly: po [B, Hq, NS, D] normalized partials, pl [B, Hq, NS] log2-sum-exps -> out
     [B, Hq, D] (written and returned; a split with pl = -inf counts for nothing)."""
     b, hq, ns, d = po.shape
-    bd = min(d, 32)
+    bd = d if INTERPRET else min(d, 32)  # the interpreter's cost is per program: one per head there
     _merge_kernel[(b, hq, d // bd)](po, pl, out, ns, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
                                     pl.stride(1), out.stride(0), out.stride(1), D=d,
                                     BLOCK_S=max(triton.next_power_of_2(ns), 2), BLOCK_D=bd, num_warps=4)

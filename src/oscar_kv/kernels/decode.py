@@ -38,6 +38,10 @@ from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
 
+# bf16_decode rotates the query in the kernel up to this head dim; above, its float32 D x D operand does not fit
+# an SM's shared memory (256 KiB at D = 256) and rotate_query runs first (benchmarks/kernel_smem.py)
+ROTATE_IN_KERNEL_MAX_DIM = 128
+
 # the register cap holds the position-aware term up to this many pairs (benchmarks/NOTES.md, "cost vs pairs, with
 # and without the register cap")
 ROPE_CAPPED_PAIRS = 16
@@ -300,17 +304,18 @@ def rotate_query(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads:
         raise ValueError(f"k_rotation must have 1 or {num_kv_heads} heads, got {r.shape[0]}")
     gqa = hq // num_kv_heads
     out = torch.empty(bsz, hq, d, device=q.device, dtype=torch.float32)
+    block_e = d if INTERPRET else 16  # the interpreter's cost is per program: one per head there
     if bsz:
-        _rotate_query_kernel[(bsz, num_kv_heads, d // 16)](
+        _rotate_query_kernel[(bsz, num_kv_heads, d // block_e)](
             q, r, out, q.stride(0), q.stride(1), 0 if r.shape[0] == 1 else r.stride(0),
-            D=d, GQA=gqa, H_PAD=triton.next_power_of_2(gqa), BLOCK_E=16, num_warps=4)
+            D=d, GQA=gqa, H_PAD=triton.next_power_of_2(gqa), BLOCK_E=block_e, num_warps=4)
     return out
 
 
 def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatch,
                 k_rotation: torch.Tensor | None = None, sm_scale: float | None = None, *, rope=None,
                 max_int2_pages: int | None = None, num_splits: int | None = None, block_n: int | None = None,
-                block_w: int = TUNING.decode_block_w, num_warps: int = TUNING.decode_num_warps,
+                block_w: int = TUNING.decode_block_w, num_warps: int | None = None,
                 num_stages: int = TUNING.decode_num_stages, use_asm: bool | None = None,
                 kt: bool = True, split_target: int | None = None, maxnreg: int | str | None = "auto",
                 backend: str | None = None, cuda_split_target: int | None = None,
@@ -332,7 +337,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         num_splits: INT2 splits of the Triton path (default: the split plan's).
         block_n, block_w: tokens per INT2 / BF16 window tile (Triton).
         num_warps, num_stages, use_asm, kt: Triton tuning knobs (benchmark sweep); use_asm: PTX code conversion
-            on the GPU (default on); kt: keys loaded transposed.
+            on the GPU (default on); kt: keys loaded transposed; num_warps default: 4, 8 at head dim 256
+            (tuning.py).
         split_target: Triton INT2 programs per SM; default 4 when batch x KV heads <= 8, else 8 (measured best at 128K,
             batch 1 and 8, on the H100).
         maxnreg: register cap per thread: 128 gives 4 programs per SM instead of 3; "auto": 128 unless the
@@ -358,6 +364,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if max_int2_pages is None:
         max_int2_pages = int(batch.int2_pages.max()) if bsz else 0
+    num_warps = num_warps or (TUNING.decode_num_warps_d256 if d > 128 else TUNING.decode_num_warps)
     if rope is not None and max_seq_len is None:
         max_seq_len = int(batch.seq_lens.max()) if bsz else 0
     block_n = block_n or max(g.page_size, TUNING.decode_block_n)
@@ -466,6 +473,9 @@ def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if bsz else 0
     ns, chunk = split_plan(max_seq_len, bsz * h, q.device, block)
+    out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
+    if d > ROTATE_IN_KERNEL_MAX_DIM and k_rotation is not None:
+        q, k_rotation = rotate_query(q, k_rotation, h), None  # float32
     r, stride_rh, rotate = _rotation_args(q, k_rotation, h)
     po = torch.empty(bsz, hq, ns, d, device=q.device, dtype=torch.float32)
     pl = torch.empty(bsz, hq, ns, device=q.device, dtype=torch.float32)
@@ -476,5 +486,4 @@ def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), chunk,
         D=d, P=page_size, GQA=gqa, H_PAD=h_pad, BLOCK=block, ROTATE=rotate, F32DOT=INTERPRET, num_warps=num_warps,
         num_stages=num_stages)
-    out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     return merge(po, pl, out)

@@ -39,8 +39,8 @@ import triton.language as tl
 
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
-from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, grp_scores, grp_values, load_rope_ab, merge, mm,
-                     num_sms, rope_args, rope_logits, split_plan, unpack4)
+from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, cat4, grp_scores, grp_values, load_rope_ab, merge,
+                     mm, num_sms, rope_args, rope_logits, split_plan, unpack4)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -53,13 +53,6 @@ def _online_softmax(s, m_i, l_i):
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _cat4(a0, a1, a2, a3, M: tl.constexpr, D4: tl.constexpr):
-    """Four column slices [M, D4] -> [M, 4*D4] with slice k at columns k*D4 .. (k+1)*D4."""
-    x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [M, D4, 2 (inner pair), 2 (outer pair)]
-    return tl.reshape(tl.permute(x, (0, 3, 2, 1)), (M, 4 * D4))
 
 
 @triton.jit
@@ -167,7 +160,7 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
     a1 = a1 * 0.25 + n1[:, None]
     a2 = a2 * 0.0625 + n2[:, None]
     a3 = a3 * 0.015625 + n3[:, None]
-    return m_i, l_i, _cat4(a0, a1, a2, a3, M, D4)
+    return m_i, l_i, cat4(a0, a1, a2, a3, M, D4)
 
 
 @triton.jit
@@ -315,7 +308,7 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
                 max_int2_pages: int | None = None,
                 num_splits: int | None = None, split_target: int = TUNING.extend_split_target,
                 block_m: int = TUNING.extend_block_m, block_n: int | None = None,
-                num_warps: int = TUNING.extend_num_warps, num_stages: int = TUNING.extend_num_stages,
+                num_warps: int | None = None, num_stages: int = TUNING.extend_num_stages,
                 use_asm: bool | None = None, split_query: bool = True,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Chunked-prefill attention over the mixed pool; semantics of reference.extend_reference.
@@ -339,8 +332,9 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
             would run; 0: never.
         block_m: query rows per program (chunk tokens x padded GQA group).
         block_n: keys per tile; default 64 with one quantization group per head, 32 with several (sm_90 builds
-            at 4 warps then fit in 255 registers without spilling).
-        num_warps, num_stages, use_asm: Triton tuning knobs; use_asm: PTX code conversion on the GPU.
+            at 4 warps then fit in 255 registers without spilling) or at head dim 256 (shared memory; tuning.py).
+        num_warps, num_stages, use_asm: Triton tuning knobs; use_asm: PTX code conversion on the GPU; num_warps
+            default: 4, 8 at head dim 256 (tuning.py).
         split_query: bf16 hi + lo query for the BF16 parts; off: one MMA, ~5x the logit error.
         out: the output (any float dtype, unit stride in D), written in place; None: a new tensor.
     Shapes:
@@ -369,7 +363,9 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     gqa = hq // h
     h_pad = triton.next_power_of_2(gqa)
-    block_n = block_n or (64 if g.group_size == d else 32)
+    wide = d > 128
+    block_n = block_n or (TUNING.extend_block_n_d256 if wide else 64 if g.group_size == d else 32)
+    num_warps = num_warps or (TUNING.extend_num_warps_d256 if wide else TUNING.extend_num_warps)
     block_t = max(1, block_m // h_pad)
     if block_t * h_pad < 16 or block_n < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
         raise ValueError("block_m and block_n must be powers of two giving >= 16 rows / keys per tile")

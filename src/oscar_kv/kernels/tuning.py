@@ -22,6 +22,9 @@ class KernelTuning:
     decode_num_stages: int = 2
     decode_split_target: int = 8
     decode_split_target_small: int = 4  # when batch x KV heads <= 8
+    # at head dim 256: 8 warps (4 spill ~470 bytes a thread under the 128-register cap, 8 about what D = 128 does at
+    # 4; sm_90 builds, benchmarks/kernel_smem.py; not yet timed)
+    decode_num_warps_d256: int = 8
     # BF16 paged decode (Triton)
     bf16_decode_block: int = 64
     bf16_decode_num_warps: int = 4
@@ -33,10 +36,18 @@ class KernelTuning:
     extend_num_warps: int = 4
     extend_num_stages: int = 2
     extend_split_target: int = 2
+    # at head dim 256: 32 keys per tile (64 x 256 bf16 K and V tiles, two stages, and the two query halves came
+    # to 192 KiB of shared memory; 32 keys: 128 KiB) and 8 warps (the [64, 256] float32 accumulator: as many
+    # registers per thread as D = 128 at 4 warps).  benchmarks/kernel_smem.py prints what each compiles to
+    extend_block_n_d256: int = 32
+    extend_num_warps_d256: int = 8  # (not yet timed)
     # write path: tokens per program; warps with a rotation (its float32 D x D operand spills out of 4 warps'
     # registers) and without
     write_block_t: int = 16
     write_num_warps_rotating: int = 8
+    # at head dim 256 (the rotation in four row slices): sm_90 builds spill 8 KB a thread at 4 warps, 376 B at 8, 16 B
+    # at 16 (benchmarks/kernel_smem.py; not yet timed)
+    write_num_warps_rotating_d256: int = 16
     write_num_warps: int = 4
     migrate_num_warps: int = 4
     # prefill chunks of at least this many tokens take the materialized flash path (one pass over the history,

@@ -34,6 +34,10 @@ from .layout import PagedKVPool
 
 install_interpreter_shim()
 
+# Head dims up to this rotate keys with one float32 D x D MMA operand (64 KiB of shared memory at 128); above, in
+# four row slices (_write_kernel).  benchmarks/kernel_smem.py prints what each compiles to.
+ROTATE_WHOLE_MAX_DIM = 128
+
 
 @triton.jit
 def _f16_rne(x):
@@ -115,13 +119,34 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
     tl.store(Meta + mrow[:, None] + NG + offs_g[None, :], mn16, mask=rmask[:, None])
 
 
+@triton.jit
+def _centered_keys(K, MU, MUP, COS, SIN, offs_t, tmask, h, stride_kt, stride_kh, cols,
+                   D: tl.constexpr, CENTER: tl.constexpr, ROPE_CENTER: tl.constexpr):
+    """Columns ``cols`` of the block's keys in float32, minus the constant mean (CENTER) and minus
+    RoPE_p(mu_pre) = mu_pre * cos_p + rotate_half(mu_pre) * sin_p per token (ROPE_CENTER)."""
+    k = tl.load(K + offs_t[:, None] * stride_kt + h * stride_kh + cols[None, :], mask=tmask[:, None],
+                other=0.0).to(tl.float32)
+    if CENTER:
+        k = k - tl.load(MU + h * D + cols)[None, :]
+    if ROPE_CENTER:
+        mu = tl.load(MUP + h * D + cols)
+        partner = tl.load(MUP + h * D + (cols + D // 2) % D)
+        mu_half = tl.where(cols < D // 2, -partner, partner)
+        trig = offs_t[:, None] * D + cols[None, :]
+        cos = tl.load(COS + trig, mask=tmask[:, None], other=0.0)
+        sin = tl.load(SIN + trig, mask=tmask[:, None], other=0.0)
+        k = k - (mu[None, :] * cos + mu_half[None, :] * sin)
+    return k
+
+
 @triton.jit(do_not_specialize=["T"])  # the step's token count: one compile for all counts (server warm-up)
 def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T, GK, GV,
                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rh,
                   stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh,
                   D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr,
-                  ROTATE: tl.constexpr, CENTER: tl.constexpr, ROPE_CENTER: tl.constexpr, SORT: tl.constexpr,
-                  RECIP3: tl.constexpr, RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr):
+                  ROTATE: tl.constexpr, ROTATE_SLICED: tl.constexpr, CENTER: tl.constexpr,
+                  ROPE_CENTER: tl.constexpr, SORT: tl.constexpr, RECIP3: tl.constexpr, RESCALE_K: tl.constexpr,
+                  RESCALE_V: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // G
@@ -137,21 +162,23 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw
     crow = (qs // P) * stride_cp + h * stride_ch + (qs % P) * D4
     mrow = (qs // P) * stride_mp + h * stride_mh + (qs % P) * (2 * NG)
     # ---- keys: center, rotate (float32), store
-    k = tl.load(K + offs_t[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=tmask[:, None],
-                other=0.0).to(tl.float32)
-    if CENTER:
-        k = k - tl.load(MU + h * D + offs_d)[None, :]
-    if ROPE_CENTER:  # minus RoPE_p(mu_pre) = mu_pre * cos_p + rotate_half(mu_pre) * sin_p, per token
-        mu = tl.load(MUP + h * D + offs_d)
-        partner = tl.load(MUP + h * D + (offs_d + D // 2) % D)
-        mu_half = tl.where(offs_d < D // 2, -partner, partner)
-        trig = offs_t[:, None] * D + offs_d[None, :]
-        cos = tl.load(COS + trig, mask=tmask[:, None], other=0.0)
-        sin = tl.load(SIN + trig, mask=tmask[:, None], other=0.0)
-        k = k - (mu[None, :] * cos + mu_half[None, :] * sin)
-    if ROTATE:
-        r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
-        k = tl.dot(k, r, input_precision="ieee")
+    if ROTATE_SLICED:
+        # k @ R as four [BLOCK_T, D/4] x [D/4, D] products over R's row slices: the MMA's float32 R operand is a
+        # quarter of D x D (the whole one is 256 KiB at D = 256, past an SM's 227 KiB)
+        D4S: tl.constexpr = D // 4
+        k = tl.zeros([BLOCK_T, D], tl.float32)
+        for j in tl.static_range(4):
+            cols = j * D4S + tl.arange(0, D4S)
+            kj = _centered_keys(K, MU, MUP, COS, SIN, offs_t, tmask, h, stride_kt, stride_kh, cols, D, CENTER,
+                                ROPE_CENTER)
+            r = tl.load(R + h * stride_rh + cols[:, None] * D + offs_d[None, :]).to(tl.float32)
+            k = tl.dot(kj, r, k, input_precision="ieee")
+    else:
+        k = _centered_keys(K, MU, MUP, COS, SIN, offs_t, tmask, h, stride_kt, stride_kh, offs_d, D, CENTER,
+                           ROPE_CENTER)
+        if ROTATE:
+            r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
+            k = tl.dot(k, r, input_precision="ieee")
     tl.store(Kw + wrow[:, None] + offs_d[None, :], k.to(tl.bfloat16), mask=wmask[:, None])
     # ---- values: already rotated
     v = tl.load(V + offs_t[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=tmask[:, None],
@@ -228,7 +255,8 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
             (layout.clip_indices).
         block_t: tokens per program.
         num_warps: default 8 with a rotation (its float32 D x D operand spills out of 4 warps' registers: 79 us
-            a launch instead of 7 on an H200; benchmarks/NOTES.md, "Tensor parallelism on 2 x H200"), else 4.
+            a launch instead of 7 on an H200; benchmarks/NOTES.md, "Tensor parallelism on 2 x H200"), 16 with a
+            rotation at head dim 256 (tuning.py), else 4.
         rescale: the quantizer's rescale strengths (keys, values), quant.py.
         k_rope: per-position centering (rope.py): (mu_pre, cos, sin) float32 at the tokens' positions;
             RoPE_p(mu_pre) is subtracted after k_mean.  None: none.
@@ -249,15 +277,18 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         r, stride_rh = k, 0
     mu = k_mean.float().contiguous() if k_mean is not None else k
     mu_pre, cos, sin = (x.float().contiguous() for x in k_rope) if k_rope is not None else (k, k, k)
+    sliced = k_rotation is not None and d > ROTATE_WHOLE_MAX_DIM
+    warps = (TUNING.write_num_warps_rotating_d256 if sliced else TUNING.write_num_warps_rotating
+             if k_rotation is not None else TUNING.write_num_warps)
     _write_kernel[(triton.cdiv(t, block_t), h)](
         k, v, r, mu, mu_pre, cos, sin, win_slot, int2_slot, clip_k_idx, clip_v_idx, kc, km, vc, vm, kw, vw, t,
         check_rescale(rescale[0]), check_rescale(rescale[1]),  # float32 values: the interpreter keeps float64
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh,
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
-        D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
+        D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None, ROTATE_SLICED=sliced,
         CENTER=k_mean is not None, ROPE_CENTER=k_rope is not None, SORT=not INTERPRET,
         RECIP3=_scalar_div_is_reciprocal(k.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
-        num_warps=num_warps or (TUNING.write_num_warps_rotating if k_rotation is not None else TUNING.write_num_warps))
+        num_warps=num_warps or warps)
 
 
 def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
