@@ -153,7 +153,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: Ro
 
 
 def remove_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RotaryLayout | None = None) -> torch.Tensor:
-    """The inverse of ``apply_rope`` (rotation by minus the angle; cos / sin unscaled)."""
+    """The inverse of ``apply_rope`` (rotation by minus the angle)."""
     return x * cos - rotate_half(x, layout) * sin
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..quant import check_rescale
+from ..rope import RotaryLayout
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
 from .common import INTERPRET
@@ -121,7 +122,8 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw
                   stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh,
                   D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr,
                   ROTATE: tl.constexpr, CENTER: tl.constexpr, ROPE_CENTER: tl.constexpr, SORT: tl.constexpr,
-                  RECIP3: tl.constexpr, RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr):
+                  RECIP3: tl.constexpr, RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr,
+                  ROT_HALF: tl.constexpr = 0, INTERLEAVED: tl.constexpr = False):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // G
@@ -142,9 +144,17 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw
     if CENTER:
         k = k - tl.load(MU + h * D + offs_d)[None, :]
     if ROPE_CENTER:  # minus RoPE_p(mu_pre) = mu_pre * cos_p + rotate_half(mu_pre) * sin_p, per token
+        # rotate_half in the model's layout (rope.RotaryLayout): each rotated channel takes its pair partner's
+        # value, negated on the pair's first channel; pass-through channels (>= 2 ROT_HALF) have sin 0
+        ROT: tl.constexpr = 2 * ROT_HALF
         mu = tl.load(MUP + h * D + offs_d)
-        partner = tl.load(MUP + h * D + (offs_d + D // 2) % D)
-        mu_half = tl.where(offs_d < D // 2, -partner, partner)
+        if INTERLEAVED:  # pairs (2j, 2j + 1)
+            idx = tl.where(offs_d < ROT, offs_d + 1 - 2 * (offs_d % 2), offs_d)
+            sign = tl.where(offs_d < ROT, tl.where(offs_d % 2 == 0, -1.0, 1.0), 0.0)
+        else:  # pairs (j, j + ROT_HALF)
+            idx = tl.where(offs_d < ROT, (offs_d + ROT_HALF) % ROT, offs_d)
+            sign = tl.where(offs_d < ROT_HALF, -1.0, tl.where(offs_d < ROT, 1.0, 0.0))
+        mu_half = sign * tl.load(MUP + h * D + idx)
         trig = offs_t[:, None] * D + offs_d[None, :]
         cos = tl.load(COS + trig, mask=tmask[:, None], other=0.0)
         sin = tl.load(SIN + trig, mask=tmask[:, None], other=0.0)
@@ -213,7 +223,8 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
              int2_slot: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
              clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = TUNING.write_block_t,
              num_warps: int | None = None, rescale: tuple[float, float] = (0.0, 0.0),
-             k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+             k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             rope_layout: RotaryLayout | None = None) -> None:
     """Store T tokens of one layer: BF16 into window pages, or clipped, quantized and packed into INT2 pages.
 
     Args:
@@ -232,6 +243,7 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         rescale: the quantizer's rescale strengths (keys, values), quant.py.
         k_rope: per-position centering (rope.py): (mu_pre, cos, sin) float32 at the tokens' positions;
             RoPE_p(mu_pre) is subtracted after k_mean.  None: none.
+        rope_layout: the RoPE's channel pairs (rope.RotaryLayout, partial rotary); None: rotate-half over all D.
     Shapes:
         k, v: [T, Hkv, D]; win_slot, int2_slot: int32 [T]; k_rotation: [Hkv | 1, D, D]; k_mean: [Hkv, D];
         clip_k_idx, clip_v_idx: int32 [Hkv]; k_rope: ([Hkv, D], [T, D], [T, D]).
@@ -257,6 +269,8 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None,
         CENTER=k_mean is not None, ROPE_CENTER=k_rope is not None, SORT=not INTERPRET,
         RECIP3=_scalar_div_is_reciprocal(k.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
+        ROT_HALF=(rope_layout.rotary_dim if rope_layout is not None else d) // 2,
+        INTERLEAVED=rope_layout is not None and rope_layout.interleaved,
         num_warps=num_warps or (TUNING.write_num_warps_rotating if k_rotation is not None else TUNING.write_num_warps))
 
 
