@@ -68,18 +68,21 @@ def test_int2_decode_matches_reference(gi):
         assert out[0].abs().max() == 0  # empty sequence
 
 
-@pytest.mark.parametrize("live", [None, 3])
-def test_int2_decode_adds_the_position_aware_key_offset(live):
+@pytest.mark.parametrize("live,rotary", [(None, None), (3, None), (5, "half"), (None, "interleaved")])
+def test_int2_decode_adds_the_position_aware_key_offset(live, rotary):
     """Keys centered per position (rope.py): every logit, window and INT2 alike, gets q . RoPE_p(mu_pre) back.
-    live=3: mu_pre lives in 3 random pairs per head (as calibration keeps it): the kernel visits only those."""
+    live=3: mu_pre lives in 3 random pairs per head (as calibration keeps it): the kernel visits only those.
+    rotary: partial rotary, RoPE on the first half of each head (rotate-half as Phi-3, interleaved as GLM)."""
     from oscar_kv.kernels.decode import int2_decode
 
     geom = list(small_geoms())[1]
     gen = torch.Generator().manual_seed(21)
     seq_lens = [5, geom.sink_size + 40, 300, 517] if not GPU else [5, 64, 5003, 131072 + 77]
     pool, batch, rot = build_pool(geom, seq_lens, gen)
-    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(seq_lens), gen, live=live)
-    assert rope.pairs.shape[1] == (geom.head_dim // 2 if live is None else 8)
+    rotary_dim = geom.head_dim // 2 if rotary else None
+    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(seq_lens), gen, live=live, rotary_dim=rotary_dim,
+                     interleaved=rotary == "interleaved")
+    assert rope.pairs.shape[1] == max(8, (rotary_dim or geom.head_dim) // 2 if live is None else 8)
     q = torch.randn(len(seq_lens), geom.num_kv_heads * 4, geom.head_dim, generator=gen).to(DEV)
     want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope)
     out = torch.full_like(q, float("nan"))
