@@ -1,5 +1,7 @@
 """Other attention variants with small random models: Qwen2 (QKV bias), Qwen3 (QK-norm), Mistral, Phi-3 (fused
-qkv_proj), and the mixture-of-experts decoders Qwen3-MoE and Mixtral (Llama-like attention)."""
+qkv_proj), partial rotary (Phi-3 with RoPE on half of each head, GLM-4 with interleaved pairs: keys centered per
+position on the rotated channels), and the mixture-of-experts decoders Qwen3-MoE and Mixtral (Llama-like
+attention)."""
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ ARCHS = {
     "phi3": dict(model_type="phi3", sliding_window=None),
     # partial rotary (RoPE on half of each head, as Phi-4-mini): keys centered per position on the rotated half
     "phi3-partial-rotary": dict(model_type="phi3", sliding_window=None, partial_rotary_factor=0.5),
+    # GLM-4: partial rotary in interleaved pairs (2j, 2j + 1), QKV bias, fused gate/up
+    "glm4": dict(model_type="glm4", partial_rotary_factor=0.5, pad_token_id=0),
     # mixture-of-experts decoders: Llama-like attention, expert MLPs
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32),
@@ -40,7 +44,8 @@ def tiny_model(arch: str):
             if getattr(attn, "k_proj", None) is not None and attn.k_proj.bias is not None:  # Qwen2-style large key/value offsets
                 attn.k_proj.bias.add_(torch.randn_like(attn.k_proj.bias) * 20)
                 attn.v_proj.bias.add_(torch.randn_like(attn.v_proj.bias) * 5)
-            if kw.get("partial_rotary_factor"):  # a large pre-RoPE key bias: what per-position centering removes
+            if getattr(attn, "qkv_proj", None) is not None and kw.get("partial_rotary_factor"):
+                # a large pre-RoPE key bias: what per-position centering removes
                 fused = attn.qkv_proj
                 fused.bias = torch.nn.Parameter(torch.zeros(fused.out_features))
                 rows = slice(config.num_attention_heads * attn.head_dim,
@@ -65,7 +70,7 @@ def test_cache_equivalences_and_calibration(arch, tokenizer, held_out_ids):
     if ARCHS[arch].get("partial_rotary_factor"):  # RoPE on the first half of each head: centered per position there
         layout = rot.rotary_layout
         assert rot.key_centering == "rope" and rot.manifest["calibration"]["key_centering_choice"]["chosen"] == "rope"
-        assert layout.rotary_dim == geometry.head_dim // 2 and not layout.interleaved
+        assert layout.rotary_dim == geometry.head_dim // 2 and layout.interleaved == (arch == "glm4")
         assert (rot.k_rope_mean[..., layout.rotary_dim:] == 0).all()  # pass-through channels: in the constant k_mean
 
     fold_values(model, rot.v_rotation, rot.v_mean)
