@@ -366,6 +366,7 @@ class RopeTable:
         stay below n (no device max per call: CUDA graph capture forbids the sync; engine/graphs.py)."""
         self(torch.tensor([n - 1], device=device))
         self.kernel_rope(torch.zeros(1, self.head_dim, device=device), n)
+        self.layout.channels_on(device)  # partial rotary's channel map, there before any capture reads it
         self.bound = n
         self.forget()
 
