@@ -457,9 +457,9 @@ def choose_key_centering(rot: Rotations, stats: Statistics, settings: Calibratio
         return {"chosen": "rope", "pairs": min(pairs_asked, half), "reason": "requested"}
     # "auto" centering weighs rope at the most pairs too: the probe sees the position-dependent mean best there
     asked = None if pairs_asked == "auto" else min(pairs_asked, half)
-    most = pair_counts(rot.geometry.head_dim, stats.rope.rotary_dim)[-1]
-    counts = pair_counts(rot.geometry.head_dim, stats.rope.rotary_dim) if asked is None else sorted({asked, most} if requested == "auto"
-                                                                               else {asked})
+    available = pair_counts(rot.geometry.head_dim, stats.rope.rotary_dim)
+    most = available[-1]
+    counts = available if asked is None else sorted({asked, most} if requested == "auto" else {asked})
     layers = range(rot.geometry.num_layers)
 
     def probe_error(means: tuple[torch.Tensor, torch.Tensor]) -> float:

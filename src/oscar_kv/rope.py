@@ -147,12 +147,14 @@ def rotate_half(x: torch.Tensor, layout: RotaryLayout | None = None) -> torch.Te
     return layout.turn(x)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RotaryLayout | None = None) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               layout: RotaryLayout | None = None) -> torch.Tensor:
     """RoPE of x with per-channel cos / sin (RopeTable's); ``layout``: None is rotate-half over all channels."""
     return x * cos + rotate_half(x, layout) * sin
 
 
-def remove_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RotaryLayout | None = None) -> torch.Tensor:
+def remove_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                layout: RotaryLayout | None = None) -> torch.Tensor:
     """The inverse of ``apply_rope`` (rotation by minus the angle)."""
     return x * cos - rotate_half(x, layout) * sin
 
