@@ -24,14 +24,17 @@ def random_orthogonal(h, d, gen):
     return qm.float()
 
 
-def rope_case(h, d, n, gen, device=DEV, base=10000.0, scale=20.0, live=None):
+def rope_case(h, d, n, gen, device=DEV, base=10000.0, scale=20.0, live=None, rotary_dim=None, interleaved=False):
     """rope.KernelRope as the kernels take it: a large pre-RoPE key mean (as a k_proj bias gives) and the
-    standard RoPE angles p * base^(-2i/d) for positions < n.  ``live``: that many random channel pairs per
-    head are nonzero, as calibration keeps them (None: all)."""
-    from oscar_kv.rope import KernelRope, keep_pairs, random_pairs
+    standard RoPE angles p * base^(-2i/r) for positions < n.  ``live``: that many random channel pairs per
+    head are nonzero, as calibration keeps them (None: all).  ``rotary_dim``, ``interleaved``: partial rotary
+    (rope.RotaryLayout; mu_pre zero on the pass-through channels, as calibration leaves it); None: RoPE over all d."""
+    from oscar_kv.rope import KernelRope, RotaryLayout, keep_pairs, random_pairs
 
-    inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    r = rotary_dim or d
+    layout = RotaryLayout(d, r, interleaved)
+    inv_freq = base ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
     mu = torch.randn(h, d, generator=gen) * scale
-    if live is not None:
-        mu = keep_pairs(mu, random_pairs(h, d // 2, live, gen))
-    return KernelRope.build(mu.to(device), inv_freq, 1.0, n)
+    keep = random_pairs(h, r // 2, live, gen) if live is not None else torch.ones(h, r // 2, dtype=torch.bool)
+    mu = keep_pairs(mu, torch.nn.functional.pad(keep, (0, (d - r) // 2)), layout)
+    return KernelRope.build(mu.to(device), inv_freq, 1.0, n, layout if rotary_dim or interleaved else None)

@@ -1,5 +1,7 @@
 """Other attention variants with small random models: Qwen2 (QKV bias), Qwen3 (QK-norm), Mistral, Phi-3 (fused
-qkv_proj), and the mixture-of-experts decoders Qwen3-MoE and Mixtral (Llama-like attention)."""
+qkv_proj), partial rotary (Phi-3 with RoPE on half of each head, GLM-4 with interleaved pairs: keys centered per
+position on the rotated channels), and the mixture-of-experts decoders Qwen3-MoE and Mixtral (Llama-like
+attention)."""
 
 import os
 
@@ -23,8 +25,10 @@ ARCHS = {
     "llama-d256": dict(model_type="llama", head_dim=256),
     # a fused qkv_proj: values are folded into its last rows
     "phi3": dict(model_type="phi3", sliding_window=None),
-    # partial rotary (RoPE on half of each head, as GLM-4 and Phi-4-mini): keys centered by a constant
+    # partial rotary (RoPE on half of each head, as Phi-4-mini): keys centered per position on the rotated half
     "phi3-partial-rotary": dict(model_type="phi3", sliding_window=None, partial_rotary_factor=0.5),
+    # GLM-4: partial rotary in interleaved pairs (2j, 2j + 1), QKV bias, fused gate/up
+    "glm4": dict(model_type="glm4", partial_rotary_factor=0.5, pad_token_id=0),
     # mixture-of-experts decoders: Llama-like attention, expert MLPs
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32),
@@ -45,6 +49,13 @@ def tiny_model(arch: str):
             if getattr(attn, "k_proj", None) is not None and attn.k_proj.bias is not None:  # Qwen2-style large key/value offsets
                 attn.k_proj.bias.add_(torch.randn_like(attn.k_proj.bias) * 20)
                 attn.v_proj.bias.add_(torch.randn_like(attn.v_proj.bias) * 5)
+            if getattr(attn, "qkv_proj", None) is not None and kw.get("partial_rotary_factor"):
+                # a large pre-RoPE key bias: what per-position centering removes
+                fused = attn.qkv_proj
+                fused.bias = torch.nn.Parameter(torch.zeros(fused.out_features))
+                rows = slice(config.num_attention_heads * attn.head_dim,
+                             (config.num_attention_heads + config.num_key_value_heads) * attn.head_dim)
+                fused.bias[rows] = torch.randn(rows.stop - rows.start) * 20
     return model
 
 
@@ -58,10 +69,14 @@ def test_cache_equivalences_and_calibration(arch, tokenizer, held_out_ids):
     rot = calibrate(model, tokenizer, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128),
                     progress=False)
     unprepare_model(model)
-    rot.validate(AttentionGeometry.of(model.config))
+    geometry = AttentionGeometry.of(model.config)
+    rot.validate(geometry)
     assert rot.k_mean.abs().max() > 0
-    if ARCHS[arch].get("partial_rotary_factor"):  # per-position centering needs full-dimension RoPE: auto falls back
-        assert rot.key_centering == "constant"
+    if ARCHS[arch].get("partial_rotary_factor"):  # RoPE on the first half of each head: centered per position there
+        layout = rot.rotary_layout
+        assert rot.key_centering == "rope" and rot.manifest["calibration"]["key_centering_choice"]["chosen"] == "rope"
+        assert layout.rotary_dim == geometry.head_dim // 2 and layout.interleaved == (arch == "glm4")
+        assert (rot.k_rope_mean[..., layout.rotary_dim:] == 0).all()  # pass-through channels: in the constant k_mean
 
     fold_values(model, rot.v_rotation, rot.v_mean)
     assert (model(ids).logits - ref).abs().max() < 1e-3, "folding R_V and mu_V must not change logits"
@@ -96,6 +111,18 @@ def test_engine_greedy_output_equals_generate(arch, tokenizer, held_out_ids):
     model.generation_config.eos_token_id = None  # random weights: run all the tokens asked for
     geometry = AttentionGeometry.of(model.config)
     rot = Rotations.data_free(geometry, "hadamard", geometry.head_dim)
+    if ARCHS[arch].get("partial_rotary_factor"):  # keys centered per position on the rotated channels
+        from oscar_kv.rope import RopeTable, keep_pairs, random_pairs
+
+        layout = RopeTable(model, geometry.head_dim).layout
+        gen = torch.Generator().manual_seed(1)
+        keep = random_pairs(geometry.num_layers * geometry.num_kv_heads, layout.rotated_pairs, 3, gen)
+        keep = torch.nn.functional.pad(keep, (0, geometry.head_dim // 2 - layout.rotated_pairs))
+        mu = torch.randn(geometry.num_layers * geometry.num_kv_heads, geometry.head_dim, generator=gen) * 20
+        rot.k_rope_mean = keep_pairs(mu, keep, layout).reshape(rot.k_mean.shape)
+        rot.rope_layout = layout
+        rot.validate(geometry)
+        assert rot.key_centering == "rope"
     ids = held_out_ids[:, :150]
     settings = dict(sink_size=16, recent_size=32, page_size=16)
     cache = OscarCache(model, rot, CacheSettings("int2", **settings))

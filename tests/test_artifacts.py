@@ -56,6 +56,34 @@ def test_rescale_strengths_round_trip_and_are_validated(tmp_path):
         Rotations.load(tmp_path)
 
 
+def test_rope_layout_round_trips_and_is_validated(tmp_path):
+    """Partial rotary: the artifact records the RoPE layout its k_rope_mean is for; artifacts without one are
+    rotate-half over the whole head; a mean on the pass-through channels, or a malformed layout, is refused."""
+    from oscar_kv.rope import RotaryLayout
+
+    rot = per_head_artifact()
+    layout = RotaryLayout(16, 8, interleaved=True)
+    rot.k_rope_mean = torch.zeros(3, 2, 16)
+    rot.k_rope_mean[..., :8] = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(1))
+    rot.rope_layout = RotaryLayout(16, 4)
+    with pytest.raises(ArtifactError, match="nonzero past the 4 rotated channels"):
+        rot.validate()
+    rot.rope_layout = layout
+    rot.save(tmp_path)
+    back = Rotations.load(tmp_path, GEOM)
+    assert back.rope_layout == layout and back.key_centering == "rope"
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["rope_layout"] == {"rotary_dim": 8, "interleaved": True}
+    del manifest["rope_layout"]  # as written before partial rotary
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert Rotations.load(tmp_path).rotary_layout == RotaryLayout(16, 16)
+    for bad in ({"rotary_dim": 7, "interleaved": False}, {"rotary_dim": 32, "interleaved": False}, {"rotary_dim": 8}):
+        manifest["rope_layout"] = bad
+        (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ArtifactError, match="'rope_layout' must be"):
+            Rotations.load(tmp_path)
+
+
 def test_truncated_tensor_file_is_rejected(tmp_path):
     per_head_artifact().save(tmp_path)
     path = tmp_path / "rotations.safetensors"

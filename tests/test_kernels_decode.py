@@ -68,18 +68,21 @@ def test_int2_decode_matches_reference(gi):
         assert out[0].abs().max() == 0  # empty sequence
 
 
-@pytest.mark.parametrize("live", [None, 3])
-def test_int2_decode_adds_the_position_aware_key_offset(live):
+@pytest.mark.parametrize("live,rotary", [(None, None), (3, None), (5, "half"), (None, "interleaved")])
+def test_int2_decode_adds_the_position_aware_key_offset(live, rotary):
     """Keys centered per position (rope.py): every logit, window and INT2 alike, gets q . RoPE_p(mu_pre) back.
-    live=3: mu_pre lives in 3 random pairs per head (as calibration keeps it): the kernel visits only those."""
+    live=3: mu_pre lives in 3 random pairs per head (as calibration keeps it): the kernel visits only those.
+    rotary: partial rotary, RoPE on the first half of each head (rotate-half as Phi-3, interleaved as GLM)."""
     from oscar_kv.kernels.decode import int2_decode
 
     geom = list(small_geoms())[1]
     gen = torch.Generator().manual_seed(21)
     seq_lens = [5, geom.sink_size + 40, 300, 517] if not GPU else [5, 64, 5003, 131072 + 77]
     pool, batch, rot = build_pool(geom, seq_lens, gen)
-    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(seq_lens), gen, live=live)
-    assert rope.pairs.shape[1] == (geom.head_dim // 2 if live is None else 8)
+    rotary_dim = geom.head_dim // 2 if rotary else None
+    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(seq_lens), gen, live=live, rotary_dim=rotary_dim,
+                     interleaved=rotary == "interleaved")
+    assert rope.pairs.shape[1] == max(8, (rotary_dim or geom.head_dim) // 2 if live is None else 8)
     q = torch.randn(len(seq_lens), geom.num_kv_heads * 4, geom.head_dim, generator=gen).to(DEV)
     want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope)
     out = torch.full_like(q, float("nan"))
@@ -280,13 +283,18 @@ def test_cuda_int2_decode_matches_reference_and_triton(d, page_size):
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
-@pytest.mark.parametrize("d,sink,live,scale", [(128, 64, 32, 20.0), (128, 48, 3, 900.0), (128, 64, 12, 300.0),
-                                                 (64, 64, 32, 20.0), (64, 48, 8, 900.0)])
-def test_cuda_int2_decode_adds_the_position_aware_key_offset(d, sink, live, scale):
+@pytest.mark.parametrize("d,sink,live,scale,rotary", [(128, 64, 32, 20.0, None), (128, 48, 3, 900.0, None),
+                                                        (128, 64, 12, 300.0, None), (64, 64, 32, 20.0, None),
+                                                        (64, 48, 8, 900.0, None), (128, 64, 32, 20.0, "partial"),
+                                                        (128, 48, 3, 900.0, "interleaved"),
+                                                        (64, 48, 8, 300.0, "partial")])
+def test_cuda_int2_decode_adds_the_position_aware_key_offset(d, sink, live, scale, rotary):
     """Per-position key centering in the one-launch CUDA kernel (rope_terms): against the float32 reference and
     the Triton kernel, for 8 .. 32 visited pairs, |mu_pre| up to 900 (a k_proj bias: the term is hundreds of
     logit units, so float16 operands alone would not do), a sink that ends mid 32-token step (48), window-only
-    and long sequences, GQA 4 / 8, under a page bound far past the history (CUDA graphs' buckets)."""
+    and long sequences, GQA 4 / 8, under a page bound far past the history (CUDA graphs' buckets).  ``rotary``:
+    partial rotary, RoPE on the first 3/4 of each head in rotate-half pairs (Phi-4-mini) or on the first half
+    in interleaved pairs (GLM-4); the prologue reads each pair's channels by the layout (pair_lo / pair_hi)."""
     from oscar_kv.kernels.decode import int2_decode
 
     geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=d, group_size=d, page_size=16,
@@ -294,7 +302,9 @@ def test_cuda_int2_decode_adds_the_position_aware_key_offset(d, sink, live, scal
     gen = torch.Generator().manual_seed(41 + live + d)
     seq_lens = [7, sink + 100, sink + 256 + 16 * 5 + 3, 20000 + 16 * 3 + 5, 131072 + 77]
     pool, batch, rot = build_pool(geom, seq_lens, gen)
-    rope = rope_case(4, d, max(seq_lens), gen, live=live, scale=scale)
+    rotary_dim = {None: None, "partial": 3 * d // 4, "interleaved": d // 2}[rotary]
+    rope = rope_case(4, d, max(seq_lens), gen, live=live, scale=scale, rotary_dim=rotary_dim,
+                     interleaved=rotary == "interleaved")
     for gqa in (3, 8) if d == 64 else (4, 8):
         q = torch.randn(len(seq_lens), 4 * gqa, d, generator=gen).to(DEV, torch.bfloat16)
         want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope)

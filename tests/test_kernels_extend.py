@@ -182,14 +182,17 @@ def test_short_chunk_after_long_history_splits_the_history():
                        splits)
 
 
-@pytest.mark.parametrize("splits,live", [(None, None), (2, 3)])
-def test_extend_adds_the_position_aware_key_offset(splits, live):
-    """History (window + INT2) and the chunk's own keys all get q . RoPE_p(mu_pre) back, at their positions."""
+@pytest.mark.parametrize("splits,live,rotary", [(None, None, None), (2, 3, None), (None, 5, "half"),
+                                                (None, None, "interleaved")])
+def test_extend_adds_the_position_aware_key_offset(splits, live, rotary):
+    """History (window + INT2) and the chunk's own keys all get q . RoPE_p(mu_pre) back, at their positions;
+    ``rotary``: RoPE on the first half of each head only (rotate-half or interleaved pairs)."""
     geom = geom_b()
     gen = torch.Generator().manual_seed(31)
     hist, chunks = ([0, 200, 45], [17, 33, 5]) if not GPU else ([0, 5000, 70000], [300, 129, 64])
     c = Case(geom, hist, chunks, gen)
-    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(h + n for h, n in zip(hist, chunks)), gen, live=live)
+    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(h + n for h, n in zip(hist, chunks)), gen, live=live,
+                     rotary_dim=geom.head_dim // 2 if rotary else None, interleaved=rotary == "interleaved")
     want = c.reference(c.rot, rope=rope)
     assert_matches(c, c.kernel(c.rot, rope=rope, num_splits=splits), want, splits)
     assert rel_err(c.reference(c.rot), want) > 0.1

@@ -143,29 +143,34 @@ def test_migrate_bit_exact(p, rescale, d):
     assert_pools_equal(a, b)
 
 
-@pytest.mark.parametrize("d", [64, 256])
-def test_write_position_aware_centering(d):
+@pytest.mark.parametrize("d,rotary", [(64, None), (64, "half"), (64, "interleaved"), (256, None)])
+def test_write_position_aware_centering(d, rotary):
     """Keys centered per position (rope.py) inside the write kernel: the kernel's float32 offset against the
-    reference's; with a signed permutation every stored row matches and codes flip at rounding ties only."""
+    reference's; with a signed permutation every stored row matches and codes flip at rounding ties only.
+    ``rotary``: RoPE on the first 3/4 of each head only (rotate-half pairs as Phi-4-mini, or interleaved as GLM);
+    mu_pre is nonzero on the pass-through channels too (their offset is mu_pre itself)."""
     from oscar_kv.kernels.write import write_kv
-    from oscar_kv.rope import apply_rope
+    from oscar_kv.rope import RotaryLayout, apply_rope
 
     gen = torch.Generator().manual_seed(5)
     h, p, t = 2, 16, 40
+    layout = RotaryLayout(d, 3 * d // 4 if rotary else d, rotary == "interleaved")
     geom, win, q2 = _alternating_slots(d, h, p, t, gen)
     positions = torch.randint(0, 30000, (t,), generator=gen).double()
-    angles = positions[:, None] * (10000.0 ** (-torch.arange(0, d, 2).double() / d))[None]
-    cos, sin = (f(torch.cat([angles, angles], -1)).float().to(DEV) for f in (torch.cos, torch.sin))
+    r = layout.rotary_dim
+    angles = positions[:, None] * layout.pair_frequencies(10000.0 ** (-torch.arange(0, r, 2).double() / r))[None]
+    cos, sin = (layout.spread(f(angles)).float().to(DEV) for f in (torch.cos, torch.sin))
     mu_pre = (torch.randn(h, d, generator=gen) * 8).to(DEV)
     rot = signed_permutation(h, d, gen)
     mean = torch.randn(h, d, generator=gen).to(DEV)
     base = outliers(t, h, d, gen)
-    k = base + apply_rope(mu_pre[None], cos[:, None], sin[:, None])
+    k = base + apply_rope(mu_pre[None], cos[:, None], sin[:, None], layout)
     v = outliers(t, h, d, gen)
     ck = cv = clip_indices(0.96, d, (h,)).to(DEV)
     a, b = pools(geom, 8, 8)
-    ref.write_reference(a, 0, k, v, win, q2, rot, mean, ck, cv, k_rope=(mu_pre, cos, sin))
-    write_kv(b, 0, k, v, win, q2, rot, mean, ck, cv, k_rope=(mu_pre, cos, sin))
+    given = None if rotary is None else layout
+    ref.write_reference(a, 0, k, v, win, q2, rot, mean, ck, cv, k_rope=(mu_pre, cos, sin), rope_layout=given)
+    write_kv(b, 0, k, v, win, q2, rot, mean, ck, cv, k_rope=(mu_pre, cos, sin), rope_layout=given)
     assert torch.allclose(a.k_win.float(), b.k_win.float(), rtol=2 ** -7, atol=1e-6)
     assert (a.k_codes != b.k_codes).float().mean() < 0.01
     assert torch.allclose(a.k_meta.float(), b.k_meta.float(), rtol=1e-3, atol=1e-4)

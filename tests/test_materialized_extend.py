@@ -53,15 +53,19 @@ def ulps(got, want, slack=0.0):
 
 
 # ------------------------------------------------------------------------------------------ the pass
-@pytest.mark.parametrize("d,g,p,live", [(64, 64, 16, None), (128, 64, 32, 3), (128, 32, 16, 12), (256, 128, 16, 3)])
-def test_materialize_writes_the_history_as_stored(d, g, p, live):
+@pytest.mark.parametrize("d,g,p,live,rotary", [(64, 64, 16, None, None), (128, 64, 32, 3, None),
+                                               (128, 32, 16, 12, None), (256, 128, 16, 3, None),
+                                               (64, 64, 16, 3, "half"), (64, 32, 16, 5, "interleaved")])
+def test_materialize_writes_the_history_as_stored(d, g, p, live, rotary):
     """Scratch rows = history as stored (INT2 dequantized per group, BF16 windows) then the chunk, keys with
-    RoPE_p(mu_pre) @ R_K added, to within one float16 rounding; groups of several sequences at their rows."""
+    RoPE_p(mu_pre) @ R_K added, to within one float16 rounding; groups of several sequences at their rows.
+    ``rotary``: RoPE on the first half of each head only (rotate-half or interleaved pairs)."""
     geom = geometry(d, g, p)
     gen = torch.Generator().manual_seed(d + g + p)
     c = hit_case(geom, gen, gqa=2)
     n_max = int((c.batch.seq_lens + c.cu[1:] - c.cu[:-1]).max())
-    rope = rope_case(geom.num_kv_heads, d, n_max, gen, live=live, scale=900.0 if live == 3 else 20.0)
+    rope = rope_case(geom.num_kv_heads, d, n_max, gen, live=live, scale=900.0 if live == 3 else 20.0,
+                     rotary_dim=d // 2 if rotary else None, interleaved=rotary == "interleaved")
     if live is None:
         rope = None
     cu, starts = c.cu.tolist(), c.batch.seq_lens.tolist()

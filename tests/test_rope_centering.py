@@ -157,3 +157,113 @@ def test_pairs_are_scored_over_the_horizon(model, tokenizer, held_out_ids):
     assert slow.any()
     assert not own[..., slow].any()
     assert long[..., slow].any()
+
+
+# ------------------------------------------------------------------------------------------ partial rotary
+def _partial_model(model_type: str):
+    """A tiny random model with RoPE on the first half of each head (head dim 16): Phi-3 rotates the pairs
+    (j, j + 4) of channels 0..7, GLM-4 the interleaved pairs (2j, 2j + 1); channels 8..15 pass through."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64, intermediate_size=64, head_dim=16,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                  max_position_embeddings=4096, partial_rotary_factor=0.5)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model_type,interleaved", [("phi3", False), ("glm4", True)])
+def test_partial_rotary_offsets_are_transformers_rope(model_type, interleaved):
+    """The layout is probed from the model's own apply_rotary_pos_emb; RoPE_p(mu_pre) in it (the torch path),
+    from the kernels' pair tables (reference.with_rope_offsets) and as the kernels' per-pair terms
+    (common.rope_query_terms) all equal transformers' RoPE of mu_pre, identity on the pass-through channels."""
+    import sys
+
+    from oscar_kv.kernels.common import rope_query_terms
+    from oscar_kv.kernels.reference import with_rope_offsets
+    from oscar_kv.rope import RotaryLayout, pair_counts
+
+    model = _partial_model(model_type)
+    table = RopeTable(model, 16)
+    assert table.layout == RotaryLayout(16, 8, interleaved)
+    assert pair_counts(16, table.rotary_dim) == (4,)
+    hf_apply = sys.modules[type(model).__module__].apply_rotary_pos_emb
+    gen = torch.Generator().manual_seed(7)
+    pos = torch.tensor([0, 3, 17, 900, 4000])
+    mu = torch.randn(2, 16, generator=gen) * 20
+    mu[:, 8:] = 0  # as calibration leaves it: the pass-through mean is in mu_K
+    hf_cos, hf_sin = model.model.rotary_emb(mu, pos[None])
+    _, want = hf_apply(mu[None, :, None, :].expand(1, 2, 5, 16), mu[None, :, None, :].expand(1, 2, 5, 16),
+                       hf_cos, hf_sin)
+    want = want[0].double()  # [H, T, D]
+    cos, sin = table(pos)
+    assert torch.allclose(table.offsets(mu, pos).double(), want, atol=1e-3)
+    x = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
+    _, hf_x = hf_apply(x[None].float(), x[None].float(), hf_cos, hf_sin)
+    assert torch.allclose(apply_rope(x, cos.double(), sin.double(), table.layout), hf_x[0].double(), atol=1e-4)
+    assert torch.allclose(remove_rope(hf_x[0].double(), cos.double(), sin.double(), table.layout), x, atol=1e-4)
+    # the kernels' tables: D/2 = 8 pairs, the pass-through ones at angle 0
+    kr = table.kernel_rope(mu, 4001)
+    assert kr.table.shape[1] == 16 and torch.equal(kr.table[:, 4:8], torch.ones(kr.table.shape[0], 4))
+    offsets = with_rope_offsets(torch.zeros(4001, 2, 16), 0, kr, None)[pos].transpose(0, 1)
+    assert torch.allclose(offsets.double(), want, atol=1e-3)
+    assert kr.pairs.shape == (2, 8) and (kr.pairs[:, :4] == torch.arange(4)).all()  # live pairs: the rotated ones
+    q = torch.randn(5, 2, 16, generator=gen)  # one query row per position, GQA 1
+    ab = rope_query_terms(q, mu, 1.0, kr.pairs, kr.layout).double()
+    ang_cos, ang_sin = kr.table[pos].double()[:, :8], kr.table[pos].double()[:, 8:]
+    r = kr.pairs.shape[1]
+    terms = (ab[..., :r] * ang_cos[:, None, :].expand(-1, 2, -1).gather(-1, kr.pairs.long()[None].expand(5, -1, -1))
+             + ab[..., r:] * ang_sin[:, None, :].expand(-1, 2, -1).gather(-1, kr.pairs.long()[None].expand(5, -1, -1)))
+    assert torch.allclose(terms.sum(-1), torch.einsum("thd,htd->th", q.double(), want), atol=1e-2)
+
+
+def test_partial_rotary_statistics_center_the_rotated_channels(held_out_ids):
+    """Calibration's means at partial rotary: mu_pre is the mean key with RoPE undone on the rotated channels and
+    zero on the pass-through ones, whose mean joins the constant mu_K; pairs are chosen among the rotated ones."""
+    from oscar_kv.rope import key_offsets
+
+    model = _partial_model("phi3")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a pre-RoPE key bias: a mean worth centering per position
+        attn = model.model.layers[0].self_attn
+        attn.qkv_proj.bias = torch.nn.Parameter(torch.zeros(attn.qkv_proj.out_features))
+        attn.qkv_proj.bias[64:96] = torch.randn(32, generator=g) * 20
+    ids = held_out_ids[:, :300] % 256
+    samples = capture_samples(model, ids)
+    rope = RopeTable(model, 16)
+    stats = Statistics(AttentionGeometry.of(model.config), rope)
+    s = samples[0]
+    stats.add(0, s.q[None], s.k[None], s.v[None], torch.zeros_like(s.q[None]))
+    mu_k, mu_pre = stats.key_means("rope")
+    k = s.k.double()
+    cos, sin = (x.double() for x in s.rope)
+    expect_pre = remove_rope(k, cos, sin, rope.layout).mean(1)
+    assert torch.allclose(mu_pre[0, :, :8], expect_pre[:, :8], atol=1e-6) and (mu_pre[0, :, 8:] == 0).all()
+    rest = (k - key_offsets(mu_pre[0], cos, sin, rope.layout)).mean(1)  # key_offsets in float32: |mu_pre| ~ 20
+    assert torch.allclose(mu_k[0], rest, atol=1e-4)
+    assert torch.allclose(mu_k[0, :, 8:], k[..., 8:].mean(1), atol=1e-6)  # the pass-through mean, constant
+    _, mu_pre2 = stats.key_means("rope", pairs=2)
+    lo, hi = rope.layout.parts(mu_pre2[0])
+    live = (lo != 0) | (hi != 0)
+    assert (live.sum(-1) == 2).all() and not live[:, 4:].any()
+    assert (kernel_pairs(mu_pre2[0].float(), rope.layout)[:, :2] < 4).all()
+
+
+def test_an_artifact_for_another_rope_layout_is_refused():
+    """layer_codecs compares the artifact's RoPE layout with the model's: an interleaved-layout mean on a
+    rotate-half model (or an old whole-head artifact on a partial-rotary one) would center the wrong channels."""
+    from oscar_kv.artifacts import ArtifactError, Rotations
+    from oscar_kv.codec import layer_codecs
+    from oscar_kv.rope import RotaryLayout
+
+    model = _partial_model("phi3")
+    geometry = AttentionGeometry.of(model.config)
+    rot = Rotations.data_free(geometry, "hadamard")
+    rot.k_rope_mean[..., 0] = 5.0
+    for layout in (RotaryLayout(16, 8, interleaved=True), None):
+        rot.rope_layout = layout
+        with pytest.raises(ArtifactError, match="the artifact centers keys for RoPE"):
+            layer_codecs(model, rot, "int2")
+    rot.rope_layout = RotaryLayout(16, 8)
+    codecs = layer_codecs(model, rot, "int2")
+    assert codecs[0].rope.layout == rot.rope_layout and codecs[0].rope_pairs.shape == (2, 8)

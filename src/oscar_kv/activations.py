@@ -67,6 +67,7 @@ class LayerSample:
     k: torch.Tensor  # [Hkv, T, D]
     v: torch.Tensor  # [Hkv, T, D]
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, D] of positions 0..T-1
+    rope_layout: object = None  # rope.RotaryLayout of the tables (None: rotate-half over all D channels)
 
     def key_offset(self, k_mean: torch.Tensor, k_rope_mean: torch.Tensor | None = None) -> torch.Tensor:
         """What centering subtracts from each key: [Hkv, 1, D] (constant) or [Hkv, T, D] (position-aware)."""
@@ -76,7 +77,7 @@ class LayerSample:
 
             if self.rope is None:
                 raise RopeUnsupported("position-aware centering needs the model's RoPE tables")
-            offset = offset + key_offsets(k_rope_mean, *self.rope)
+            offset = offset + key_offsets(k_rope_mean, *self.rope, self.rope_layout)
         return offset
 
 
@@ -95,12 +96,13 @@ def capture_samples(model, input_ids: torch.Tensor) -> list[LayerSample]:
 
     samples: dict[int, LayerSample] = {}
     try:
-        rope = RopeTable(model, AttentionGeometry.of(model.config).head_dim)(torch.arange(input_ids.shape[1]))
+        table = RopeTable(model, AttentionGeometry.of(model.config).head_dim)
+        rope, layout = table(torch.arange(input_ids.shape[1])), table.layout
     except RopeUnsupported:
-        rope = None
+        rope = layout = None
 
     def keep(layer, q, k, v, out):
-        samples[layer] = LayerSample(q[0].float().cpu(), k[0].float().cpu(), v[0].float().cpu(), rope)
+        samples[layer] = LayerSample(q[0].float().cpu(), k[0].float().cpu(), v[0].float().cpu(), rope, layout)
 
     with observing(model, keep):
         run_layers(model, input_ids)

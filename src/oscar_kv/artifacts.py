@@ -11,8 +11,9 @@ Tensors (float32 unless noted; H = KV heads, or 1 when one rotation is shared pe
 
 The manifest holds the format version, the model's attention geometry and fingerprint, the
 calibration settings, validation results, the quantizer's ``rescale`` strengths (``{"keys": g, "values": g}``,
-g in [0, 1], quant.py; absent in artifacts written before they existed: 0, no rescale) and a sha256 of the
-tensor file.
+g in [0, 1], quant.py; absent in artifacts written before they existed: 0, no rescale), the RoPE layout k_rope_mean
+is for (``{"rotary_dim": r, "interleaved": b}``, rope.RotaryLayout; absent: rotate-half over the whole head, the only
+layout before partial rotary) and a sha256 of the tensor file.
 Loading checks all of it.
 """
 
@@ -30,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from .errors import OscarKVError
 from .models import AttentionGeometry, projection_rows
+from .rope import RopeUnsupported, RotaryLayout, rotated_only
 from .rotation import ORTHOGONALITY_TOLERANCE, compose, orthogonality_error
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,9 @@ class Rotations:
     # how much of the clip's shrink of each INT2 row along itself the stored scale and minimum undo (quant.py)
     k_rescale: float = 0.0
     v_rescale: float = 0.0
+    # the RoPE layout of k_rope_mean's channels (partial rotary keeps it zero past rotary_dim); None: rotate-half
+    # over the whole head
+    rope_layout: RotaryLayout | None = None
 
     TENSORS = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_mean", "v_mean",
                "k_clip", "v_clip", "layer_bits")
@@ -87,6 +92,10 @@ class Rotations:
         if self.k_rope_mean.abs().max() > 0:
             return "rope"
         return "constant" if self.k_mean.abs().max() > 0 else "off"
+
+    @property
+    def rotary_layout(self) -> RotaryLayout:
+        return self.rope_layout or RotaryLayout.full(self.geometry.head_dim)
 
     def rope_layers(self) -> list[int]:
         """The layers whose keys are centered per position (a nonzero k_rope_mean)."""
@@ -163,6 +172,12 @@ class Rotations:
             raise ArtifactError("layer_bits must hold one of 2, 4, 8, 16 per layer")
         if self.group_size <= 0 or D % self.group_size:
             raise ArtifactError(f"group size {self.group_size} does not divide the head dim {D}")
+        layout = self.rotary_layout
+        if layout.head_dim != D:
+            raise ArtifactError(f"rope_layout is for head dim {layout.head_dim}, the artifact's is {D}")
+        if not torch.equal(rotated_only(self.k_rope_mean, layout), self.k_rope_mean):
+            raise ArtifactError(f"k_rope_mean is nonzero past the {layout.rotary_dim} rotated channels of its "
+                                "rope_layout")
 
     # ---- persistence --------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
@@ -177,6 +192,8 @@ class Rotations:
         manifest.update(format_version=FORMAT_VERSION, geometry=self.geometry.as_dict(), group_size=self.group_size,
                         rotation_scope=self.scope, rescale={"keys": self.k_rescale, "values": self.v_rescale},
                         sha256=_sha256(path))
+        if self.rope_layout is not None:
+            manifest["rope_layout"] = self.rope_layout.as_dict()
         (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         self.manifest = manifest
         return directory
@@ -224,9 +241,16 @@ class Rotations:
                 type(rescale.get(k, 0.0)) in (int, float) and 0 <= rescale.get(k, 0.0) <= 1 for k in ("keys", "values")):
             raise ArtifactError(f"{manifest_path}: 'rescale' must be {{\"keys\": g, \"values\": g}} with g in [0, 1], "
                                 f"got {rescale!r}")
+        layout = manifest.get("rope_layout")
+        if layout is not None:
+            try:
+                layout = RotaryLayout(art_geometry.head_dim, int(layout["rotary_dim"]), bool(layout["interleaved"]))
+            except (KeyError, TypeError, ValueError, RopeUnsupported) as exc:
+                raise ArtifactError(f"{manifest_path}: 'rope_layout' must be {{\"rotary_dim\": r, \"interleaved\": b}} "
+                                    f"with an even r <= the head dim, got {manifest['rope_layout']!r}") from exc
         art = cls(**{t: tensors[t] for t in cls.TENSORS}, **optional, geometry=art_geometry, group_size=group_size,
                   manifest=manifest, source=str(directory), k_rescale=float(rescale.get("keys", 0.0)),
-                  v_rescale=float(rescale.get("values", 0.0)))
+                  v_rescale=float(rescale.get("values", 0.0)), rope_layout=layout)
         art.validate(geometry)
         stored = manifest.get("fingerprint")
         if fingerprint and stored and stored != fingerprint:

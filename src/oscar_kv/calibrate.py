@@ -38,7 +38,7 @@ from .models import AttentionGeometry
 from .parallel import SINGLE, TensorParallel, shard_model
 from .quant import check_rescale
 from .rope import (DEFAULT_PAIRS, RopeTable, RopeUnsupported, keep_pairs, mean_phase, pair_counts, remove_rope,
-                   rotate_half)
+                   rotate_half, rotated_only)
 from .rotation import compose
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class Statistics:
         self.v_sum[layer] += v.to(torch.float64).sum((0, 2)).cpu()
         if self.rope is not None:  # calibration forwards start at position 0
             cos, sin = (x.to(k.device, torch.float64) for x in self.rope(torch.arange(k.shape[2])))
-            self.k_pre_sum[layer] += remove_rope(k.to(torch.float64), cos, sin).sum((0, 2)).cpu()
+            self.k_pre_sum[layer] += remove_rope(k.to(torch.float64), cos, sin, self.rope.layout).sum((0, 2)).cpu()
             self.cos_sum[layer] += b * cos.sum(0).cpu()
             self.sin_sum[layer] += b * sin.sum(0).cpu()
         self.rows[layer] += grouped_q.shape[1]
@@ -180,11 +180,14 @@ class Statistics:
             return self.k_sum / toks, zeros
         if self.rope is None:
             raise RopeUnsupported("position-aware key centering needs the model's RoPE tables")
-        mu_pre = self.k_pre_sum / toks
-        if pairs is not None and pairs < mu_pre.shape[-1] // 2:
-            mu_pre = keep_pairs(mu_pre, self.rope_pair_mask(mu_pre, pairs))
+        layout = self.rope.layout
+        # partial rotary: the pass-through channels' mean is a constant offset, left to mu_K
+        mu_pre = rotated_only(self.k_pre_sum / toks, layout)
+        if pairs is not None and pairs < layout.rotated_pairs:
+            mu_pre = keep_pairs(mu_pre, self.rope_pair_mask(mu_pre, pairs), layout)
         # the constant rest: mean_p [k_p - RoPE_p(mu_pre)] = mu_K - mu_pre*E[cos] - rotate_half(mu_pre)*E[sin]
-        mean_offset = mu_pre * (self.cos_sum[:, None] / toks) + rotate_half(mu_pre) * (self.sin_sum[:, None] / toks)
+        mean_offset = (mu_pre * (self.cos_sum[:, None] / toks)
+                       + rotate_half(mu_pre, layout) * (self.sin_sum[:, None] / toks))
         return self.k_sum / toks - mean_offset, mu_pre
 
     def rope_pair_mask(self, mu_pre: torch.Tensor, count: int) -> torch.Tensor:
@@ -195,18 +198,20 @@ class Statistics:
         pairs that turn little within a calibration sequence but far by the horizon, which the constant mean leaves
         uncentred at long contexts (benchmarks/NOTES.md, "Why fewer pairs lost at 32K").  The kernels then visit
         only these pairs."""
-        half = mu_pre.shape[-1] // 2
+        layout = self.rope.layout
         toks = self.tokens[:, None]
-        scale = self.rope.scaling
-        c_cos, c_sin = self.cos_sum[:, :half] / toks / scale, self.sin_sum[:, :half] / toks / scale
+        scale = layout.pair_scales(self.rope.scaling)
+        c_cos, c_sin = layout.parts(self.cos_sum)[0] / toks / scale, layout.parts(self.sin_sum)[0] / toks / scale
         if self.horizon is None:
             missed = 1 - c_cos ** 2 - c_sin ** 2
         else:
-            m_cos, m_sin = mean_phase(self.rope.inv_freq, self.horizon)
+            m_cos, m_sin = mean_phase(layout.pair_frequencies(self.rope.inv_freq), self.horizon)
             missed = 1 - 2 * (c_cos * m_cos + c_sin * m_sin) + c_cos ** 2 + c_sin ** 2
-        amplitude = mu_pre[..., :half] ** 2 + mu_pre[..., half:] ** 2
-        q_energy = torch.diagonal(self.qq, dim1=-2, dim2=-1)
-        score = amplitude * missed.clamp_min(0)[:, None] * (q_energy[..., :half] + q_energy[..., half:])
+        lo, hi = layout.parts(mu_pre)
+        amplitude = lo ** 2 + hi ** 2
+        q_lo, q_hi = layout.parts(torch.diagonal(self.qq, dim1=-2, dim2=-1))
+        score = amplitude * missed.clamp_min(0)[:, None] * (q_lo + q_hi)
+        score[..., layout.rotated_pairs:] = -1  # pass-through pairs turn by 0: nothing to keep there
         top = score.topk(count, -1).indices
         return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)
 
@@ -319,7 +324,8 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     say(f"held-back probe of {probe_ids.shape[1]} tokens captured")
     if tp.size > 1:  # every rank saw its heads: put them together (rank 0 fits, as one process would)
         stats.gather_heads(tp, geometry)
-        probe = [LayerSample(tp.gather_heads(s.q, 0), tp.gather_heads(s.k, 0), tp.gather_heads(s.v, 0), s.rope)
+        probe = [LayerSample(tp.gather_heads(s.q, 0), tp.gather_heads(s.k, 0), tp.gather_heads(s.v, 0), s.rope,
+                             s.rope_layout)
                  for s in probe]
         if not tp.is_driver:
             return None
@@ -356,7 +362,8 @@ def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: 
     g = stats.geometry
     centering = "constant" if settings.key_centering == "auto" else settings.key_centering
     # "auto" pairs fit with the most; choose_key_centering settles the count on the probe
-    pairs = pair_counts(g.head_dim)[-1] if settings.rope_pairs == "auto" else settings.rope_pairs
+    rotary_dim = stats.rope.rotary_dim if stats.rope is not None else None
+    pairs = pair_counts(g.head_dim, rotary_dim)[-1] if settings.rope_pairs == "auto" else settings.rope_pairs
     c_q, c_s, mu_k, mu_v, mu_pre = stats.moments(centering, settings.center_values, pairs)
     if settings.rotation_scope == "per-layer":
         c_q, c_s = c_q.mean(1, keepdim=True), c_s.mean(1, keepdim=True)
@@ -374,7 +381,8 @@ def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: 
     return Rotations(out["k"][0], out["v"][0], out["k"][1], out["v"][1], mu_k.float(), mu_v.float(),
                      clips(settings.k_clip), clips(settings.v_clip),
                      torch.full((g.num_layers,), 2, dtype=torch.int32), g, group_size, k_rope_mean=mu_pre.float(),
-                     k_rescale=settings.key_rescale, v_rescale=settings.value_rescale)
+                     k_rescale=settings.key_rescale, v_rescale=settings.value_rescale,
+                     rope_layout=stats.rope.layout if stats.rope is not None else None)
 
 
 @dataclass(frozen=True)
@@ -438,20 +446,20 @@ def choose_key_centering(rot: Rotations, stats: Statistics, settings: Calibratio
     Returns:
         The record for the manifest: "chosen", "pairs", "reason" and, when measured, the probe errors.
     """
-    half = rot.geometry.head_dim // 2
     requested, pairs_asked = settings.key_centering, settings.rope_pairs
     if requested in ("constant", "off"):
         return {"chosen": requested, "pairs": 0, "reason": "requested"}
     if stats.rope is None:  # calibrate() refused "rope" already
         return {"chosen": "constant", "pairs": 0, "reason": "the model's RoPE does not allow position-aware "
-                                                           "centering (a static rotate-half RoPE over all channels)"}
+                                                           "centering (a static rotate-half or interleaved RoPE)"}
+    half = stats.rope.layout.rotated_pairs
     if requested == "rope" and pairs_asked != "auto":  # nothing left to choose: fit_rotations applied it
         return {"chosen": "rope", "pairs": min(pairs_asked, half), "reason": "requested"}
     # "auto" centering weighs rope at the most pairs too: the probe sees the position-dependent mean best there
     asked = None if pairs_asked == "auto" else min(pairs_asked, half)
-    most = pair_counts(rot.geometry.head_dim)[-1]
-    counts = pair_counts(rot.geometry.head_dim) if asked is None else sorted({asked, most} if requested == "auto"
-                                                                               else {asked})
+    available = pair_counts(rot.geometry.head_dim, stats.rope.rotary_dim)
+    most = available[-1]
+    counts = available if asked is None else sorted({asked, most} if requested == "auto" else {asked})
     layers = range(rot.geometry.num_layers)
 
     def probe_error(means: tuple[torch.Tensor, torch.Tensor]) -> float:

@@ -205,9 +205,12 @@ def inspect(directory: Path = typer.Argument(..., help="A rotation artifact dire
     typer.echo(f"centering keys {rot.key_centering}: |mu_K| mean {rot.k_mean.norm(dim=-1).mean():.3f}, |mu_pre| mean "
                f"{rot.k_rope_mean.norm(dim=-1).mean():.3f}; |mu_V| mean {rot.v_mean.norm(dim=-1).mean():.3f}")
     if rot.key_centering == "rope":
-        half = g.head_dim // 2
-        live = (rot.k_rope_mean[..., :half] != 0) | (rot.k_rope_mean[..., half:] != 0)
-        typer.echo(f"          mu_pre kept in at most {int(live.sum(-1).max())} of {half} channel pairs per head")
+        layout = rot.rotary_layout
+        lo, hi = layout.parts(rot.k_rope_mean)
+        live = (lo != 0) | (hi != 0)
+        partial = "" if layout.rotary_dim == g.head_dim else f" (RoPE on {layout.rotary_dim} of {g.head_dim} channels)"
+        typer.echo(f"          mu_pre kept in at most {int(live.sum(-1).max())} of {layout.rotated_pairs} channel "
+                   f"pairs per head{partial}")
     choice = m.get("calibration", {}).get("key_centering_choice")
     if choice:
         typer.echo(f"          key centering chosen: {json.dumps(choice)}")

@@ -20,12 +20,12 @@ from typing import Callable
 
 import torch
 
-from .artifacts import Rotations
+from .artifacts import ArtifactError, Rotations
 from .config import KV_CACHE_BITS
 from .errors import ConfigError
 from .models import AttentionGeometry
 from .quant import QuantizedRows, dequantize_rows, quantize_rows
-from .rope import RopeTable, RopeUnsupported, kernel_pairs, key_offsets
+from .rope import RopeTable, RopeUnsupported, kernel_pairs
 from .rotation import rotate
 
 
@@ -61,7 +61,7 @@ class LayerCodec:
             if self.rope is None:
                 raise RopeUnsupported("position-aware key centering needs the model's RoPE table")
             if self.rope_pairs is None:
-                self.rope_pairs = kernel_pairs(self.k_rope_mean)
+                self.rope_pairs = kernel_pairs(self.k_rope_mean, self.rope.layout)
 
     @property
     def quantizes(self) -> bool:
@@ -91,7 +91,7 @@ class LayerCodec:
         codes do not depend on chunking."""
         centered = k.double() - self.k_mean[None, :, None, :].double()
         if self.k_rope_mean is not None:
-            centered = centered - key_offsets(self.k_rope_mean, *self.rope(positions)).double()
+            centered = centered - self.rope.offsets(self.k_rope_mean, positions).double()
         return rotate(centered, self.k_rotation.double()).float()
 
     def restore_offsets(self, keys: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ class LayerCodec:
         if self.k_rope_mean is None:
             return keys  # a constant offset cancels in softmax
         n = keys.shape[2]
-        offsets = key_offsets(self.k_rope_mean, *self.rope(torch.arange(n, device=keys.device)))
+        offsets = self.rope.offsets(self.k_rope_mean, torch.arange(n, device=keys.device))
         return keys + rotate(offsets, self.k_rotation.float())[None]
 
     def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
@@ -206,6 +206,9 @@ def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: i
     if geometry.head_dim % group_size:
         raise ConfigError(f"group_size {group_size} must divide the head dim {geometry.head_dim}", "group_size")
     rope = RopeTable(model, geometry.head_dim) if rotations.key_centering == "rope" else None
+    if rope is not None and rope.layout != rotations.rotary_layout:
+        raise ArtifactError(f"the artifact centers keys for RoPE {rotations.rotary_layout.as_dict()}, the model's is "
+                            f"{rope.layout.as_dict()} (recalibrate for this model)")
     codecs = []
     for i in range(geometry.num_layers):
         k_rope_mean = rotations.k_rope_mean[i].float()

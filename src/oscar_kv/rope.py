@@ -9,12 +9,15 @@ depends on the key's position, so it does not cancel in softmax.
 
 The model's rotary module supplies the frequencies and scaling, so static RoPE variants (scaled, YaRN,
 Llama-3) are followed; the angles p * theta are taken in float64, so the offset is the same function of
-the position wherever it is computed (write side in torch, kernels).  RoPE in the rotate-half layout over
-the full head dim is required; other layouts, and RoPE that changes with the sequence, are refused.
+the position wherever it is computed (write side in torch, kernels).  Partial rotary (RoPE on the first
+rotary_dim channels of a head, rotate-half as Phi-3 or interleaved as GLM) is described by a RotaryLayout;
+RoPE that changes with the sequence is refused.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,27 +37,132 @@ TILE_MARGIN = 1024  # table rows beyond the last key position: no kernel tile ma
 
 
 class RopeUnsupported(OscarKVError, ValueError):
-    """The model's RoPE is not one that position-aware key centering can follow (no rotary module, not over the
-    full head dim, not a static rotate-half RoPE), or a caller needs the RoPE table and has none."""
+    """The model's RoPE is not one that position-aware key centering can follow (no rotary module, not a static
+    rotate-half or interleaved RoPE over the leading channels), or a caller needs the RoPE table and has none."""
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], -1)
+@dataclass(frozen=True)
+class RotaryLayout:
+    """Which channels of a head RoPE turns together, as D/2 pairs j -> channels (lo_j, hi_j).
+
+    Pairs j < rotary_dim/2 are RoPE's: channels (j, j + rotary_dim/2) (rotate-half: Llama, Phi-3) or (2j, 2j+1)
+    (interleaved: GLM).  The pass-through channels past rotary_dim are described as pairs too, j >= rotary_dim/2
+    -> (j + rotary_dim/2, j + D/2), turned by angle 0 (cos 1, sin 0).  Why pairs and not a channel permutation
+    of q and k: every head keeps D/2 pairs, so the kernels' pair-indexed tables (KernelRope) and their pair loops
+    stay as they are; only the host-side maps from pairs to channels (``channels``), the write kernel's partner
+    channel and the CUDA prologue's two channel indices know the layout.  Calibration keeps mu_pre zero on the
+    pass-through channels (their offset is a constant, which joins mu_K), so those pairs are never visited."""
+
+    head_dim: int
+    rotary_dim: int
+    interleaved: bool = False
+
+    def __post_init__(self):
+        if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0 and self.head_dim % 2 == 0):
+            raise RopeUnsupported(f"RoPE over {self.rotary_dim} of {self.head_dim} channels: position-aware key "
+                                  "centering needs an even rotary dim of at most the head dim")
+
+    @classmethod
+    def full(cls, head_dim: int) -> "RotaryLayout":
+        return cls(head_dim, head_dim)
+
+    @property
+    def standard(self) -> bool:
+        """Rotate-half over the whole head (pairs (j, j + D/2)): the layouts' fast path, plain slices."""
+        return self.rotary_dim == self.head_dim and not self.interleaved
+
+    @property
+    def rotated_pairs(self) -> int:
+        return self.rotary_dim // 2
+
+    @functools.cached_property
+    def channels(self) -> torch.Tensor:
+        """int64 [2, D/2]: rows lo, hi, the channels of each pair."""
+        half, rh = self.head_dim // 2, self.rotary_dim // 2
+        j = torch.arange(half)
+        rot = j < rh
+        lo = torch.where(rot, 2 * j if self.interleaved else j, j + rh)
+        hi = torch.where(rot, 2 * j + 1 if self.interleaved else j + rh, j + half)
+        return torch.stack([lo, hi])
+
+    def channels_on(self, device) -> torch.Tensor:
+        """``channels`` on ``device`` (copied once per device)."""
+        return _channels_on(self, torch.device(device))
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., D] -> (x at the pairs' lo channels, at their hi channels), [..., D/2] each."""
+        if self.standard:
+            half = x.shape[-1] // 2
+            return x[..., :half], x[..., half:]
+        lo, hi = self.channels_on(x.device)
+        return x[..., lo], x[..., hi]
+
+    def join(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``parts``: [..., D/2] values of the lo and hi channels -> [..., D]."""
+        if self.standard:
+            return torch.cat([lo, hi], -1)
+        out = lo.new_empty(*lo.shape[:-1], self.head_dim)
+        channels = self.channels_on(lo.device)
+        out[..., channels[0]], out[..., channels[1]] = lo, hi
+        return out
+
+    def spread(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-pair values [..., D/2] -> per-channel [..., D], each pair's value on both its channels."""
+        return self.join(x, x)
+
+    def turn(self, x: torch.Tensor) -> torch.Tensor:
+        """rotate_half in this layout: (lo, hi) -> (-hi, lo) in every pair."""
+        lo, hi = self.parts(x)
+        return self.join(-hi, lo)
+
+    def pair_frequencies(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """float64 [D/2]: the model's theta_j for the rotated pairs, 0 for the pass-through ones."""
+        pad = self.head_dim // 2 - inv_freq.numel()
+        return torch.cat([inv_freq.double().cpu(), torch.zeros(pad, dtype=torch.float64)])
+
+    def pair_scales(self, scaling: float) -> torch.Tensor:
+        """float64 [D/2]: the rotary module's attention scaling on the rotated pairs, 1 on the pass-through
+        ones (transformers concatenates those channels unscaled)."""
+        rh = self.rotary_dim // 2
+        return torch.cat([torch.full((rh,), float(scaling), dtype=torch.float64),
+                          torch.ones(self.head_dim // 2 - rh, dtype=torch.float64)])
+
+    def as_dict(self) -> dict:
+        return {"rotary_dim": self.rotary_dim, "interleaved": self.interleaved}
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
+@functools.lru_cache(maxsize=None)
+def _channels_on(layout: RotaryLayout, device: torch.device) -> torch.Tensor:
+    return layout.channels.to(device)
 
 
-def remove_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _layout(x: torch.Tensor, layout: RotaryLayout | None) -> RotaryLayout:
+    return layout if layout is not None else RotaryLayout.full(x.shape[-1])
+
+
+def rotate_half(x: torch.Tensor, layout: RotaryLayout | None = None) -> torch.Tensor:
+    if layout is None or layout.standard:
+        half = x.shape[-1] // 2
+        return torch.cat([-x[..., half:], x[..., :half]], -1)
+    return layout.turn(x)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               layout: RotaryLayout | None = None) -> torch.Tensor:
+    """RoPE of x with per-channel cos / sin (RopeTable's); ``layout``: None is rotate-half over all channels."""
+    return x * cos + rotate_half(x, layout) * sin
+
+
+def remove_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                layout: RotaryLayout | None = None) -> torch.Tensor:
     """The inverse of ``apply_rope`` (rotation by minus the angle)."""
-    return x * cos - rotate_half(x) * sin
+    return x * cos - rotate_half(x, layout) * sin
 
 
-def key_offsets(mu_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def key_offsets(mu_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                layout: RotaryLayout | None = None) -> torch.Tensor:
     """RoPE_p(mu_pre) for every position: mu_pre [H, D], cos/sin [T, D] -> [H, T, D]."""
-    return apply_rope(mu_pre[:, None, :].float(), cos, sin)
+    return apply_rope(mu_pre[:, None, :].float(), cos, sin, layout)
 
 
 def find_rotary(model):
@@ -81,10 +189,18 @@ def mean_phase(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tensor, to
     return ratio * centre.cos(), ratio * centre.sin()
 
 
-def keep_pairs(mu_pre: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """mu_pre [..., D] with the channel pairs (i, i + D/2) where ``keep`` [..., D/2] is false set to zero."""
-    keep = keep.to(mu_pre.dtype)
-    return mu_pre * torch.cat([keep, keep], -1)
+def keep_pairs(mu_pre: torch.Tensor, keep: torch.Tensor, layout: RotaryLayout | None = None) -> torch.Tensor:
+    """mu_pre [..., D] with the channel pairs (RotaryLayout.channels) where ``keep`` [..., D/2] is false set to
+    zero."""
+    return mu_pre * _layout(mu_pre, layout).spread(keep.to(mu_pre.dtype))
+
+
+def rotated_only(mu_pre: torch.Tensor, layout: RotaryLayout) -> torch.Tensor:
+    """mu_pre [..., D] with its pass-through channels zeroed (their offset is a constant: it joins mu_K)."""
+    if layout.rotary_dim == layout.head_dim:
+        return mu_pre
+    keep = torch.arange(layout.head_dim // 2, device=mu_pre.device) < layout.rotated_pairs
+    return keep_pairs(mu_pre, keep, layout)
 
 
 def random_pairs(heads: int, half: int, count: int, gen: torch.Generator) -> torch.Tensor:
@@ -95,17 +211,19 @@ def random_pairs(heads: int, half: int, count: int, gen: torch.Generator) -> tor
     return keep
 
 
-def pair_counts(head_dim: int) -> tuple[int, ...]:
-    """The PAIR_COUNTS a head of ``head_dim`` channels can keep (at most all D/2 pairs), ascending."""
-    return tuple(sorted({min(count, head_dim // 2) for count in PAIR_COUNTS}))
+def pair_counts(head_dim: int, rotary_dim: int | None = None) -> tuple[int, ...]:
+    """The PAIR_COUNTS a head of ``head_dim`` channels, RoPE on ``rotary_dim`` of them (default all), can keep
+    (at most its rotary_dim / 2 rotated pairs), ascending."""
+    return tuple(sorted({min(count, (rotary_dim or head_dim) // 2) for count in PAIR_COUNTS}))
 
 
-def kernel_pairs(mu_pre: torch.Tensor) -> torch.Tensor:
-    """[Hkv, R] int32: the channel pairs (i, i + D/2) the kernels visit per KV head.  Calibration keeps
+def kernel_pairs(mu_pre: torch.Tensor, layout: RotaryLayout | None = None) -> torch.Tensor:
+    """[Hkv, R] int32: the channel pairs (RotaryLayout.channels) the kernels visit per KV head.  Calibration keeps
     mu_pre in a few pairs only (CalibrationSettings.rope_pairs); the others are zero and cost nothing when
     skipped.  Live pairs first, padded with dead ones to a power of two >= MIN_PAIRS, sorted."""
     half = mu_pre.shape[-1] // 2
-    live = (mu_pre[:, :half] != 0) | (mu_pre[:, half:] != 0)
+    lo, hi = _layout(mu_pre, layout).parts(mu_pre)
+    live = (lo != 0) | (hi != 0)
     count = int(live.sum(-1).max()) if live.numel() else 0
     r = min(half, max(MIN_PAIRS, 1 << max(count - 1, 0).bit_length()))
     order = torch.argsort((~live).to(torch.int8), dim=-1, stable=True)[:, :r]
@@ -129,6 +247,12 @@ class KernelRope:
     steps: torch.Tensor  # [D, STEP] float32: rows 2i, 2i+1 = cos(v theta_i), -sin(v theta_i), v < STEP
     phases: torch.Tensor  # [N / STEP, D/2, 2] float32: base as (cos, sin) pairs (the CUDA kernel's loads)
     tile: torch.Tensor  # [2 STEP, D/2, 2] float32: (cos, sin) of v theta_i, v < 2 STEP, unscaled
+    # the pairs' channels (pair i: theta_i = 0 and scale 1 past the rotated pairs); None: rotate-half over all D
+    layout: RotaryLayout | None = None
+
+    @property
+    def rotary_layout(self) -> RotaryLayout:
+        return _layout(self.mu_pre, self.layout)
 
     @property
     def covers(self) -> int:
@@ -143,25 +267,34 @@ class KernelRope:
                              f"to position {positions - 1}")
 
     @classmethod
-    def build(cls, mu_pre: torch.Tensor, inv_freq: torch.Tensor, scaling: float, n: int) -> "KernelRope":
+    def build(cls, mu_pre: torch.Tensor, inv_freq: torch.Tensor, scaling: float, n: int,
+              layout: RotaryLayout | None = None) -> "KernelRope":
         """Fresh tables for keys at positions < n (``RopeTable.kernel_rope`` shares them between layers instead).
 
         Args:
             mu_pre: the mean pre-RoPE key per KV head, zero outside the pairs to visit.
             inv_freq: the RoPE frequencies theta_i.
             scaling: the rotary module's attention scaling (cos and sin are multiplied by it).
+            layout: the pairs' channels; None: rotate-half over all D channels.
         Shapes:
-            mu_pre: [Hkv, D]; inv_freq: [D/2].
+            mu_pre: [Hkv, D]; inv_freq: [rotary_dim / 2].
         """
-        return cls(mu_pre, kernel_pairs(mu_pre), *cls.tables(inv_freq, scaling, n, mu_pre.device))
+        layout = _layout(mu_pre, layout)
+        return cls(mu_pre, kernel_pairs(mu_pre, layout), *cls.tables(inv_freq, scaling, n, mu_pre.device, layout),
+                   layout=layout)
 
     @staticmethod
-    def tables(inv_freq: torch.Tensor, scaling: float, n: int, device) -> tuple[torch.Tensor, ...]:
+    def tables(inv_freq: torch.Tensor, scaling: float, n: int, device,
+               layout: RotaryLayout | None = None) -> tuple[torch.Tensor, ...]:
         """(table, base, steps, phases, tile) for keys at positions < n: table_rows(n) rows (a kernel tile may run past the
-        last key; its extra rows are read, then masked), float64 angles."""
+        last key; its extra rows are read, then masked), float64 angles.  Every table has D/2 pairs: with partial
+        rotary (``layout``) the pass-through pairs have angle 0 and scale 1."""
+        if layout is not None:
+            inv_freq, scaling = layout.pair_frequencies(inv_freq), layout.pair_scales(scaling)
         n = table_rows(n)
         ang = rope_angles(torch.arange(n), inv_freq)
-        table = (torch.cat([ang.cos(), ang.sin()], 1) * scaling).float()
+        table = (torch.cat([ang.cos(), ang.sin()], 1) * torch.cat([torch.as_tensor(scaling, dtype=torch.float64)
+                                                                    .expand(ang.shape[1])] * 2)).float()
         step = rope_angles(torch.arange(STEP), inv_freq)  # [STEP, D/2]
         steps = torch.stack([step.cos(), -step.sin()], -1).reshape(STEP, -1).T.float()  # [D, STEP] interleaved
         base = table[::STEP].contiguous()
@@ -178,17 +311,22 @@ class RopeTable:
     def __init__(self, model, head_dim: int):
         self.rotary, self.head_dim = find_rotary(model), head_dim
         inv_freq = getattr(self.rotary, "inv_freq", None)
-        if inv_freq is None or 2 * inv_freq.numel() != head_dim:
-            raise RopeUnsupported(f"the rotary embedding does not rotate all {head_dim} channels in pairs; "
-                                  "position-aware key centering needs full-dimension RoPE")
-        self.inv_freq = inv_freq.detach().double().cpu()
+        if inv_freq is None or not 0 < 2 * inv_freq.numel() <= head_dim:
+            raise RopeUnsupported(f"the rotary embedding does not rotate channel pairs of the {head_dim}-channel "
+                                  "heads; position-aware key centering needs a RoPE with one frequency per pair")
+        self.inv_freq = inv_freq.detach().double().cpu()  # [rotary_dim / 2]
         self.scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
         self._check()
+        self.layout = probe_layout(model, self.rotary, head_dim, self.inv_freq, self.scaling)
         self.cos = self.sin = None  # float32 on the CPU; device copies in _on
         self._on: dict = {}
         self._last = None  # (positions, cos, sin) of the latest call
         self._kernel: dict = {}
         self.bound = None  # reserve(): positions are known to stay below it (no device max per call)
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
 
     @torch.no_grad()
     def _check(self) -> None:
@@ -196,15 +334,17 @@ class RopeTable:
         device = self.rotary.inv_freq.device
         pos = torch.arange(64, device=device)
         cos, sin = self.rotary(torch.zeros(1, 1, device=device, dtype=torch.float32), pos[None])
-        mine_cos, mine_sin = self._tables(64)
-        if cos.shape[-1] != self.head_dim or not (torch.allclose(cos[0].cpu().float(), mine_cos, atol=1e-5) and
-                                                  torch.allclose(sin[0].cpu().float(), mine_sin, atol=1e-5)):
-            raise RopeUnsupported("the rotary embedding is not a static rotate-half RoPE")
+        emb = torch.cat([rope_angles(torch.arange(64), self.inv_freq)] * 2, -1)  # the module's rotate-half form
+        mine_cos, mine_sin = (emb.cos() * self.scaling).float(), (emb.sin() * self.scaling).float()
+        if cos.shape[-1] != self.rotary_dim or not (torch.allclose(cos[0].cpu().float(), mine_cos, atol=1e-5) and
+                                                    torch.allclose(sin[0].cpu().float(), mine_sin, atol=1e-5)):
+            raise RopeUnsupported("the rotary embedding is not a static RoPE")
 
     def _tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ang = rope_angles(torch.arange(n), self.inv_freq)
-        emb = torch.cat([ang, ang], -1)
-        return (emb.cos() * self.scaling).float(), (emb.sin() * self.scaling).float()
+        """float32 cos, sin [n, D] per channel (RotaryLayout.spread of the per-pair values)."""
+        ang = rope_angles(torch.arange(n), self.layout.pair_frequencies(self.inv_freq))
+        scales = self.layout.pair_scales(self.scaling)
+        return (self.layout.spread(ang.cos() * scales).float(), self.layout.spread(ang.sin() * scales).float())
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] float32 for ``positions`` [T] (on the positions' device).  Every layer of a step
@@ -227,7 +367,8 @@ class RopeTable:
         """Grow every table to positions < n on ``device`` now, and from then on trust callers that positions
         stay below n (no device max per call: CUDA graph capture forbids the sync; engine/graphs.py)."""
         self(torch.tensor([n - 1], device=device))
-        self.kernel_rope(torch.zeros(1, 2 * len(self.inv_freq), device=device), n)
+        self.kernel_rope(torch.zeros(1, self.head_dim, device=device), n)
+        self.layout.channels_on(device)  # partial rotary's channel map, there before any capture reads it
         self.bound = n
         self.forget()
 
@@ -251,6 +392,49 @@ class RopeTable:
         hit = self._kernel.get(dev)
         if hit is None or hit[0].shape[0] < table_rows(n):
             grow = max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 1024)
-            hit = KernelRope.tables(self.inv_freq, self.scaling, grow, dev)
+            hit = KernelRope.tables(self.inv_freq, self.scaling, grow, dev, self.layout)
             self._kernel[dev] = hit
-        return KernelRope(mu_pre, kernel_pairs(mu_pre) if pairs is None else pairs, *hit)
+        return KernelRope(mu_pre, kernel_pairs(mu_pre, self.layout) if pairs is None else pairs, *hit,
+                          layout=self.layout)
+
+    def offsets(self, mu_pre: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE_p(mu_pre) [H, T, D] float32 at ``positions`` [T] (key_offsets in this table's layout)."""
+        return key_offsets(mu_pre, *self(positions), self.layout)
+
+
+def _apply_function(model):
+    """transformers' ``apply_rotary_pos_emb`` of the model's modeling module, None when it has none."""
+    for module in model.modules():
+        fn = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
+        if callable(fn):
+            return fn
+    return None
+
+
+@torch.no_grad()
+def probe_layout(model, rotary, head_dim: int, inv_freq: torch.Tensor, scaling: float) -> RotaryLayout:
+    """The RotaryLayout whose RoPE is the model's own ``apply_rotary_pos_emb`` on random keys: rotate-half or
+    interleaved over the first 2 len(inv_freq) channels.  Rotate-half is assumed when the modeling code has no such
+    function (or another signature); RopeUnsupported when it has one and neither layout matches it."""
+    rotary_dim = 2 * inv_freq.numel()
+    candidates = [RotaryLayout(head_dim, rotary_dim), RotaryLayout(head_dim, rotary_dim, interleaved=True)]
+    fn = _apply_function(model)
+    if fn is None:
+        return candidates[0]
+    device = rotary.inv_freq.device
+    x = torch.randn(1, 1, 4, head_dim, generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([1, 7, 30, 200])
+    try:
+        cos, sin = rotary(x.to(device), pos[None].to(device))
+        theirs = fn(x.to(device), x.to(device), cos, sin)[1][0, 0].double().cpu()
+    except Exception:  # noqa: BLE001 - a modeling module with another signature: the rotate-half default
+        return candidates[0]
+    for layout in candidates:
+        ang = rope_angles(pos, layout.pair_frequencies(inv_freq))
+        scales = layout.pair_scales(scaling)
+        mine = apply_rope(x[0, 0].double(), layout.spread(ang.cos() * scales), layout.spread(ang.sin() * scales),
+                          layout)
+        if torch.allclose(mine, theirs, atol=1e-3):
+            return layout
+    raise RopeUnsupported(f"the model's apply_rotary_pos_emb is neither rotate-half nor interleaved RoPE over the "
+                          f"first {rotary_dim} channels")

@@ -346,5 +346,6 @@ class KernelAttention:
         with regions.region("kv_write_and_migration"):
             self.run_migrations(plan)  # first layer of the step: every layer's migrations
             write_kv(self.view, li, k_rows, v_rows, plan.win_slot, plan.int2_slot, rotation, mean, ck, cv,
-                     rescale=(codec.k_rescale, codec.v_rescale), k_rope=rope)
+                     rescale=(codec.k_rescale, codec.v_rescale), k_rope=rope,
+                     rope_layout=codec.rope.layout if rope is not None else None)
         return keys, values

@@ -253,30 +253,34 @@ def merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor) -> torch.Tensor
     return out
 
 
-def rope_query_terms(q: torch.Tensor, mu_pre: torch.Tensor, scale: float, pairs: torch.Tensor) -> torch.Tensor:
+def rope_query_terms(q: torch.Tensor, mu_pre: torch.Tensor, scale: float, pairs: torch.Tensor,
+                     layout=None) -> torch.Tensor:
     """Per query row the coefficients that turn the position-aware key offset into logits:
-    q . RoPE_p(mu) = sum_i a_i cos(p t_i) + b_i sin(p t_i) (rotate-half layout, i < D/2) with
-    a_i = q_i mu_i + q_{i+D/2} mu_{i+D/2}, b_i = q_{i+D/2} mu_i - q_i mu_{i+D/2}, kept for the pairs the
-    kernels visit.
+    q . RoPE_p(mu) = sum_i a_i cos(p t_i) + b_i sin(p t_i) (pairs i < D/2 of channels (l, h) = (i, i + D/2) in
+    the rotate-half layout, rope.RotaryLayout.channels in general) with a_i = q_l mu_l + q_h mu_h,
+    b_i = q_h mu_l - q_l mu_h, kept for the pairs the kernels visit.
 
     Args:
         q: the unrotated queries.
         mu_pre: the mean pre-RoPE key per KV head.
         scale: multiplies the coefficients (the kernels' sm_scale * log2(e)).
         pairs: the pairs i each KV head visits (rope.kernel_pairs).
+        layout: the pairs' channels (rope.RotaryLayout); None: rotate-half over all D channels.
     Shapes:
         q: [..., Hq, D]; mu_pre: [Hkv, D]; pairs: [Hkv, R].
     Returns:
         float32 [..., Hq, 2R]: [a | b] * scale, contiguous.
     """
+    from ..rope import RotaryLayout
+
     hq, d = q.shape[-2:]
-    half = d // 2
+    layout = layout or RotaryLayout.full(d)
     group = hq // mu_pre.shape[0]
-    mu = mu_pre.float().repeat_interleave(group, 0)  # each query head's KV head
+    mu_lo, mu_hi = layout.parts(mu_pre.float().repeat_interleave(group, 0))  # each query head's KV head
     idx = pairs.long().repeat_interleave(group, 0).expand(*q.shape[:-1], -1)
-    qf = q.float()
-    a = qf[..., :half] * mu[:, :half] + qf[..., half:] * mu[:, half:]
-    b = qf[..., half:] * mu[:, :half] - qf[..., :half] * mu[:, half:]
+    q_lo, q_hi = layout.parts(q.float())
+    a = q_lo * mu_lo + q_hi * mu_hi
+    b = q_hi * mu_lo - q_lo * mu_hi
     return (torch.cat([a.gather(-1, idx), b.gather(-1, idx)], -1) * scale).contiguous()
 
 
@@ -300,6 +304,6 @@ def rope_args(q: torch.Tensor, rope, scale: float, positions: int, *blocks: int)
     if max(blocks, default=0) > TILE_MARGIN:
         raise ValueError(f"tiles of {max(blocks)} keys read past rope.TILE_MARGIN = {TILE_MARGIN} table rows")
     rope.check(positions)
-    ab = rope_query_terms(q, rope.mu_pre, scale, rope.pairs)
+    ab = rope_query_terms(q, rope.mu_pre, scale, rope.pairs, rope.layout)
     return ab, rope.pairs, ab.stride(0), ab.stride(-2), rope.pairs.stride(0), rope.pairs.shape[1], True
 

@@ -18,8 +18,9 @@ The kernel is compiled at first use by NVRTC, through torch (``torch.cuda._compi
 device, geometry and dtype.  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
 offset removal; the window's query as bfloat16 hi + lo parts).  Supported: head dim 64 or 128, one
 quantization group per head (G = D), at most 8 query heads per KV head, float32 / bfloat16 / float16 queries, constant key
-centering or per-position centering over at most MAX_ROPE_PAIRS pairs (the term q . RoPE_p(mu_pre) as one more
-small MMA per 16 keys; int2_decode.cu, rope_terms).  Anything else runs the Triton kernels.
+centering or per-position centering over at most MAX_ROPE_PAIRS pairs, full or partial rotary (the term
+q . RoPE_p(mu_pre) as one more small MMA per 16 keys; int2_decode.cu, rope_terms; the layout places each pair's
+two channels, pair_lo / pair_hi).  Anything else runs the Triton kernels.
 """
 
 from __future__ import annotations
@@ -117,10 +118,14 @@ def _index(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int, min_blocks: int,
-            q_kind: int, o_kind: int, stamps: bool = False, rope_pairs: int = 0):
+            q_kind: int, o_kind: int, stamps: bool = False, rope_pairs: int = 0, rope_rot: int = 0,
+            rope_interleaved: bool = False):
+    """``rope_rot`` / ``rope_interleaved``: the RoPE layout's rotary dim (0: the head dim) and pairing
+    (rope.RotaryLayout), which place the channels of each visited pair."""
     defines = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=NUM_WARPS,
                    MAX_PAGES=MAX_PAGES, MIN_BLOCKS=min_blocks, Q_KIND=q_kind, O_KIND=o_kind,
-                   STAMPS=int(stamps), ROPE_R=rope_pairs)
+                   STAMPS=int(stamps), ROPE_R=rope_pairs, ROPE_ROT=rope_rot or head_dim,
+                   ROPE_INTERLEAVED=int(rope_interleaved))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.read_text()
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(source, "oscar_int2_decode")
@@ -233,10 +238,12 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
             raise ValueError(f"k_rotation must be [1 or {h}, {d}, {d}], got {tuple(k_rotation.shape)}")
         r = rotation_operand(k_rotation)
         stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
+    rope_rot, rope_interleaved = d, False
     if rope is None:
         mu = pairs = phases = tile = q  # not read
         rope_r = 0
     else:
+        rope_rot, rope_interleaved = rope.rotary_layout.rotary_dim, rope.rotary_layout.interleaved
         rope_r = rope.pairs.shape[1]
         if rope_r % 8 or rope_r > MAX_ROPE_PAIRS or tuple(rope.mu_pre.shape) != (h, d) or rope.pairs.shape[0] != h:
             raise ValueError(f"rope: mu_pre must be [{h}, {d}] with 8 .. {MAX_ROPE_PAIRS} pairs (a multiple of 8) "
@@ -250,7 +257,7 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     history_bytes = bsz * h * splits * chunk * geom.quant_bytes_per_token()  # an upper bound (the last chunk)
     kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, min_blocks(rope_r, d),
                      _DTYPES[q.dtype],
-                     _DTYPES[target.dtype], stamps is not None, rope_r)
+                     _DTYPES[target.dtype], stamps is not None, rope_r, rope_rot, rope_interleaved)
     kernel(grid=(splits, h, bsz), block=(NUM_WARPS * 32, 1, 1),
            args=[q, r, k_rotation is not None, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
                  target, _counters(q.device, bsz * h), float(qk_scale), q.stride(0), q.stride(1), stride_rh,

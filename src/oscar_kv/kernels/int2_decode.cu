@@ -338,6 +338,16 @@ __shared__ __align__(16) float4 s_rab[8][4][RK];     // head g, t, kk: (a, b) of
 __shared__ __align__(16) uint4 s_rta[2][RK][32][2];  // sub-tile u, kk, lane: A fragments (hi, lo), rows 16u + v
 __shared__ __align__(16) float2 s_rph[NWARPS][ROPE_R];  // per warp: the phases of the R pairs (window tiles)
 
+// The two channels of pair j (rope.RotaryLayout.channels): the rotated pairs j < ROPE_ROT / 2 are (j, j + ROPE_ROT / 2)
+// (rotate-half) or (2j, 2j + 1) (ROPE_INTERLEAVED); the pass-through pairs past them (j + ROPE_ROT / 2, j + D / 2).
+// RoPE over the whole head (ROPE_ROT = D, rotate-half) gives (j, j + D / 2).
+__device__ __forceinline__ int pair_lo(int j) {
+  return j < ROPE_ROT / 2 ? (ROPE_INTERLEAVED ? 2 * j : j) : j + ROPE_ROT / 2;
+}
+__device__ __forceinline__ int pair_hi(int j) {
+  return j < ROPE_ROT / 2 ? (ROPE_INTERLEAVED ? 2 * j + 1 : j + ROPE_ROT / 2) : j + D / 2;
+}
+
 // Fill the shared tables (all threads; a __syncthreads must follow).  q: the unrotated query rows in shared
 // memory; MU [D] mu_pre of this KV head; PRh [R] its pairs; TL [32][D/2] (cos, sin) of v t_i.
 __device__ void rope_prologue(const float (*q)[D], const float* __restrict__ MU, const int* __restrict__ PRh,
@@ -347,8 +357,8 @@ __device__ void rope_prologue(const float (*q)[D], const float* __restrict__ MU,
     float v[4];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int pr = PRh[8 * kk + tt + 4 * e];
-      const float m0 = MU[pr], m1 = MU[pr + D / 2], q0 = q[hh][pr], q1 = q[hh][pr + D / 2];
+      const int pr = PRh[8 * kk + tt + 4 * e], c0 = pair_lo(pr), c1 = pair_hi(pr);
+      const float m0 = MU[c0], m1 = MU[c1], q0 = q[hh][c0], q1 = q[hh][c1];
       v[2 * e] = (q0 * m0 + q1 * m1) * scale;
       v[2 * e + 1] = (q1 * m0 - q0 * m1) * scale;
     }

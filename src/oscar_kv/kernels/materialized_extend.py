@@ -213,8 +213,8 @@ class Scratch:
 def rope_key_weights(rope, k_rotation: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
     """W with RoPE_p(mu_pre) @ R_K = [cos(p t_i) | sin(p t_i)]_(kept pairs i) @ W[h], built in float64.
 
-    Rows A_i = mu_i R_i + mu_{i+D/2} R_{i+D/2}, then B_i = mu_i R_{i+D/2} - mu_{i+D/2} R_i (R_j: row j of R_K;
-    rotate-half layout, rope.key_offsets).
+    Rows A_i = mu_l R_l + mu_h R_h, then B_i = mu_l R_h - mu_h R_l (R_j: row j of R_K; pair i's channels
+    (l, h) = rope.RotaryLayout.channels, (i, i + D/2) in the rotate-half layout; rope.key_offsets).
 
     Args:
         rope: the layer's rope.KernelRope (mu_pre and the kept pairs).
@@ -227,11 +227,11 @@ def rope_key_weights(rope, k_rotation: torch.Tensor | None, num_kv_heads: int) -
     """
     mu = rope.mu_pre.double()
     h, d = mu.shape
-    half = d // 2
     r = (torch.eye(d, dtype=torch.float64, device=mu.device).expand(h, d, d) if k_rotation is None
          else k_rotation.to(mu.device).double().expand(h, d, d))
     pairs = rope.pairs.long().to(mu.device)  # [H, R]
-    lo, hi = pairs, pairs + half
+    channels = rope.rotary_layout.channels_on(mu.device)
+    lo, hi = channels[0][pairs], channels[1][pairs]
     take = lambda m, idx: m.gather(1, idx)  # noqa: E731  [H, R]
     rows = lambda idx: r.gather(1, idx[:, :, None].expand(-1, -1, d))  # noqa: E731  [H, R, D]
     mu_lo, mu_hi = take(mu, lo)[..., None], take(mu, hi)[..., None]

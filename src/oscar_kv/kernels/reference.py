@@ -53,9 +53,10 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
                     k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
                     clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor,
                     rescale: tuple[float, float] = (0.0, 0.0),
-                    k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                    k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    rope_layout=None) -> None:
     """Store T tokens of one layer; the specification of write.write_kv, with its arguments (``k_rope``:
-    RoPE_p(mu_pre) subtracted after k_mean, then the rotation).
+    RoPE_p(mu_pre) subtracted after k_mean, then the rotation; ``rope_layout``: its rope.RotaryLayout).
 
     Keys are centered and rotated in float32; a token bound for a window page is stored as BF16,
     one bound for an INT2 page is clipped/quantized from the float32 row (quant.quantize_rows; ``rescale``:
@@ -69,8 +70,8 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
     p = g.page_size
     if k_rope is not None:  # (k - mu) - RoPE_p(mu_pre), in the kernel's order
         mu_pre, cos, sin = (x.float() for x in k_rope)
-        kr = rotate_keys(rotate_keys(k, None, k_mean) - apply_rope(mu_pre[None], cos[:, None], sin[:, None]),
-                         k_rotation, None)
+        kr = rotate_keys(rotate_keys(k, None, k_mean) - apply_rope(mu_pre[None], cos[:, None], sin[:, None],
+                                                                  rope_layout), k_rotation, None)
     else:
         kr = rotate_keys(k, k_rotation, k_mean)
     vr = v.float()
@@ -148,11 +149,11 @@ def with_rope_offsets(k: torch.Tensor, start: int, rope, k_rotation: torch.Tenso
         return k
     from ..rope import key_offsets
 
-    mu_pre, table = rope.mu_pre, rope.table
+    mu_pre, table, layout = rope.mu_pre, rope.table, rope.rotary_layout
     half = table.shape[1] // 2
-    rows = table[start:start + k.shape[0]].float()
-    cos, sin = rows[:, :half].repeat(1, 2), rows[:, half:].repeat(1, 2)
-    off = key_offsets(mu_pre.to(k.device), cos, sin)  # [H, T, D]
+    rows = table[start:start + k.shape[0]].float()  # per pair: cos | sin
+    cos, sin = layout.spread(rows[:, :half]), layout.spread(rows[:, half:])
+    off = key_offsets(mu_pre.to(k.device), cos, sin, layout)  # [H, T, D]
     off_rot = rotate(off, k_rotation.float()) if k_rotation is not None else off
     return k + off_rot.transpose(0, 1)
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..quant import check_rescale
+from ..rope import RotaryLayout
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
 from .common import INTERPRET
@@ -121,7 +122,8 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
 
 @triton.jit
 def _centered_keys(K, MU, MUP, COS, SIN, offs_t, tmask, h, stride_kt, stride_kh, cols,
-                   D: tl.constexpr, CENTER: tl.constexpr, ROPE_CENTER: tl.constexpr):
+                   D: tl.constexpr, CENTER: tl.constexpr, ROPE_CENTER: tl.constexpr, ROT_HALF: tl.constexpr,
+                   INTERLEAVED: tl.constexpr):
     """Columns ``cols`` of the block's keys in float32, minus the constant mean (CENTER) and minus
     RoPE_p(mu_pre) = mu_pre * cos_p + rotate_half(mu_pre) * sin_p per token (ROPE_CENTER)."""
     k = tl.load(K + offs_t[:, None] * stride_kt + h * stride_kh + cols[None, :], mask=tmask[:, None],
@@ -129,9 +131,17 @@ def _centered_keys(K, MU, MUP, COS, SIN, offs_t, tmask, h, stride_kt, stride_kh,
     if CENTER:
         k = k - tl.load(MU + h * D + cols)[None, :]
     if ROPE_CENTER:
+        # rotate_half in the model's layout (rope.RotaryLayout): each rotated channel takes its pair partner's
+        # value, negated on the pair's first channel; pass-through channels (>= 2 ROT_HALF) have sin 0
+        ROT: tl.constexpr = 2 * ROT_HALF
         mu = tl.load(MUP + h * D + cols)
-        partner = tl.load(MUP + h * D + (cols + D // 2) % D)
-        mu_half = tl.where(cols < D // 2, -partner, partner)
+        if INTERLEAVED:  # pairs (2j, 2j + 1)
+            idx = tl.where(cols < ROT, cols + 1 - 2 * (cols % 2), cols)
+            sign = tl.where(cols < ROT, tl.where(cols % 2 == 0, -1.0, 1.0), 0.0)
+        else:  # pairs (j, j + ROT_HALF)
+            idx = tl.where(cols < ROT, (cols + ROT_HALF) % ROT, cols)
+            sign = tl.where(cols < ROT_HALF, -1.0, tl.where(cols < ROT, 1.0, 0.0))
+        mu_half = sign * tl.load(MUP + h * D + idx)
         trig = offs_t[:, None] * D + cols[None, :]
         cos = tl.load(COS + trig, mask=tmask[:, None], other=0.0)
         sin = tl.load(SIN + trig, mask=tmask[:, None], other=0.0)
@@ -146,7 +156,7 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw
                   D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr,
                   ROTATE: tl.constexpr, ROTATE_SLICED: tl.constexpr, CENTER: tl.constexpr,
                   ROPE_CENTER: tl.constexpr, SORT: tl.constexpr, RECIP3: tl.constexpr, RESCALE_K: tl.constexpr,
-                  RESCALE_V: tl.constexpr):
+                  RESCALE_V: tl.constexpr, ROT_HALF: tl.constexpr = 0, INTERLEAVED: tl.constexpr = False):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // G
@@ -170,12 +180,12 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw
         for j in tl.static_range(4):
             cols = j * D4S + tl.arange(0, D4S)
             kj = _centered_keys(K, MU, MUP, COS, SIN, offs_t, tmask, h, stride_kt, stride_kh, cols, D, CENTER,
-                                ROPE_CENTER)
+                                ROPE_CENTER, ROT_HALF, INTERLEAVED)
             r = tl.load(R + h * stride_rh + cols[:, None] * D + offs_d[None, :]).to(tl.float32)
             k = tl.dot(kj, r, k, input_precision="ieee")
     else:
         k = _centered_keys(K, MU, MUP, COS, SIN, offs_t, tmask, h, stride_kt, stride_kh, offs_d, D, CENTER,
-                           ROPE_CENTER)
+                           ROPE_CENTER, ROT_HALF, INTERLEAVED)
         if ROTATE:
             r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
             k = tl.dot(k, r, input_precision="ieee")
@@ -240,7 +250,8 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
              int2_slot: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
              clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = TUNING.write_block_t,
              num_warps: int | None = None, rescale: tuple[float, float] = (0.0, 0.0),
-             k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+             k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             rope_layout: RotaryLayout | None = None) -> None:
     """Store T tokens of one layer: BF16 into window pages, or clipped, quantized and packed into INT2 pages.
 
     Args:
@@ -260,6 +271,7 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         rescale: the quantizer's rescale strengths (keys, values), quant.py.
         k_rope: per-position centering (rope.py): (mu_pre, cos, sin) float32 at the tokens' positions;
             RoPE_p(mu_pre) is subtracted after k_mean.  None: none.
+        rope_layout: the RoPE's channel pairs (rope.RotaryLayout, partial rotary); None: rotate-half over all D.
     Shapes:
         k, v: [T, Hkv, D]; win_slot, int2_slot: int32 [T]; k_rotation: [Hkv | 1, D, D]; k_mean: [Hkv, D];
         clip_k_idx, clip_v_idx: int32 [Hkv]; k_rope: ([Hkv, D], [T, D], [T, D]).
@@ -288,6 +300,8 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None, ROTATE_SLICED=sliced,
         CENTER=k_mean is not None, ROPE_CENTER=k_rope is not None, SORT=not INTERPRET,
         RECIP3=_scalar_div_is_reciprocal(k.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
+        ROT_HALF=(rope_layout.rotary_dim if rope_layout is not None else d) // 2,
+        INTERLEAVED=rope_layout is not None and rope_layout.interleaved,
         num_warps=num_warps or warps)
 
 
