@@ -163,3 +163,48 @@ def greedy(engine, prompt: list[int], n: int) -> list[int]:
         for out in engine.step():
             got += out.token_ids
     return got
+
+
+def test_attention_window_of_each_config_style():
+    from oscar_kv.models import attention_window
+
+    def cfg(model_type, **kw):
+        return AutoConfig.for_model(model_type, num_hidden_layers=4, **kw)
+
+    assert attention_window(cfg("mistral", sliding_window=4096)) == 4096  # Mistral v0.1: every layer
+    assert attention_window(cfg("mistral", sliding_window=None)) is None
+    assert attention_window(cfg("qwen2")) is None  # use_sliding_window is off by default
+    assert attention_window(cfg("qwen2", use_sliding_window=True, sliding_window=512, max_window_layers=2)) == 512
+    assert attention_window(cfg("phi3", sliding_window=2047)) == 2047  # Phi-3-mini-4k's config
+    assert attention_window(cfg("llama")) is None and attention_window(cfg("qwen3")) is None
+
+
+@torch.no_grad()
+def test_sliding_window_models_are_served_up_to_the_window(tokenizer, held_out_ids):
+    """Windowed and full attention agree up to the window: the engine serves a windowed model up to it (and refuses
+    a longer max_model_len by name), the generate() cache matches transformers' own windowed attention there and
+    refuses to grow past it."""
+    from oscar_kv.engine import EngineConfig, LLMEngine
+    from oscar_kv.errors import BeyondSlidingWindow, ConfigError
+
+    ARCHS["mistral-window"] = dict(model_type="mistral", sliding_window=64)
+    try:
+        model = tiny_model("mistral-window")
+    finally:
+        del ARCHS["mistral-window"]
+    ids = held_out_ids[:, :80]
+    ref = model(ids[:, :64]).logits
+    cache = OscarCache(model, None, CacheSettings("bf16", window_dtype=torch.float32))
+    out = torch.cat([model(ids[:, :40], past_key_values=cache).logits]
+                    + [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(40, 64)], 1)
+    assert (out - ref).abs().max() < 1e-3
+    with pytest.raises(BeyondSlidingWindow, match="sliding window of 64"):
+        model(ids[:, 64:65], past_key_values=cache)
+    unprepare_model(model)
+
+    engine = LLMEngine(model, tokenizer, None, EngineConfig(kv_cache_dtype="bf16", kv_cache_memory=0.01))
+    assert engine.max_model_len == 64
+    assert greedy(engine, ids[0, :40].tolist(), 8) == model.generate(ids[:, :40], max_new_tokens=8, do_sample=False,
+                                                                     )[0, 40:].tolist()
+    with pytest.raises(ConfigError, match="sliding window of 64"):
+        LLMEngine(model, tokenizer, None, EngineConfig(kv_cache_dtype="bf16", kv_cache_memory=0.01, max_model_len=128))

@@ -139,25 +139,31 @@ def test_int2_decode_many_splits_and_prerotated_query():
     assert rel_err(out3, want) < 1e-2
 
 
-def test_bf16_decode_matches_reference():
+@pytest.mark.parametrize("d", [64, 256])
+def test_bf16_decode_matches_reference(d):
+    """With and without a key rotation; at head dim 256 the query is rotated before the launch (decode.py)."""
     from oscar_kv.kernels.decode import bf16_decode
 
-    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size=64, page_size=16,
-                        sink_size=0, recent_size=1 << 30 if False else 16)
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=d, group_size=d, page_size=16, sink_size=0,
+                        recent_size=16)
     gen = torch.Generator().manual_seed(5)
-    seq_lens = [1, 100, 333, 0] if not GPU else [1, 100, 131072 + 5, 0]
+    if GPU:
+        seq_lens = [1, 100, (131072 if d == 64 else 65536) + 5, 0]
+    else:
+        seq_lens = [1, 100, 333, 0] if d == 64 else [1, 90, 0]
     batch, _, nw = plan_batch(geom, seq_lens, [0] * len(seq_lens), generator=gen)
     pool = PagedKVPool.allocate(geom, 1, nw, device=DEV)
     pool.k_win.normal_()
     pool.v_win.normal_()
     batch = batch.to(DEV)
-    rot = random_orthogonal(2, 64, gen).to(DEV)
-    q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEV, torch.bfloat16)
-    want = ref.decode_reference(pool, 0, q, batch, rot, None)
-    out = torch.full_like(q, float("nan"))
-    bf16_decode(q, pool.k_win[0], pool.v_win[0], batch.block_table, batch.seq_lens, rot, page_size=16, out=out)
-    assert not out.isnan().any()
-    assert rel_err(out, want) < 1e-2
+    rot = random_orthogonal(2, d, gen).to(DEV)
+    q = torch.randn(len(seq_lens), 8 if d == 64 else 4, d, generator=gen).to(DEV, torch.bfloat16)
+    for r in (rot, None):
+        want = ref.decode_reference(pool, 0, q, batch, r, None)
+        out = torch.full_like(q, float("nan"))
+        bf16_decode(q, pool.k_win[0], pool.v_win[0], batch.block_table, batch.seq_lens, r, page_size=16, out=out)
+        assert not out.isnan().any()
+        assert rel_err(out, want) < 1e-2
 
 
 @pytest.mark.parametrize("group,centering", [(256, "constant"), (128, "rope")])
@@ -186,28 +192,6 @@ def test_int2_decode_head_dim_256(group, centering):
         assert not out.isnan().any()
         assert rel_err(out, want) < 1e-2
         assert out[0].abs().max() == 0  # empty sequence
-
-
-def test_bf16_decode_head_dim_256():
-    """The BF16 kernel at head dim 256: the query is rotated before the launch there (decode.py)."""
-    from oscar_kv.kernels.decode import bf16_decode
-
-    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=256, page_size=16, sink_size=0,
-                        recent_size=16)
-    gen = torch.Generator().manual_seed(6)
-    seq_lens = [1, 90, 0] if not GPU else [1, 100, 65536 + 5, 0]
-    batch, _, nw = plan_batch(geom, seq_lens, [0] * len(seq_lens), generator=gen)
-    pool = PagedKVPool.allocate(geom, 1, nw, device=DEV)
-    pool.k_win.normal_()
-    pool.v_win.normal_()
-    batch = batch.to(DEV)
-    rot = random_orthogonal(2, 256, gen).to(DEV)
-    q = torch.randn(len(seq_lens), 4, 256, generator=gen).to(DEV, torch.bfloat16)
-    for r in (rot, None):
-        want = ref.decode_reference(pool, 0, q, batch, r, None)
-        out = bf16_decode(q, pool.k_win[0], pool.v_win[0], batch.block_table, batch.seq_lens, r, page_size=16)
-        assert out.dtype == q.dtype and not out.isnan().any()
-        assert rel_err(out, want) < 1e-2
 
 
 def test_int2_decode_variants_agree():

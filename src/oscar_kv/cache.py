@@ -26,8 +26,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .artifacts import Rotations
 from .codec import LayerCodec, layer_codecs, stored_attention, validated_artifact
 from .config import CacheConfig
+from .errors import BeyondSlidingWindow
 from .folding import fold_values, restore_model
 from .memory import KVFootprint
+from .models import attention_window
 from .quant import QuantizedRows
 
 ATTENTION_KEY = "oscar_kv"
@@ -50,9 +52,10 @@ class OscarCacheLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, settings: CacheSettings, codec: LayerCodec):
+    def __init__(self, settings: CacheSettings, codec: LayerCodec, window: int | None = None):
         super().__init__()
         self.settings, self.codec = settings, codec
+        self.window = window  # the model's sliding window: sequences stop there (models.attention_window)
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None
         self.hist_k: QuantizedRows | None = None
         self.hist_v: QuantizedRows | None = None
@@ -68,6 +71,11 @@ class OscarCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.window is not None and self.seq_len + key_states.shape[2] > self.window:
+            raise BeyondSlidingWindow(
+                f"the sequence reaches {self.seq_len + key_states.shape[2]} tokens, past the model's sliding window "
+                f"of {self.window}: this cache attends to every token in every layer, which equals the model's "
+                "windowed layers only up to the window")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         positions = torch.arange(self.seq_len, self.seq_len + key_states.shape[2], device=key_states.device)
@@ -173,7 +181,8 @@ class OscarCache(Cache):
         self.settings, self.rotations = settings, rotations
         key_page = settings.page_size if settings.key_axis == "channel" else None
         codecs = layer_codecs(model, rotations, settings.kv_cache_dtype, settings.group_size, key_page=key_page)
-        super().__init__(layers=[OscarCacheLayer(settings, codec) for codec in codecs])
+        window = attention_window(model.config)
+        super().__init__(layers=[OscarCacheLayer(settings, codec, window) for codec in codecs])
 
     def footprint(self) -> KVFootprint:
         total = KVFootprint(0, 0, 0)

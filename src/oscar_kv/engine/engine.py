@@ -22,6 +22,7 @@ from ..config import EngineConfig
 from ..errors import ConfigError, RequestError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
+from ..models import attention_window
 from ..models.llama import LlamaExecutor, executor_support
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
 from .block_pool import PagePool, PoolPlan, plan_pool
@@ -125,10 +126,20 @@ class LLMEngine:
                                      codecs[0].group_size, config.page_size, config.sink_size, config.recent_size,
                                      tuple(codec.bits for codec in self.codecs))
         limit = getattr(model.config, "max_position_embeddings", None) or 8192
+        window = attention_window(model.config)
+        if window is not None and window < limit and not config.max_model_len:
+            log.info("sliding-window layers (window %d): serving up to %d tokens, where windowed and full attention "
+                     "agree (longer contexts with windowed layers are not supported yet)", window, window)
+            limit = window
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context of {limit} tokens",
                               "max_model_len")
+        if window is not None and self.max_model_len > window:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's sliding window of {window} "
+                              "tokens: the engine attends to the whole sequence in every layer, which equals the "
+                              "model's windowed layers only up to the window; use --max-model-len <= "
+                              f"{window}", "max_model_len")
         # per-position centering's RoPE tables, sized once for every position a kernel may read: grown on demand,
         # they were rebuilt on the host mid-prefill while the GPU waited (and each step synced for the positions' max)
         for rope in shared_ropes(self.codecs):

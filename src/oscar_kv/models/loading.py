@@ -60,6 +60,22 @@ class AttentionGeometry:
         return dict(self.__dict__)
 
 
+def attention_window(config) -> int | None:
+    """The smallest sliding window a layer of this model attends with, None when every layer sees the whole
+    sequence.  Mistral-style configs window every layer (``sliding_window``); configs with ``layer_types`` (Qwen2,
+    Gemma 2/3) window the layers marked ``sliding_attention``.  A sequence no longer than the window gets the same
+    attention with or without it: the engine and the generate() cache serve such models up to it."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    if getattr(config, "use_sliding_window", True) is False and types is None:
+        return None
+    return int(window)
+
+
 def projection_rows(attn, which: str, geometry: AttentionGeometry) -> tuple[torch.nn.Linear, slice]:
     """The linear layer and its output rows that produce one attention module's keys (``which="k"``) or values
     ("v"): a separate k_proj / v_proj, or their rows of a fused qkv_proj (Phi-3 stacks q, k, v in that order)."""
