@@ -11,8 +11,12 @@ TEXT = ("Prefill and decode: naïve café — 東京の天気は晴れです。 
 
 def test_real_text_token_by_token_equals_one_decode(tokenizer):
     ids = tokenizer(TEXT).input_ids
-    text = IncrementalText(tokenizer)
-    pieces = [text.add(t) for t in ids]
+    shown = []
+    text = IncrementalText(tokenizer, shown)
+    pieces = []
+    for t in ids:
+        shown.append(t)
+        pieces.append(text.update())
     text.flush()
     assert text.text == "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
     assert not any(PARTIAL in p for p in pieces)  # an emoji's byte tokens show only once complete
@@ -26,21 +30,26 @@ def test_random_ids_and_special_tokens_match_one_decode(tokenizer):
     for _ in range(20):
         ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tokenizer.vocab_size)
                for _ in range(rng.randrange(1, 60))]
-        text = IncrementalText(tokenizer)
+        shown = []
+        text = IncrementalText(tokenizer, shown)
         for t in ids:
-            text.add(t)
+            shown.append(t)
+            text.update()
         text.flush()
         assert text.text == tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_copy_continues_independently(tokenizer):
+def test_a_fork_continues_independently(tokenizer):
     ids = tokenizer(TEXT).input_ids
-    a = IncrementalText(tokenizer)
+    a_ids = []
+    a = IncrementalText(tokenizer, a_ids)
     for t in ids[:20]:
-        a.add(t)
-    b = a.copy()
+        a_ids.append(t)
+        a.update()
+    b = a.following(list(a_ids))
     for t in ids[20:]:
-        a.add(t)
+        a_ids.append(t)
+        a.update()
     a.flush()
     b.flush()
     assert a.text == tokenizer.decode(ids, skip_special_tokens=True)
@@ -60,9 +69,11 @@ class _CountingTokenizer:
 
 def test_cost_per_token_does_not_grow_with_the_output(tokenizer):
     counting = _CountingTokenizer(tokenizer)
-    text = IncrementalText(counting)
+    shown = []
+    text = IncrementalText(counting, shown)
     ids = tokenizer(TEXT * 20).input_ids
     for t in ids:
-        text.add(t)
+        shown.append(t)
+        text.update()
     assert len(ids) > 1000 and max(counting.sizes) <= 8
     assert text.text == tokenizer.decode(ids, skip_special_tokens=True)

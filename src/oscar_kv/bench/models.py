@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from ..models import AttentionGeometry
+
 # Public architecture numbers (config.json of each model).  Qwen3's published max_position_embeddings is
 # 40960 (131072 with YaRN per the model card); 131072 is used so that 100K contexts are accepted - RoPE
 # scaling does not change the cost of a step.
@@ -86,8 +88,7 @@ def build_model(arch: str, layers: int | None, device: torch.device, dtype: torc
     info = dict(arch=arch, model_type=config.model_type, num_layers=config.num_hidden_layers,
                 hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                 num_attention_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-                head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-                vocab_size=config.vocab_size,
+                head_dim=AttentionGeometry.of(config).head_dim, vocab_size=config.vocab_size,
                 max_position_embeddings=config.max_position_embeddings, parameters=params,
                 weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                 streamed_weight_bytes=streamed_weight_bytes(model),

@@ -14,22 +14,22 @@ PARTIAL = "\ufffd"  # what a decode shows for the bytes of an unfinished UTF-8 c
 
 
 class IncrementalText:
-    """``text`` equals ``tokenizer.decode(ids, skip_special_tokens=True)`` up to the last complete character."""
+    """``text`` equals ``tokenizer.decode(ids, skip_special_tokens=True)`` up to the last complete character.
+    ``ids`` is the sequence's own list of output ids: read here, appended to by its owner."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
+    def __init__(self, tokenizer, ids: list[int]):
+        self.tokenizer, self.ids = tokenizer, ids
         self.text = ""
         self._start = self._shown = 0  # the window's first token; tokens before _shown are in ``text``
 
-    def copy(self) -> "IncrementalText":
-        twin = IncrementalText(self.tokenizer)
-        twin.ids, twin.text, twin._start, twin._shown = list(self.ids), self.text, self._start, self._shown
+    def following(self, ids: list[int]) -> "IncrementalText":
+        """The same state over another list that starts with the same ids (a forked sequence's)."""
+        twin = IncrementalText(self.tokenizer, ids)
+        twin.text, twin._start, twin._shown = self.text, self._start, self._shown
         return twin
 
-    def add(self, token: int) -> str:
-        """Append one token; returns the text it completes ("" while a character is unfinished)."""
-        self.ids.append(token)
+    def update(self) -> str:
+        """The text that the ids appended since the last call complete ("" while a character is unfinished)."""
         return self._advance(final=False)
 
     def flush(self) -> str:

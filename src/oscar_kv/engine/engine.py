@@ -324,7 +324,7 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids), params)
-        seq.detokenizer = IncrementalText(self.tokenizer)
+        seq.detokenizer = IncrementalText(self.tokenizer, seq.output_ids)
         self.requests[request_id] = seq
         self.prompt_tokens += len(seq.prompt_ids)
         self.scheduler.add(seq)
@@ -352,7 +352,7 @@ class LLMEngine:
         pool = self.pool
         seq = Sequence(new_id, src.prompt_ids, src.params)
         seq.output_ids = list(src.output_ids)
-        seq.detokenizer = src.detokenizer.copy() if src.detokenizer is not None else None
+        seq.detokenizer = src.detokenizer.following(seq.output_ids)
         kinds = [pool.kind_of(i, src.int2_pages) for i in range(len(src.pages))]
         src_q = [p for p, k in zip(src.pages, kinds) if k == QUANT]
         src_w = [p for p, k in zip(src.pages, kinds) if k != QUANT]
@@ -414,12 +414,8 @@ class LLMEngine:
         elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         text = seq.detokenizer
-        if text is None:  # a sequence the engine did not create: its earlier tokens once
-            text = seq.detokenizer = IncrementalText(self.tokenizer)
-            for earlier in seq.output_ids[:-1]:
-                text.add(earlier)
         grown_from = len(text.text)
-        text.add(token)
+        text.update()
         if reason is not None:
             text.flush()
         full = text.text

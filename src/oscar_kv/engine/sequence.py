@@ -70,7 +70,7 @@ class Sequence:
     preemptions: int = 0
     finish_reason: str | None = None
     text: str = ""  # output text (stop strings cut), as far as it is final
-    detokenizer: object = None  # detokenize.IncrementalText of the output ids (set by the engine)
+    detokenizer: object = None  # detokenize.IncrementalText over output_ids (set by the engine)
     sent_chars: int = 0
     arrival: int = field(default_factory=lambda: next(_arrivals))
     generator: torch.Generator | None = None

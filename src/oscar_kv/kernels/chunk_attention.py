@@ -19,30 +19,25 @@ shape runs a small probe of the cuDNN op, so a build without it gets flash and t
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from .tuning import kernel_choice
+
 PREFILL_ATTENTION_ENV = "OSCAR_KV_PREFILL_ATTENTION"  # "auto" (default) | "split" | "flash"
-CHOICES = ("auto", "split", "flash")
 
 
 def prefill_attention_choice(device: torch.device, dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int,
                              backend: str | None = None) -> tuple[str, str | None]:
     """("split", None) or ("flash", why not split) for chunks of this shape.  ``backend``: "auto" (split where it
     runs), "split" (raises where it cannot) or "flash"; default: $OSCAR_KV_PREFILL_ATTENTION, else "auto"."""
-    backend = backend or os.environ.get(PREFILL_ATTENTION_ENV, "auto")
-    if backend not in CHOICES:
-        raise ValueError(f"{PREFILL_ATTENTION_ENV} must be one of {', '.join(CHOICES)}, got {backend!r}")
-    if backend == "flash":
-        return "flash", f"{PREFILL_ATTENTION_ENV} or the caller asked for flash"
-    why = None
-    if device.type == "cuda":
-        why = _cudnn_error(device.index if device.index is not None else torch.cuda.current_device(), dtype,
-                           q_heads, kv_heads, head_dim)
-    if why and backend == "split":
-        raise ValueError(f"the split prefill attention cannot run here: {why}")
-    return ("flash", why) if why else ("split", None)
+    def why_not() -> str | None:
+        if device.type != "cuda":
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cudnn_error(index, dtype, q_heads, kv_heads, head_dim)
+
+    return kernel_choice(PREFILL_ATTENTION_ENV, backend, "split", "flash", why_not, "the split prefill attention")
 
 
 @functools.lru_cache(maxsize=None)

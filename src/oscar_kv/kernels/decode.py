@@ -24,14 +24,13 @@ the MMA's key operand needs no register transpose.  Performance notes: benchmark
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ._compat import install_interpreter_shim
-from .tuning import TUNING
+from .tuning import TUNING, kernel_choice
 from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, grp_scores, grp_values, load_rope_ab, merge,
                      num_sms, rope_args, rope_logits_tiled, split_plan, unpack4)
 from .layout import PagedBatch, PagedKVPool
@@ -425,17 +424,13 @@ def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: t
     ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
     "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
     None.  The engine reports the choice at start-up; ``int2_decode`` makes it per call."""
-    backend = backend or os.environ.get(INT2_KERNEL_ENV, "auto")
-    if backend not in ("auto", "cuda", "triton"):
-        raise ValueError(f"backend must be auto, cuda or triton, got {backend!r}")
-    if backend == "triton":
-        return "triton", f"{INT2_KERNEL_ENV} or the caller asked for triton"
     from . import int2_cuda
 
-    why = int2_cuda.unsupported(device, geom, gqa, rope, dtype) or ("the Triton interpreter is on" if INTERPRET else None)
-    if why and backend == "cuda":
-        raise ValueError(f"the CUDA INT2 kernel cannot run this call: {why}")
-    return ("triton", why) if why else ("cuda", None)
+    def why_not() -> str | None:
+        return int2_cuda.unsupported(device, geom, gqa, rope, dtype) or (
+            "the Triton interpreter is on" if INTERPRET else None)
+
+    return kernel_choice(INT2_KERNEL_ENV, backend, "cuda", "triton", why_not, "the CUDA INT2 kernel")
 
 
 def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16) -> bool:

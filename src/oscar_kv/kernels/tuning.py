@@ -5,11 +5,33 @@ Each kernel takes these as keyword defaults (``TUNING.<name>``); benchmarks and 
 (``bench attention``'s sweep, ``benchmarks/cuda_int2_sweep.py``).  The values were chosen on an H100
 (benchmarks/NOTES.md: "Kernel notes", "Prefill with the float16-materialized path").  Compile-time constants of the
 CUDA INT2 kernel (warps per CTA, tokens per round, the most splits and pages) live in int2_cuda.py beside its source.
+
+``kernel_choice`` is how a caller or an environment variable picks between a fast kernel and its fallback (the INT2
+decode kernel, the prefill attention).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Callable
+
+
+def kernel_choice(env: str, backend: str | None, preferred: str, fallback: str, why_not: Callable[[], str | None],
+                  name: str) -> tuple[str, str | None]:
+    """(preferred, None) or (fallback, why not preferred).  ``backend`` (default: $env, else "auto"): "auto" takes
+    ``preferred`` where ``why_not()`` finds nothing against it, ``preferred`` raises where it cannot run (``name``
+    says what in the message), ``fallback`` is taken as asked."""
+    backend = backend or os.environ.get(env, "auto")
+    if backend not in ("auto", preferred, fallback):
+        raise ValueError(f"backend must be one of auto, {preferred}, {fallback} (the caller's or ${env}), "
+                         f"got {backend!r}")
+    if backend == fallback:
+        return fallback, f"{env} or the caller asked for {fallback}"
+    why = why_not()
+    if why and backend == preferred:
+        raise ValueError(f"{name} cannot run this call: {why}")
+    return (fallback, why) if why else (preferred, None)
 
 
 @dataclass(frozen=True)
