@@ -60,20 +60,29 @@ class AttentionGeometry:
         return dict(self.__dict__)
 
 
-def attention_window(config) -> int | None:
-    """The smallest sliding window a layer of this model attends with, None when every layer sees the whole
-    sequence.  Mistral-style configs window every layer (``sliding_window``); configs with ``layer_types`` (Qwen2,
-    Gemma 2/3) window the layers marked ``sliding_attention``.  A sequence no longer than the window gets the same
-    attention with or without it: the engine and the generate() cache serve such models up to it."""
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Per decoder layer, the sliding window it attends with (a query at position p sees keys in (p - window, p]),
+    or None for a layer that sees the whole sequence.  Mistral / Phi-3 configs window every layer
+    (``sliding_window``); configs with ``layer_types`` (Qwen2 with ``use_sliding_window``, Gemma 2/3) window the
+    layers marked ``sliding_attention``."""
+    n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if not window:
-        return None
+        return (None,) * n
     types = getattr(config, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return None
-    if getattr(config, "use_sliding_window", True) is False and types is None:
-        return None
-    return int(window)
+    if types is not None:
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    if getattr(config, "use_sliding_window", True) is False:
+        return (None,) * n
+    return (int(window),) * n
+
+
+def attention_window(config) -> int | None:
+    """The smallest sliding window a layer of this model attends with, None when every layer sees the whole
+    sequence (see ``layer_windows``).  A sequence no longer than it gets the same attention with or without
+    the windows."""
+    windows = [w for w in layer_windows(config) if w is not None]
+    return min(windows) if windows else None
 
 
 def projection_rows(attn, which: str, geometry: AttentionGeometry) -> tuple[torch.nn.Linear, slice]:
