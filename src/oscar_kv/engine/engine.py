@@ -22,7 +22,7 @@ from ..config import EngineConfig
 from ..errors import ConfigError, RequestError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
-from ..models import attention_window
+from ..models import attention_window, layer_windows
 from ..models.llama import LlamaExecutor, executor_support
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
 from .block_pool import PagePool, PoolPlan, plan_pool
@@ -124,7 +124,8 @@ class LLMEngine:
         model.set_attn_implementation(ATTENTION_KEY)
         pool_geometry = PoolGeometry(geometry.num_layers, heads.stop - heads.start, geometry.head_dim,
                                      codecs[0].group_size, config.page_size, config.sink_size, config.recent_size,
-                                     tuple(codec.bits for codec in self.codecs))
+                                     tuple(codec.bits for codec in self.codecs),
+                                     layer_windows=layer_windows(model.config))
         limit = getattr(model.config, "max_position_embeddings", None) or 8192
         window = attention_window(model.config)
         if window is not None and window < limit and not config.max_model_len:

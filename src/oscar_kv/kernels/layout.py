@@ -71,7 +71,10 @@ class PoolGeometry:
     """The shape of a paged KV pool: what the engine allocates and accounts, and what the kernels address.
 
     ``layer_bits[l]``: bits per code of layer l's quantized pages (default: 2 on every layer).  16 on every
-    layer is a plain cache in ``window_dtype``: window pages only, no sink, no quantized pages.  Settings that
+    layer is a plain cache in ``window_dtype``: window pages only, no sink, no quantized pages.
+    ``layer_windows[l]``: layer l's sliding window (a query at position p attends to keys in (p - window, p]), or
+    None where it attends to the whole sequence (default: every layer; models.layer_windows).  Every layer
+    stores every token: the windows change what attention reads, not the layout.  Settings that
     no pool can use raise ``ConfigError``; :meth:`kernel_error` says what the kernels need beyond that.
 
     Byte counts cover K and V.  ``*_bytes_per_token`` are per token, KV head and layer; ``*_page_bytes``
@@ -87,12 +90,19 @@ class PoolGeometry:
     recent_size: int = 256
     layer_bits: tuple[int, ...] | None = None
     window_dtype: torch.dtype = torch.bfloat16
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self):
         bits = (KERNEL_BITS,) * self.num_layers if self.layer_bits is None else tuple(self.layer_bits)
         object.__setattr__(self, "layer_bits", bits)  # frozen: normalize once, here
         if len(bits) != self.num_layers:
             raise ValueError(f"layer_bits has {len(bits)} entries for {self.num_layers} layers")
+        windows = (None,) * self.num_layers if self.layer_windows is None else tuple(self.layer_windows)
+        object.__setattr__(self, "layer_windows", windows)
+        if len(windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(windows)} entries for {self.num_layers} layers")
+        if any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"sliding windows must be at least 1 token: {windows}")
         if self.quantizes:
             if 16 in bits:
                 raise ConfigError("the paged engine cannot mix BF16 layers into a quantized cache; "
