@@ -25,19 +25,19 @@ def shapes(arch: str) -> dict[str, tuple[int, int]]:
             "lm_head": (a["vocab_size"], c)}
 
 
-def time_linear(n: int, k: int, m: int, bias: bool) -> float:
+def time_linear(n: int, k: int, m: int, bias: bool, linear=torch.nn.functional.linear) -> float:
     """ms per call."""
     copies = max(2, min(20, int(4e9 // (2 * n * k))))
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     for w in ws:  # warm up (and pick the algorithm) outside the graph
-        torch.nn.functional.linear(x, w, b)
+        linear(x, w, b)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for w in ws:
-            torch.nn.functional.linear(x, w, b)
+            linear(x, w, b)
     times = []
     for _ in range(7):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -55,8 +55,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="qwen3-8b", choices=sorted(ARCHS))
     ap.add_argument("--batches", default="1,8,16")
+    ap.add_argument("--triton-sweep", action="store_true",
+                    help="time kernels/gemv.py's small_linear over its tile settings against cuBLAS instead")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
+    if args.triton_sweep:
+        triton_sweep(args, bw)
+        return
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; ms per call (% of copy bandwidth for the weight bytes)")
     print(f"{'shape':>8} {'n x k':>14} {'m':>3} {'cublas':>15} {'cublaslt':>15} {'cublas+b':>15} {'cublaslt+b':>15}")
     for name, (n, k) in shapes(args.arch).items():
@@ -70,6 +75,49 @@ def main() -> None:
                     cells.append(f"{ms:7.4f} ({100 * floor / ms:3.0f}%)")
             print(f"{name:>8} {f'{n}x{k}':>14} {m:>3} " + " ".join(f"{c:>15}" for c in cells), flush=True)
     torch.backends.cuda.preferred_blas_library("cublas")
+
+
+def triton_sweep(args, bw: float) -> None:
+    """Each shape and batch: cuBLAS, then small_linear's best tile setting (and the worst, to show the spread),
+    outputs checked against F.linear first."""
+    import functools
+    import itertools
+
+    from oscar_kv.kernels.gemv import small_linear
+
+    def settings_for(m: int) -> list[dict]:
+        grid = (((2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8), (2, 3, 4)) if m == 1 else
+                ((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5)))
+        return [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in itertools.product(*grid)
+                if bn * bk <= (8192 if m == 1 else 16384)]
+
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; ms per call (% of copy bandwidth)")
+    for name, (n, k) in shapes(args.arch).items():
+        if name == "lm_head":  # cuBLAS reads it at 94%
+            continue
+        floor = 2 * n * k / bw * 1e3
+        for m in (int(x) for x in args.batches.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            ref = torch.nn.functional.linear(x, w).float()
+            cublas = time_linear(n, k, m, False)
+            results = []
+            for s in settings_for(m):
+                try:
+                    err = (small_linear(x, w, **s).float() - ref).abs().max().item()
+                    if err > 1e-2 * ref.abs().max().item():
+                        print(f"  {name} m={m} {s}: wrong, max error {err:.3g}")
+                        continue
+                    results.append((time_linear(n, k, m, False, functools.partial(small_linear, **s)), s))
+                except Exception as exc:  # a setting over the shared-memory or register budget
+                    print(f"  {name} m={m} {s}: {type(exc).__name__}")
+            results.sort(key=lambda r: r[0])
+            best, worst = results[0], results[-1]
+            print(f"{name:>8} {f'{n}x{k}':>14} m={m:<3} cublas {cublas:.4f} ({100 * floor / cublas:3.0f}%)  "
+                  f"triton best {best[0]:.4f} ({100 * floor / best[0]:3.0f}%) {best[1]}  worst {worst[0]:.4f}  "
+                  f"top3 {[(round(t, 4), tuple(s.values())) for t, s in results[:3]]}", flush=True)
+            del w
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -434,7 +434,7 @@ def kernel_summary(engine, seqs, steps: int, clock: Clock, step_ms: float) -> di
             groups["kv_write"] += ms
         elif "rotate_query" in low:
             groups["query_rotation"] += ms
-        elif any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas")):
+        elif any(k in low for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")):
             groups["gemm"] += ms
         else:
             groups["other"] += ms

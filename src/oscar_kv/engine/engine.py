@@ -220,8 +220,13 @@ class LLMEngine:
             backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
         per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "
                     f"on each of {self.tp.size} ranks)" if self.tp.size > 1 else "")
-        forward = ("oscar executor (fused QKV and gate/up GEMMs, fused norms and RoPE)" if self.executor_status is None
-                   else f"transformers ({self.executor_status})")
+        if self.executor_status is None:
+            executor = self.runner.forward.executor
+            gemv = ("; projections of <= 16 tokens: Triton GEMV" if executor.gemm == "triton"
+                    else f"; projections: cuBLAS ({executor.gemm_why})")
+            forward = f"oscar executor (fused QKV and gate/up GEMMs, fused norms and RoPE{gemv})"
+        else:
+            forward = f"transformers ({self.executor_status})"
         lines = [f"KV cache: {scheme}", f"attention: {backend}", f"model forward: {forward}",
                  f"KV pool{per_rank}: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
                  f"({plan.window_bytes / GB:.3f} GB, {plan.window_pages * spec.page_size} tokens) + "

@@ -77,6 +77,18 @@ class KernelTuning:
     # dearer per query x key (its term runs on CUDA cores), hence its lower bound
     flash_min_tokens: int = 64
     flash_min_tokens_rope: int = 8
+    # decode-step GEMVs (kernels/gemv.py) take at most this many tokens; tiles from a sweep of Qwen3-8B and
+    # Llama-3.1-8B projections (benchmarks/gemm_small_batch.py --triton-sweep): output rows per program, K per
+    # step, warps, stages; one token, then 2..gemv_max_rows tokens
+    gemv_max_rows: int = 16
+    gemv_one_block_n: int = 4
+    gemv_one_block_k: int = 2048
+    gemv_one_num_warps: int = 4
+    gemv_one_num_stages: int = 3
+    gemv_block_n: int = 64
+    gemv_block_k: int = 256
+    gemv_num_warps: int = 4
+    gemv_num_stages: int = 4
 
 
 TUNING = KernelTuning()

@@ -5,7 +5,8 @@ separate q / k / v and gate / up projections); inside a CUDA graph each still co
 most of a decode step beside the weights.  The executor runs the same arithmetic as:
 
     residual add + RMSNorm   one launch (kernels/elementwise.rms_norm)
-    q | k | v                one GEMM over the fused weight (+ bias: Qwen2, or values folded with a mean)
+    q | k | v                one GEMM over the fused weight (+ bias: Qwen2, or values folded with a mean);
+                             at <= 16 tokens every projection runs kernels/gemv.py's GEMV instead of cuBLAS
     q/k norm + RoPE + split  one launch (Qwen3's per-head q_norm / k_norm included)
     attention                the engine's (runner.StepAttention.attend: OSCAR write + paged kernels)
     o_proj                   one GEMM
@@ -135,7 +136,10 @@ class LlamaExecutor:
         if kernels is None:
             kernels = param.device.type == "cuda"
         from ..kernels import elementwise as ops
+        from ..kernels.gemv import linear, small_gemm_choice
 
+        self.gemm, self.gemm_why = small_gemm_choice(param.device) if kernels else ("cublas", "torch references")
+        self.linear = linear if self.gemm == "triton" else F.linear
         self.rms_norm = ops.rms_norm if kernels else ops.rms_norm_reference
         self.silu_mul = ops.silu_mul if kernels else ops.silu_mul_reference
         self.rope_qkv = ops.rope_qkv if kernels else ops.rope_qkv_reference
@@ -150,11 +154,11 @@ class LlamaExecutor:
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = self.rms_norm(h, layer.input_norm, self.eps, residual)
-            q, k, v = self.rope_qkv(F.linear(x, *layer.qkv), positions, self.cos, self.sin, self.heads,
+            q, k, v = self.rope_qkv(self.linear(x, *layer.qkv), positions, self.cos, self.sin, self.heads,
                                     self.head_dim, layer.qk_norm, self.eps)
             out, _ = attention.attend(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                       layer.scaling)
-            h = layer.o_proj(out.reshape(n, -1))
+            h = self.linear(out.reshape(n, -1), layer.o_proj.weight, layer.o_proj.bias)
             x, residual = self.rms_norm(h, layer.post_norm, self.eps, residual)
-            h = layer.down(self.silu_mul(F.linear(x, *layer.gate_up)))
+            h = self.linear(self.silu_mul(self.linear(x, *layer.gate_up)), layer.down.weight, layer.down.bias)
         return self.rms_norm(h, self.final_norm, self.eps, residual)[0]
