@@ -56,3 +56,20 @@ def test_small_gemm_choice():
         small_gemm_choice(torch.device("cpu"), "triton")
     if torch.cuda.is_available():
         assert small_gemm_choice(torch.device("cuda")) == ("triton", None)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_gemv_applies_silu_mul(m, bias):
+    from oscar_kv.kernels.elementwise import silu_mul_reference
+
+    g = torch.Generator().manual_seed(7 * m + bias)
+    f, k = 83, 200
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(2 * f, k, generator=g) * 0.1).to(DEVICE, dtype)
+    b = torch.randn(2 * f, generator=g).to(DEVICE, dtype) if bias else None
+    got = small_linear(x, w, b, silu_mul=True).float()
+    ref = silu_mul_reference(torch.nn.functional.linear(x, w, b)).float()
+    assert got.shape == (m, f)
+    assert (got - ref).abs().max() <= (3e-2 if dtype == torch.bfloat16 else 1e-4) * ref.abs().max()

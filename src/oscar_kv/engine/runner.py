@@ -74,6 +74,10 @@ class ModelForward:
         return self.model.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                                 oscar_paged=fwd).last_hidden_state
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, C] -> logits [B, vocab] (the executor's GEMV at few sequences)."""
+        return self.executor.logits(hidden) if self.executor is not None else self.model.lm_head(hidden)
+
 
 class ModelRunner:
     """Runs a step's forward and samples the next token of each sequence that completed its tokens.
@@ -115,7 +119,7 @@ class ModelRunner:
         if not sampling:
             return {}
         last = torch.tensor(last, device=self.device)
-        logits = self.model.lm_head(hidden[0, last]).float()
+        logits = self.forward.logits(hidden[0, last]).float()
         seqs = [st.seq for st in sampling]
         with self.regions.region("sampling"):
             return dict(zip(seqs, sample(logits, seqs)))

@@ -25,7 +25,9 @@ ENV = "OSCAR_KV_SMALL_GEMM"  # auto | triton | cublas
 @triton.jit
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT: tl.constexpr):
+                 DOT: tl.constexpr, GLU: tl.constexpr):
+    """Y[:, n] = X W[n]^T (+ B[n]) for the program's BLOCK_N rows n < N; with GLU, W holds gate rows [0, N) then
+    up rows [N, 2N) and Y[:, n] = SiLU(gate) * up, each rounded to Y's dtype where transformers' MLP rounds."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -36,56 +38,88 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     x_ptr = X + rm[:, None] * stride_xm + rk[None, :]
     if DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        products_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + rk) < K
-        w = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptr, mask=w_mask, other=0.0)
+        if GLU:
+            w_up = tl.load(w_ptr + N * stride_wn, mask=w_mask, other=0.0)
         if DOT:
             x = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(w, tl.trans(x), acc)
+            if GLU:
+                acc_up = tl.dot(w_up, tl.trans(x), acc_up)
         else:  # one token: no cross-lane sum inside the loop
-            x = tl.load(x_ptr, mask=k_ok[None, :], other=0.0)
-            products += w.to(tl.float32) * x.to(tl.float32)
+            x = tl.load(x_ptr, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            products += w.to(tl.float32) * x
+            if GLU:
+                products_up += w_up.to(tl.float32) * x
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K
-    if DOT:
-        out = acc
-    else:
-        out = tl.sum(products, axis=1)[:, None]
+    if not DOT:
+        acc = tl.sum(products, axis=1)[:, None]
+        if GLU:
+            acc_up = tl.sum(products_up, axis=1)[:, None]
     if HAS_BIAS:
-        out += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(Y + rm[None, :] * stride_ym + rn[:, None], out.to(Y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+        acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if GLU:
+            acc_up += tl.load(B + N + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out = acc.to(Y.dtype.element_ty)
+    if GLU:
+        gate = out.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty)
+        out = (act.to(tl.float32) * acc_up.to(Y.dtype.element_ty).to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + rm[None, :] * stride_ym + rn[:, None], out, mask=n_ok[:, None] & m_ok[None, :])
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-                 block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None
-                 ) -> torch.Tensor:
+                 block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                 silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (M <= TUNING.gemv_max_rows), weight [N, K] row-major, bias [N] or None -> [M, N] in x's dtype.
-    Tiles default to ``TUNING``'s for one token or for several."""
+    ``silu_mul``: weight is gate | up ([2F, K]) and the result SiLU(gate) * up, [M, F].  Tiles default to
+    ``TUNING``'s for one token or for several."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     if not 0 < m <= TUNING.gemv_max_rows or weight.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"small_linear takes 1..{TUNING.gemv_max_rows} unit-stride rows over a row-major weight")
     one = m == 1
     t = TUNING
-    block_n = block_n or (t.gemv_one_block_n if one else t.gemv_block_n)
-    block_k = min(block_k or (t.gemv_one_block_k if one else t.gemv_block_k), max(16, triton.next_power_of_2(k)))
+    # gate and up tiles side by side: half the rows (one token: registers) or half the K per step (tl.dot's
+    # pipeline stages in shared memory) keep them at the plain GEMV's
+    block_n = block_n or (t.gemv_one_block_n // (2 if silu_mul else 1) if one else t.gemv_block_n)
+    block_k = block_k or (t.gemv_one_block_k if one else t.gemv_block_k // (2 if silu_mul else 1))
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=1 if one else 16, BLOCK_N=block_n, BLOCK_K=block_k, DOT=not one,
-        num_warps=num_warps or (t.gemv_one_num_warps if one else t.gemv_num_warps),
+        GLU=silu_mul, num_warps=num_warps or (t.gemv_one_num_warps if one else t.gemv_num_warps),
         num_stages=num_stages or (t.gemv_one_num_stages if one else t.gemv_num_stages))
     return y
 
 
+def _small(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() == 2 and 0 < x.shape[0] <= TUNING.gemv_max_rows and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.stride(1) == 1 and x.stride(1) == 1)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through ``small_linear`` for up to TUNING.gemv_max_rows rows of a half-precision x (decode steps)."""
-    if (0 < x.shape[0] <= TUNING.gemv_max_rows and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.stride(1) == 1 and x.stride(1) == 1):
-        return small_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return small_linear(x, weight, bias) if _small(x, weight) else F.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(gate) * up of the gate | up projection ([2F, K] weight): one GEMV for small x, else F.linear then
+    elementwise.silu_mul."""
+    if _small(x, weight):
+        return small_linear(x, weight, bias, silu_mul=True)
+    from .elementwise import silu_mul
+
+    return silu_mul(F.linear(x, weight, bias))
 
 
 def small_gemm_choice(device: torch.device, backend: str | None = None) -> tuple[str, str | None]:

@@ -12,7 +12,7 @@ most of a decode step beside the weights.  The executor runs the same arithmetic
     o_proj                   one GEMM
     residual add + RMSNorm   one launch
     gate | up                one GEMM over the fused weight
-    SiLU * up                one launch
+    SiLU * up                one launch (at <= 16 tokens: inside the gate | up GEMV)
     down_proj                one GEMM
 
 It reads the model's own modules: the fused weights are built once and the modules' weights become views of them
@@ -136,13 +136,16 @@ class LlamaExecutor:
         if kernels is None:
             kernels = param.device.type == "cuda"
         from ..kernels import elementwise as ops
-        from ..kernels.gemv import linear, small_gemm_choice
+        from ..kernels.gemv import linear, linear_silu_mul, small_gemm_choice
 
         self.gemm, self.gemm_why = small_gemm_choice(param.device) if kernels else ("cublas", "torch references")
+        self.lm_head = model.lm_head
         self.linear = linear if self.gemm == "triton" else F.linear
         self.rms_norm = ops.rms_norm if kernels else ops.rms_norm_reference
         self.silu_mul = ops.silu_mul if kernels else ops.silu_mul_reference
         self.rope_qkv = ops.rope_qkv if kernels else ops.rope_qkv_reference
+        self.gate_up_silu = (linear_silu_mul if self.gemm == "triton"
+                             else lambda x, weight, bias: self.silu_mul(F.linear(x, weight, bias)))
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
@@ -160,5 +163,9 @@ class LlamaExecutor:
                                       layer.scaling)
             h = self.linear(out.reshape(n, -1), layer.o_proj.weight, layer.o_proj.bias)
             x, residual = self.rms_norm(h, layer.post_norm, self.eps, residual)
-            h = self.linear(self.silu_mul(self.linear(x, *layer.gate_up)), layer.down.weight, layer.down.bias)
+            h = self.linear(self.gate_up_silu(x, *layer.gate_up), layer.down.weight, layer.down.bias)
         return self.rms_norm(h, self.final_norm, self.eps, residual)[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, C] (each sequence's last position) -> logits [B, vocab] in the model dtype."""
+        return self.linear(hidden, self.lm_head.weight, self.lm_head.bias)
