@@ -138,10 +138,10 @@ def band_mask(t: int, n: int, window: int, device) -> torch.Tensor:
 
 
 def _band(q, k, v, sm_scale: float, window: int) -> torch.Tensor:
-    """chunk_attention with a sliding window: FA2's own window on CUDA (float16 / bfloat16, head dim <= 256), SDPA
-    with band_mask elsewhere."""
+    """chunk_attention with a sliding window: FA2's own window on CUDA where SDPA's flash backend takes the call
+    (float16 / bfloat16, head dim <= 256, sm80+), SDPA with band_mask elsewhere."""
     t, n = q.shape[2], k.shape[2]
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+    if q.device.type == "cuda" and _flash_takes(q, k, v):
         # FA2 aligns its window to the lower right, as here: query i sees keys in [i + N - T - left, i + N - T]
         out = torch.ops.aten._flash_attention_forward(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, t, n, 0.0, True, False,
@@ -151,3 +151,9 @@ def _band(q, k, v, sm_scale: float, window: int) -> torch.Tensor:
 
     return scaled_dot_product_attention(q, k, v, attn_mask=band_mask(t, n, window, q.device), scale=sm_scale,
                                         enable_gqa=True)
+
+
+def _flash_takes(q, k, v) -> bool:
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True), False)
