@@ -305,8 +305,8 @@ def test_bf16_decode_sliding_window():
 
 
 def test_sliding_window_layers_take_the_triton_kernel(monkeypatch):
-    """Per layer: where the CUDA kernel runs, a windowed layer still takes Triton, and says why; asking for CUDA
-    on one raises."""
+    """Per layer: where the CUDA kernel runs, a windowed layer still takes Triton, and says why, also under
+    OSCAR_KV_INT2_KERNEL=cuda (the model's full layers keep CUDA); a call that itself asks for CUDA raises."""
     from oscar_kv.kernels import decode, int2_cuda
 
     geom = PoolGeometry(num_layers=2, num_kv_heads=8, head_dim=128, group_size=128, layer_windows=(1024, None))
@@ -318,8 +318,13 @@ def test_sliding_window_layers_take_the_triton_kernel(monkeypatch):
     assert kernel == "triton" and why == decode.sliding_window_reason(1024) and "window 1024" in why
     assert decode.int2_kernel_choice(cuda, geom, 4, window=geom.layer_windows[1]) == ("cuda", None)
     assert not decode._use_cuda("auto", cuda, geom, 4, None, window=1024)
-    with pytest.raises(ValueError, match="sliding-window layer"):
+    with pytest.raises(ValueError, match="cannot run this call: sliding-window layer"):
         decode.int2_kernel_choice(cuda, geom, 4, backend="cuda", window=1024)
+    monkeypatch.setenv(decode.INT2_KERNEL_ENV, "cuda")
+    assert decode.int2_kernel_choice(cuda, geom, 4) == ("cuda", None)
+    assert decode.int2_kernel_choice(cuda, geom, 4, window=1024) == ("triton", decode.sliding_window_reason(1024))
+    monkeypatch.setenv(decode.INT2_KERNEL_ENV, "triton")
+    assert decode.int2_kernel_choice(cuda, geom, 4, window=1024)[0] == "triton"
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")

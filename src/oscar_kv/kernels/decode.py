@@ -452,17 +452,23 @@ def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: t
     """Which kernel INT2 decode attention runs for this pool: ("cuda", None), the one-launch CUDA kernel, or
     ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
     "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
-    None.  ``window``: the layer's sliding window (None or 0: none); the choice is per layer, a model's
-    full-attention layers may keep the CUDA kernel.  The engine reports the choice at start-up; ``int2_decode``
-    makes it per call."""
+    None.  ``window``: the layer's sliding window (None or 0: none): such a layer takes Triton where the model's
+    other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda included (the CUDA kernel reads whole histories); only a
+    call that itself asks for "cuda" raises.  The engine reports the choice at start-up; ``int2_decode`` makes it
+    per call."""
     from . import int2_cuda
+
+    if window and backend == "cuda":
+        raise ValueError(f"the CUDA INT2 kernel cannot run this call: {sliding_window_reason(window)}")
 
     def why_not() -> str | None:
         return int2_cuda.unsupported(device, geom, gqa, rope, dtype) or (
-            "the Triton interpreter is on" if INTERPRET else None) or (
-            sliding_window_reason(window) if window else None)
+            "the Triton interpreter is on" if INTERPRET else None)
 
-    return kernel_choice(INT2_KERNEL_ENV, backend, "cuda", "triton", why_not, "the CUDA INT2 kernel")
+    kernel, why = kernel_choice(INT2_KERNEL_ENV, backend, "cuda", "triton", why_not, "the CUDA INT2 kernel")
+    if window and kernel == "cuda":
+        return "triton", sliding_window_reason(window)
+    return kernel, why
 
 
 def sliding_window_reason(window: int) -> str:
