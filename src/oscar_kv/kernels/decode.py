@@ -10,6 +10,11 @@ and splits 1.. share the INT2 history evenly.  The INT2 path takes the query alr
 (``rotate_query``: one small launch per call); the BF16 baseline rotates inside.  Where it applies,
 ``int2_decode`` runs all of this as one CUDA launch instead (int2_cuda.py, int2_decode.cu).
 
+Sliding-window layers (``window``; SLIDING, a constexpr, so full layers compile as before): the query sees tokens
+>= lo = T - window.  The history splits cover only [lo, T) from the tile holding lo (a 1024-token window at 32K
+tokens: a split or a few, not dozens), the window split starts at lo's page, and rows below lo are masked and
+never loaded.  The CUDA kernel does not take a window (int2_kernel_choice).
+
 INT2 arithmetic (no dequantized tile is ever built):
   keys    q.k_hat = scale * (q.c) + min * sum(q)                 (per group of G channels)
   values  sum_n p_n v_hat_n = sum_n (p_n scale_n) c_n + sum_n p_n min_n

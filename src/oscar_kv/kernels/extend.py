@@ -25,7 +25,10 @@ Per program, one online softmax (base 2, float32) over, in this order:
   2. the BF16 sink and recent pages (common.bf16_range);
   3. the chunk itself, causally (key j visible to chunk token i iff j <= i).
 The BF16 parts multiply with a bf16 hi + lo split of the float32 query (two MMAs, ~16-bit logits, as the
-decode window does); ``split_query=False`` uses one bf16 MMA.  The query is rotated before the launch
+decode window does); ``split_query=False`` uses one bf16 MMA.  A sliding-window layer (``window``, the SLIDING
+constexpr) gives each row its own lower bound: every range starts at the key tile holding the query tile's
+smallest bound, and a row that has seen no key yet keeps its running max at -inf without NaNs
+(common.softmax_step).  The query is rotated before the launch
 (float32 torch matmul: one GEMM for the whole chunk).
 """
 
