@@ -230,7 +230,8 @@ def test_materialize_writes_only_what_a_sliding_window_sees(window):
     k_buf, v_buf = Scratch().take(plan.rows, geom.num_kv_heads, d, DEV)
     weights = rope_key_weights(rope, c.rot, geom.num_kv_heads)
     for group in plan.groups:
-        materialize(c.pool, 0, c.batch, c.k_new, c.v_new, c.cu, group, k_buf, v_buf, rope, weights, window)
+        assert group.window == window
+        materialize(c.pool, 0, c.batch, c.k_new, c.v_new, c.cu, group, k_buf, v_buf, rope, weights)
         for (lo, hi, r0, n), b in zip(group.calls, group.seqs.tolist()):
             k, v = materialize_reference(c.pool, 0, c.batch, c.k_new, c.v_new, c.cu, b, rope, c.rot, window)
             assert k.shape[0] == n == starts[b] + hi - lo - window_start(starts[b], window)

@@ -152,7 +152,7 @@ class MaterializeGroup:
     """Sequences materialized by one launch: batch rows ``seqs`` at scratch rows ``row0`` (device int32), and per
     sequence (chunk rows lo, hi; first scratch row; rows: history seen + chunk) for its attention call.
     ``longest``: the most rows of one sequence; ``positions``: the largest history + chunk (the RoPE table rows
-    read)."""
+    read); ``window``: the sliding window the rows were counted for (None: full attention)."""
 
     seqs: torch.Tensor
     row0: torch.Tensor
@@ -160,6 +160,7 @@ class MaterializeGroup:
     longest: int
     calls: list[tuple[int, int, int, int]]
     positions: int
+    window: int | None = None
 
 
 @dataclass
@@ -194,7 +195,7 @@ class MaterializePlan:
                          for b, r0 in cur]
                 idx = torch.tensor([[b for b, _ in cur], [r0 for _, r0 in cur]], dtype=torch.int32).to(device)
                 ends = max(starts[b] + cu[b + 1] - cu[b] for b, _ in cur)
-                groups.append(MaterializeGroup(idx[0], idx[1], rows, max(c[3] for c in calls), calls, ends))
+                groups.append(MaterializeGroup(idx[0], idx[1], rows, max(c[3] for c in calls), calls, ends, window))
 
         for b in seqs:
             n = starts[b] + cu[b + 1] - cu[b] - window_start(starts[b], window)
@@ -268,19 +269,18 @@ def rope_key_weights(rope, k_rotation: torch.Tensor | None, num_kv_heads: int) -
 
 def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.Tensor, v_new: torch.Tensor,
                 cu_seqlens: torch.Tensor, group: MaterializeGroup, k_out: torch.Tensor, v_out: torch.Tensor,
-                rope=None, rope_weights: torch.Tensor | None = None, window: int | None = None) -> None:
+                rope=None, rope_weights: torch.Tensor | None = None) -> None:
     """Write the group's sequences, history as stored + chunk, into k_out / v_out from scratch row group.row0
     on.  Semantics: materialize_reference.
 
     Args:
         pool, layer, batch: the pool, the layer and the cache before the chunk.
         k_new, v_new, cu_seqlens: the packed chunks (as extend.int2_extend).
-        group: the sequences of this launch (MaterializePlan).
+        group: the sequences of this launch (MaterializePlan); with a sliding window (group.window) each from its
+            window_start on.
         k_out, v_out: the scratch buffers (Scratch.take).
         rope, rope_weights: a rope.KernelRope and its rope_key_weights, when keys get the position-aware offset
             back; None: no offset.
-        window: the layer's sliding window (the group's plan was built with it): each sequence from its
-            window_start on.
     Shapes:
         k_new, v_new: [T, H, D]; cu_seqlens: int32 [B + 1]; k_out, v_out: float16 [rows, H, D].
     """
@@ -305,9 +305,10 @@ def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.T
         k_new, v_new, w, pr, cs, k_out, v_out,
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), stride_w, stride_pr,
-        k_out.stride(0), k_out.stride(1), window or 0,
+        k_out.stride(0), k_out.stride(1), group.window or 0,
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, BLOCK=BLOCK_ROWS, ROPE=rope is not None,
-        R=r, HALF=d // 2, SLIDING=bool(window), num_warps=4 if d <= 64 else 8)  # [BLOCK, D] float32 tiles: 32 values a thread
+        R=r, HALF=d // 2, SLIDING=bool(group.window),
+        num_warps=4 if d <= 64 else 8)  # [BLOCK, D] float32 tiles: 32 values a thread
 
 
 def materialize_reference(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.Tensor,
@@ -385,7 +386,7 @@ def materialized_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     kernel, _ = prefill_attention_choice(q.device, SCRATCH_DTYPE, hq, h, d)
     cu32 = cu_seqlens.to(device=q.device, dtype=torch.int32)
     for group in plan.groups:
-        materialize(pool, layer, batch, k_new, v_new, cu32, group, k_buf, v_buf, rope, rope_weights, window)
+        materialize(pool, layer, batch, k_new, v_new, cu32, group, k_buf, v_buf, rope, rope_weights)
         for lo, hi, r0, n in group.calls:
             o = chunk_attention(_heads_first(qr[lo:hi]), _heads_first(k_buf[r0:r0 + n]),
                                 _heads_first(v_buf[r0:r0 + n]), sm_scale, kernel, window)
