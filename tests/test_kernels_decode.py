@@ -216,6 +216,117 @@ def test_int2_decode_variants_agree():
         assert rel_err(out, first) < 3e-3, v
 
 
+def windowed_case(geom, gen, gqa=4):
+    """Sequences whose last few dozen tokens (a sliding window of 20-48) reach back into each part of the layout
+    (P = 16, sink 32, recent 64): sink + recent (60), sink + INT2 + recent (70, a prefix hit: 2 INT2 pages and a
+    6-token recent window), INT2 + recent (90 and 150: prefix hits), recent only (300, steady state), shorter
+    than the window (7) and empty; on a GPU also 32K tokens (most INT2 pages below any window's bound)."""
+    seq_lens = [0, 7, 60, 70, 90, 150, 300]
+    int2 = [0, 0, 0, 2, 1, 6, geom.int2_pages_for(300)]
+    if GPU:
+        seq_lens.append(32768 + 77)
+        int2.append(geom.int2_pages_for(32768 + 77))
+    pool, batch, rot = build_pool(geom, seq_lens, gen, int2_pages=int2)
+    q = torch.randn(len(seq_lens), geom.num_kv_heads * gqa, geom.head_dim, generator=gen).to(DEV, torch.bfloat16)
+    return pool, batch, rot, q
+
+
+WINDOW_GEOM = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size=64, page_size=16, sink_size=32,
+                           recent_size=64)
+
+
+@pytest.mark.parametrize("window", [20, 48, 1 << 20])
+def test_int2_decode_sliding_window(window):
+    """A sliding-window layer: the query (position T - 1) sees positions > T - 1 - window, across the sink / INT2 /
+    recent boundaries; automatic and forced history splits (splits past the window's part of the history write
+    empty partials); on a GPU the geometry is one the CUDA kernel takes, so this checks that windowed calls go to
+    Triton.  A window longer than every sequence is the full attention."""
+    from oscar_kv.kernels.decode import int2_decode
+
+    gen = torch.Generator().manual_seed(60)
+    pool, batch, rot, q = windowed_case(WINDOW_GEOM, gen)
+    want = ref.decode_reference(pool, 0, q, batch, rot, None, window=window)
+    full = ref.decode_reference(pool, 0, q, batch, rot, None)
+    if window < 64:
+        assert rel_err(full, want) > 0.1  # the window matters
+    else:
+        assert torch.equal(full, want)
+    for splits in (None, 3):
+        out = torch.full_like(q, float("nan"))
+        int2_decode(q, pool, 0, batch, rot, window=window, num_splits=splits, out=out)
+        assert not out.isnan().any()
+        assert out[0].abs().max() == 0  # empty sequence
+        assert rel_err(out, want) < 1e-2, splits
+        for b in range(1, batch.batch_size):
+            assert rel_err(out[b], want[b]) < 1e-2, (splits, b)
+
+
+def test_int2_decode_sliding_window_with_the_position_aware_key_offset():
+    """Windowed decode with keys centered per position (the window's ranges start on page boundaries, as the tiled
+    RoPE term needs): D = 128 with two groups, pages of 32, the window crossing sink, INT2 and recent pages."""
+    from oscar_kv.kernels.decode import int2_decode
+
+    geom = list(small_geoms())[1]  # P = 32, sink 64, recent 64
+    gen = torch.Generator().manual_seed(61)
+    seq_lens = [5, 100, 200, 300] if not GPU else [5, 100, 200, 300, 20000 + 5]
+    int2 = [0, 1, 3, geom.int2_pages_for(300)] + ([geom.int2_pages_for(20005)] if GPU else [])
+    pool, batch, rot = build_pool(geom, seq_lens, gen, int2_pages=int2)
+    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(seq_lens), gen, live=3)
+    q = torch.randn(len(seq_lens), geom.num_kv_heads * 4, geom.head_dim, generator=gen).to(DEV)
+    for window in (45, 150):
+        want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope, window=window)
+        out = int2_decode(q, pool, 0, batch, rot, rope=rope, num_splits=2, window=window)
+        assert rel_err(out, want) < 1e-2, window
+
+
+def test_bf16_decode_sliding_window():
+    """The BF16 paged decode with a window: its splits cover only the window (from the page of its first token)."""
+    from oscar_kv.kernels.decode import bf16_decode
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size=64, page_size=16, sink_size=0,
+                        recent_size=16)
+    gen = torch.Generator().manual_seed(62)
+    seq_lens = [1, 30, 100, 333, 0] if not GPU else [1, 30, 100, 333, 0, 32768 + 5]
+    batch, _, nw = plan_batch(geom, seq_lens, [0] * len(seq_lens), generator=gen)
+    pool = PagedKVPool.allocate(geom, 1, nw, device=DEV)
+    pool.k_win.normal_()
+    pool.v_win.normal_()
+    batch = batch.to(DEV)
+    rot = random_orthogonal(2, 64, gen).to(DEV)
+    q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEV, torch.bfloat16)
+    for window in (37, 1 << 20):
+        want = ref.decode_reference(pool, 0, q, batch, rot, None, window=window)
+        out = torch.full_like(q, float("nan"))
+        bf16_decode(q, pool.k_win[0], pool.v_win[0], batch.block_table, batch.seq_lens, rot, page_size=16,
+                    window=window, out=out)
+        assert not out.isnan().any()
+        assert rel_err(out, want) < 1e-2, window
+    assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) < 1e-6  # the long window: full
+
+
+def test_sliding_window_layers_take_the_triton_kernel(monkeypatch):
+    """Per layer: where the CUDA kernel runs, a windowed layer still takes Triton, and says why, also under
+    OSCAR_KV_INT2_KERNEL=cuda (the model's full layers keep CUDA); a call that itself asks for CUDA raises."""
+    from oscar_kv.kernels import decode, int2_cuda
+
+    geom = PoolGeometry(num_layers=2, num_kv_heads=8, head_dim=128, group_size=128, layer_windows=(1024, None))
+    monkeypatch.setattr(int2_cuda, "unsupported", lambda *args: None)  # as on an H100
+    monkeypatch.setattr(decode, "INTERPRET", False)
+    cuda = torch.device("cuda")
+    assert decode.int2_kernel_choice(cuda, geom, 4) == ("cuda", None)
+    kernel, why = decode.int2_kernel_choice(cuda, geom, 4, window=geom.layer_windows[0])
+    assert kernel == "triton" and why == decode.sliding_window_reason(1024) and "window 1024" in why
+    assert decode.int2_kernel_choice(cuda, geom, 4, window=geom.layer_windows[1]) == ("cuda", None)
+    assert not decode._use_cuda("auto", cuda, geom, 4, None, window=1024)
+    with pytest.raises(ValueError, match="cannot run this call: sliding-window layer"):
+        decode.int2_kernel_choice(cuda, geom, 4, backend="cuda", window=1024)
+    monkeypatch.setenv(decode.INT2_KERNEL_ENV, "cuda")
+    assert decode.int2_kernel_choice(cuda, geom, 4) == ("cuda", None)
+    assert decode.int2_kernel_choice(cuda, geom, 4, window=1024) == ("triton", decode.sliding_window_reason(1024))
+    monkeypatch.setenv(decode.INT2_KERNEL_ENV, "triton")
+    assert decode.int2_kernel_choice(cuda, geom, 4, window=1024)[0] == "triton"
+
+
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
 @pytest.mark.parametrize("d,page_size", [(128, 16), (128, 32), (64, 16), (64, 32)])
 def test_cuda_int2_decode_matches_reference_and_triton(d, page_size):

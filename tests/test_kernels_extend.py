@@ -214,3 +214,36 @@ def test_head_dim_256(group, centering):
     for splits in (0, 2):
         assert_matches(c, c.kernel(c.rot, rope=rope, num_splits=splits, max_int2_pages=int(c.batch.int2_pages.max())),
                        want, splits)
+
+
+@pytest.mark.parametrize("window", [20, 48, 1 << 20] + ([1024] if GPU else []))
+def test_sliding_window(window):
+    """A sliding-window layer: chunk token i (position hist + i) sees keys in (position - window, position], each
+    row its own bound, across the sink / INT2 / recent boundaries of the history and into the chunk; prefix hits
+    with short recent windows; the INT2 history whole per program or split (the splits cover only the part a
+    query tile sees).  A window longer than every sequence is the full attention."""
+    geom = geom_a()  # P = 16, sink 32, recent 64
+    gen = torch.Generator().manual_seed(70)
+    hist = [0, 5, 60, 70, 150, 200, 300]
+    nq = [0, 0, 0, 2, 6, 10, geom.int2_pages_for(300)]
+    chunk = [33, 7, 20, 5, 17, 1, 9]
+    if GPU:
+        hist, nq, chunk = hist + [32768 + 77], nq + [geom.int2_pages_for(32768 + 77)], chunk + [300]
+    c = Case(geom, hist, chunk, gen, int2_pages=nq)
+    want = ref.extend_reference(c.pool, 0, c.q, c.k_new, c.v_new, c.cu, c.batch, c.rot, window=window)
+    if window < 64:
+        assert rel_err(c.reference(c.rot), want) > 0.1  # the window matters
+    for splits in (0, 2):
+        assert_matches(c, c.kernel(c.rot, num_splits=splits, max_int2_pages=max(nq), window=window), want,
+                       (window, splits))
+
+
+def test_sliding_window_with_the_position_aware_key_offset():
+    """The windowed extend kernel with keys centered per position: D = 128 with two groups, pages of 32."""
+    geom = geom_b()  # P = 32, sink 64, recent 64
+    gen = torch.Generator().manual_seed(71)
+    hist, nq, chunk = [0, 100, 200], [0, 1, 3], [40, 9, 5]
+    c = Case(geom, hist, chunk, gen, int2_pages=nq, gqa=2)
+    rope = rope_case(geom.num_kv_heads, geom.head_dim, max(h + n for h, n in zip(hist, chunk)), gen, live=3)
+    want = ref.extend_reference(c.pool, 0, c.q, c.k_new, c.v_new, c.cu, c.batch, c.rot, rope=rope, window=45)
+    assert_matches(c, c.kernel(c.rot, rope=rope, window=45), want)

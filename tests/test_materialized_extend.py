@@ -199,3 +199,72 @@ def test_extend_path_is_chosen_by_chunk_length():
     assert extend_path(1, False) == extend_path(1, True) == "kernel"  # decode tokens mixed into a prefill step
     assert extend_path(FLASH_MIN_TOKENS, False) == extend_path(FLASH_MIN_TOKENS_ROPE, True) == "flash"
     assert extend_path(FLASH_MIN_TOKENS - 1, False) == extend_path(FLASH_MIN_TOKENS_ROPE - 1, True) == "kernel"
+
+
+def windowed_case(gen, gqa=2):
+    """Histories whose first chunk query's window (20-48 tokens) starts in each part of the layout (P = 16, sink 32,
+    recent 64; prefix hits with short recent windows), chunks long enough to cross their own window."""
+    geom = geometry(64, 64, 16)
+    hist = [0, 5, 60, 70, 150, 200, 300]
+    nq = [0, 0, 0, 2, 6, 10, geom.int2_pages_for(300)]
+    chunk = [65, 7, 20, 5, 40, 1, 70]
+    if GPU:
+        hist, nq, chunk = hist + [32768 + 77], nq + [geom.int2_pages_for(32768 + 77)], chunk + [1500]
+    return Case(geom, hist, chunk, gen, int2_pages=nq, gqa=gqa)
+
+
+@pytest.mark.parametrize("window", [20, 48])
+def test_materialize_writes_only_what_a_sliding_window_sees(window):
+    """With a window the pass writes each sequence from its first query's bound (window_start) on: the rows of the
+    reference from there, keys with the position-aware offset of their own positions; the plan counts those rows."""
+    from oscar_kv.kernels.materialized_extend import window_start
+
+    gen = torch.Generator().manual_seed(80 + window)
+    c = windowed_case(gen)
+    geom, d = c.geom, c.geom.head_dim
+    starts, cu = c.batch.seq_lens.tolist(), c.cu.tolist()
+    n_max = max(s + cu[b + 1] - cu[b] for b, s in enumerate(starts))
+    rope = rope_case(geom.num_kv_heads, d, n_max, gen, live=3)
+    plan = MaterializePlan.build(cu, starts, list(range(len(starts))), DEV, max_rows=150, window=window)
+    assert plan.window == window and plan.longest == n_max and len(plan.groups) >= 2
+    k_buf, v_buf = Scratch().take(plan.rows, geom.num_kv_heads, d, DEV)
+    weights = rope_key_weights(rope, c.rot, geom.num_kv_heads)
+    for group in plan.groups:
+        assert group.window == window
+        materialize(c.pool, 0, c.batch, c.k_new, c.v_new, c.cu, group, k_buf, v_buf, rope, weights)
+        for (lo, hi, r0, n), b in zip(group.calls, group.seqs.tolist()):
+            k, v = materialize_reference(c.pool, 0, c.batch, c.k_new, c.v_new, c.cu, b, rope, c.rot, window)
+            assert k.shape[0] == n == starts[b] + hi - lo - window_start(starts[b], window)
+            assert ulps(v_buf[r0:r0 + n], v) <= 0.5
+            assert ulps(k_buf[r0:r0 + n], k, slack=2 ** -20 * k.abs().max().item()) <= 0.5
+
+
+@pytest.mark.parametrize("window", [20, 48, 1 << 20])
+def test_sliding_window_matches_the_reference_and_the_extend_kernel(window):
+    """Windowed attention over the materialized history against reference.extend_reference and the extend kernel,
+    with per-position centering; a plan built for another window is refused.  A window longer than every
+    sequence is the full attention."""
+    from oscar_kv.kernels import reference as ref
+    from oscar_kv.kernels.extend import int2_extend
+
+    gen = torch.Generator().manual_seed(90)
+    c = windowed_case(gen, gqa=4)
+    rope = rope_for("rope20", c, gen)
+    want = ref.extend_reference(c.pool, 0, c.q, c.k_new, c.v_new, c.cu, c.batch, c.rot, rope=rope, window=window)
+    out = torch.full(c.q.shape, float("nan"), device=DEV)
+    materialized_extend(c.q, c.k_new, c.v_new, c.cu, c.pool, 0, c.batch, c.rot, rope=rope, window=window, out=out)
+    assert not out.isnan().any()
+    assert rel_err(out, want) < 5e-3
+    cu = c.cu.tolist()
+    for b in range(len(cu) - 1):
+        assert rel_err(out[cu[b]:cu[b + 1]], want[cu[b]:cu[b + 1]]) < 5e-3, b
+    kernel = int2_extend(c.q.float(), c.k_new, c.v_new, c.cu, c.pool, 0, c.batch, c.rot, rope=rope, window=window)
+    assert rel_err(out, kernel) < 5e-3
+    if window < 64:
+        assert rel_err(c.reference(c.rot, rope=rope), want) > 0.1  # the window matters
+    else:
+        assert rel_err(c.reference(c.rot, rope=rope), want) < 1e-6
+    plan = MaterializePlan.build(cu, c.batch.seq_lens.tolist(), list(range(len(cu) - 1)), DEV)
+    with pytest.raises(ValueError, match="built for window None"):
+        materialized_extend(c.q, c.k_new, c.v_new, c.cu, c.pool, 0, c.batch, c.rot, rope=rope, window=window,
+                            plan=plan)

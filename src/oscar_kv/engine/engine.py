@@ -213,9 +213,7 @@ class LLMEngine:
             pairs = max(codec.rope_pairs.shape[1] for codec in self.codecs if codec.rope_pairs is not None)
             backend += f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term"
         if self.kernel_status is None and spec.quantizes:
-            kernel, why = self.int2_decode_kernel()
-            backend += ("; INT2 decode: the one-launch CUDA kernel" if kernel == "cuda"
-                        else f"; INT2 decode: the Triton kernel ({why})")
+            backend += f"; INT2 decode: {self.int2_decode_description()}"
         if self.runner.graphs is not None:
             backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
         per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "
@@ -248,8 +246,9 @@ class LLMEngine:
         config = self.model.config
         return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
-    def int2_decode_kernel(self) -> tuple[str, str | None]:
-        """("cuda", None) or ("triton", why): the kernel this engine's INT2 decode steps run (kernels/decode.py)."""
+    def int2_decode_kernel(self, window: int | None = None) -> tuple[str, str | None]:
+        """("cuda", None) or ("triton", why): the kernel this engine's INT2 decode steps run (kernels/decode.py) on
+        its layers with this sliding ``window`` (None: the full-attention layers)."""
         from types import SimpleNamespace
 
         from ..kernels.decode import int2_kernel_choice
@@ -257,7 +256,26 @@ class LLMEngine:
         codec = next((c for c in self.codecs if c.rope_pairs is not None), None)
         rope = SimpleNamespace(pairs=codec.rope_pairs) if codec is not None else None  # only its pair count counts
         return int2_kernel_choice(self.device, self.pool.geometry, self._gqa(), rope,
-                                  next(self.model.parameters()).dtype)
+                                  next(self.model.parameters()).dtype, window=window)
+
+    def int2_decode_description(self) -> str:
+        """The INT2 decode kernel(s) for the start-up line: one for every layer, or where some layers have a sliding
+        window and the others take the CUDA kernel, which layers take which."""
+        windows = self.pool.geometry.layer_windows
+        kernel, why = self.int2_decode_kernel()
+        if kernel != "cuda":
+            return f"the Triton kernel ({why})"
+        windowed = sorted({w for w in windows if w is not None})
+        if not windowed:
+            return "the one-launch CUDA kernel"
+        n = sum(w is not None for w in windows)
+        sizes = ", ".join(map(str, windowed))
+        if n == len(windows):
+            return (f"the Triton kernel (every layer has a sliding window of {sizes} tokens: the CUDA kernel reads "
+                    f"whole histories)")
+        layers = lambda k: f"{k} layer" + "s" * (k != 1)  # noqa: E731
+        return (f"the one-launch CUDA kernel on {layers(len(windows) - n)} of full attention, the Triton kernel on the "
+                f"{layers(n)} with a sliding window ({sizes} tokens: the CUDA kernel reads whole histories)")
 
     def prefill_attention_description(self) -> str:
         """How the kernels' long prefill chunks attend over their materialized history (kernels/chunk_attention.py)."""

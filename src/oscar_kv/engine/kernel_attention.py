@@ -16,6 +16,10 @@ The step's tokens are written by ``write.write_kv`` (attention.KernelAttention) 
   the step, a short suffix after a prefix hit) runs the extend kernel, which reads the compressed pool
   directly (kernels/extend.py) instead of writing the whole history once for a few queries.
 
+A sliding-window layer (``PoolGeometry.layer_windows``) passes its window to every kernel: each attends only to
+keys in (position - window, position], and its splits and materialized history cover only that.  The window is a
+per-layer constant, so decode graphs capture it like the layer index.
+
 These are the reference path's semantics (``attention.TorchAttention``), computed with float16 / bf16 tensor-core
 arithmetic instead of float32, so outputs agree to ~1e-2 relative, not bit for bit.
 """
@@ -168,15 +172,16 @@ class DecodeStep:
         from ..kernels.decode import bf16_decode, int2_decode
 
         q = query[0].transpose(0, 1)  # [B, Hq, D]
+        window = self.view.geometry.layer_windows[layer_idx]
         if self.view.pool.geometry.quantizes:
             out = int2_decode(q, self.view, layer_idx, self.batch, codec.k_rotation, scaling,
                               rope=_rope(codec, self.max_seq_len), max_int2_pages=self.max_int2_pages,
-                              max_seq_len=self.max_seq_len)
+                              max_seq_len=self.max_seq_len, window=window)
         else:
             p = self.view.pool
             out = bf16_decode(q, p.k_win[layer_idx], p.v_win[layer_idx], self.batch.block_table, self.batch.seq_lens,
                               None if codec.keys_as_is else codec.k_rotation, scaling,
-                              page_size=p.geometry.page_size, max_seq_len=self.max_seq_len)
+                              page_size=p.geometry.page_size, max_seq_len=self.max_seq_len, window=window)
         return out.unsqueeze(0)
 
 
@@ -206,24 +211,28 @@ class ExtendStep:
         self.max_seqlen = max(st.num_tokens for st in steps)
         self.max_int2_pages = max(history_int2)
         self.max_position = max(st.end for st in steps)
-        self._paths = None  # (rope_centered, _KernelPart | None, MaterializePlan), by the first layer
+        self._part = None  # (rope_centered, _KernelPart | None), by the first layer
+        self._plans = {}  # (rope_centered, window) -> MaterializePlan: a layer of each window kind builds one
         self._finite = None  # device bool: every materialized output of the step so far is finite
 
-    def paths(self, rope_centered: bool):
+    def paths(self, rope_centered: bool, window: int | None = None):
         """The step's sequences split by extend_path: (the extend kernel's _KernelPart or None, the materialized
-        flash path's MaterializePlan)."""
-        if self._paths is None or self._paths[0] != rope_centered:
-            from ..kernels.materialized_extend import MaterializePlan
-
-            counts = [b - a for a, b in zip(self.cu, self.cu[1:])]
-            flash = [i for i, n in enumerate(counts) if n and extend_path(n, rope_centered) == "flash"]
+        flash path's MaterializePlan for a layer of this sliding ``window``, None: full attention)."""
+        counts = [b - a for a, b in zip(self.cu, self.cu[1:])]
+        if self._part is None or self._part[0] != rope_centered:
             kernel = [i for i, n in enumerate(counts) if n and extend_path(n, rope_centered) == "kernel"]
-            plan = MaterializePlan.build(self.cu, self.starts, flash, self.view.pool.device)
             part = None
             if kernel:
                 part = _KernelPart(self, None if len(kernel) == len(counts) else kernel)
-            self._paths = (rope_centered, part, plan)
-        return self._paths[1], self._paths[2]
+            self._part = (rope_centered, part)
+        plan = self._plans.get((rope_centered, window))
+        if plan is None:
+            from ..kernels.materialized_extend import MaterializePlan
+
+            flash = [i for i, n in enumerate(counts) if n and extend_path(n, rope_centered) == "flash"]
+            plan = MaterializePlan.build(self.cu, self.starts, flash, self.view.pool.device, window=window)
+            self._plans[(rope_centered, window)] = plan
+        return self._part[1], plan
 
     def attend(self, layer_idx: int, codec, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                scaling: float) -> torch.Tensor:
@@ -235,20 +244,21 @@ class ExtendStep:
         q = query[0].transpose(0, 1)
         k_rows, v_rows = _token_rows(keys), _token_rows(values)
         rope = _rope(codec, self.max_position)
-        part, plan = self.paths(rope is not None)
+        window = self.view.geometry.layer_windows[layer_idx]
+        part, plan = self.paths(rope is not None, window)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if part is not None:
             sub = part.rows is not None
             pick = (lambda x: x.index_select(0, part.rows)) if sub else (lambda x: x)  # noqa: E731
             got = int2_extend(pick(q), pick(k_rows), pick(v_rows), part.cu_seqlens, self.view, layer_idx, part.batch,
                               codec.k_rotation, scaling, rope=rope, max_seqlen=part.max_seqlen,
-                              max_int2_pages=part.max_int2_pages, out=None if sub else out)
+                              max_int2_pages=part.max_int2_pages, window=window, out=None if sub else out)
             if sub:
                 out.index_copy_(0, part.rows, got)
         if plan.groups:
             materialized_extend(q, k_rows, v_rows, self.cu_seqlens, self.view, layer_idx, self.batch, codec.k_rotation,
                                 scaling, rope=rope, plan=plan, scratch=self.view.scratch,
-                                rope_weights=self.view.rope_weights(layer_idx, codec, rope), out=out)
+                                rope_weights=self.view.rope_weights(layer_idx, codec, rope), window=window, out=out)
             self._check_finite(layer_idx, out)
         return out.unsqueeze(0)
 

@@ -11,6 +11,11 @@ Two computations (``prefill_attention_choice`` picks one per device and shape; t
 * ``flash``: one SDPA flash (FA2) call with the lower-right mask, ~350 TFLOP/s on the H100
   (benchmarks/NOTES.md, runs E7 and P5).
 
+A sliding-window layer (``window``: query i sees only the last ``window`` keys up to its own) takes neither: each
+query row has its own lower bound, so the history is no longer unmasked.  On CUDA it runs FA2 with its sliding
+window (``_flash_attention_forward``'s window_size_left: key blocks outside the band are skipped), elsewhere SDPA
+with the band as a boolean mask.
+
 The log-sum-exp outputs come from the backends' private ATen ops (``_scaled_dot_product_cudnn_attention``,
 ``_scaled_dot_product_flash_attention_for_cpu``): public SDPA does not return them.  The first call per device and
 shape runs a small probe of the cuDNN op, so a build without it gets flash and the reason, never a crash.
@@ -63,19 +68,24 @@ def _cudnn_error(device_index: int, dtype: torch.dtype, q_heads: int, kv_heads: 
     return None
 
 
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, kernel: str) -> torch.Tensor:
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, kernel: str,
+                    window: int | None = None) -> torch.Tensor:
     """Attention of a chunk of T queries over N >= T keys ending with the chunk's own, causal to the lower right.
 
     Args:
         q, k, v: the queries, keys and values (any strides with a unit stride in D).
         sm_scale: the softmax scale.
-        kernel: "split" or "flash" (prefill_attention_choice).
+        kernel: "split" or "flash" (prefill_attention_choice); not used with a window.
+        window: a sliding window: query i (key index N - T + i) sees keys j with N - T + i - window < j; None or
+            0: the whole causal past.
     Shapes:
         q: [1, Hq, T, D]; k, v: [1, H, N, D], Hq a multiple of H.
     Returns:
         [1, Hq, T, D] in q's dtype.
     """
     t, n = q.shape[2], k.shape[2]
+    if window and window < n:  # (a window of at least N keys masks nothing)
+        return _band(q, k, v, sm_scale, window)
     if kernel == "flash":
         return _lower_right(q, k, v, sm_scale)
     hist = n - t
@@ -118,3 +128,32 @@ def _lower_right(q, k, v, sm_scale: float) -> torch.Tensor:
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, n), scale=sm_scale,
                                             enable_gqa=True)
+
+
+def band_mask(t: int, n: int, window: int, device) -> torch.Tensor:
+    """bool [T, N]: query i (key index N - T + i) sees key j iff N - T + i - window < j <= N - T + i."""
+    diag = torch.arange(t, device=device)[:, None] + (n - t)
+    j = torch.arange(n, device=device)[None, :]
+    return (j <= diag) & (j > diag - window)
+
+
+def _band(q, k, v, sm_scale: float, window: int) -> torch.Tensor:
+    """chunk_attention with a sliding window: FA2's own window on CUDA where SDPA's flash backend takes the call
+    (float16 / bfloat16, head dim <= 256, sm80+), SDPA with band_mask elsewhere."""
+    t, n = q.shape[2], k.shape[2]
+    if q.device.type == "cuda" and _flash_takes(q, k, v):
+        # FA2 aligns its window to the lower right, as here: query i sees keys in [i + N - T - left, i + N - T]
+        out = torch.ops.aten._flash_attention_forward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, t, n, 0.0, True, False,
+            scale=sm_scale, window_size_left=window - 1, window_size_right=0)[0]
+        return out.transpose(1, 2)
+    from torch.nn.functional import scaled_dot_product_attention
+
+    return scaled_dot_product_attention(q, k, v, attn_mask=band_mask(t, n, window, q.device), scale=sm_scale,
+                                        enable_gqa=True)
+
+
+def _flash_takes(q, k, v) -> bool:
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True), False)

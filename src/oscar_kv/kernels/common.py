@@ -123,18 +123,41 @@ def mm(a, b, acc, F32DOT: tl.constexpr):
 
 
 @triton.jit
+def softmax_step(s, m_i, l_i, SLIDING: tl.constexpr):
+    """One tile of base-2 logits s [M, N] (-inf = masked) -> (p, alpha, m_new, l_new).  SLIDING: a row may have
+    seen no key yet and have none in this tile (a sliding window's lower bound): its max stays -inf, and
+    exponents are taken against 0 instead of -inf - -inf = NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SLIDING:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, stride_wp,
                 D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
                 ra=None, rb=None, CS=None, ROPE: tl.constexpr = False, PR=None,
-                BASE=None, STEPS=None, TILED: tl.constexpr = False):
+                BASE=None, STEPS=None, TILED: tl.constexpr = False, row_lo=None, SLIDING: tl.constexpr = False):
     """Online softmax over tokens [start, end) stored in BF16 window pages (logical page = t // P).
     SPLITQ: the query is q + ql (bf16 hi and lo parts), two MMAs per tile.  ROPE: add the position-aware
     key offset's logits (ra, rb, CS, PR: rope_logits; TILED: rope_logits_tiled from BASE / STEPS, start and
-    BLOCK multiples of 16)."""
+    BLOCK multiples of 16).  SLIDING: row m sees only tokens >= row_lo[m] (int32 [M], a sliding window's
+    lower bound); the range starts at the page of the smallest bound (start must be a page boundary), and
+    tokens below it are not loaded."""
     offs_d = tl.arange(0, D)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(tl.min(row_lo, 0), 0)
+        start = tl.maximum(start, (lo // P) * P)  # a page boundary: keeps TILED's multiples of 16
     for t0 in range(start, end, BLOCK):
         offs = t0 + tl.arange(0, BLOCK)
         valid = offs < end
+        if SLIDING:
+            valid = valid & (offs >= lo)
         phys = tl.load(bt_row + offs // P, mask=valid, other=0).to(tl.int64)
         row = phys * stride_wp + head_off + (offs % P) * D
         k = tl.load(Kw + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -146,14 +169,13 @@ def bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, strid
                 s += rope_logits_tiled(ra, rb, BASE, STEPS, PR, t0, BLOCK, D // 2, F32DOT)
             else:
                 s += rope_logits(ra, rb, CS, PR, offs, valid, D // 2)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        see = valid[None, :]
+        if SLIDING:
+            see = see & (offs[None, :] >= row_lo[:, None])
+        s = tl.where(see, s, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, SLIDING)
         v = tl.load(Vw + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         acc = mm(p.to(tl.bfloat16), v, acc * alpha[:, None], F32DOT)
-        m_i = m_new
     return m_i, l_i, acc
 
 

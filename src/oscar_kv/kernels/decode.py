@@ -10,6 +10,11 @@ and splits 1.. share the INT2 history evenly.  The INT2 path takes the query alr
 (``rotate_query``: one small launch per call); the BF16 baseline rotates inside.  Where it applies,
 ``int2_decode`` runs all of this as one CUDA launch instead (int2_cuda.py, int2_decode.cu).
 
+Sliding-window layers (``window``; SLIDING, a constexpr, so full layers compile as before): the query sees tokens
+>= lo = T - window.  The history splits cover only [lo, T) from the tile holding lo (a 1024-token window at 32K
+tokens: a split or a few, not dozens), the window split starts at lo's page, and rows below lo are masked and
+never loaded.  The CUDA kernel does not take a window (int2_kernel_choice).
+
 INT2 arithmetic (no dequantized tile is ever built):
   keys    q.k_hat = scale * (q.c) + min * sum(q)                 (per group of G channels)
   values  sum_n p_n v_hat_n = sum_n (p_n scale_n) c_n + sum_n p_n min_n
@@ -75,12 +80,12 @@ def _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, strid
         tl.store(PL + b * stride_plb + qh * stride_plh + s, lse, mask=hm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compile for every window size
 def _bf16_decode_kernel(Q, R, Kw, Vw, BT, SL, PO, PL, qk_scale,
                         stride_qb, stride_qh, stride_rh, stride_wp, stride_wh, stride_bt,
-                        stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, chunk,
+                        stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, chunk, window,
                         D: tl.constexpr, P: tl.constexpr, GQA: tl.constexpr, H_PAD: tl.constexpr,
-                        BLOCK: tl.constexpr, ROTATE: tl.constexpr, F32DOT: tl.constexpr):
+                        BLOCK: tl.constexpr, ROTATE: tl.constexpr, F32DOT: tl.constexpr, SLIDING: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -89,28 +94,42 @@ def _bf16_decode_kernel(Q, R, Kw, Vw, BT, SL, PO, PL, qk_scale,
     m_i = tl.full([H_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([H_PAD], tl.float32)
     acc = tl.zeros([H_PAD, D], tl.float32)
-    start = s * chunk
+    base = 0
+    row_lo = None
+    if SLIDING:  # the splits cover the window, from the page of its first token
+        lo = tl.maximum(seq_len - window, 0)
+        base = (lo // P) * P
+        row_lo = tl.zeros([H_PAD], tl.int32) + lo
+    start = base + s * chunk
     end = tl.minimum(start + chunk, seq_len)
     m_i, l_i, acc = bf16_range(q, q, m_i, l_i, acc, start, end, BT + b * stride_bt, Kw, Vw,
-                                h.to(tl.int64) * stride_wh, stride_wp, D, P, BLOCK, F32DOT, False)
+                                h.to(tl.int64) * stride_wh, stride_wp, D, P, BLOCK, F32DOT, False,
+                                row_lo=row_lo, SLIDING=SLIDING)
     _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                    0, D, GQA, H_PAD, True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compile for every window size
 def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, BASE, STEPS, qk_scale,
                         stride_qb, stride_qh, stride_cp, stride_ch, stride_mp, stride_mh,
                         stride_wp, stride_wh, stride_bt, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                        stride_abb, stride_abh, stride_prh, chunk,
+                        stride_abb, stride_abh, stride_prh, chunk, window,
                         D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
                         GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                         USE_ASM: tl.constexpr, F32DOT: tl.constexpr, KT: tl.constexpr, ROPE: tl.constexpr,
-                        R: tl.constexpr):
+                        R: tl.constexpr, SLIDING: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(SL + b)
     nq = tl.load(NQ + b)
+    SINK: tl.constexpr = SINK_PAGES * P
+    # SLIDING: the query (position seq_len - 1) sees tokens >= lo only
+    lo = 0
+    row_lo = None
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
+        row_lo = tl.zeros([H_PAD], tl.int32) + lo
     bt_row = BT + b * stride_bt
     offs_h = tl.arange(0, H_PAD)
     hm = (offs_h < GQA)[:, None]
@@ -125,7 +144,6 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
     if s == 0:
         # ---- BF16 window: sink [0, min(T, S0)) then recent [S0 + P*nq, T).  The query is split into
         # bf16 hi + lo parts (two MMAs) so the logits keep ~16 bits, like the float32 reference.
-        SINK: tl.constexpr = SINK_PAGES * P
         offs_d = tl.arange(0, D)
         qf = tl.load(qrow + offs_d[None, :], mask=hm, other=0.0).to(tl.float32) * qk_scale
         qh = qf.to(tl.bfloat16)
@@ -134,10 +152,10 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
         head_off = h.to(tl.int64) * stride_wh
         m_i, l_i, acc = bf16_range(qh, ql, m_i, l_i, acc, 0, tl.minimum(seq_len, SINK), bt_row, Kw, Vw,
                                     head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, None, ROPE, pr,
-                                    BASE, STEPS, True)
+                                    BASE, STEPS, True, row_lo, SLIDING)
         m_i, l_i, acc = bf16_range(qh, ql, m_i, l_i, acc, tl.minimum(SINK + nq * P, seq_len), seq_len, bt_row,
                                     Kw, Vw, head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, None, ROPE, pr,
-                                    BASE, STEPS, True)
+                                    BASE, STEPS, True, row_lo, SLIDING)
         _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                        0, D, GQA, H_PAD, True)
     else:
@@ -172,7 +190,14 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
         n1 = tl.zeros([H_PAD], tl.float32)
         n2 = tl.zeros([H_PAD], tl.float32)
         n3 = tl.zeros([H_PAD], tl.float32)
-        start = (s - 1) * chunk
+        base = 0
+        if SLIDING:
+            # the splits cover the window's part of the history from the tile of its first token; a split past
+            # the history's end (or all of them, when the window lies in the recent pages) loads nothing and
+            # writes an empty partial (lse -inf), which the merge ignores
+            lo_h = tl.maximum(lo - SINK, 0)
+            base = tl.where(lo_h < nq * P, (lo_h // BLOCK_N) * BLOCK_N, nq * P)  # (no tile wholly masked)
+        start = base + (s - 1) * chunk
         end = tl.minimum(start + chunk, nq * P)
         head_c = h.to(tl.int64) * stride_ch
         head_m = h.to(tl.int64) * stride_mh
@@ -181,6 +206,8 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
             t0 = start + i * BLOCK_N
             offs = t0 + tl.arange(0, BLOCK_N)
             valid = offs < end
+            if SLIDING:  # one bound for every row: the tokens below it are neither loaded nor counted
+                valid = valid & (offs >= lo - SINK)
             phys = tl.load(bt_row + SINK_PAGES + offs // P, mask=valid, other=0).to(tl.int64)
             crow = tl.multiple_of(phys * stride_cp + head_c + (offs % P) * D4, D4)
             mrow = phys * stride_mp + head_m + (offs % P) * (2 * NG)
@@ -318,7 +345,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
                 num_stages: int = TUNING.decode_num_stages, use_asm: bool | None = None,
                 kt: bool = True, split_target: int | None = None, maxnreg: int | str | None = "auto",
                 backend: str | None = None, cuda_split_target: int | None = None,
-                max_seq_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                max_seq_len: int | None = None, window: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the mixed pool: one query token per sequence.
 
     Args:
@@ -348,6 +376,9 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
             without code).
         cuda_split_target: CUDA CTAs per SM (default int2_cuda.min_blocks(pairs, head dim), the CTAs that fit on
             an SM at once).
+        window: the layer's sliding window (the query sees the last ``window`` tokens); None or 0: the whole
+            sequence.  Windowed calls run the Triton kernel (int2_kernel_choice), whose history splits then
+            cover only the window's part of the INT2 history.
         out: the output, written in place; None: a new tensor.
     Shapes:
         q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D].
@@ -371,7 +402,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         raise ValueError("block_n must be a multiple of the page size")
     if split_target is None:
         split_target = TUNING.decode_split_target_small if bsz * h <= 8 else TUNING.decode_split_target
-    if _use_cuda(backend, q.device, g, gqa, rope, q.dtype):
+    window = window or None
+    if _use_cuda(backend, q.device, g, gqa, rope, q.dtype, window):
         from . import int2_cuda
 
         # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
@@ -384,8 +416,10 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
             rope.check(max_seq_len)
         return int2_cuda.decode(q, k_rotation, pool.layer(layer), g, batch, out, ns, chunk, sm_scale * LOG2E,
                                 rope=rope)
-    ns, chunk = split_plan(max_int2_pages * g.page_size, bsz * h, q.device, block_n, num_splits=num_splits,
-                           per_sm=split_target)
+    history = max_int2_pages * g.page_size
+    if window is not None:  # from the tile of the window's first token on (the kernel's base)
+        history = min(history, window + block_n - 1)
+    ns, chunk = split_plan(history, bsz * h, q.device, block_n, num_splits=num_splits, per_sm=split_target)
     qr = rotate_query(q, k_rotation, h)
     po = torch.empty(bsz, hq, ns + 1, d, device=q.device, dtype=torch.float32)
     pl = torch.empty(bsz, hq, ns + 1, device=q.device, dtype=torch.float32)
@@ -407,10 +441,10 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, pr, base, steps,
         sm_scale * LOG2E, qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
         kw.stride(0), kw.stride(1), bt.stride(0), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-        pl.stride(1), stride_abb, stride_abh, stride_prh, chunk,
+        pl.stride(1), stride_abb, stride_abh, stride_prh, chunk, window or 0,
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_N=block_n,
         BLOCK_W=block_w, USE_ASM=asm_enabled(q.device, use_asm), F32DOT=INTERPRET, KT=kt, ROPE=on, R=r,
-        num_warps=num_warps, num_stages=num_stages, **extra)
+        SLIDING=window is not None, num_warps=num_warps, num_stages=num_stages, **extra)
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     return merge(po, pl, out)
 
@@ -419,29 +453,46 @@ INT2_KERNEL_ENV = "OSCAR_KV_INT2_KERNEL"  # "auto" (default) | "cuda" | "triton"
 
 
 def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: torch.dtype = torch.bfloat16,
-                       backend: str | None = None) -> tuple[str, str | None]:
+                       backend: str | None = None, window: int | None = None) -> tuple[str, str | None]:
     """Which kernel INT2 decode attention runs for this pool: ("cuda", None), the one-launch CUDA kernel, or
     ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
     "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
-    None.  The engine reports the choice at start-up; ``int2_decode`` makes it per call."""
+    None.  ``window``: the layer's sliding window (None or 0: none): such a layer takes Triton where the model's
+    other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda included (the CUDA kernel reads whole histories); only a
+    call that itself asks for "cuda" raises.  The engine reports the choice at start-up; ``int2_decode`` makes it
+    per call."""
     from . import int2_cuda
+
+    if window and backend == "cuda":
+        raise ValueError(f"the CUDA INT2 kernel cannot run this call: {sliding_window_reason(window)}")
 
     def why_not() -> str | None:
         return int2_cuda.unsupported(device, geom, gqa, rope, dtype) or (
             "the Triton interpreter is on" if INTERPRET else None)
 
-    return kernel_choice(INT2_KERNEL_ENV, backend, "cuda", "triton", why_not, "the CUDA INT2 kernel")
+    kernel, why = kernel_choice(INT2_KERNEL_ENV, backend, "cuda", "triton", why_not, "the CUDA INT2 kernel")
+    if window and kernel == "cuda":
+        return "triton", sliding_window_reason(window)
+    return kernel, why
 
 
-def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16) -> bool:
-    return int2_kernel_choice(device, geom, gqa, rope, dtype, backend)[0] == "cuda"
+def sliding_window_reason(window: int) -> str:
+    """Why a sliding-window layer decodes with the Triton kernel."""
+    return (f"sliding-window layer (window {window}): the CUDA kernel attends to the whole sequence, the Triton "
+            f"kernel reads only the window")
+
+
+def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16,
+              window: int | None = None) -> bool:
+    return int2_kernel_choice(device, geom, gqa, rope, dtype, backend, window)[0] == "cuda"
 
 
 def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block_table: torch.Tensor,
                 seq_lens: torch.Tensor, k_rotation: torch.Tensor | None = None, sm_scale: float | None = None, *,
                 page_size: int, max_seq_len: int | None = None, num_splits: int | None = None,
                 block: int = TUNING.bf16_decode_block, num_warps: int = TUNING.bf16_decode_num_warps,
-                num_stages: int = TUNING.bf16_decode_num_stages, out: torch.Tensor | None = None) -> torch.Tensor:
+                num_stages: int = TUNING.bf16_decode_num_stages, window: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """BF16 paged decode (the in-house baseline): every logical page of a sequence points into one BF16 pool.
 
     Args:
@@ -454,6 +505,8 @@ def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block
         max_seq_len: a host bound on seq_lens for the split plan; None: a device sync.
         num_splits: unused (the split plan decides).
         block, num_warps, num_stages: Triton tuning knobs (tokens per tile).
+        window: the layer's sliding window (the query sees the last ``window`` tokens; the splits cover only
+            those); None or 0: the whole sequence.
         out: the output, written in place; None: a new tensor.
     Shapes:
         q, out: [B, Hq, D]; k_win, v_win: [N, Hkv, P, D]; block_table: int32 [B, max_pages]; seq_lens: int32 [B];
@@ -467,7 +520,10 @@ def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if bsz else 0
-    ns, chunk = split_plan(max_seq_len, bsz * h, q.device, block)
+    window = window or None
+    # with a window the splits start at its first token's page (the kernel's base)
+    ns, chunk = split_plan(max_seq_len if window is None else min(max_seq_len, window + page_size - 1), bsz * h,
+                           q.device, block)
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     if d > ROTATE_IN_KERNEL_MAX_DIM and k_rotation is not None:
         q, k_rotation = rotate_query(q, k_rotation, h), None  # float32
@@ -478,7 +534,7 @@ def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block
     _bf16_decode_kernel[(bsz, h, ns)](
         q, r, k_win, v_win, block_table, seq_lens, po, pl, sm_scale * LOG2E,
         q.stride(0), q.stride(1), stride_rh, k_win.stride(0), k_win.stride(1), block_table.stride(0),
-        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), chunk,
-        D=d, P=page_size, GQA=gqa, H_PAD=h_pad, BLOCK=block, ROTATE=rotate, F32DOT=INTERPRET, num_warps=num_warps,
-        num_stages=num_stages)
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), chunk, window or 0,
+        D=d, P=page_size, GQA=gqa, H_PAD=h_pad, BLOCK=block, ROTATE=rotate, F32DOT=INTERPRET,
+        SLIDING=window is not None, num_warps=num_warps, num_stages=num_stages)
     return merge(po, pl, out)

@@ -25,7 +25,10 @@ Per program, one online softmax (base 2, float32) over, in this order:
   2. the BF16 sink and recent pages (common.bf16_range);
   3. the chunk itself, causally (key j visible to chunk token i iff j <= i).
 The BF16 parts multiply with a bf16 hi + lo split of the float32 query (two MMAs, ~16-bit logits, as the
-decode window does); ``split_query=False`` uses one bf16 MMA.  The query is rotated before the launch
+decode window does); ``split_query=False`` uses one bf16 MMA.  A sliding-window layer (``window``, the SLIDING
+constexpr) gives each row its own lower bound: every range starts at the key tile holding the query tile's
+smallest bound, and a row that has seen no key yet keeps its running max at -inf without NaNs
+(common.softmax_step).  The query is rotated before the launch
 (float32 torch matmul: one GEMM for the whole chunk).
 """
 
@@ -40,29 +43,21 @@ import triton.language as tl
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
 from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, cat4, grp_scores, grp_values, load_rope_ab, merge,
-                     mm, num_sms, rope_args, rope_logits, split_plan, unpack4)
+                     mm, num_sms, rope_args, rope_logits, softmax_step, split_plan, unpack4)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
 
 
 @triton.jit
-def _online_softmax(s, m_i, l_i):
-    """One tile of logits s [M, N] (base 2, -inf = masked) -> (p, alpha, m_new, l_new)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
 def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, head_c, head_m, stride_cp, stride_mp,
                   M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
                   BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, ra=None, rb=None, CS=None,
-                  ROPE: tl.constexpr = False, PR=None):
+                  ROPE: tl.constexpr = False, PR=None, row_lo=None, SLIDING: tl.constexpr = False):
     """Online softmax over INT2 history tokens [start, end), counted from the sink's end.
 
-    qrow: pointers [M, 1] to the rotated float32 query rows.  Returns (m_i, l_i, acc [M, D]) with acc the
+    qrow: pointers [M, 1] to the rotated float32 query rows.  SLIDING: row m sees only tokens >= row_lo[m]
+    (counted from the sink's end too).  Returns (m_i, l_i, acc [M, D]) with acc the
     unnormalized output in the true value space (offsets removed, slices concatenated).
 
     Value codes arrive as 1024 + c*4^k, so a tile's MMA adds 1024*sum(pp) to every column on top of the
@@ -132,8 +127,11 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
             sc += grp_scores(q3, k3, o3, t3s, Km, mrow, valid, (3 * D4) // G, NG)
         if ROPE:
             sc += rope_logits(ra, rb, CS, PR, SINK_PAGES * P + offs, valid, D // 2)
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
+        see = valid[None, :]
+        if SLIDING:
+            see = see & (offs[None, :] >= row_lo[:, None])
+        sc = tl.where(see, sc, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(sc, m_i, l_i, SLIDING)
         vraw = tl.load(Vc + crow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
         v0, v1, v2, v3 = unpack4(vraw, USE_ASM)
         if NG == 1:
@@ -166,12 +164,13 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
 @triton.jit
 def _chunk_causal(q, ql, m_i, l_i, acc, tok, n, end, Kn, Vn, stride_kt, stride_vt,
                   D: tl.constexpr, BLOCK: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
-                  first_pos=0, ra=None, rb=None, CS=None, ROPE: tl.constexpr = False, PR=None):
-    """Online softmax over the chunk's own keys [0, end) (Kn/Vn point at the sequence's first row and the
-    KV head); row r (chunk token tok[r]) sees key j iff j <= tok[r] and j < n.  Chunk key j sits at
-    position first_pos + j (for the position-aware key offset, ROPE)."""
+                  first_pos=0, ra=None, rb=None, CS=None, ROPE: tl.constexpr = False, PR=None,
+                  start=0, window=0, SLIDING: tl.constexpr = False):
+    """Online softmax over the chunk's own keys [start, end) (Kn/Vn point at the sequence's first row and the
+    KV head); row r (chunk token tok[r]) sees key j iff j <= tok[r] and j < n, and with SLIDING iff also
+    j > tok[r] - window.  Chunk key j sits at position first_pos + j (for the position-aware key offset, ROPE)."""
     offs_d = tl.arange(0, D)
-    for j0 in range(0, end, BLOCK):
+    for j0 in range(start, end, BLOCK):
         offs = j0 + tl.arange(0, BLOCK)
         valid = offs < n
         k = tl.load(Kn + offs.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=valid[:, None],
@@ -181,24 +180,27 @@ def _chunk_causal(q, ql, m_i, l_i, acc, tok, n, end, Kn, Vn, stride_kt, stride_v
             s = mm(ql, tl.trans(k), s, F32DOT)
         if ROPE:
             s += rope_logits(ra, rb, CS, PR, first_pos + offs, valid, D // 2)
-        s = tl.where(valid[None, :] & (offs[None, :] <= tok[:, None]), s, float("-inf"))
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        see = valid[None, :] & (offs[None, :] <= tok[:, None])
+        if SLIDING:
+            see = see & (offs[None, :] > tok[:, None] - window)
+        s = tl.where(see, s, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, SLIDING)
         v = tl.load(Vn + offs.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=valid[:, None],
                     other=0.0).to(tl.bfloat16)
         acc = mm(p.to(tl.bfloat16), v, acc * alpha[:, None], F32DOT)
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compile for every window size
 def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO, PL, AB, PR, CS, qk_scale,
                         stride_qt, stride_qh, stride_abt, stride_abh, stride_prh, stride_knt, stride_knh, stride_vnt, stride_vnh,
                         stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh, stride_bt,
                         stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
-                        num_tiles, num_splits, split_len,
+                        num_tiles, num_splits, split_len, window,
                         D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
                         GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                         USE_ASM: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
-                        PARTIAL: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr):
+                        PARTIAL: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, SLIDING: tl.constexpr):
     tile = num_tiles - 1 - tl.program_id(0)  # last tiles of a chunk see the most keys: start them first
     b = tl.program_id(1)
     h = tl.program_id(2) // (num_splits + 1)
@@ -229,13 +231,26 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO
     # does the BF16 window + chunk and s >= 1 one slice of the INT2 history each.  Empty ranges run no loop.
     # INT2 history is clipped to the history length: a chunk boundary may fall inside an INT2 page.
     int2_end = tl.maximum(tl.minimum(nq * P, hist - SINK), 0)
-    i_lo = tl.maximum(s - 1, 0) * split_len
-    i_hi = tl.where(num_splits == 0, int2_end, tl.where(s == 0, 0, tl.minimum(s * split_len, int2_end)))
+    # SLIDING: row r (position hist + tok[r]) sees positions >= row_lo[r]; the history ranges start at the tile
+    # of the tile's smallest bound (its first token's), so the splits cover only the window's part of the history
+    i_base = 0
+    row_lo = None
+    row_lo_h = None
+    j_start = 0
+    if SLIDING:
+        row_lo = hist + tok - window + 1
+        row_lo_h = row_lo - SINK
+        first = tl.maximum(hist + t_start - window + 1 - SINK, 0)
+        i_base = tl.where(first < int2_end, (first // BLOCK_N) * BLOCK_N, int2_end)
+        j_start = (tl.maximum(t_start - window + 1, 0) // BLOCK_N) * BLOCK_N
+    i_lo = i_base + tl.maximum(s - 1, 0) * split_len
+    i_hi = tl.where(num_splits == 0, int2_end, tl.where(s == 0, 0, tl.minimum(i_base + s * split_len, int2_end)))
     mine = s == 0  # the window and the chunk
     # 1. INT2 history
     m_i, l_i, acc = _int2_history(qrow, rmask, qk_scale, i_lo, i_hi, bt_row, Kc, Km, Vc, Vm,
                                   h.to(tl.int64) * stride_ch, h.to(tl.int64) * stride_mh, stride_cp, stride_mp,
-                                  M, D, G, P, SINK_PAGES, BLOCK_N, USE_ASM, ra, rb, CS, ROPE, pr)
+                                  M, D, G, P, SINK_PAGES, BLOCK_N, USE_ASM, ra, rb, CS, ROPE, pr,
+                                  row_lo_h, SLIDING)
     # 2. BF16 sink and recent pages; the float32 query as bf16 hi + lo parts
     offs_d = tl.arange(0, D)
     qf = tl.load(qrow + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32) * qk_scale
@@ -243,16 +258,18 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO
     q_lo = (qf - q_hi.to(tl.float32)).to(tl.bfloat16)
     head_w = h.to(tl.int64) * stride_wh
     m_i, l_i, acc = bf16_range(q_hi, q_lo, m_i, l_i, acc, 0, tl.where(mine, tl.minimum(hist, SINK), 0), bt_row,
-                                Kw, Vw, head_w, stride_wp, D, P, BLOCK_N, F32DOT, SPLITQ, ra, rb, CS, ROPE, pr)
+                                Kw, Vw, head_w, stride_wp, D, P, BLOCK_N, F32DOT, SPLITQ, ra, rb, CS, ROPE, pr,
+                                row_lo=row_lo, SLIDING=SLIDING)
     m_i, l_i, acc = bf16_range(q_hi, q_lo, m_i, l_i, acc, tl.minimum(SINK + nq * P, hist), tl.where(mine, hist, 0),
                                 bt_row, Kw, Vw, head_w, stride_wp, D, P, BLOCK_N, F32DOT, SPLITQ, ra, rb, CS, ROPE,
-                                pr)
+                                pr, row_lo=row_lo, SLIDING=SLIDING)
     # 3. the chunk, causally; keys beyond the tile's last token are never needed
     lo64 = lo.to(tl.int64)
     m_i, l_i, acc = _chunk_causal(q_hi, q_lo, m_i, l_i, acc, tok, n,
                                   tl.where(mine, tl.minimum(n, t_start + BLOCK_T), 0),
                                   Kn + lo64 * stride_knt + h * stride_knh, Vn + lo64 * stride_vnt + h * stride_vnh,
-                                  stride_knt, stride_vnt, D, BLOCK_N, F32DOT, SPLITQ, hist, ra, rb, CS, ROPE, pr)
+                                  stride_knt, stride_vnt, D, BLOCK_N, F32DOT, SPLITQ, hist, ra, rb, CS, ROPE, pr,
+                                  j_start, window, SLIDING)
     # rows of split 0 see at least chunk key 0 (l_i > 0); an INT2 split may be empty (l_i = 0, lse = -inf)
     ok = l_i > 0
     o = acc / tl.where(ok, l_i, 1.0)[:, None]
@@ -282,12 +299,15 @@ def _rotate_chunk_queries(q: torch.Tensor, k_rotation: torch.Tensor | None, num_
 
 
 def _history_splits(programs: int, batch: PagedBatch, page_size: int, device: torch.device, block_n: int,
-                    num_splits: int | None, max_int2_pages: int | None, split_target: int) -> tuple[int, int]:
+                    num_splits: int | None, max_int2_pages: int | None, split_target: int,
+                    window: int | None = None) -> tuple[int, int]:
     """(INT2 splits, tokens per split); (0, 0) = no split: each program reads its whole history.
 
     Splitting pays when the query tiles alone leave the GPU idle: a short chunk after a long cached
     prefix (prefix hit, small batch).  Then split 0 reads the BF16 window + chunk and splits 1.. share
-    the INT2 history, as in decode; the partial outputs are merged by decode's merge kernel.
+    the INT2 history, as in decode; the partial outputs are merged by decode's merge kernel.  With a sliding
+    ``window`` the splits share only the part of the history a query tile can see (from the key tile of its
+    first token's bound on: at most window + block_n - 1 tokens).
     """
     if num_splits is None and programs >= split_target * num_sms(device):
         return 0, 0  # enough programs already: no partials, no merge, no host sync
@@ -295,8 +315,10 @@ def _history_splits(programs: int, batch: PagedBatch, page_size: int, device: to
         return 0, 0
     if max_int2_pages is None:
         max_int2_pages = int(batch.int2_pages.max()) if batch.batch_size else 0
-    ns, split_len = split_plan(max_int2_pages * page_size, programs, device, block_n, num_splits=num_splits,
-                               per_sm=split_target)
+    history = max_int2_pages * page_size
+    if window:
+        history = min(history, window + block_n - 1)
+    ns, split_len = split_plan(history, programs, device, block_n, num_splits=num_splits, per_sm=split_target)
     if num_splits is None and ns <= 1:
         return 0, 0
     return ns, split_len
@@ -309,7 +331,7 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
                 num_splits: int | None = None, split_target: int = TUNING.extend_split_target,
                 block_m: int = TUNING.extend_block_m, block_n: int | None = None,
                 num_warps: int | None = None, num_stages: int = TUNING.extend_num_stages,
-                use_asm: bool | None = None, split_query: bool = True,
+                use_asm: bool | None = None, split_query: bool = True, window: int | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Chunked-prefill attention over the mixed pool; semantics of reference.extend_reference.
 
@@ -336,6 +358,9 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
         num_warps, num_stages, use_asm: Triton tuning knobs; use_asm: PTX code conversion on the GPU; num_warps
             default: 4, 8 at head dim 256 (tuning.py).
         split_query: bf16 hi + lo query for the BF16 parts; off: one MMA, ~5x the logit error.
+        window: the layer's sliding window (chunk token i at position seq_lens[b] + i sees keys in
+            (position - window, position]); None or 0: the whole causal past.  A query tile then starts every
+            range (INT2 history, windows, chunk) at the key tile of its first token's bound.
         out: the output (any float dtype, unit stride in D), written in place; None: a new tensor.
     Shapes:
         q, out: [T, Hq, D]; k_new, v_new: [T, Hkv, D], unit stride in D; cu_seqlens: int [B + 1];
@@ -378,8 +403,9 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
     if qr.stride(-1) != 1:
         qr = qr.contiguous()
     num_tiles = -(-max_seqlen // block_t)
+    window = window or None
     ns, split_len = _history_splits(num_tiles * bsz * h, batch, g.page_size, q.device, block_n, num_splits,
-                                    max_int2_pages, split_target)
+                                    max_int2_pages, split_target, window)
     if ns:
         po = torch.empty(t, hq, ns + 1, d, device=q.device, dtype=torch.float32)
         pl = torch.empty(t, hq, ns + 1, device=q.device, dtype=torch.float32)
@@ -399,8 +425,8 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
         v_new.stride(0),
         v_new.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         bt.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-        pl.stride(1), num_tiles, ns, split_len,
+        pl.stride(1), num_tiles, ns, split_len, window or 0,
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_T=block_t,
         BLOCK_N=block_n, USE_ASM=asm_enabled(q.device, use_asm), F32DOT=INTERPRET, SPLITQ=split_query,
-        PARTIAL=ns > 0, ROPE=on, R=r, num_warps=num_warps, num_stages=num_stages)
+        PARTIAL=ns > 0, ROPE=on, R=r, SLIDING=window is not None, num_warps=num_warps, num_stages=num_stages)
     return merge(po, pl, out) if ns else out

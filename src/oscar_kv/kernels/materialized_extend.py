@@ -9,6 +9,10 @@ does.  Then the rotated queries attend over [history | chunk] (chunk_attention.p
 the chunk, merged by log-sum-exp, or one flash call with a lower-right mask).  Nothing about the attention
 itself is INT2-specific: the cost is the BF16 cache's attention plus one streaming pass over the history.
 
+A sliding-window layer materializes only what the chunk's first query sees, positions from hist - window + 1
+on (``window_start``; later queries see less), and the attention masks each query's band (chunk_attention.py):
+at 32K tokens with a 1024-token window the pass writes ~1K history rows per sequence, not 32K.
+
 Why float16 and not bfloat16: with per-position centering a restored key is stored key + offset, and the
 offset can be large (|mu_pre| in the hundreds with a k_proj bias, as in Qwen2.5).  A scratch element is
 rounded to 2^-11 of its size in float16, 2^-8 in bfloat16, so the logit error is ~1e-4 of the size of the
@@ -78,22 +82,27 @@ def _stored_rows(Codes, Meta, Win, Knew, phys, pos, chunk_row, is_q, is_w, is_ne
     return tl.where(is_q[:, None], deq, tl.where(is_w[:, None], win, new))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compile for every window size
 def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn, Vn, W, PR, CS, Ko, Vo,
                         stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh, stride_bt,
                         stride_knt, stride_knh, stride_vnt, stride_vnh, stride_wgt, stride_prh, stride_ot, stride_oh,
-                        D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
-                        BLOCK: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr):
-    """Program (block of positions, sequence of the group, KV head): positions [0, hist + chunk) of the sequence
-    -> scratch rows ROW0 + position (keys with the position-aware offset when ROPE)."""
+                        window, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
+                        BLOCK: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
+                        SLIDING: tl.constexpr):
+    """Program (block of positions, sequence of the group, KV head): positions [first, hist + chunk) of the
+    sequence -> scratch rows ROW0 + position - first (keys with the position-aware offset when ROPE); first is 0,
+    or with SLIDING the first position the chunk's first query sees, hist - window + 1 (window_start)."""
     b = tl.load(SEQ + tl.program_id(1))
     h = tl.program_id(2)
     hist = tl.load(HIST + b)
     lo = tl.load(CU + b)
     n = hist + tl.load(CU + b + 1) - lo
-    if tl.program_id(0) * BLOCK >= n:
+    first = 0
+    if SLIDING:
+        first = tl.maximum(hist - window + 1, 0)
+    if first + tl.program_id(0) * BLOCK >= n:
         return
-    pos = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pos = first + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = pos < n
     in_hist = valid & (pos < hist)
     lpage = pos // P
@@ -121,7 +130,7 @@ def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn,
             wa = tl.load(W + h * stride_wgt + i * D + offs_d)
             wb = tl.load(W + h * stride_wgt + (R + i) * D + offs_d)
             k += c[:, None] * wa[None, :] + s[:, None] * wb[None, :]
-    out_row = (tl.load(ROW0 + tl.program_id(1)) + pos).to(tl.int64)
+    out_row = (tl.load(ROW0 + tl.program_id(1)) + pos - first).to(tl.int64)
     tl.store(Ko + out_row[:, None] * stride_ot + h64 * stride_oh + offs_d[None, :], k.to(Ko.dtype.element_ty),
              mask=valid[:, None])
     v = _stored_rows(Vc, Vm, Vw, Vn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_ch,
@@ -132,28 +141,40 @@ def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn,
 
 
 # ------------------------------------------------------------------------------------------ host side
+def window_start(history: int, window: int | None) -> int:
+    """The first position a chunk after ``history`` cached tokens attends to: 0, or with a sliding window the
+    first query's (position ``history``) lower bound.  Later queries of the chunk see less of the history."""
+    return max(history - window + 1, 0) if window else 0
+
+
 @dataclass
 class MaterializeGroup:
     """Sequences materialized by one launch: batch rows ``seqs`` at scratch rows ``row0`` (device int32), and per
-    sequence (chunk rows lo, hi; first scratch row; history + chunk length) for its attention call."""
+    sequence (chunk rows lo, hi; first scratch row; rows: history seen + chunk) for its attention call.
+    ``longest``: the most rows of one sequence; ``positions``: the largest history + chunk (the RoPE table rows
+    read); ``window``: the sliding window the rows were counted for (None: full attention)."""
 
     seqs: torch.Tensor
     row0: torch.Tensor
     rows: int
     longest: int
     calls: list[tuple[int, int, int, int]]
+    positions: int
+    window: int | None = None
 
 
 @dataclass
 class MaterializePlan:
-    """Which sequences of a packed extend batch go through this path, grouped to fit the scratch (host only)."""
+    """Which sequences of a packed extend batch go through this path, grouped to fit the scratch (host only).
+    ``window``: the layer's sliding window the plan was built for (None: full attention)."""
 
     groups: list[MaterializeGroup]
     longest: int  # the longest history + chunk (bounds the RoPE table rows read)
+    window: int | None = None
 
     @classmethod
     def build(cls, cu: list[int], starts: list[int], seqs: list[int], device,
-              max_rows: int = SCRATCH_ROWS) -> "MaterializePlan":
+              max_rows: int = SCRATCH_ROWS, window: int | None = None) -> "MaterializePlan":
         """Group the sequences: consecutive ones share a group while its rows fit ``max_rows`` (a longer sequence
         gets a group of its own).
 
@@ -163,18 +184,22 @@ class MaterializePlan:
             seqs: the batch rows to plan (only those with a non-empty chunk are kept).
             device: where the groups' index tensors go.
             max_rows: scratch rows one group may take.
+            window: the layer's sliding window: a sequence takes rows from window_start on only.
         """
+        window = window or None
         groups, cur, rows = [], [], 0
 
         def close():
             if cur:
-                calls = [(cu[b], cu[b + 1], r0, starts[b] + cu[b + 1] - cu[b]) for b, r0 in cur]
+                calls = [(cu[b], cu[b + 1], r0, starts[b] + cu[b + 1] - cu[b] - window_start(starts[b], window))
+                         for b, r0 in cur]
                 idx = torch.tensor([[b for b, _ in cur], [r0 for _, r0 in cur]], dtype=torch.int32).to(device)
-                groups.append(MaterializeGroup(idx[0], idx[1], rows, max(c[3] for c in calls), calls))
+                ends = max(starts[b] + cu[b + 1] - cu[b] for b, _ in cur)
+                groups.append(MaterializeGroup(idx[0], idx[1], rows, max(c[3] for c in calls), calls, ends, window))
 
         for b in seqs:
-            n = starts[b] + cu[b + 1] - cu[b]
-            if n == starts[b]:
+            n = starts[b] + cu[b + 1] - cu[b] - window_start(starts[b], window)
+            if cu[b + 1] == cu[b]:
                 continue  # no query rows
             if cur and rows + n > max_rows:
                 close()
@@ -182,7 +207,7 @@ class MaterializePlan:
             cur.append((b, rows))
             rows += n
         close()
-        return cls(groups, max((g.longest for g in groups), default=0))
+        return cls(groups, max((g.positions for g in groups), default=0), window)
 
     @property
     def rows(self) -> int:
@@ -251,7 +276,8 @@ def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.T
     Args:
         pool, layer, batch: the pool, the layer and the cache before the chunk.
         k_new, v_new, cu_seqlens: the packed chunks (as extend.int2_extend).
-        group: the sequences of this launch (MaterializePlan).
+        group: the sequences of this launch (MaterializePlan); with a sliding window (group.window) each from its
+            window_start on.
         k_out, v_out: the scratch buffers (Scratch.take).
         rope, rope_weights: a rope.KernelRope and its rope_key_weights, when keys get the position-aware offset
             back; None: no offset.
@@ -266,7 +292,7 @@ def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.T
     kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
     bt = batch.block_table
     if rope is not None:
-        rope.check(group.longest)
+        rope.check(group.positions)
         w, pr, cs, r = rope_weights, rope.pairs, rope.table, rope.pairs.shape[1]
         stride_w, stride_pr = w.stride(0), pr.stride(0)
     else:
@@ -279,17 +305,19 @@ def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.T
         k_new, v_new, w, pr, cs, k_out, v_out,
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), stride_w, stride_pr,
-        k_out.stride(0), k_out.stride(1),
+        k_out.stride(0), k_out.stride(1), group.window or 0,
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, BLOCK=BLOCK_ROWS, ROPE=rope is not None,
-        R=r, HALF=d // 2, num_warps=4 if d <= 64 else 8)  # [BLOCK, D] float32 tiles: 32 values a thread
+        R=r, HALF=d // 2, SLIDING=bool(group.window),
+        num_warps=4 if d <= 64 else 8)  # [BLOCK, D] float32 tiles: 32 values a thread
 
 
 def materialize_reference(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.Tensor,
                           v_new: torch.Tensor, cu_seqlens: torch.Tensor, b: int, rope=None,
-                          k_rotation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 [hist + chunk, H, D] keys and values of sequence b as the extend attention sees them: history as
-    stored (reference.gather_sequence), then the chunk, keys with the position-aware offset added back
-    (reference.with_rope_offsets)."""
+                          k_rotation: torch.Tensor | None = None,
+                          window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [hist + chunk - first, H, D] keys and values of sequence b as the extend attention sees them:
+    history as stored (reference.gather_sequence), then the chunk, keys with the position-aware offset added back
+    (reference.with_rope_offsets); positions from first = window_start(hist, window) on."""
     from .reference import gather_sequence, with_rope_offsets
 
     g = pool.geometry
@@ -299,7 +327,8 @@ def materialize_reference(pool: PagedKVPool, layer: int, batch: PagedBatch, k_ne
     else:
         kh = vh = k_new.new_zeros(0, g.num_kv_heads, g.head_dim).float()
     k = with_rope_offsets(torch.cat([kh, k_new[lo:hi].float()]), 0, rope, k_rotation)
-    return k, torch.cat([vh, v_new[lo:hi].float()])
+    first = window_start(kh.shape[0], window)
+    return k[first:], torch.cat([vh, v_new[lo:hi].float()])[first:]
 
 
 def _heads_first(rows: torch.Tensor) -> torch.Tensor:
@@ -310,7 +339,8 @@ def materialized_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
                         pool: PagedKVPool, layer: int, batch: PagedBatch, k_rotation: torch.Tensor | None = None,
                         sm_scale: float | None = None, *, rope=None, plan: MaterializePlan | None = None,
                         scratch: Scratch | None = None, rope_weights: torch.Tensor | None = None,
-                        q_rotated: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                        q_rotated: torch.Tensor | None = None, window: int | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """Chunked-prefill attention over the mixed pool with the semantics of extend.int2_extend
     (reference.extend_reference).
 
@@ -321,6 +351,8 @@ def materialized_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
         scratch: buffers to reuse; None: fresh ones for this call.
         rope_weights: rope_key_weights(rope, k_rotation, H) when the caller keeps them per layer.
         q_rotated: q already rotated (float32), to skip the rotation.
+        window: the layer's sliding window (reference.extend_reference); None or 0: full attention.  Only the
+            history the chunk's first query sees is materialized, and the attention masks each query's band.
         out: written in place (only the planned sequences' rows); None: a new tensor.
     Shapes:
         q, q_rotated, out: [T, Hq, D]; k_new, v_new: [T, Hkv, D], unit stride in D.
@@ -336,9 +368,12 @@ def materialized_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
         raise ValueError("query shape does not match the pool geometry")
     if k_new.shape != (t, h, d) or v_new.shape != (t, h, d) or k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
         raise ValueError(f"k_new / v_new must be [{t}, {h}, {d}] with unit stride in the head dim")
+    window = window or None
     if plan is None:
         cu = cu_seqlens.tolist()
-        plan = MaterializePlan.build(cu, batch.seq_lens.tolist(), list(range(len(cu) - 1)), q.device)
+        plan = MaterializePlan.build(cu, batch.seq_lens.tolist(), list(range(len(cu) - 1)), q.device, window=window)
+    elif plan.window != window:
+        raise ValueError(f"the plan was built for window {plan.window}, the call has {window}")
     out = torch.empty(t, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     if not plan.groups:
         return out
@@ -354,6 +389,6 @@ def materialized_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
         materialize(pool, layer, batch, k_new, v_new, cu32, group, k_buf, v_buf, rope, rope_weights)
         for lo, hi, r0, n in group.calls:
             o = chunk_attention(_heads_first(qr[lo:hi]), _heads_first(k_buf[r0:r0 + n]),
-                                _heads_first(v_buf[r0:r0 + n]), sm_scale, kernel)
+                                _heads_first(v_buf[r0:r0 + n]), sm_scale, kernel, window)
             out[lo:hi] = o[0].transpose(0, 1)
     return out

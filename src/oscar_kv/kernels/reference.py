@@ -158,11 +158,22 @@ def with_rope_offsets(k: torch.Tensor, start: int, rope, k_rotation: torch.Tenso
     return k + off_rot.transpose(0, 1)
 
 
+def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool [M, N]: query at position query_pos[m] sees the key at key_pos[n] (causal; with a sliding ``window``
+    only keys in (p - window, p], transformers' sliding_window_overlay).  None or 0: the whole causal past."""
+    see = key_pos[None, :] <= query_pos[:, None]
+    if window:
+        see &= key_pos[None, :] > query_pos[:, None] - window
+    return see
+
+
 def decode_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, batch: PagedBatch,
-                     k_rotation: torch.Tensor | None, sm_scale: float | None = None, rope=None) -> torch.Tensor:
+                     k_rotation: torch.Tensor | None, sm_scale: float | None = None, rope=None,
+                     window: int | None = None) -> torch.Tensor:
     """Decode attention, one new query token per sequence; the specification of decode.int2_decode.
 
-    A sequence of length 0 yields zeros.
+    A sequence of length 0 yields zeros.  The query sits at the last position (seq_len - 1): with a sliding
+    ``window`` it sees only the last ``window`` tokens (sink, INT2 and recent rows alike).
 
     Args:
         pool, layer, batch: the pool, the layer and the sequences.
@@ -170,6 +181,7 @@ def decode_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, batch: Page
         k_rotation: R_K; None: the identity.
         sm_scale: default 1 / sqrt(D).
         rope: a rope.KernelRope when keys are centered per position (with_rope_offsets); None: not.
+        window: the layer's sliding window; None or 0: the whole sequence.
     Shapes:
         q: [B, Hq, D]; k_rotation: [Hkv | 1, D, D].
     Returns:
@@ -182,18 +194,21 @@ def decode_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, batch: Page
         if int(batch.seq_lens[b]) == 0:
             continue
         k, v = gather_sequence(pool, layer, batch, b)
-        out[b] = _attend(qr[b : b + 1], with_rope_offsets(k, 0, rope, k_rotation), v, sm_scale)[0]
+        pos = torch.arange(k.shape[0], device=q.device)
+        mask = window_mask(pos[-1:], pos, window)
+        out[b] = _attend(qr[b : b + 1], with_rope_offsets(k, 0, rope, k_rotation), v, sm_scale, mask)[0]
     return out
 
 
 def extend_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      cu_seqlens: torch.Tensor, batch: PagedBatch, k_rotation: torch.Tensor | None,
-                     sm_scale: float | None = None, rope=None) -> torch.Tensor:
+                     sm_scale: float | None = None, rope=None, window: int | None = None) -> torch.Tensor:
     """Chunked prefill; the specification of extend.int2_extend and materialized_extend.
 
     Sequence b's new tokens q[cu[b]:cu[b+1]] (unrotated) attend to its cached history (``batch`` describes the
     cache *before* the chunk) and causally to the chunk itself, whose rotated keys / values k_new / v_new are
-    used exactly as given.  Other arguments as decode_reference.
+    used exactly as given.  Chunk token i sits at position seq_lens[b] + i; with a sliding ``window`` it sees only
+    keys in (position - window, position].  Other arguments as decode_reference.
 
     Shapes:
         q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; cu_seqlens: int [B + 1].
@@ -216,6 +231,6 @@ def extend_reference(pool: PagedKVPool, layer: int, q: torch.Tensor, k_new: torc
         k = with_rope_offsets(torch.cat([kh, k_new[lo:hi].float()]), 0, rope, k_rotation)
         v = torch.cat([vh, v_new[lo:hi].float()])
         t0 = kh.shape[0]
-        mask = torch.arange(t0 + n, device=q.device)[None, :] <= (t0 + torch.arange(n, device=q.device))[:, None]
+        mask = window_mask(t0 + torch.arange(n, device=q.device), torch.arange(t0 + n, device=q.device), window)
         out[lo:hi] = _attend(qr[lo:hi], k, v, sm_scale, mask)
     return out
