@@ -183,21 +183,23 @@ def test_fork_continues_from_the_same_cache_and_pause_keeps_it(model, tokenizer,
     while engine.requests["a"].num_computed < len(prompt):  # prefilled, its first token sampled
         engine.step()
     assert engine.requests["a"].int2_pages > 0
-    engine.fork("a", "b")
+    engine.fork("a", "b")  # waits for a's token in flight first (the overlapped step): both have it
+    forked = list(engine.requests["b"].output_ids)
+    assert forked == engine.requests["a"].output_ids
     with pytest.raises(ValueError, match="already in use"):
         engine.fork("a", "b")
     engine.pause("b")
-    tokens = {"a": [], "b": []}
     for _ in range(5):
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-    assert len(tokens["a"]) == 5 and tokens["b"] == []
+        engine.step()
+    engine.drain()
+    assert engine.requests["b"].output_ids == forked and len(engine.requests["a"].output_ids) >= len(forked) + 4
     engine.resume("b")
     engine.pause("a")
     for _ in range(5):
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-    assert tokens["b"] == tokens["a"]
+        engine.step()
+    engine.drain()
+    a, b = engine.requests["a"].output_ids, engine.requests["b"].output_ids
+    assert len(b) >= len(forked) + 4 and b == a[:len(b)]
     engine.resume("a")
     run_all(engine)
     assert engine.pool.all_free()
@@ -370,7 +372,8 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
 
     monkeypatch.setattr(runner.StepAttention, "attend", attend)
     engines = [make_engine(model, tokenizer, constant_rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
-                           max_num_batched_tokens=72, attention_backend=backend) for backend in ("torch", "triton")]
+                           max_num_batched_tokens=72, attention_backend=backend, async_scheduling=False)
+               for backend in ("torch", "triton")]  # lockstep: each step's forward whole before the other engine's
     ids = tokenizer(long_prompt).input_ids[:127]
     for e in engines:
         assert (e.runner.kernels is None) == (e.config.attention_backend == "torch")
@@ -443,8 +446,9 @@ def test_warm_up_runs_every_stage_and_leaves_no_trace(model, tokenizer, small_ro
     expected = text_of(run_all(fresh)["r"])
     engine = make_engine(model, tokenizer, small_rotations)
     steps = []
-    real_step = engine.runner.run
-    engine.runner.run = lambda batch: steps.append([(st.seq.int2_pages, st.num_tokens) for st in batch]) or real_step(batch)
+    real_launch = engine.runner.launch
+    engine.runner.launch = lambda batch, after=None: (steps.append([(st.seq.int2_pages, st.num_tokens) for st in batch])
+                                                      or real_launch(batch, after))
     assert engine.warm_up() > 0
     assert steps[0][0][0] > 0 and steps[2] == [(steps[2][0][0], 1)]  # prefill reached INT2 pages; then decode
     assert [len(s) for s in steps[3:]] == [3, 3, 3]  # then three at once, prefilling only past their shared prefix
@@ -456,3 +460,63 @@ def test_warm_up_runs_every_stage_and_leaves_no_trace(model, tokenizer, small_ro
     assert engine.pool.all_free()
     engine.add_request("r", ids, SamplingParams(max_tokens=5, **GREEDY))
     assert text_of(run_all(engine)["r"]) == expected
+
+
+def _serve(engine, requests, abort_at=None):
+    """Run ``requests`` (id -> (prompt ids, params)) to the end; ``abort_at``: (step, id) aborted before that step.
+    Returns id -> (token ids, text, finish reason)."""
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    got = {rid: ([], "", None) for rid in requests}
+    steps = 0
+    while engine.has_work():
+        if abort_at is not None and steps == abort_at[0]:
+            out = engine.abort_request(abort_at[1])
+            got[out.request_id] = (got[out.request_id][0], got[out.request_id][1] + out.text, out.finish_reason)
+        for out in engine.step():
+            tokens, text, _ = got[out.request_id]
+            got[out.request_id] = (tokens + out.token_ids, text + out.text, out.finish_reason)
+        steps += 1
+        assert steps < 400
+    assert engine.pool.all_free() and not engine.requests
+    return got
+
+
+def test_overlapped_steps_give_what_steps_one_at_a_time_give(model, tokenizer, small_rotations):
+    """async_scheduling (the next step queued before the host takes the current one's tokens) changes nothing a
+    client sees: greedy requests ending on max_tokens, on a stop string and on EOS, one sampling with a seed (its
+    steps wait for the host), prefix hits, and an abort while a step of it is in flight."""
+    prompts = ["Name three colours.", "Count from one to twenty.", "Name three colours. Then two animals.",
+               "Write a haiku about the sea.", "Say hello."]
+    ids = [build_prompt(tokenizer, p)[0].tolist() for p in prompts]
+    requests = {
+        "len": (ids[0], SamplingParams(max_tokens=7, **GREEDY)),
+        "stop": (ids[1], SamplingParams(max_tokens=40, stop=(" five", "5"), **GREEDY)),
+        "prefix": (ids[2], SamplingParams(max_tokens=12, **GREEDY)),
+        "eos": (ids[4], SamplingParams(max_tokens=60, **GREEDY)),
+        "seeded": (ids[3], SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=5)),
+        "aborted": (ids[3], SamplingParams(max_tokens=50, **GREEDY)),
+    }
+    results = [_serve(make_engine(model, tokenizer, small_rotations, async_scheduling=overlap), requests,
+                      abort_at=(6, "aborted")) for overlap in (False, True)]
+    assert results[0] == results[1]
+    assert results[0]["stop"][2] == "stop" and results[0]["len"][2] == "length" and len(results[0]["len"][0]) == 7
+    assert results[0]["aborted"][2] == "abort"
+
+
+def test_overlapped_steps_queue_the_next_step_before_taking_tokens(model, tokenizer, small_rotations):
+    """With greedy requests the engine launches step n + 1 before it waits for step n's tokens; a sampling
+    request makes its steps wait; the last step for a request that ends by length is never launched."""
+    engine = make_engine(model, tokenizer, small_rotations)
+    calls = []
+    launch, sampled = engine.runner.launch, engine.runner.sampled
+    engine.runner.launch = lambda steps, after=None: calls.append("launch") or launch(steps, after)
+    engine.runner.sampled = lambda launched: calls.append("wait") or sampled(launched)
+    ids = build_prompt(tokenizer, "Say hello.")[0].tolist()
+    engine.add_request("g", ids, SamplingParams(max_tokens=4, ignore_eos=True, **GREEDY))
+    run_all(engine)
+    assert calls == ["launch", "launch", "wait", "launch", "wait", "launch", "wait", "wait"]
+    calls.clear()
+    engine.add_request("s", ids, SamplingParams(max_tokens=3, temperature=1.0, seed=1))
+    run_all(engine)
+    assert calls == ["launch", "wait"] * 3

@@ -40,7 +40,7 @@ def _run(engine, prompts, lengths):
     seen: dict[str, list[torch.Tensor]] = {}
     real = runner_mod.sample
 
-    def fixed(logits, seqs):  # engine/sampling.sample's signature: a step's rows and their sequences
+    def fixed(logits, seqs, argmax=None):  # engine/sampling.sample's signature: a step's rows, their sequences
         for row, seq in zip(logits, seqs):
             seen.setdefault(seq.request_id, []).append(row.float().cpu())
         return [(len(seen[seq.request_id]) * 7 + 3) % 500 for seq in seqs]

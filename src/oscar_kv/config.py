@@ -158,6 +158,10 @@ class SchedulerConfig(Settings):
         "interrupted: an abort, a /metrics scrape and the other streams wait for it (a 2000-token step took 40 s on a "
         "busy 2-core CPU).", at_least=1)
     enable_prefix_caching: bool = setting(True, "Reuse cached KV pages of shared prompt prefixes.")
+    async_scheduling: bool = setting(
+        True, "Schedule and queue the next step while the GPU runs the current one (its new token ids are read on "
+        "the GPU). Steps whose sequences all decode greedily overlap; sampling with temperature waits for the "
+        "host. A sequence ending on EOS or a stop string computes one extra token, which is dropped.")
 
 
 @dataclass

@@ -64,6 +64,7 @@ from .report import finish_throughput, fmt_breakdown, fmt_row, plot, print_table
 
 GB = 1e9
 SCHEMES = SERVED_KV_CACHE_DTYPES
+SYNCED_STEPS = 8  # steps per row timed with a sync at each edge, for the host-time split (time_decode)
 
 def decode_floor(geometry, weight_bytes: int, context: int, batch: int, bandwidth: float | None) -> dict:
     """The memory-bandwidth floor of one decode step: the weights once plus every sequence's cache (all layers),
@@ -223,7 +224,7 @@ def make_engine(model, scheme: str, rotations, args, max_model_len: int, budget_
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=False,  # every sequence keeps private pages: honest memory traffic
                        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                       model_impl=args.model_impl)
+                       model_impl=args.model_impl, async_scheduling=not args.no_async_scheduling)
     return LLMEngine(model, TokenIdsOnly(), rotations if scheme != "bf16" else None, cfg, args.ranks)
 
 
@@ -303,13 +304,15 @@ class StepTimer:
         with patched(self.engine.runner, "regions", self):
             yield self
 
-    def step(self, seqs) -> dict:
+    def step(self, seqs, synced: bool = True) -> dict:
+        """One engine step, checked (one token per sequence, no preemption); timed with a device sync at each
+        edge unless ``synced`` is False."""
         before = [len(s.output_ids) for s in seqs]
         preempted = self.engine.scheduler.num_preemptions
         self.runner_s = self.plan_s = 0.0
-        t0 = self.clock.now()
+        t0 = self.clock.now() if synced else 0.0
         outs = self.engine.step()
-        wall = self.clock.now() - t0
+        wall = self.clock.now() - t0 if synced else 0.0
         _check_outputs(outs)
         if self.engine.scheduler.num_preemptions != preempted:
             raise RuntimeError("the scheduler preempted a sequence: the batch does not fit the pool")
@@ -343,19 +346,27 @@ def prefill_attention(path: str):
 
 
 def time_decode(engine, seqs, steps: int, warmup: int, clock: Clock) -> dict:
+    """ms per decode step as a client gets them: ``steps`` engine steps back to back, one device sync before and
+    after (a step may overlap the next one's scheduling, engine.py), then a few steps with a sync at each edge
+    for where the host time goes (runner, plan, scheduler: the ``synced_*`` and ``*_ms`` fields)."""
     timer = StepTimer(engine, clock)
     first = seqs[0].num_tokens - 1 + warmup  # position of the first timed token
     with timer.installed():
         for _ in range(warmup):
             timer.step(seqs)
-        recs = [timer.step(seqs) for _ in range(steps)]
+    t0 = clock.now()
+    for _ in range(steps):
+        timer.step(seqs, synced=False)
+    step_ms = 1e3 * (clock.now() - t0) / steps
+    with timer.installed():
+        recs = [timer.step(seqs) for _ in range(SYNCED_STEPS)]
     ms = lambda key: [1e3 * r[key] for r in recs]  # noqa: E731
     step, runner, plan = ms("step"), ms("runner"), ms("plan")
     forward = [r - p for r, p in zip(runner, plan)]
     med = statistics.median
     b = len(seqs)
-    out = dict(steps=steps, step_ms=med(step), step_ms_mean=statistics.fmean(step), step_ms_min=min(step),
-               step_ms_max=max(step), runner_ms=med(runner), plan_ms=med(plan), forward_ms=med(forward),
+    out = dict(steps=steps, step_ms=step_ms, synced_step_ms=med(step), synced_step_ms_min=min(step),
+               synced_step_ms_max=max(step), runner_ms=med(runner), plan_ms=med(plan), forward_ms=med(forward),
                scheduler_ms=med([s - r for s, r in zip(step, runner)]))
     out.update(tokens_per_s_per_seq=1e3 / out["step_ms"], tokens_per_s=b * 1e3 / out["step_ms"],
                forward_tokens_per_s_per_seq=1e3 / out["forward_ms"], forward_tokens_per_s=b * 1e3 / out["forward_ms"])
@@ -542,7 +553,7 @@ def run(args) -> dict:
 
     rotations = load_rotations(args.rotations, geometry, rope_pairs=args.rope_pairs)
     # Every batch starts from a prefilled sequence and decodes at most this many tokens past it.
-    grow = 1 + args.warmup_steps + max(args.decode_steps, args.throughput_steps) + args.breakdown_steps \
+    grow = 1 + args.warmup_steps + max(args.decode_steps, args.throughput_steps) + SYNCED_STEPS + args.breakdown_steps \
         + args.profile_steps + args.page_size
     result.update(model=minfo, settings=dict(
         contexts=contexts, batch_sizes=batch_sizes, schemes=schemes, decode_steps=args.decode_steps,
@@ -842,6 +853,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"RoPE pairs per KV head of the synthetic artifact's per-position key means (calibrate keeps "
                          f"{DEFAULT_PAIRS} by default, 8, 16 or 32 on request; the CUDA decode kernel's cost grows with them)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="each step waits for the previous one's tokens before it is scheduled (engine.py)")
     ap.add_argument("--model-impl", choices=MODEL_IMPLS, default=EngineConfig.model_impl,
                     help="model forward: oscar (our executor), transformers, or auto (the engine's default)")
     ap.add_argument("--prefill-only", action="store_true",

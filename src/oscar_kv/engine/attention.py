@@ -46,6 +46,7 @@ from .block_pool import QUANT, WINDOW, PagePool
 from .kernel_attention import DecodeStep, ExtendStep, PoolView, kernel_step
 from .scheduler import ScheduledSeq
 from .timing import NO_REGIONS
+from .uploads import upload
 
 
 @dataclass
@@ -289,12 +290,12 @@ class KernelAttention:
             dst += [m.dst for m in st.migrations]
         dev = self.pool.device
         # one host-to-device copy for the slots and the position ids (numpy builds it faster than torch.tensor)
-        table = torch.from_numpy(np.array([win, q, positions], dtype=np.int64)).to(dev)
+        table = upload(np.array([win, q, positions], dtype=np.int64), dev)
         slots = table[:2].to(torch.int32)
         # the stored keys come from write_kv's own float32 centering and rotation unless the attention needs them
         # too or some token is quantized right away (its codes then come from the float64 rotation, as in _write)
         fused = not step.reads_chunk and max(q, default=-1) < 0
-        migrations = torch.tensor([src, dst], dtype=torch.int32).to(dev) if src else None
+        migrations = upload(np.array([src, dst], dtype=np.int32), dev) if src else None
         return KernelPlan(table[2], len(positions), steps, step, slots[0], slots[1], fused, migrations)
 
     def graph_plan(self, step: DecodeStep, positions: torch.Tensor, win_slot: torch.Tensor, int2_slot: torch.Tensor,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .uploads import upload
+
 
 class BlockTables:
     """int32 [rows, width] on the pool's device (``table``) and its host mirror; grows when a row or column is
@@ -87,7 +89,7 @@ class BlockTables:
         have_rows, have_cols = self.host.shape
         self.reserve(_grown(int(rows.max()) + 1, have_rows), _grown(int(cols.max()) + 1, have_cols))
         self.host[rows, cols] = pages
-        moved = torch.from_numpy(changes).to(self.device)  # the step's one host-to-device copy
+        moved = upload(changes, self.device)  # the step's one host-to-device copy
         self.table.index_put_((moved[0], moved[1]), moved[2])
 
     def gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ from .detokenize import IncrementalText
 from .kernel_attention import PoolView, kernel_support
 from .runner import ATTENTION_KEY, ModelForward, ModelRunner, register_paged_attention
 from .scheduler import Scheduler
-from .sequence import SamplingParams, Sequence, SeqStatus
+from .sequence import PENDING, SamplingParams, Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,8 @@ class LLMEngine:
         eos = tokenizer.eos_token_id if eos is None else eos
         self.stop_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
         self.requests: dict[str, Sequence] = {}
+        self._in_flight = None  # runner.LaunchedStep queued on the device, its tokens not yet taken (step)
+        self._ready: list[RequestOutput] = []  # outputs of a step drained outside ``step``
         self.prompt_tokens = self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self._recent: deque[tuple[float, int]] = deque()
@@ -362,7 +364,12 @@ class LLMEngine:
         return self._finish(seq, "abort" if error is None else "error", error)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._ready) or self._live(self._in_flight)
+
+    @staticmethod
+    def _live(launched) -> bool:
+        """A launched step some of whose sequences still wait for its tokens (not aborted or stopped since)."""
+        return launched is not None and any(not st.seq.finished for st in launched.steps)
 
     def fork(self, request_id: str, new_id: str) -> Sequence:
         """A new running request with the tokens, sampling parameters and a copy of the KV cache of a running
@@ -370,6 +377,7 @@ class LLMEngine:
         benchmark builds its batches this way.  Raises MemoryError when the pool is short of pages."""
         from .block_pool import QUANT, WINDOW
 
+        self.drain()
         src = self.requests[request_id]
         if new_id in self.requests:
             raise RequestError(f"request id {new_id!r} is already in use")
@@ -399,26 +407,90 @@ class LLMEngine:
 
     def pause(self, request_id: str) -> None:
         """Stop decoding a running request; it keeps its KV cache (``resume``, or ``abort_request`` to free it)."""
+        self.drain()
         self.scheduler.pause(self.requests[request_id])
 
     def resume(self, request_id: str) -> None:
+        self.drain()
         self.scheduler.resume(self.requests[request_id])
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run the engine one step: the outputs of one step's tokens.
+
+        Overlapped (greedy steps, one rank): the step in flight is accounted, the next one is scheduled and queued
+        on the device with its new ids read there from the step in flight's argmax, and only then does the host
+        wait for the tokens of the step in flight; the GPU goes from one step to the next without waiting for the
+        host's scheduling, planning and output handling.  A sequence that stops on a token (EOS, stop string) has
+        run one step too many, which is dropped; one that reaches max_tokens is not scheduled again."""
+        outputs, self._ready = self._ready, []
+        current, self._in_flight = self._in_flight, None
+        if not self._live(current):  # nothing of it is wanted: the device finishes it in stream order
+            current = None
+        if current is None:
+            current, rejected = self._launch_next(None)
+            outputs += rejected
+            if current is None:
+                return outputs
+        if self._overlaps(current):
+            self._account(current)
+            self._in_flight, rejected = self._launch_next(current)
+            outputs += rejected
+            return outputs + self._complete(current, accounted=True)
+        return outputs + self._complete(current, accounted=False)
+
+    def drain(self) -> None:
+        """Wait for the step in flight and keep its outputs for the next ``step`` (before changing sequences from
+        outside a step: fork, pause, resume)."""
+        if self._in_flight is not None:
+            current, self._in_flight = self._in_flight, None
+            self._ready += self._complete(current, accounted=False)
+
+    def _overlaps(self, launched) -> bool:
+        return (self.config.async_scheduling and self.tp.size == 1
+                and all(seq.params.greedy for seq in launched.sampling))
+
+    def _launch_next(self, after) -> tuple[object | None, list[RequestOutput]]:
+        """Schedule and queue a step (``after``: the step in flight, whose tokens it reads on the device).
+        Returns (the launched step or None, outputs of requests rejected or failed on the way)."""
         batch = self.scheduler.schedule()
         outputs = [self._finish(seq, "error", "the request does not fit into the KV pool") for seq in batch.rejected]
         if not batch.scheduled:
-            return outputs
+            return None, outputs
         try:
-            sampled = self.runner.run(batch.scheduled)
+            return self.runner.launch(batch.scheduled, after), outputs
         except Exception as exc:  # a failed forward fails its requests, not the server
             log.exception("forward failed")
-            return outputs + [self._finish(st.seq, "error", f"{type(exc).__name__}: {exc}") for st in batch.scheduled]
+            return None, outputs + [self._finish(st.seq, "error", f"{type(exc).__name__}: {exc}")
+                                    for st in batch.scheduled if not st.seq.finished]
+
+    def _account(self, launched) -> None:
+        """Before the step's tokens are known: count its computed tokens, and give each sequence it samples a
+        PENDING last id (the next step reads it on the device), unless that token ends it by length."""
+        for st in launched.steps:
+            if not st.seq.finished:  # (aborted while the step was in flight)
+                self.scheduler.finish_step(st)
+        for seq in launched.sampling:
+            if (not seq.finished and len(seq.output_ids) + 1 < seq.params.max_tokens
+                    and seq.num_tokens + 1 < self.max_model_len):
+                seq.output_ids.append(PENDING)
+
+    def _complete(self, launched, accounted: bool) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and hand them to their sequences (those still running)."""
+        try:
+            sampled = self.runner.sampled(launched)
+        except Exception as exc:
+            log.exception("forward failed")
+            return [self._finish(st.seq, "error", f"{type(exc).__name__}: {exc}") for st in launched.steps
+                    if not st.seq.finished]
+        outputs = []
         now = time.monotonic()
         new_tokens = 0
-        for st in batch.scheduled:
-            self.scheduler.finish_step(st)
+        for st in launched.steps:
+            if st.seq.finished:  # aborted, or stopped by the step before, while this one was in flight
+                continue
+            if not accounted:
+                self.scheduler.finish_step(st)
             token = sampled.get(st.seq)
             if token is None:
                 continue
@@ -431,7 +503,10 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
-        seq.output_ids.append(token)
+        if seq.pending:
+            seq.output_ids[-1] = token
+        else:
+            seq.output_ids.append(token)
         reason = None
         if token in self.stop_token_ids and not seq.params.ignore_eos:
             reason = "stop"
@@ -462,6 +537,8 @@ class LLMEngine:
                              len(seq.prompt_ids), len(seq.output_ids))
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        if seq.pending:  # ended while its next token was being sampled: that token is dropped
+            seq.output_ids.pop()
         self.scheduler.remove(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         self.requests.pop(seq.request_id, None)

@@ -37,6 +37,7 @@ from ..errors import ConfigError
 from ..kernels.layout import PagedBatch, PagedKVPool, clip_indices
 from ..kernels.tuning import TUNING
 from .block_pool import PagePool
+from .uploads import upload
 
 # Chunks of at least this many tokens take the materialized flash path (extend_path; kernels/tuning.py says why).
 # Module names so that bench decode --prefill-attention can move them; tune with bench decode --prefill-only.
@@ -143,7 +144,7 @@ def _step_batch(view: PoolView, steps, lengths: list[int], int2_pages: list[int]
     page) with ``lengths`` / ``int2_pages`` as seq_lens / int2_pages; one host-to-device copy for the three."""
     tables = view.pool.tables
     meta = np.array([tables.rows_of(st.seq for st in steps), lengths, int2_pages], dtype=np.int32)
-    meta = torch.from_numpy(meta).to(view.pool.device)  # numpy builds it faster than torch.tensor
+    meta = upload(meta, view.pool.device)  # numpy builds it faster than torch.tensor
     width = max(1, max(len(st.seq.pages) for st in steps))
     return PagedBatch(tables.gather(meta[0], width), meta[1], meta[2])
 
@@ -206,7 +207,7 @@ class ExtendStep:
         self.cu = cu
         self.starts = [st.start for st in steps]
         self.history_int2 = history_int2
-        self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
+        self.cu_seqlens = upload(np.array(cu, dtype=np.int32), dev)
         self.batch = _step_batch(view, steps, self.starts, history_int2)
         self.max_seqlen = max(st.num_tokens for st in steps)
         self.max_int2_pages = max(history_int2)
@@ -286,9 +287,9 @@ class _KernelPart:
         for i in seqs:
             rows += range(cu[i], cu[i + 1])
             sub_cu.append(sub_cu[-1] + cu[i + 1] - cu[i])
-        self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
-        self.cu_seqlens = torch.tensor(sub_cu, dtype=torch.int32, device=dev)
-        pick = torch.tensor(seqs, dtype=torch.long, device=dev)
+        self.rows = upload(np.array(rows, dtype=np.int64), dev)
+        self.cu_seqlens = upload(np.array(sub_cu, dtype=np.int32), dev)
+        pick = upload(np.array(seqs, dtype=np.int64), dev)
         self.batch = PagedBatch(*(x.index_select(0, pick) for x in (step.batch.block_table, step.batch.seq_lens,
                                                                      step.batch.int2_pages)))
         self.max_seqlen = max(cu[i + 1] - cu[i] for i in seqs)

@@ -25,6 +25,7 @@ from .sampling import sample
 from .scheduler import Migration, ScheduledSeq
 from .sequence import Sequence
 from .timing import NO_REGIONS
+from .uploads import upload
 
 ATTENTION_KEY = "oscar_kv_paged"
 
@@ -99,30 +100,44 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
-        with self.regions.region("runner"):
-            return self._run(steps)
+        """The step's forward and the next token of each sequence that completed its tokens (waits for them)."""
+        return self.sampled(self.launch(steps))
 
-    def _run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
-        with self.regions.region("step_plan"):
-            changes = self.pool.tables.flush()  # the scheduler's block-table changes, for this rank and the others
-            fwd = StepAttention(self.attention, self.attention.plan(steps), self.regions)
-        ids = step_token_ids(steps)
-        if self.tp.size > 1:
-            self.tp.broadcast(("step", _wire(steps, ids, changes)))
-        hidden = self._forward(fwd, torch.tensor([ids], dtype=torch.long, device=self.device))
-        sampling, last, offset = [], [], 0
-        for st in steps:  # each sampling sequence's last token in the packed row
-            offset += st.num_tokens
-            if st.samples:
-                sampling.append(st)
-                last.append(offset - 1)
-        if not sampling:
+    @torch.inference_mode()
+    def launch(self, steps: list[ScheduledSeq], after: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Queue the step's forward, logits and argmax on the device without waiting for them.  ``after``: the
+        step still in flight whose sampled tokens are this step's input where a sequence's last id is PENDING."""
+        with self.regions.region("runner"):
+            with self.regions.region("step_plan"):
+                changes = self.pool.tables.flush()  # the scheduler's block-table changes, for this rank and others
+                fwd = StepAttention(self.attention, self.attention.plan(steps), self.regions)
+            ids = step_token_ids(steps)
+            if self.tp.size > 1:
+                if after is not None:
+                    raise RuntimeError("tensor-parallel ranks take a step's token ids from the host")
+                self.tp.broadcast(("step", _wire(steps, ids, changes)))
+            input_ids = upload(np.array([ids], dtype=np.int64), self.device)
+            if after is not None:
+                _take_pending(input_ids, steps, after)
+            hidden = self._forward(fwd, input_ids)
+            sampling, last, offset = [], [], 0
+            for st in steps:  # each sampling sequence's last token in the packed row
+                offset += st.num_tokens
+                if st.samples:
+                    sampling.append(st.seq)
+                    last.append(offset - 1)
+            if not sampling:
+                return LaunchedStep(steps, [], None, None)
+            rows = upload(np.array(last, dtype=np.int64), self.device)
+            logits = self.forward.logits(hidden[0, rows]).float()
+            return LaunchedStep(steps, sampling, logits, torch.argmax(logits, dim=-1))
+
+    def sampled(self, launched: "LaunchedStep") -> dict[Sequence, int]:
+        """Wait for a launched step; the next token of each of its sampling sequences."""
+        if not launched.sampling:
             return {}
-        last = torch.tensor(last, device=self.device)
-        logits = self.forward.logits(hidden[0, last]).float()
-        seqs = [st.seq for st in sampling]
         with self.regions.region("sampling"):
-            return dict(zip(seqs, sample(logits, seqs)))
+            return dict(zip(launched.sampling, sample(launched.logits, launched.sampling, launched.argmax)))
 
     def _forward(self, fwd: StepAttention, input_ids: torch.Tensor) -> torch.Tensor:
         """The last hidden states [1, N, hidden] of the step (graph replay, or eager)."""
@@ -162,7 +177,32 @@ class ModelRunner:
                 continue
             steps, ids = _unwire(payload, self.pool.tables)
             fwd = StepAttention(self.attention, self.attention.plan(steps))
-            self._forward(fwd, torch.tensor([ids], dtype=torch.long, device=self.device))
+            self._forward(fwd, upload(np.array([ids], dtype=np.int64), self.device))
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step queued on the device: its forward, the logits of its sampling sequences and their argmax."""
+
+    steps: list[ScheduledSeq]
+    sampling: list[Sequence]  # the sequences it gives a token, in the logits' row order
+    logits: torch.Tensor | None  # float32 [len(sampling), vocab]
+    argmax: torch.Tensor | None  # int64 [len(sampling)], on the device
+
+
+def _take_pending(input_ids: torch.Tensor, steps: list[ScheduledSeq], after: LaunchedStep) -> None:
+    """Fill the PENDING ids of ``input_ids`` [1, N] (a sequence's last id, sampled by ``after``) from ``after``'s
+    argmax on the device."""
+    dst, src, offset = [], [], 0
+    rows = {seq: i for i, seq in enumerate(after.sampling)}
+    for st in steps:
+        offset += st.num_tokens
+        if st.seq.pending and st.end == st.seq.num_tokens:
+            dst.append(offset - 1)
+            src.append(rows[st.seq])
+    if dst:
+        index = upload(np.array([dst, src], dtype=np.int64), input_ids.device)
+        input_ids[0].index_copy_(0, index[0], after.argmax.index_select(0, index[1]))
 
 
 def step_token_ids(steps: list[ScheduledSeq]) -> list[int]:

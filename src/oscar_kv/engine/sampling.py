@@ -8,14 +8,18 @@ import torch
 from .sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """Args: logits [B, vocab] float32 (row i: seqs[i]'s last position).  Returns one token id per sequence.
-    The greedy rows share one argmax and one copy to the host: a device sync per row cost ~15 us each."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor | None = None) -> list[int]:
+    """Args: logits [B, vocab] float32 (row i: seqs[i]'s last position); ``argmax`` [B]: the rows' argmax, when the
+    step computed it on the device already.  Returns one token id per sequence.  The greedy rows share one argmax
+    and one copy to the host: a device sync per row cost ~15 us each."""
     greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
     tokens = [0] * len(seqs)
     if greedy:
-        rows = logits if len(greedy) == len(seqs) else logits[greedy]
-        for i, token in zip(greedy, torch.argmax(rows, dim=-1).tolist()):
+        if argmax is None:
+            argmax = torch.argmax(logits if len(greedy) == len(seqs) else logits[greedy], dim=-1)
+        elif len(greedy) != len(seqs):
+            argmax = argmax[greedy]
+        for i, token in zip(greedy, argmax.tolist()):
             tokens[i] = token
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:

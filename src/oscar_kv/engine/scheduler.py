@@ -105,6 +105,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if n == 0:  # its next token comes from the step in flight, which ends it (max_tokens): nothing to run
+                i += 1
+                continue
             step = self._allocate(seq, n)
             while step is None:
                 victim = self.running[-1]

@@ -48,6 +48,9 @@ class SeqStatus(enum.Enum):
 
 
 _arrivals = itertools.count()
+# the last output id of a sequence whose next token a step still in flight on the device will give (engine.py:
+# the next step is scheduled and launched before the host waits for that token)
+PENDING = -1
 
 
 @dataclass(eq=False)
@@ -83,6 +86,11 @@ class Sequence:
             self.generator = torch.Generator()
             seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             self.generator.manual_seed(seed)
+
+    @property
+    def pending(self) -> bool:
+        """Its last token is still being sampled on the device (``PENDING``)."""
+        return bool(self.output_ids) and self.output_ids[-1] == PENDING
 
     @property
     def tokens(self) -> list[int]:
