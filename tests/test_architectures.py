@@ -1,7 +1,8 @@
 """Other attention variants with small random models: Qwen2 (QKV bias), Qwen3 (QK-norm), Mistral, Phi-3 (fused
 qkv_proj), partial rotary (Phi-3 with RoPE on half of each head, GLM-4 with interleaved pairs: keys centered per
-position on the rotated channels), and the mixture-of-experts decoders Qwen3-MoE and Mixtral (Llama-like
-attention)."""
+position on the rotated channels), the mixture-of-experts decoders Qwen3-MoE and Mixtral (Llama-like
+attention), and sliding-window layers served past their window (Mistral windowing every layer, Gemma 3 mixing
+sliding and full layers)."""
 
 import os
 
@@ -34,13 +35,17 @@ ARCHS = {
                       moe_intermediate_size=32),
     "mixtral": dict(model_type="mixtral", sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
 }
+# sliding windows far shorter than the sequences below (Mistral v0.1 windows every layer)
+WINDOWED = {
+    "mistral-swa": dict(model_type="mistral", sliding_window=32),
+}
 
 
 def tiny_model(arch: str):
-    kw = dict(ARCHS[arch])
-    config = AutoConfig.for_model(kw.pop("model_type"), vocab_size=49152, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=2048, tie_word_embeddings=True, **kw)
+    kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+              **(ARCHS.get(arch) or WINDOWED[arch]))
+    config = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
     with torch.no_grad():
@@ -179,32 +184,58 @@ def test_attention_window_of_each_config_style():
     assert attention_window(cfg("llama")) is None and attention_window(cfg("qwen3")) is None
 
 
-@torch.no_grad()
-def test_sliding_window_models_are_served_up_to_the_window(tokenizer, held_out_ids):
-    """Windowed and full attention agree up to the window: the engine serves a windowed model up to it (and refuses
-    a longer max_model_len by name), the generate() cache matches transformers' own windowed attention there and
-    refuses to grow past it."""
-    from oscar_kv.engine import EngineConfig, LLMEngine
-    from oscar_kv.errors import BeyondSlidingWindow, ConfigError
-
-    ARCHS["mistral-window"] = dict(model_type="mistral", sliding_window=64)
+def full_attention_logits(model, ids):
+    """The model's logits with every window switched off (the configs' own switch)."""
+    config = model.config
+    saved = config.sliding_window, getattr(config, "layer_types", None)
+    config.sliding_window = None
+    if saved[1] is not None:
+        config.layer_types = ["full_attention"] * len(saved[1])
     try:
-        model = tiny_model("mistral-window")
+        return model(ids).logits
     finally:
-        del ARCHS["mistral-window"]
-    ids = held_out_ids[:, :80]
-    ref = model(ids[:, :64]).logits
-    cache = OscarCache(model, None, CacheSettings("bf16", window_dtype=torch.float32))
-    out = torch.cat([model(ids[:, :40], past_key_values=cache).logits]
-                    + [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(40, 64)], 1)
-    assert (out - ref).abs().max() < 1e-3
-    with pytest.raises(BeyondSlidingWindow, match="sliding window of 64"):
-        model(ids[:, 64:65], past_key_values=cache)
+        config.sliding_window = saved[0]
+        if saved[1] is not None:
+            config.layer_types = saved[1]
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED))
+@torch.no_grad()
+def test_past_the_window_the_cache_equals_transformers(arch, held_out_ids, monkeypatch):
+    """Six windows long: the generate() cache with nothing quantized gives transformers' own (DynamicCache) logits,
+    whose windowed layers see only their window, over a prefill, chunks that straddle window boundaries and decode
+    steps; with an INT2 history a windowed layer dequantizes no row its window has left."""
+    from oscar_kv.codec import LayerCodec
+    from oscar_kv.models import layer_windows
+
+    model = tiny_model(arch)
+    windows = layer_windows(model.config)
+    window = min(w for w in windows if w is not None)
+    ids = held_out_ids[:, :6 * window]
+    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    assert (full_attention_logits(model, ids) - ref)[:, window:].abs().max() > 1e-2, "the window must matter here"
+
+    def run(cache, cuts=(40, 77, 100)):
+        parts = [model(ids[:, a:b], past_key_values=cache).logits for a, b in zip((0,) + cuts, cuts)]
+        return torch.cat(parts + [model(ids[:, i:i + 1], past_key_values=cache).logits
+                                  for i in range(cuts[-1], ids.shape[1])], 1)
+
+    out = run(OscarCache(model, None, CacheSettings("bf16", window_dtype=torch.float32)))
+    assert (out - ref).abs().max() < 1e-4
     unprepare_model(model)
 
-    engine = LLMEngine(model, tokenizer, None, EngineConfig(kv_cache_dtype="bf16", kv_cache_memory=0.01))
-    assert engine.max_model_len == 64
-    assert greedy(engine, ids[0, :40].tolist(), 8) == model.generate(ids[:, :40], max_new_tokens=8, do_sample=False,
-                                                                     )[0, 40:].tolist()
-    with pytest.raises(ConfigError, match="sliding window of 64"):
-        LLMEngine(model, tokenizer, None, EngineConfig(kv_cache_dtype="bf16", kv_cache_memory=0.01, max_model_len=128))
+    dequantized = {}  # codec -> history rows it dequantized
+    original = LayerCodec.dequantize_values
+    monkeypatch.setattr(LayerCodec, "dequantize_values", lambda self, q, *a: dequantized.update(
+        {id(self): dequantized.get(id(self), 0) + q.codes.shape[2]}) or original(self, q, *a))
+    cache = OscarCache(model, None, CacheSettings("int2", sink_size=16, recent_size=16, page_size=16))
+    run(cache)
+    dequantized.clear()
+    start = ids.shape[1]
+    model(ids[:, -1:], past_key_values=cache)  # one decode step at position ``start``
+    for layer, w in zip(cache.layers, windows):
+        assert layer.history_len > 2 * window
+        # the history holds positions [16, 16 + history_len); a windowed layer reads (start - w, start)
+        first = 16 if w is None else start - w + 1
+        assert dequantized[id(layer.codec)] == min(16 + layer.history_len, start) - first
+    unprepare_model(model)

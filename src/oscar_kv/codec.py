@@ -94,13 +94,13 @@ class LayerCodec:
             centered = centered - self.rope.offsets(self.k_rope_mean, positions).double()
         return rotate(centered, self.k_rotation.double()).float()
 
-    def restore_offsets(self, keys: torch.Tensor) -> torch.Tensor:
-        """Stored keys [B, Hkv, N, D] of positions 0..N-1 -> the same keys with the position-aware offset added
-        back (rotated), so that a rotated query's dot with them is the logit of the original key."""
+    def restore_offsets(self, keys: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Stored keys [B, Hkv, N, D] of positions first..first+N-1 -> the same keys with the position-aware offset
+        added back (rotated), so that a rotated query's dot with them is the logit of the original key."""
         if self.k_rope_mean is None:
             return keys  # a constant offset cancels in softmax
         n = keys.shape[2]
-        offsets = self.rope.offsets(self.k_rope_mean, torch.arange(n, device=keys.device))
+        offsets = self.rope.offsets(self.k_rope_mean, torch.arange(first, first + n, device=keys.device))
         return keys + rotate(offsets, self.k_rotation.float())[None]
 
     def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
