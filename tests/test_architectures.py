@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from oscar_kv.cache import CacheSettings, OscarCache, unprepare_model
 from oscar_kv.calibrate import CalibrationSettings, calibrate
 from oscar_kv.folding import fold_values
-from oscar_kv.models import AttentionGeometry
+from oscar_kv.models import AttentionGeometry, layer_windows
 
 # the engine's Triton kernels run on this CPU model under the interpreter only (conftest turns it on without CUDA)
 CPU_KERNELS = not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -35,16 +35,17 @@ ARCHS = {
                       moe_intermediate_size=32),
     "mixtral": dict(model_type="mixtral", sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
 }
-# sliding windows far shorter than the sequences below (Mistral v0.1 windows every layer)
+# sliding windows far shorter than the sequences below (Mistral v0.1 windows every layer; head dim 64 is the
+# kernels' smallest; larger weights than the default 0.02 make its greedy tokens vary, and depend on the window)
 WINDOWED = {
-    "mistral-swa": dict(model_type="mistral", sliding_window=32),
+    "mistral-swa": dict(model_type="mistral", sliding_window=32, head_dim=64, initializer_range=0.3),
 }
 
 
 def tiny_model(arch: str):
     kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-              **(ARCHS.get(arch) or WINDOWED[arch]))
+              num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
+    kw.update(ARCHS.get(arch) or WINDOWED[arch])
     config = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -185,18 +186,13 @@ def test_attention_window_of_each_config_style():
 
 
 def full_attention_logits(model, ids):
-    """The model's logits with every window switched off (the configs' own switch)."""
-    config = model.config
-    saved = config.sliding_window, getattr(config, "layer_types", None)
-    config.sliding_window = None
-    if saved[1] is not None:
-        config.layer_types = ["full_attention"] * len(saved[1])
+    """The model's logits with windows wider than the sequence (transformers builds its masks from the config)."""
+    window = model.config.sliding_window
+    model.config.sliding_window = 1 << 20
     try:
         return model(ids).logits
     finally:
-        config.sliding_window = saved[0]
-        if saved[1] is not None:
-            config.layer_types = saved[1]
+        model.config.sliding_window = window
 
 
 @pytest.mark.parametrize("arch", list(WINDOWED))
@@ -206,7 +202,6 @@ def test_past_the_window_the_cache_equals_transformers(arch, held_out_ids, monke
     whose windowed layers see only their window, over a prefill, chunks that straddle window boundaries and decode
     steps; with an INT2 history a windowed layer dequantizes no row its window has left."""
     from oscar_kv.codec import LayerCodec
-    from oscar_kv.models import layer_windows
 
     model = tiny_model(arch)
     windows = layer_windows(model.config)
@@ -239,3 +234,91 @@ def test_past_the_window_the_cache_equals_transformers(arch, held_out_ids, monke
         first = 16 if w is None else start - w + 1
         assert dequantized[id(layer.codec)] == min(16 + layer.history_len, start) - first
     unprepare_model(model)
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED))
+@torch.no_grad()
+def test_past_the_window_the_engine_equals_generate(arch, tokenizer, held_out_ids, monkeypatch, caplog):
+    """The engine's torch reference serves windowed layers past their window: up to the model's own context, with
+    generate()'s greedy tokens (which the window changes) for a prompt four windows long decoded alongside a second
+    request, with an INT2 history and in BF16 prefilled in chunks (an INT2 chunk reads the earlier ones as stored:
+    generate() matches it in one piece only); a windowed layer's reads start where its window does.  The kernels do
+    not apply windows yet: the engine keeps such models on the reference."""
+    from oscar_kv.artifacts import Rotations
+    from oscar_kv.engine import EngineConfig, LLMEngine, SamplingParams
+    from oscar_kv.engine.attention import TorchAttention
+    from oscar_kv.errors import ConfigError
+
+    model = tiny_model(arch)
+    model.generation_config.eos_token_id = None
+    geometry = AttentionGeometry.of(model.config)
+    windows = layer_windows(model.config)
+    window = min(w for w in windows if w is not None)
+    rot = Rotations.data_free(geometry, "hadamard", geometry.head_dim)
+    plans = []
+    original = TorchAttention.plan
+    monkeypatch.setattr(TorchAttention, "plan", lambda self, steps: plans.append(original(self, steps)) or plans[-1])
+    prompts = [held_out_ids[0, :4 * window + 5].tolist(), held_out_ids[0, 300:300 + 2 * window].tolist()]
+    settings = dict(sink_size=16, recent_size=32, page_size=16)
+    model.config.sliding_window = 1 << 20  # what the tokens would be without the windows
+    full = model.generate(torch.tensor([prompts[0]]), max_new_tokens=10, do_sample=False)[0, len(prompts[0]):].tolist()
+    model.config.sliding_window = window
+    for dtype, chunk in (("int2", 2048), ("bf16", 48)):
+        want = []
+        for prompt in prompts:
+            cache = OscarCache(model, rot, CacheSettings(dtype, **settings))
+            ids = torch.tensor([prompt])
+            want.append(model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False)
+                        [0, len(prompt):].tolist())
+            unprepare_model(model)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="oscar_kv.engine.engine"):
+            engine = LLMEngine(model, tokenizer, rot, EngineConfig(
+                kv_cache_dtype=dtype, kv_cache_memory=0.05, attention_backend="torch", max_num_batched_tokens=chunk,
+                **settings))
+        assert engine.max_model_len == model.config.max_position_embeddings
+        n = sum(w is not None for w in windows)
+        assert f"sliding-window layers: {n} of {len(windows)} (window {window}) read only their window" in caplog.text
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=10, temperature=0.0))
+        got = {"0": [], "1": []}
+        while engine.has_work():
+            for out in engine.step():
+                got[out.request_id] += out.token_ids
+        assert [got["0"], got["1"]] == want and want[0] != full
+        assert engine.pool.all_free()
+        unprepare_model(model)
+    decodes = [plan for plan in plans if all(st.num_tokens == 1 for st in plan.steps)]
+    assert decodes
+    for plan in decodes:
+        for w, reads in plan.reads.items():
+            for st, view in zip(plan.steps, reads.views):
+                assert view.first == (0 if w is None else max(st.start - w + 1, 0))
+                read = sum(b - a for _, a, b in view.parts())
+                assert read == st.start - view.first  # the rows gathered (and dequantized) are the window's
+
+    if CPU_KERNELS and geometry.head_dim >= 64:  # the kernels take this model but for its windows
+        with pytest.raises(ConfigError, match="sliding-window layers"):
+            LLMEngine(model, tokenizer, rot, EngineConfig(kv_cache_dtype="int2", kv_cache_memory=0.05,
+                                                          max_model_len=512, attention_backend="triton", **settings))
+        unprepare_model(model)
+
+
+def test_the_reference_attention_masks_the_window_as_transformers_does():
+    """TorchAttention's mask over keys first..first+n-1 is transformers' sliding-window causal mask (a query at p
+    sees keys in (p - window, p]), and the plain causal one without a window."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    from oscar_kv.engine.attention import _causal_mask, _first_read
+
+    for start, t, first, window in ((0, 9, 0, None), (0, 40, 0, 8), (50, 7, 43, 8), (50, 7, 20, 8), (30, 12, 0, 1),
+                                    (100, 1, 93, 8), (5, 3, 0, 64)):
+        n = start + t - first
+        logits = torch.zeros(1, 1, 1, t, n)
+        allowed = _causal_mask(start, t, n, "cpu", first, window)(logits)[0, 0, 0] == 0
+        reference = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+        pos_q, pos_k = torch.arange(start, start + t)[:, None], torch.arange(first, first + n)[None, :]
+        want = reference(0, 0, pos_q, pos_k).expand(t, n)
+        assert torch.equal(allowed, want), (start, t, first, window)
+    # a decode step reads from the oldest position its window reaches: every key read is seen, no mask needed
+    assert _first_read(100, 8) == 93 and _first_read(3, 8) == 0 and _first_read(100, None) == 0
