@@ -18,6 +18,14 @@ from oscar_kv.models import AttentionGeometry, layer_windows
 # the engine's Triton kernels run on this CPU model under the interpreter only (conftest turns it on without CUDA)
 CPU_KERNELS = not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
+# Gemma 3 (1B's pattern, shrunk): QK-norm, the softmax scale from query_pre_attn_scalar, sandwich norms, GeGLU, a head
+# dim apart from hidden / heads; sliding layers (window 32) beside a full one, each type with its own RoPE (local base
+# 1e4; global 1e6 with linear scaling, as the 4B-27B models)
+GEMMA3 = dict(model_type="gemma3_text", num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=32,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})
+
 ARCHS = {
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=16),
@@ -34,11 +42,15 @@ ARCHS = {
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32),
     "mixtral": dict(model_type="mixtral", sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
+    "gemma3": GEMMA3,
+    # a large pre-RoPE key bias (before k_norm): keys centered per position, each layer with its type's RoPE
+    "gemma3-key-bias": dict(GEMMA3, attention_bias=True),
 }
 # sliding windows far shorter than the sequences below (Mistral v0.1 windows every layer; head dim 64 is the
 # kernels' smallest; larger weights than the default 0.02 make its greedy tokens vary, and depend on the window)
 WINDOWED = {
     "mistral-swa": dict(model_type="mistral", sliding_window=32, head_dim=64, initializer_range=0.3),
+    "gemma3": GEMMA3,
 }
 
 
@@ -78,6 +90,8 @@ def test_cache_equivalences_and_calibration(arch, tokenizer, held_out_ids):
     geometry = AttentionGeometry.of(model.config)
     rot.validate(geometry)
     assert rot.k_mean.abs().max() > 0
+    if arch == "gemma3-key-bias":  # the bias turns with two RoPEs: centered per position with each layer's
+        assert rot.key_centering == "rope" and rot.manifest["calibration"]["key_centering_choice"]["chosen"] == "rope"
     if ARCHS[arch].get("partial_rotary_factor"):  # RoPE on the first half of each head: centered per position there
         layout = rot.rotary_layout
         assert rot.key_centering == "rope" and rot.manifest["calibration"]["key_centering_choice"]["chosen"] == "rope"
@@ -117,10 +131,10 @@ def test_engine_greedy_output_equals_generate(arch, tokenizer, held_out_ids):
     model.generation_config.eos_token_id = None  # random weights: run all the tokens asked for
     geometry = AttentionGeometry.of(model.config)
     rot = Rotations.data_free(geometry, "hadamard", geometry.head_dim)
-    if ARCHS[arch].get("partial_rotary_factor"):  # keys centered per position on the rotated channels
-        from oscar_kv.rope import RopeTable, keep_pairs, random_pairs
+    if ARCHS[arch].get("partial_rotary_factor") or arch == "gemma3-key-bias":  # keys centered per position
+        from oscar_kv.rope import keep_pairs, layer_rope_tables, random_pairs
 
-        layout = RopeTable(model, geometry.head_dim).layout
+        layout = layer_rope_tables(model, geometry.head_dim)[0].layout
         gen = torch.Generator().manual_seed(1)
         keep = random_pairs(geometry.num_layers * geometry.num_kv_heads, layout.rotated_pairs, 3, gen)
         keep = torch.nn.functional.pad(keep, (0, geometry.head_dim // 2 - layout.rotated_pairs))
@@ -183,6 +197,35 @@ def test_attention_window_of_each_config_style():
     assert attention_window(cfg("qwen2", use_sliding_window=True, sliding_window=512, max_window_layers=2)) == 512
     assert attention_window(cfg("phi3", sliding_window=2047)) == 2047  # Phi-3-mini-4k's config
     assert attention_window(cfg("llama")) is None and attention_window(cfg("qwen3")) is None
+    # Gemma 3: five sliding layers, then a full one
+    gemma = AutoConfig.for_model("gemma3_text", num_hidden_layers=7, sliding_window=512)
+    assert layer_windows(gemma) == (512,) * 5 + (None, 512) and attention_window(gemma) == 512
+
+
+def test_gemma3_keys_turn_with_each_layer_types_rope():
+    """Gemma 3's sliding and full layers use different RoPE (rotary_emb(x, positions, layer_type)): position-aware
+    centering takes each layer's table (shared by the layers of its type), each the model's own; its geometry reads
+    the configured head dim; the executor refuses it by name."""
+    import sys
+
+    from oscar_kv.models.llama import executor_support
+    from oscar_kv.rope import layer_rope_tables
+
+    model = tiny_model("gemma3")
+    config = model.config
+    assert AttentionGeometry.of(config).head_dim == 32 != config.hidden_size // config.num_attention_heads
+    assert "gemma3_text" in executor_support(model)
+    tables = layer_rope_tables(model, 32)
+    assert tables[0] is tables[2] and tables[0] is not tables[1]
+    assert [t.layer_type for t in tables] == config.layer_types
+    apply = sys.modules[type(model).__module__].apply_rotary_pos_emb
+    pos = torch.tensor([0, 3, 31, 400, 1900])
+    mu = torch.randn(2, 32, generator=torch.Generator().manual_seed(0)) * 20
+    for table, layer_type in zip(tables, config.layer_types):
+        cos, sin = model.model.rotary_emb(mu, pos[None], layer_type)
+        _, want = apply(mu[None, :, None].expand(1, 2, 5, 32), mu[None, :, None].expand(1, 2, 5, 32), cos, sin)
+        assert torch.allclose(table.offsets(mu, pos), want[0], atol=2e-3)
+    assert not torch.allclose(tables[0].offsets(mu, pos), tables[1].offsets(mu, pos), atol=1)
 
 
 def full_attention_logits(model, ids):

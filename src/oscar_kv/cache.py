@@ -50,7 +50,7 @@ class OscarCacheLayer(CacheLayerMixin):
     """One layer's storage.  ``update`` returns the layer itself; ``oscar_attention`` reads it."""
 
     is_compileable = False
-    is_sliding = False
+    is_sliding = False  # every layer keeps every position: masks span them all (a sliding one adds its band)
 
     def __init__(self, settings: CacheSettings, codec: LayerCodec, window: int | None = None):
         super().__init__()
