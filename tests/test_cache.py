@@ -164,3 +164,28 @@ def test_codecs_hold_contiguous_key_rotations(model, rotations):
     assert not strided.k_rotation[0].is_contiguous()
     for codec, want in zip(layer_codecs(model, strided, "int2"), rotations.k_rotation):
         assert codec.k_rotation.is_contiguous() and torch.equal(codec.k_rotation, want.float())
+
+
+@pytest.mark.parametrize("key_axis", ["token", "channel"])
+def test_a_range_of_positions_reads_only_its_rows(key_axis):
+    """``segments(lo, end)``, what a sliding-window layer reads, is ``segments_before(end)`` from position lo on:
+    across the sink, the INT2 history (whole key pages per channel for KIVI-style keys) and the recent window."""
+    from oscar_kv.cache import OscarCacheLayer
+    from oscar_kv.codec import LayerCodec
+
+    g = torch.Generator().manual_seed(0)
+    hkv, d = 2, 16
+    settings = CacheSettings("int2", sink_size=8, recent_size=16, page_size=8, key_axis=key_axis, **FP32)
+    codec = LayerCodec(2, 8, torch.eye(d).expand(hkv, d, d), torch.zeros(hkv, d), torch.full((hkv,), 0.9),
+                       torch.full((hkv,), 0.9), key_page=8 if key_axis == "channel" else None)
+    layer = OscarCacheLayer(settings, codec, window=20)
+    for _ in range(9):
+        layer.update(torch.randn(1, hkv, 7, d, generator=g), torch.randn(1, hkv, 7, d, generator=g))
+    assert layer.history_len >= 32 and layer.seq_len == 63
+    whole = [torch.cat(parts, 2) for parts in layer.segments_before(60)]
+    for lo, end in ((0, 60), (5, 60), (8, 41), (13, 19), (37, 60), (50, 63), (60, 60)):
+        ks, vs = layer.segments(lo, end)
+        assert sum(k.shape[2] for k in ks) == end - lo
+        if end > lo and end <= 60:
+            assert torch.equal(torch.cat(ks, 2), whole[0][:, :, lo:end])
+            assert torch.equal(torch.cat(vs, 2), whole[1][:, :, lo:end])

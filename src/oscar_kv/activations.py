@@ -68,6 +68,12 @@ class LayerSample:
     v: torch.Tensor  # [Hkv, T, D]
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, D] of positions 0..T-1
     rope_layout: object = None  # rope.RotaryLayout of the tables (None: rotate-half over all D channels)
+    scaling: float | None = None  # the softmax scale of the layer's logits (None: D^-0.5)
+    window: int | None = None  # the layer's sliding window (models.layer_windows), None: it sees every position
+
+    @property
+    def scale(self) -> float:
+        return self.q.shape[-1] ** -0.5 if self.scaling is None else self.scaling
 
     def key_offset(self, k_mean: torch.Tensor, k_rope_mean: torch.Tensor | None = None) -> torch.Tensor:
         """What centering subtracts from each key: [Hkv, 1, D] (constant) or [Hkv, T, D] (position-aware)."""
@@ -91,18 +97,26 @@ def run_layers(model, input_ids: torch.Tensor) -> None:
 @torch.no_grad()
 def capture_samples(model, input_ids: torch.Tensor) -> list[LayerSample]:
     """Run one sequence (``input_ids`` [1, T]) and keep every layer's q, k, v: one LayerSample per layer, with
-    the RoPE tables of positions 0..T-1 when the model's RoPE allows position-aware centering."""
-    from .rope import RopeTable, RopeUnsupported
+    its softmax scale and sliding window, and the layer's RoPE tables of positions 0..T-1 when the model's RoPE
+    allows position-aware centering."""
+    from .models import layer_windows
+    from .rope import RopeUnsupported, layer_rope_tables
 
     samples: dict[int, LayerSample] = {}
     try:
-        table = RopeTable(model, AttentionGeometry.of(model.config).head_dim)
-        rope, layout = table(torch.arange(input_ids.shape[1])), table.layout
+        tables = layer_rope_tables(model, AttentionGeometry.of(model.config).head_dim)
+        positions = torch.arange(input_ids.shape[1])
+        ropes = {id(t): t(positions) for t in tables}  # once per table: layers of one RoPE share it
+        rope = [(ropes[id(t)], t.layout) for t in tables]
     except RopeUnsupported:
-        rope = layout = None
+        rope = None
+    windows = layer_windows(model.config)
+    scalings = [getattr(layer.self_attn, "scaling", None) for layer in model.model.layers]
 
     def keep(layer, q, k, v, out):
-        samples[layer] = LayerSample(q[0].float().cpu(), k[0].float().cpu(), v[0].float().cpu(), rope, layout)
+        tables, layout = rope[layer] if rope is not None else (None, None)
+        samples[layer] = LayerSample(q[0].float().cpu(), k[0].float().cpu(), v[0].float().cpu(), tables, layout,
+                                     scalings[layer], windows[layer])
 
     with observing(model, keep):
         run_layers(model, input_ids)
@@ -125,13 +139,17 @@ def _per_head(r: torch.Tensor, heads: int) -> torch.Tensor:
     return r.expand(heads, *r.shape[1:]) if r.shape[0] == 1 else r
 
 
-def _served_windows(t: int, nq: int, sink_size: int, recent_size: int):
+def _served_windows(t: int, nq: int, sink_size: int, recent_size: int, window: int | None = None):
     """For the last ``nq`` of ``t`` positions: (sink end, end of the keys any scored query sees quantized,
-    future [nq, T], quantized [nq, T]): key j is INT2 for the query at p iff sink <= j and p - j >= recent_size."""
+    unseen [nq, T], quantized [nq, T]): key j is INT2 for the query at p iff sink <= j and p - j >= recent_size;
+    unseen: later keys, and with a sliding ``window`` the keys at or before p - window."""
     s = min(sink_size, t)
     pos = torch.arange(t - nq, t)[:, None]
     key = torch.arange(t)[None, :]
-    return s, max(t - recent_size, s), key > pos, (key >= s) & (key <= pos - recent_size)
+    unseen = key > pos
+    if window is not None:
+        unseen = unseen | (key <= pos - window)
+    return s, max(t - recent_size, s), unseen, (key >= s) & (key <= pos - recent_size)
 
 
 def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mean, v_mean, k_clip, v_clip,
@@ -173,7 +191,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     v_rot = rotate(sample.v - v_mean[:, None], rv)
     q = sample.q[:, t - nq:]
     q_rot = rotate(q.reshape(hkv, (hq // hkv) * nq, q.shape[-1]), rk).reshape_as(q)
-    s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size)
+    s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size, sample.window)
     k_q, v_q = k_rot.clone(), v_rot.clone()
     if quantize_keys:
         k_q[:, s:last] = fake_quantize(k_rot[:, s:last], bits, group_size, k_clip[:, None].float(), rescale[0])
@@ -181,7 +199,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
         v_q[:, s:last] = fake_quantize(v_rot[:, s:last], bits, group_size, v_clip[:, None].float(), rescale[1])
     full_offset = rotate(offset.expand_as(sample.k), rk)
     head_of = torch.arange(hq) // (hq // hkv)
-    scale = q.shape[-1] ** -0.5
+    scale = sample.scale
 
     exact = torch.softmax(torch.einsum("hqd,hkd->hqk", q, sample.k[head_of]).mul(scale)
                           .masked_fill(future, float("-inf")), -1) @ sample.v[head_of]
@@ -230,8 +248,8 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
     v_rot = (sample.v[head] - v_mean[head]) @ rv
     q_rot = sample.q[head * g:(head + 1) * g, t - nq:] @ rk  # [g, nq, D]
     off_rot = off @ rk
-    s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size)
-    scale = q_rot.shape[-1] ** -0.5
+    s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size, sample.window)
+    scale = sample.scale
     z_exact = (q_rot @ (k_rot + off_rot).T * scale).masked_fill(future, float("-inf"))  # [g, nq, T]
     p_exact = torch.softmax(z_exact, -1)
     exact = p_exact @ v_rot  # rotated, centered space: the error's norm is the same as in the model's

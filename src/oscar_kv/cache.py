@@ -9,7 +9,8 @@ at write time; values arrive so (folded into v_proj).  Per layer and sequence th
 Attention (``oscar_attention``) rotates the query, dequantizes the history inside the call and
 attends to the tokens of the current forward exactly (as a fused prefill kernel does).  The values' mean
 is restored by o_proj's bias; the keys' constant mean cancels in softmax, their per-position offset is
-added back (codec.LayerCodec.restore_offsets).
+added back (codec.LayerCodec.restore_offsets).  Every layer stores every token; a sliding-window layer
+(models.layer_windows) reads, and dequantizes, only the positions its window reaches.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .artifacts import Rotations
 from .codec import LayerCodec, layer_codecs, stored_attention, validated_artifact
 from .config import CacheConfig
-from .errors import BeyondSlidingWindow
 from .folding import fold_values, restore_model
 from .memory import KVFootprint
-from .models import attention_window
+from .models import layer_windows
 from .quant import QuantizedRows
 
 ATTENTION_KEY = "oscar_kv"
@@ -50,12 +50,12 @@ class OscarCacheLayer(CacheLayerMixin):
     """One layer's storage.  ``update`` returns the layer itself; ``oscar_attention`` reads it."""
 
     is_compileable = False
-    is_sliding = False
+    is_sliding = False  # every layer keeps every position: masks span them all (a sliding one adds its band)
 
     def __init__(self, settings: CacheSettings, codec: LayerCodec, window: int | None = None):
         super().__init__()
         self.settings, self.codec = settings, codec
-        self.window = window  # the model's sliding window: sequences stop there (models.attention_window)
+        self.window = window  # this layer's sliding window (models.layer_windows), None: it sees every position
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None
         self.hist_k: QuantizedRows | None = None
         self.hist_v: QuantizedRows | None = None
@@ -71,11 +71,6 @@ class OscarCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if self.window is not None and self.seq_len + key_states.shape[2] > self.window:
-            raise BeyondSlidingWindow(
-                f"the sequence reaches {self.seq_len + key_states.shape[2]} tokens, past the model's sliding window "
-                f"of {self.window}: this cache attends to every token in every layer, which equals the model's "
-                "windowed layers only up to the window")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         positions = torch.arange(self.seq_len, self.seq_len + key_states.shape[2], device=key_states.device)
@@ -135,24 +130,37 @@ class OscarCacheLayer(CacheLayerMixin):
 
     def segments_before(self, end: int, dtype: torch.dtype = torch.float32):
         """Keys and values of positions [0, end) as stored (history dequantized), concatenated in order."""
+        return self.segments(0, end, dtype)
+
+    def segments(self, lo: int, end: int, dtype: torch.dtype = torch.float32):
+        """Keys and values of positions [lo, end) as stored, in order: lists of [B, H, n, D] parts.  Only the
+        history rows in the range are dequantized (whole key pages with KIVI-style keys)."""
         ks, vs, start = [], [], 0
-        parts = [(self.sink_k, self.sink_v, None)]
+        parts = [(self.sink_k, self.sink_v, False)]
         if self.hist_k is not None:
-            parts.append((self.hist_k, self.hist_v, "q"))
-        parts.append((self.recent_k, self.recent_v, None))
-        for k, v, kind in parts:
-            length = v.codes.shape[2] if kind else k.shape[2]
-            take = min(max(end - start, 0), length)
-            if take:
-                sl = (slice(None), slice(None), slice(0, take))
-                if kind:
-                    ks.append(self.codec.dequantize_keys(k, dtype)[:, :, :take])
-                    vs.append(self.codec.dequantize_values(v.select(sl), dtype))
+            parts.append((self.hist_k, self.hist_v, True))
+        parts.append((self.recent_k, self.recent_v, False))
+        for k, v, quantized in parts:
+            length = v.codes.shape[2] if quantized else k.shape[2]
+            a, b = min(max(lo - start, 0), length), min(max(end - start, 0), length)
+            if b > a:
+                if quantized:
+                    ks.append(self._dequantized_keys(k, a, b, dtype))
+                    vs.append(self.codec.dequantize_values(v.select(_tokens(a, b)), dtype))
                 else:
-                    ks.append(k[:, :, :take].to(dtype))
-                    vs.append(v[:, :, :take].to(dtype))
+                    ks.append(k[:, :, a:b].to(dtype))
+                    vs.append(v[:, :, a:b].to(dtype))
             start += length
         return ks, vs
+
+    def _dequantized_keys(self, rows: QuantizedRows, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """History keys [a, b) dequantized; KIVI-style keys are quantized per page, so whole pages are read."""
+        p = self.codec.key_page
+        if p is None:
+            return self.codec.dequantize_keys(rows.select(_tokens(a, b)), dtype)
+        first = a // p
+        pages = self.codec.dequantize_keys(rows.select(_tokens(first, -(-b // p))), dtype)
+        return pages[:, :, a - first * p:b - first * p]
 
     def footprint(self) -> KVFootprint:
         window = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
@@ -160,6 +168,11 @@ class OscarCacheLayer(CacheLayerMixin):
         quantized = 0 if self.hist_k is None else self.hist_k.nbytes() + self.hist_v.nbytes()
         b, h, d = (self.sink_k.shape[0], self.sink_k.shape[1], self.sink_k.shape[3]) if self.sink_k is not None else (0, 0, 0)
         return KVFootprint(window_bytes=window, quantized_bytes=quantized, elements=2 * b * h * d * self.seq_len)
+
+
+def _tokens(a: int, b: int) -> tuple:
+    """The index of token rows [a, b) of [B, H, T, ...] tensors."""
+    return slice(None), slice(None), slice(a, b)
 
 
 def _cat_rows(a: QuantizedRows, b: QuantizedRows) -> QuantizedRows:
@@ -181,8 +194,8 @@ class OscarCache(Cache):
         self.settings, self.rotations = settings, rotations
         key_page = settings.page_size if settings.key_axis == "channel" else None
         codecs = layer_codecs(model, rotations, settings.kv_cache_dtype, settings.group_size, key_page=key_page)
-        window = attention_window(model.config)
-        super().__init__(layers=[OscarCacheLayer(settings, codec, window) for codec in codecs])
+        windows = layer_windows(model.config)
+        super().__init__(layers=[OscarCacheLayer(settings, codec, window) for codec, window in zip(codecs, windows)])
 
     def footprint(self) -> KVFootprint:
         total = KVFootprint(0, 0, 0)
@@ -218,26 +231,43 @@ def register_attention() -> None:
 
 
 def oscar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Reference attention over an ``OscarCacheLayer`` (torch, float32).  Returns [B, T, Hq, D]."""
+    """Reference attention over an ``OscarCacheLayer`` (torch, float32).  Returns [B, T, Hq, D].
+
+    A query at position p sees the keys at positions (p - window, p] of a sliding-window layer, [0, p] otherwise;
+    transformers' mask (sliding for such layers) holds the same band, and padding."""
     if not isinstance(key, OscarCacheLayer):  # a forward without our cache: plain tensors, exact SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit softcapping (Gemma 2) is not supported by the oscar_kv cache")
     layer = key
     chunk_k, chunk_v, start = layer.chunk
     layer.chunk = None
     t = query.shape[2]
     scaling = query.shape[3]**-0.5 if scaling is None else scaling
-    ks, vs = layer.segments_before(start)
-    keys = layer.codec.restore_offsets(torch.cat(ks + [chunk_k.float()], 2))  # [B, Hkv, N, D]
+    window = layer.window
+    # the oldest position any query of this chunk sees: nothing before it is read or dequantized
+    lo = 0 if window is None else max(start - window + 1, 0)
+    ks, vs = layer.segments(lo, start)
+    keys = layer.codec.restore_offsets(torch.cat(ks + [chunk_k.float()], 2), first=lo)  # [B, Hkv, N, D]
     values = torch.cat(vs + [chunk_v.float()], 2)
-    n = keys.shape[2]
+    n = keys.shape[2]  # positions lo .. start + t - 1
+
+    def band(logits, fill):
+        pos_q = torch.arange(start, start + t, device=query.device)[:, None]
+        pos_k = torch.arange(lo, lo + n, device=query.device)[None, :]
+        allowed = pos_k <= pos_q
+        if window is not None:
+            allowed = allowed & (pos_k > pos_q - window)
+        return logits.masked_fill(~allowed, fill)
 
     def mask(logits):
         if attention_mask is None:
-            pos_q = torch.arange(start, start + t, device=query.device)
-            allowed = torch.arange(n, device=query.device)[None, :] <= pos_q[:, None]
-            return logits.masked_fill(~allowed, float("-inf"))
+            return band(logits, float("-inf"))
+        fill = torch.finfo(torch.float32).min
+        if window is not None and t > 1:  # the model's mask has the band already; this keeps it if a mask lacks it
+            logits = band(logits, fill)
         if attention_mask.dtype == torch.bool:
-            return logits.masked_fill(~attention_mask[:, :, None, :, -n:], torch.finfo(torch.float32).min)
+            return logits.masked_fill(~attention_mask[:, :, None, :, -n:], fill)
         return logits + attention_mask[:, :, None, :, -n:].float()
 
     out = stored_attention(layer.codec.rotate_queries(query), keys, values, scaling, mask)

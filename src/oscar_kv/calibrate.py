@@ -4,7 +4,7 @@ Per layer and KV head h (GQA group of g query heads), accumulated in float64 wit
 activations:
   C_Q  = mean q q^T over the group's post-RoPE queries     -> key rotation (logit error weight)
   mu_K = mean post-RoPE key                                  -> key centering ("constant")
-  mu_pre = mean pre-RoPE key (RoPE undone with the model's tables) -> position-aware key
+  mu_pre = mean pre-RoPE key (RoPE undone with the layer's tables) -> position-aware key
          centering ("rope", rope.py), kept in the rope_pairs channel pairs where it removes the
          most logit variance (the kernels visit only those); mu_K then holds the constant rest.
          With "auto", the centering and the pair count are chosen on the held-back probe
@@ -37,8 +37,8 @@ from .errors import ConfigError
 from .models import AttentionGeometry
 from .parallel import SINGLE, TensorParallel, shard_model
 from .quant import check_rescale
-from .rope import (DEFAULT_PAIRS, RopeTable, RopeUnsupported, keep_pairs, mean_phase, pair_counts, remove_rope,
-                   rotate_half, rotated_only)
+from .rope import (DEFAULT_PAIRS, RopeTable, RopeUnsupported, keep_pairs, layer_rope_tables, mean_phase, pair_counts,
+                   remove_rope, rotate_half, rotated_only)
 from .rotation import compose
 
 log = logging.getLogger(__name__)
@@ -112,11 +112,15 @@ class CalibrationSettings:
 
 
 class Statistics:
-    """Float64 running sums per layer and KV head."""
+    """Float64 running sums per layer and KV head.  ``rope``: the model's RoPE table, or one per layer
+    (rope.layer_rope_tables: a RoPE per layer type), for position-aware centering; None: no such centering."""
 
-    def __init__(self, geometry: AttentionGeometry, rope: RopeTable | None = None, horizon: int | None = None):
+    def __init__(self, geometry: AttentionGeometry, rope: RopeTable | list[RopeTable] | None = None,
+                 horizon: int | None = None):
         g = geometry
-        self.rope = rope
+        self.ropes = [rope] * g.num_layers if isinstance(rope, RopeTable) else rope
+        # the layout and rotary dim, the same in every layer (layer_rope_tables checks)
+        self.rope = self.ropes[0] if self.ropes else None
         self.horizon = horizon  # positions rope_pair_mask scores pairs over (None: the calibration's own)
         shape_dd = (g.num_layers, g.num_kv_heads, g.head_dim, g.head_dim)
         shape_d = (g.num_layers, g.num_kv_heads, g.head_dim)
@@ -149,8 +153,9 @@ class Statistics:
         self.k_sum[layer] += k.to(torch.float64).sum((0, 2)).cpu()
         self.v_sum[layer] += v.to(torch.float64).sum((0, 2)).cpu()
         if self.rope is not None:  # calibration forwards start at position 0
-            cos, sin = (x.to(k.device, torch.float64) for x in self.rope(torch.arange(k.shape[2])))
-            self.k_pre_sum[layer] += remove_rope(k.to(torch.float64), cos, sin, self.rope.layout).sum((0, 2)).cpu()
+            rope = self.ropes[layer]
+            cos, sin = (x.to(k.device, torch.float64) for x in rope(torch.arange(k.shape[2])))
+            self.k_pre_sum[layer] += remove_rope(k.to(torch.float64), cos, sin, rope.layout).sum((0, 2)).cpu()
             self.cos_sum[layer] += b * cos.sum(0).cpu()
             self.sin_sum[layer] += b * sin.sum(0).cpu()
         self.rows[layer] += grouped_q.shape[1]
@@ -200,12 +205,13 @@ class Statistics:
         only these pairs."""
         layout = self.rope.layout
         toks = self.tokens[:, None]
-        scale = layout.pair_scales(self.rope.scaling)
+        scale = torch.stack([layout.pair_scales(rope.scaling) for rope in self.ropes])  # [L, D/2]: each layer's RoPE
         c_cos, c_sin = layout.parts(self.cos_sum)[0] / toks / scale, layout.parts(self.sin_sum)[0] / toks / scale
         if self.horizon is None:
             missed = 1 - c_cos ** 2 - c_sin ** 2
         else:
-            m_cos, m_sin = mean_phase(layout.pair_frequencies(self.rope.inv_freq), self.horizon)
+            phases = [mean_phase(layout.pair_frequencies(rope.inv_freq), self.horizon) for rope in self.ropes]
+            m_cos, m_sin = (torch.stack(x) for x in zip(*phases))
             missed = 1 - 2 * (c_cos * m_cos + c_sin * m_sin) + c_cos ** 2 + c_sin ** 2
         lo, hi = layout.parts(mu_pre)
         amplitude = lo ** 2 + hi ** 2
@@ -306,7 +312,7 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     started = time.perf_counter()
     say = _PhaseReport(progress and tp.is_driver)
     try:
-        rope = RopeTable(model, geometry.head_dim)
+        rope = layer_rope_tables(model, geometry.head_dim)
     except RopeUnsupported as exc:
         if settings.key_centering == "rope":
             raise
@@ -324,9 +330,8 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     say(f"held-back probe of {probe_ids.shape[1]} tokens captured")
     if tp.size > 1:  # every rank saw its heads: put them together (rank 0 fits, as one process would)
         stats.gather_heads(tp, geometry)
-        probe = [LayerSample(tp.gather_heads(s.q, 0), tp.gather_heads(s.k, 0), tp.gather_heads(s.v, 0), s.rope,
-                             s.rope_layout)
-                 for s in probe]
+        probe = [dataclasses.replace(s, q=tp.gather_heads(s.q, 0), k=tp.gather_heads(s.k, 0),
+                                     v=tp.gather_heads(s.v, 0)) for s in probe]
         if not tp.is_driver:
             return None
     rotations = fit_rotations(stats, settings, group_size)

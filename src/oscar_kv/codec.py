@@ -25,7 +25,7 @@ from .config import KV_CACHE_BITS
 from .errors import ConfigError
 from .models import AttentionGeometry
 from .quant import QuantizedRows, dequantize_rows, quantize_rows
-from .rope import RopeTable, RopeUnsupported, kernel_pairs
+from .rope import RopeTable, RopeUnsupported, kernel_pairs, layer_rope_tables
 from .rotation import rotate
 
 
@@ -46,7 +46,7 @@ class LayerCodec:
     k_rescale: float = 0.0  # quant.quantize_rows' rescale strength per side
     v_rescale: float = 0.0
     k_rope_mean: torch.Tensor | None = None  # mu_pre of position-aware centering, None: constant centering only
-    rope: RopeTable | None = None  # the model's cos / sin, shared by all layers (with k_rope_mean)
+    rope: RopeTable | None = None  # this layer's cos / sin (with k_rope_mean), shared by the layers of its RoPE
     rope_pairs: torch.Tensor | None = None  # rope.kernel_pairs(k_rope_mean), found once: finding them syncs the device
     key_page: int | None = None  # KIVI: keys quantized per channel over pages of this many tokens, unclipped
     # keys are stored as they come (identity rotation, no centering: a BF16 cache without an artifact), so the
@@ -94,13 +94,13 @@ class LayerCodec:
             centered = centered - self.rope.offsets(self.k_rope_mean, positions).double()
         return rotate(centered, self.k_rotation.double()).float()
 
-    def restore_offsets(self, keys: torch.Tensor) -> torch.Tensor:
-        """Stored keys [B, Hkv, N, D] of positions 0..N-1 -> the same keys with the position-aware offset added
-        back (rotated), so that a rotated query's dot with them is the logit of the original key."""
+    def restore_offsets(self, keys: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Stored keys [B, Hkv, N, D] of positions first..first+N-1 -> the same keys with the position-aware offset
+        added back (rotated), so that a rotated query's dot with them is the logit of the original key."""
         if self.k_rope_mean is None:
             return keys  # a constant offset cancels in softmax
         n = keys.shape[2]
-        offsets = self.rope.offsets(self.k_rope_mean, torch.arange(n, device=keys.device))
+        offsets = self.rope.offsets(self.k_rope_mean, torch.arange(first, first + n, device=keys.device))
         return keys + rotate(offsets, self.k_rotation.float())[None]
 
     def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
@@ -183,7 +183,7 @@ def validated_artifact(model, rotations: Rotations | None) -> Rotations:
 
 
 def shared_ropes(codecs: list["LayerCodec"]) -> list[RopeTable]:
-    """The RoPE tables of the codecs that center keys per position (one object shared by all layers)."""
+    """The RoPE tables of the codecs that center keys per position (one object per RoPE the layers use)."""
     return list({id(c.rope): c.rope for c in codecs if c.k_rope_mean is not None}.values())
 
 
@@ -205,10 +205,11 @@ def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: i
     group_size = group_size or rotations.group_size
     if geometry.head_dim % group_size:
         raise ConfigError(f"group_size {group_size} must divide the head dim {geometry.head_dim}", "group_size")
-    rope = RopeTable(model, geometry.head_dim) if rotations.key_centering == "rope" else None
-    if rope is not None and rope.layout != rotations.rotary_layout:
+    ropes = (layer_rope_tables(model, geometry.head_dim) if rotations.key_centering == "rope"
+             else [None] * geometry.num_layers)
+    if ropes[0] is not None and ropes[0].layout != rotations.rotary_layout:
         raise ArtifactError(f"the artifact centers keys for RoPE {rotations.rotary_layout.as_dict()}, the model's is "
-                            f"{rope.layout.as_dict()} (recalibrate for this model)")
+                            f"{ropes[0].layout.as_dict()} (recalibrate for this model)")
     codecs = []
     for i in range(geometry.num_layers):
         k_rope_mean = rotations.k_rope_mean[i].float()
@@ -217,5 +218,5 @@ def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: i
             # contiguous once here: the write kernel takes R_K contiguous, and would copy it per layer and step
             rotations.k_rotation[i].float().contiguous(), rotations.k_mean[i].float(), rotations.k_clip[i].float(),
             rotations.v_clip[i].float(), rotations.k_rescale, rotations.v_rescale,
-            k_rope_mean if k_rope_mean.abs().max() > 0 else None, rope, key_page=key_page))
+            k_rope_mean if k_rope_mean.abs().max() > 0 else None, ropes[i], key_page=key_page))
     return codecs

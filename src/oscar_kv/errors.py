@@ -36,11 +36,6 @@ class NonFiniteActivations(OscarKVError, ValueError):
     narrow for them)."""
 
 
-class BeyondSlidingWindow(OscarKVError, ValueError):
-    """A sequence outgrew the sliding window of a model whose windowed layers oscar-kv serves only up to it
-    (models.attention_window)."""
-
-
 class RequestError(OscarKVError, ValueError):
     """A request the engine cannot take as asked: an empty or too long prompt, token ids outside the vocabulary,
     sampling parameters out of range, a request id in use (the server answers 400)."""

@@ -11,7 +11,10 @@ The model's rotary module supplies the frequencies and scaling, so static RoPE v
 Llama-3) are followed; the angles p * theta are taken in float64, so the offset is the same function of
 the position wherever it is computed (write side in torch, kernels).  Partial rotary (RoPE on the first
 rotary_dim channels of a head, rotate-half as Phi-3 or interleaved as GLM) is described by a RotaryLayout;
-RoPE that changes with the sequence is refused.
+RoPE that changes with the sequence is refused.  A model whose rotary module keeps one RoPE per layer type (Gemma 3:
+base 10000 on its sliding layers, 1e6 and a scaling on its full ones) gets one table per type
+(``layer_rope_tables``); the artifact's mu_pre does not depend on the frequencies, each layer's codec turns it with
+its own.
 """
 
 from __future__ import annotations
@@ -305,19 +308,38 @@ class KernelRope:
         return tuple(x.contiguous().to(device) for x in (table, base, steps, phases, tile))
 
 
-class RopeTable:
-    """float32 cos/sin of the model's RoPE by position (float64 angles), grown on demand, shared by all layers."""
+def layer_rope_tables(model, head_dim: int) -> list["RopeTable"]:
+    """One RopeTable per decoder layer: the model's one RoPE in every layer, or where its rotary module keeps one
+    per layer type (``config.layer_types``, buffers ``<type>_inv_freq``: Gemma 3) the table of each layer's type,
+    shared by the layers of that type.  RopeUnsupported unless every table has the same RotaryLayout (the artifact
+    records one)."""
+    rotary = find_rotary(model)
+    types = getattr(model.config, "layer_types", None)
+    if getattr(rotary, "inv_freq", None) is not None or not types:
+        return [RopeTable(model, head_dim)] * model.config.num_hidden_layers
+    tables = {t: RopeTable(model, head_dim, t) for t in dict.fromkeys(types)}
+    if len({table.layout for table in tables.values()}) > 1:
+        raise RopeUnsupported("the layer types' RoPE turn different channels; position-aware key centering needs "
+                              "one layout in every layer")
+    return [tables[t] for t in types]
 
-    def __init__(self, model, head_dim: int):
-        self.rotary, self.head_dim = find_rotary(model), head_dim
-        inv_freq = getattr(self.rotary, "inv_freq", None)
+
+class RopeTable:
+    """float32 cos/sin of the model's RoPE by position (float64 angles), grown on demand, shared by all layers
+    (of ``layer_type``, where the rotary module keeps a RoPE per layer type: ``layer_rope_tables``)."""
+
+    def __init__(self, model, head_dim: int, layer_type: str | None = None):
+        self.rotary, self.head_dim, self.layer_type = find_rotary(model), head_dim, layer_type
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        inv_freq = getattr(self.rotary, f"{prefix}inv_freq", None)
         if inv_freq is None or not 0 < 2 * inv_freq.numel() <= head_dim:
             raise RopeUnsupported(f"the rotary embedding does not rotate channel pairs of the {head_dim}-channel "
                                   "heads; position-aware key centering needs a RoPE with one frequency per pair")
+        self.device = inv_freq.device  # the rotary module's
         self.inv_freq = inv_freq.detach().double().cpu()  # [rotary_dim / 2]
-        self.scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
+        self.scaling = float(getattr(self.rotary, f"{prefix}attention_scaling", 1.0))
         self._check()
-        self.layout = probe_layout(model, self.rotary, head_dim, self.inv_freq, self.scaling)
+        self.layout = probe_layout(model, self.module_tables, head_dim, self.inv_freq, self.scaling)
         self.cos = self.sin = None  # float32 on the CPU; device copies in _on
         self._on: dict = {}
         self._last = None  # (positions, cos, sin) of the latest call
@@ -329,11 +351,15 @@ class RopeTable:
         return 2 * self.inv_freq.numel()
 
     @torch.no_grad()
+    def module_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary module's own cos, sin [1, T, rotary_dim] float32 at ``positions`` [T], on its device."""
+        args = (torch.zeros(1, 1, device=self.device, dtype=torch.float32), positions[None].to(self.device))
+        return self.rotary(*args) if self.layer_type is None else self.rotary(*args, self.layer_type)
+
+    @torch.no_grad()
     def _check(self) -> None:
         """The model's own cos/sin must be this table's (up to its float32 angles) on the first positions."""
-        device = self.rotary.inv_freq.device
-        pos = torch.arange(64, device=device)
-        cos, sin = self.rotary(torch.zeros(1, 1, device=device, dtype=torch.float32), pos[None])
+        cos, sin = self.module_tables(torch.arange(64))
         emb = torch.cat([rope_angles(torch.arange(64), self.inv_freq)] * 2, -1)  # the module's rotate-half form
         mine_cos, mine_sin = (emb.cos() * self.scaling).float(), (emb.sin() * self.scaling).float()
         if cos.shape[-1] != self.rotary_dim or not (torch.allclose(cos[0].cpu().float(), mine_cos, atol=1e-5) and
@@ -412,20 +438,21 @@ def _apply_function(model):
 
 
 @torch.no_grad()
-def probe_layout(model, rotary, head_dim: int, inv_freq: torch.Tensor, scaling: float) -> RotaryLayout:
+def probe_layout(model, module_tables, head_dim: int, inv_freq: torch.Tensor, scaling: float) -> RotaryLayout:
     """The RotaryLayout whose RoPE is the model's own ``apply_rotary_pos_emb`` on random keys: rotate-half or
-    interleaved over the first 2 len(inv_freq) channels.  Rotate-half is assumed when the modeling code has no such
-    function (or another signature); RopeUnsupported when it has one and neither layout matches it."""
+    interleaved over the first 2 len(inv_freq) channels.  ``module_tables``: the rotary module's cos, sin
+    (RopeTable.module_tables).  Rotate-half is assumed when the modeling code has no such function (or another
+    signature); RopeUnsupported when it has one and neither layout matches it."""
     rotary_dim = 2 * inv_freq.numel()
     candidates = [RotaryLayout(head_dim, rotary_dim), RotaryLayout(head_dim, rotary_dim, interleaved=True)]
     fn = _apply_function(model)
     if fn is None:
         return candidates[0]
-    device = rotary.inv_freq.device
     x = torch.randn(1, 1, 4, head_dim, generator=torch.Generator().manual_seed(0))
     pos = torch.tensor([1, 7, 30, 200])
     try:
-        cos, sin = rotary(x.to(device), pos[None].to(device))
+        cos, sin = module_tables(pos)
+        device = cos.device
         theirs = fn(x.to(device), x.to(device), cos, sin)[1][0, 0].double().cpu()
     except Exception:  # noqa: BLE001 - a modeling module with another signature: the rotate-half default
         return candidates[0]

@@ -10,7 +10,9 @@ layer the torch reference
    pages that leave the window are quantized from their BF16 rows (cache.py's migration),
 3. attends, per sequence, to the history *as stored* (INT2 pages dequantized inside the call)
    plus the step's own tokens exactly - the same semantics as ``cache.oscar_attention``, so a
-   request alone in the batch reproduces ``oscar_kv.generation.generate`` token for token.
+   request alone in the batch reproduces ``oscar_kv.generation.generate`` token for token.  A
+   sliding-window layer (``PoolGeometry.layer_windows``) gathers and dequantizes only the positions
+   its window reaches.
 
 With the kernels (``KernelAttention``) steps 1-2 are the fused write path of ``kernels/write.py``
 and step 3 the decode kernel, or for prefill chunks flash attention over the history materialized as float16
@@ -80,6 +82,7 @@ class _SeqView:
 
     chunk: tuple[int, int]  # token range in the packed row
     start: int  # its first position
+    first: int  # the first position read (0, or the oldest one a sliding window reaches)
     sink: tuple[int, int]  # range in the gathered window rows
     quant: tuple[int, int]  # range in the gathered quantized rows
     recent: tuple[int, int]  # range in the gathered window rows
@@ -100,11 +103,20 @@ class _Joined:
         return (self.quant if kind == QUANT else self.window)[a:b]
 
 
-def _causal_mask(start: int, t: int, n: int, device):
-    """Logits of queries at positions start.. over keys 0..n-1: those of later keys pushed to the float32 minimum."""
-    pos_q = torch.arange(start, start + t, device=device)
-    allowed = torch.arange(n, device=device)[None, :] <= pos_q[:, None]
+def _causal_mask(start: int, t: int, n: int, device, first: int = 0, window: int | None = None):
+    """Logits of queries at positions start.. over keys at first..first+n-1: those of later keys, and with a
+    ``window`` those of keys at or before p - window, pushed to the float32 minimum."""
+    pos_q = torch.arange(start, start + t, device=device)[:, None]
+    pos_k = torch.arange(first, first + n, device=device)[None, :]
+    allowed = pos_k <= pos_q
+    if window is not None:
+        allowed = allowed & (pos_k > pos_q - window)
     return lambda logits: logits.masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def _first_read(start: int, window: int | None) -> int:
+    """The oldest position a query at ``start`` or later sees through ``window`` (None: every position)."""
+    return 0 if window is None else max(start - window + 1, 0)
 
 
 def _span(a: int, b: int) -> torch.Tensor:
@@ -129,6 +141,16 @@ class StepPlan:
 
 
 @dataclass
+class _Reads:
+    """The history the layers of one sliding window (or of none) read in a step: window rows, then quantized
+    rows, and where each sequence's part of them sits."""
+
+    win: _Rows
+    quant: _Rows
+    views: list[_SeqView]
+
+
+@dataclass
 class TorchPlan(StepPlan):
     """The reference backend's plan: pool rows to write and to read, per sequence."""
 
@@ -138,9 +160,7 @@ class TorchPlan(StepPlan):
     q_src: torch.Tensor
     mig_src: _Rows  # window rows of migrating recent pages, and the quantized rows they go to
     mig_dst: _Rows
-    win_reads: _Rows  # the history each sequence reads: window rows, then quantized rows
-    q_reads: _Rows
-    views: list[_SeqView]
+    reads: dict[int | None, _Reads]  # by the layers' sliding window (None: full attention)
 
 
 @dataclass
@@ -167,8 +187,10 @@ class TorchAttention:
         g = pool.geometry
         p, sink_end = g.page_size, g.sink_pages * g.page_size
         win_writes, win_src, q_writes, q_src, mig_src, mig_dst = [], [], [], [], [], []
-        win_reads, q_reads, views = [], [], []
-        offset = n_win = n_q = 0
+        windows = list(dict.fromkeys(g.layer_windows))  # each window the layers read with, once
+        reads = {w: ([], [], []) for w in windows}  # per window: window rows, quantized rows, views
+        counts = {w: [0, 0] for w in windows}
+        offset = 0
         for step in steps:
             seq = step.seq
             table = torch.tensor(seq.pages, dtype=torch.long)
@@ -184,22 +206,27 @@ class TorchAttention:
                 old = _span(m.index * p, min((m.index + 1) * p, step.start))
                 mig_src.append(_Rows(torch.full_like(old, m.src), old % p))
                 mig_dst.append(_Rows(torch.full_like(old, m.dst), old % p))
-            # the history the attention reads: positions [0, start) in their form after this step
-            sink = _span(0, min(step.start, sink_end))
-            quant = _span(sink_end, min(step.start, hist_end))
-            recent = _span(hist_end, step.start)
-            win_reads += [_Rows.of(table, sink, p), _Rows.of(table, recent, p)]
-            q_reads.append(_Rows.of(table, quant, p))
-            views.append(_SeqView((offset, offset + step.num_tokens), step.start,
-                                  (n_win, n_win + len(sink)), (n_q, n_q + len(quant)),
-                                  (n_win + len(sink), n_win + len(sink) + len(recent))))
-            n_win += len(sink) + len(recent)
-            n_q += len(quant)
+            # the history the attention reads: positions [first, start) in their form after this step, where
+            # first is 0, or for a sliding-window layer the oldest position its window reaches
+            for w in windows:
+                first = _first_read(step.start, w)
+                sink = _span(first, min(step.start, sink_end))
+                quant = _span(max(sink_end, first), min(step.start, hist_end))
+                recent = _span(max(hist_end, first), step.start)
+                win_reads, q_reads, views = reads[w]
+                n_win, n_q = counts[w]
+                win_reads += [_Rows.of(table, sink, p), _Rows.of(table, recent, p)]
+                q_reads.append(_Rows.of(table, quant, p))
+                views.append(_SeqView((offset, offset + step.num_tokens), step.start, first,
+                                      (n_win, n_win + len(sink)), (n_q, n_q + len(quant)),
+                                      (n_win + len(sink), n_win + len(sink) + len(recent))))
+                counts[w] = [n_win + len(sink) + len(recent), n_q + len(quant)]
             offset += step.num_tokens
         dev = pool.device
         return TorchPlan(positions, offset, steps, _Rows.cat(win_writes).to(dev), torch.cat(win_src).to(dev),
                          _Rows.cat(q_writes).to(dev), torch.cat(q_src).to(dev), _Rows.cat(mig_src).to(dev),
-                         _Rows.cat(mig_dst).to(dev), _Rows.cat(win_reads).to(dev), _Rows.cat(q_reads).to(dev), views)
+                         _Rows.cat(mig_dst).to(dev),
+                         {w: _Reads(_Rows.cat(r[0]).to(dev), _Rows.cat(r[1]).to(dev), r[2]) for w, r in reads.items()})
 
     def run(self, plan: TorchPlan, layer_idx: int, query, key, value, scaling, regions=NO_REGIONS) -> torch.Tensor:
         """query [1, Hq, N, D], key / value [1, Hkv, N, D] -> [1, N, Hq, D]."""
@@ -209,20 +236,25 @@ class TorchAttention:
         values = value.float()
         with regions.region("kv_write_and_migration"):
             self._write(plan, layer_idx, codec, keys, values)
-        hist_k, hist_v = self._gather(layer_idx, plan.win_reads, plan.q_reads)
+        window = self.pool.geometry.layer_windows[layer_idx]
+        reads = plan.reads[window]
+        hist_k, hist_v = self._gather(layer_idx, reads.win, reads.quant)
         with regions.region("query_rotation"):
             q_rot = codec.rotate_queries(query)  # [1, Hq, N, D]
         _, hq, n_tok, d = query.shape
         scaling = d ** -0.5 if scaling is None else scaling
         out = query.new_empty(1, n_tok, hq, d)
-        for view in plan.views:
+        for view in reads.views:
             c0, c1 = view.chunk
             parts = [part for part in view.parts() if part[2] > part[1]]
             ks = [_heads_first(hist_k[part]) for part in parts]
             vs = [_heads_first(hist_v[part]) for part in parts]
-            k_all = codec.restore_offsets(torch.cat(ks + [keys[:, :, c0:c1]], 2))  # [1, H, n, D], positions 0..n-1
+            # [1, H, n, D] of positions first..first+n-1
+            k_all = codec.restore_offsets(torch.cat(ks + [keys[:, :, c0:c1]], 2), first=view.first)
             v_all = torch.cat(vs + [values[:, :, c0:c1]], 2)
-            mask = _causal_mask(view.start, c1 - c0, k_all.shape[2], query.device) if c1 - c0 > 1 else None
+            # one query (decode) sees every key read: the reads start where its window does
+            mask = (_causal_mask(view.start, c1 - c0, k_all.shape[2], query.device, view.first, window)
+                    if c1 - c0 > 1 else None)
             out[:, c0:c1] = stored_attention(q_rot[:, :, c0:c1], k_all, v_all, scaling, mask).transpose(1, 2)
         return out
 

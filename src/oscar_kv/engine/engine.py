@@ -22,7 +22,7 @@ from ..config import EngineConfig
 from ..errors import ConfigError, RequestError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
-from ..models import attention_window, layer_windows
+from ..models import layer_windows
 from ..models.llama import LlamaExecutor, executor_support
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
 from .block_pool import PagePool, PoolPlan, plan_pool
@@ -105,6 +105,9 @@ class LLMEngine:
             raise ValueError("this model was sharded for tensor parallelism by an earlier engine and holds only its "
                              "slices; load it again for a new engine")
         config.validate()  # again: a config's fields can change after it was built
+        if any(getattr(model.config, f"{where}_logit_softcapping", None) for where in ("attn", "final")):
+            raise ConfigError("logit softcapping (Gemma 2) is not supported: the engine's attention and sampling "
+                              "would leave it out")
         rotations = validated_artifact(model, rotations)
         fold_values(model, rotations.v_rotation, rotations.v_mean, tag=rotations)  # values are born rotated
         codecs = layer_codecs(model, rotations, config.kv_cache_dtype, config.group_size)
@@ -127,20 +130,14 @@ class LLMEngine:
                                      tuple(codec.bits for codec in self.codecs),
                                      layer_windows=layer_windows(model.config))
         limit = getattr(model.config, "max_position_embeddings", None) or 8192
-        window = attention_window(model.config)
-        if window is not None and window < limit and not config.max_model_len:
-            log.info("sliding-window layers (window %d): serving up to %d tokens, where windowed and full attention "
-                     "agree (longer contexts with windowed layers are not supported yet)", window, window)
-            limit = window
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context of {limit} tokens",
                               "max_model_len")
-        if window is not None and self.max_model_len > window:
-            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's sliding window of {window} "
-                              "tokens: the engine attends to the whole sequence in every layer, which equals the "
-                              "model's windowed layers only up to the window; use --max-model-len <= "
-                              f"{window}", "max_model_len")
+        windowed = [w for w in pool_geometry.layer_windows if w is not None]
+        if windowed:
+            log.info("sliding-window layers: %d of %d (window %s) read only their window; every layer stores every "
+                     "token", len(windowed), geometry.num_layers, "/".join(str(w) for w in sorted(set(windowed))))
         # per-position centering's RoPE tables, sized once for every position a kernel may read: grown on demand,
         # they were rebuilt on the host mid-prefill while the GPU waited (and each step synced for the positions' max)
         for rope in shared_ropes(self.codecs):
@@ -155,6 +152,8 @@ class LLMEngine:
                                    config.enable_prefix_caching)
         self.kernel_status = kernel_support(self.pool, config.attention_backend,
                                             rope_centered=any(codec.k_rope_mean is not None for codec in self.codecs))
+        if self.kernel_status is None and windowed:  # until the kernels read a window only the reference applies it
+            self.kernel_status = "sliding-window layers (the kernels do not apply the window yet)"
         if config.attention_backend == "triton" and self.kernel_status is not None:
             raise ConfigError(f"attention_backend triton: {self.kernel_status}", "attention_backend")
         if self.kernel_status is not None and self.device.type == "cuda" and config.attention_backend != "torch":

@@ -18,7 +18,7 @@ from ..calibrate import CalibrationSettings, Statistics, split_probe
 from ..corpus import DEFAULT_CORPUS, CorpusError, load_calibration_text, read_text_file
 from ..errors import ConfigError
 from ..models import AttentionGeometry
-from ..rope import DEFAULT_PAIRS, RopeTable, RopeUnsupported
+from ..rope import DEFAULT_PAIRS, RopeUnsupported, layer_rope_tables
 from . import tasks
 from .report import write_report
 from .schemes import STANDARD, Scheme, ablation_schemes, standard_scheme
@@ -112,7 +112,7 @@ def _calibration_statistics(model, tokenizer, oscar: Rotations):
     count = int(cal.get("sequences", 8))
     geometry = AttentionGeometry.of(model.config)
     try:
-        rope = RopeTable(model, geometry.head_dim)
+        rope = layer_rope_tables(model, geometry.head_dim)
     except RopeUnsupported:
         rope = None
     # pairs scored as the artifact's were (None: the artifact records no horizon)
