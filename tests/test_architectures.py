@@ -340,10 +340,17 @@ def test_past_the_window_the_engine_equals_generate(arch, tokenizer, held_out_id
                 read = sum(b - a for _, a, b in view.parts())
                 assert read == st.start - view.first  # the rows gathered (and dequantized) are the window's
 
-    if CPU_KERNELS and geometry.head_dim >= 64:  # the kernels take this model but for its windows
-        with pytest.raises(ConfigError, match="sliding-window layers"):
-            LLMEngine(model, tokenizer, rot, EngineConfig(kv_cache_dtype="int2", kv_cache_memory=0.05,
-                                                          max_model_len=512, attention_backend="triton", **settings))
+    if CPU_KERNELS and geometry.head_dim >= 64:  # the kernels apply each layer's window too: the same tokens
+        engine = LLMEngine(model, tokenizer, rot, EngineConfig(kv_cache_dtype="bf16", kv_cache_memory=0.05,
+                                                               attention_backend="triton", max_num_batched_tokens=48,
+                                                               **settings))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=10, temperature=0.0))
+        got = {"0": [], "1": []}
+        while engine.has_work():
+            for out in engine.step():
+                got[out.request_id] += out.token_ids
+        assert [got["0"], got["1"]] == want
         unprepare_model(model)
 
 

@@ -152,8 +152,6 @@ class LLMEngine:
                                    config.enable_prefix_caching)
         self.kernel_status = kernel_support(self.pool, config.attention_backend,
                                             rope_centered=any(codec.k_rope_mean is not None for codec in self.codecs))
-        if self.kernel_status is None and windowed:  # until the kernels read a window only the reference applies it
-            self.kernel_status = "sliding-window layers (the kernels do not apply the window yet)"
         if config.attention_backend == "triton" and self.kernel_status is not None:
             raise ConfigError(f"attention_backend triton: {self.kernel_status}", "attention_backend")
         if self.kernel_status is not None and self.device.type == "cuda" and config.attention_backend != "torch":
