@@ -51,6 +51,9 @@ ARCHS = {
 WINDOWED = {
     "mistral-swa": dict(model_type="mistral", sliding_window=32, head_dim=64, initializer_range=0.3),
     "gemma3": GEMMA3,
+    # Qwen2's windows: layers from max_window_layers on (here the second of two); run by our executor
+    "qwen2-swa": dict(model_type="qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1,
+                      head_dim=64, initializer_range=0.3),
 }
 
 

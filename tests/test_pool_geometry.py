@@ -54,6 +54,18 @@ def test_bytes_per_token_page_and_sequence():
     assert g.layer_read_bytes(1000) == 3 * (672 * 40 + 328 * 256) == 332_544
 
 
+def test_a_windowed_layer_reads_only_its_window():
+    import dataclasses
+
+    g = smol()
+    w = dataclasses.replace(g, layer_windows=(500, 100, 2000) + (None,) * (g.num_layers - 3))
+    # 1000 tokens: sink [0, 64), INT2 [64, 736), recent [736, 1000); a window of 500 reads from position 500 on
+    assert w.layer_read_bytes(1000, 0) == 3 * (236 * 40 + 264 * 256)
+    assert w.layer_read_bytes(1000, 1) == 3 * 100 * 256  # only recent rows
+    assert w.layer_read_bytes(1000, 2) == w.layer_read_bytes(1000, 3) == g.layer_read_bytes(1000)
+    assert dataclasses.replace(smol(16), layer_windows=w.layer_windows).layer_read_bytes(1000, 1) == 3 * 100 * 256
+
+
 def test_bf16_bytes():
     g = smol(16)
     assert g.quant_bytes_per_token() == 0 and g.quant_page_bytes == 0

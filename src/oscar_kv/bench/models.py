@@ -53,6 +53,12 @@ ARCHS = {
                             max_position_embeddings=131072,
                             rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
                             tie_word_embeddings=True, bos_token_id=2, eos_token_id=1),
+    # sliding windows: every layer attends to the last 4096 tokens (the engine reads only those)
+    "mistral-7b-v0.1": dict(cls="MistralConfig", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            max_position_embeddings=32768, sliding_window=4096,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
+                            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
     # For CPU tests: head dim 64 is the smallest the extend kernel accepts.
     "tiny": dict(cls="LlamaConfig", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=131072,

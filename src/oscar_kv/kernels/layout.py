@@ -196,10 +196,15 @@ class PoolGeometry:
 
     def layer_read_bytes(self, seq_len: int, layer: int = 0) -> int:
         """Bytes of one layer's cache a decode step reads for a sequence of ``seq_len`` tokens: the quantized
-        history's codes and scale/min plus the window rows (tokens, not whole pages)."""
+        history's codes and scale/min plus the window rows (tokens, not whole pages); a windowed layer reads only
+        the positions its window reaches."""
         quant_tokens = self.int2_pages_for(seq_len) * self.page_size
-        return self.num_kv_heads * (quant_tokens * self.quant_bytes_per_token(layer)
-                                    + (seq_len - quant_tokens) * self.window_bytes_per_token())
+        window = self.layer_windows[layer]
+        first = 0 if window is None else max(0, seq_len - window)
+        sink_end = self.sink_size if quant_tokens else 0
+        quant_read = max(0, sink_end + quant_tokens - max(first, sink_end))
+        return self.num_kv_heads * (quant_read * self.quant_bytes_per_token(layer)
+                                    + (seq_len - first - quant_read) * self.window_bytes_per_token())
 
 
 @dataclass

@@ -50,8 +50,6 @@ def executor_support(model) -> str | None:
         return f"RoPE type {rope_type!r} (the executor keeps fixed position tables)"
     if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
         return "partial rotary embeddings"
-    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
-        return "sliding-window layers"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not all(hasattr(attn, f"{p}_proj") for p in "qkvo") or not all(
