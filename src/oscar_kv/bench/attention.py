@@ -162,15 +162,20 @@ def _orthogonal(h: int, d: int, device) -> torch.Tensor:
     return q.float().to(device)
 
 
-def _rope_mean(h: int, d: int, gen: torch.Generator, pairs: int = DEFAULT_PAIRS) -> torch.Tensor:
-    """A pre-RoPE key mean as calibration ships it: large (a k_proj bias), live in ``pairs`` pairs per head."""
-    return keep_pairs(torch.randn(h, d, generator=gen) * 20, random_pairs(h, d // 2, pairs, gen))
+def _rope_mean(h: int, d: int, gen: torch.Generator, pairs: int = DEFAULT_PAIRS, layout=None) -> torch.Tensor:
+    """A pre-RoPE key mean as calibration ships it: large (a k_proj bias), live in ``pairs`` of the RoPE pairs
+    per head (the rotated ones of ``layout``)."""
+    rotated = d // 2 if layout is None else layout.rotated_pairs
+    keep = torch.zeros(h, d // 2, dtype=torch.bool)
+    keep[:, :rotated] = random_pairs(h, rotated, min(pairs, rotated), gen)
+    return keep_pairs(torch.randn(h, d, generator=gen) * 20, keep, layout)
 
 
-def calibrated_like(geometry, seed: int = 0, pairs: int = DEFAULT_PAIRS):
+def calibrated_like(geometry, seed: int = 0, pairs: int = DEFAULT_PAIRS, layout=None):
     """A synthetic artifact shaped like the one ``calibrate`` ships, for random-weight models: per-head
     orthogonal key and value rotations, a constant key mean plus per-position means live in ``pairs`` RoPE pairs
-    per head (magnitude as _rope_mean), default clips.  Speed depends on this shape, not on the numbers."""
+    per head (magnitude as _rope_mean), default clips; ``layout``: the model's rope.RotaryLayout where its RoPE
+    is partial or interleaved.  Speed depends on this shape, not on the numbers."""
     from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
 
     g = geometry
@@ -181,21 +186,25 @@ def calibrated_like(geometry, seed: int = 0, pairs: int = DEFAULT_PAIRS):
                                            dtype=torch.float64))
         setattr(rot, name, q.float().view(g.num_layers, g.num_kv_heads, g.head_dim, g.head_dim))
     rot.k_mean = torch.randn(g.num_layers, g.num_kv_heads, g.head_dim, generator=gen)
-    rot.k_rope_mean = torch.stack([_rope_mean(g.num_kv_heads, g.head_dim, gen, pairs) for _ in range(g.num_layers)])
+    rot.k_rope_mean = torch.stack([_rope_mean(g.num_kv_heads, g.head_dim, gen, pairs, layout)
+                                   for _ in range(g.num_layers)])
+    if layout is not None and not layout.standard:
+        rot.rope_layout = layout
     rot.manifest = {"calibration": {"composition": "synthetic calibrated-like (bench.attention.calibrated_like)",
                                     "key_centering": "rope", "rope_pairs": pairs}}
     rot.validate()
     return rot
 
 
-def load_rotations(spec: str | None, geometry, validate: bool = True, rope_pairs: int = DEFAULT_PAIRS):
+def load_rotations(spec: str | None, geometry, validate: bool = True, rope_pairs: int = DEFAULT_PAIRS, layout=None):
     """``--rotations`` of the benchmarks: an artifact directory, ``synthetic`` (default: calibrated_like with
-    ``rope_pairs`` pairs) or ``hadamard`` (data-free, no centering: the cheapest decode attention).  ``validate``:
-    a directory's artifact must be for ``geometry`` exactly (else only its KV heads and head dim)."""
+    ``rope_pairs`` pairs in ``layout``'s rotated pairs) or ``hadamard`` (data-free, no centering: the cheapest decode
+    attention).  ``validate``: a directory's artifact must be for ``geometry`` exactly (else only its KV heads and
+    head dim)."""
     from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
 
     if spec in (None, "", "synthetic"):
-        return calibrated_like(geometry, pairs=rope_pairs)
+        return calibrated_like(geometry, pairs=rope_pairs, layout=layout)
     if spec == "hadamard":
         return Rotations.data_free(geometry, "hadamard", k_clip=DEFAULT_K_CLIP, v_clip=DEFAULT_V_CLIP)
     rot = Rotations.load(spec)

@@ -540,6 +540,9 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)  # the same random weights on every rank
     model, minfo = build_model(args.arch, args.layers, device)
     geometry = AttentionGeometry.of(model.config)
+    from ..rope import RopeTable
+
+    rope_layout = RopeTable(model, geometry.head_dim).layout  # partial / interleaved RoPE: GLM-4, Phi-3-mini
     parallel.check_geometry(geometry, ranks)
     budget = args.kv_cache_memory if args.kv_cache_memory is not None else default_budget(device, model)
     budget = ranks.smallest(budget)  # per GPU
@@ -551,7 +554,7 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
     from .attention import load_rotations
 
-    rotations = load_rotations(args.rotations, geometry, rope_pairs=args.rope_pairs)
+    rotations = load_rotations(args.rotations, geometry, rope_pairs=args.rope_pairs, layout=rope_layout)
     # Every batch starts from a prefilled sequence and decodes at most this many tokens past it.
     grow = 1 + args.warmup_steps + max(args.decode_steps, args.throughput_steps) + SYNCED_STEPS + args.breakdown_steps \
         + args.profile_steps + args.page_size
