@@ -325,13 +325,7 @@ def test_past_the_window_the_engine_equals_generate(arch, tokenizer, held_out_id
         assert engine.max_model_len == model.config.max_position_embeddings
         n = sum(w is not None for w in windows)
         assert f"sliding-window layers: {n} of {len(windows)} (window {window}) read only their window" in caplog.text
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=10, temperature=0.0))
-        got = {"0": [], "1": []}
-        while engine.has_work():
-            for out in engine.step():
-                got[out.request_id] += out.token_ids
-        assert [got["0"], got["1"]] == want and want[0] != full
+        assert _greedy_tokens(engine, prompts) == want and want[0] != full
         assert engine.pool.all_free()
         unprepare_model(model)
     decodes = [plan for plan in plans if all(st.num_tokens == 1 for st in plan.steps)]
@@ -347,14 +341,21 @@ def test_past_the_window_the_engine_equals_generate(arch, tokenizer, held_out_id
         engine = LLMEngine(model, tokenizer, rot, EngineConfig(kv_cache_dtype="bf16", kv_cache_memory=0.05,
                                                                attention_backend="triton", max_num_batched_tokens=48,
                                                                **settings))
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=10, temperature=0.0))
-        got = {"0": [], "1": []}
-        while engine.has_work():
-            for out in engine.step():
-                got[out.request_id] += out.token_ids
-        assert [got["0"], got["1"]] == want
+        assert _greedy_tokens(engine, prompts) == want
         unprepare_model(model)
+
+
+def _greedy_tokens(engine, prompts: list[list[int]], n: int = 10) -> list[list[int]]:
+    """The engine's n greedy tokens for each prompt, served together."""
+    from oscar_kv.engine import SamplingParams
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0.0))
+    got = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    return [got[str(i)] for i in range(len(prompts))]
 
 
 def test_the_reference_attention_masks_the_window_as_transformers_does():
