@@ -188,21 +188,22 @@ def greedy(engine, prompt: list[int], n: int) -> list[int]:
     return got
 
 
-def test_attention_window_of_each_config_style():
-    from oscar_kv.models import attention_window
-
+def test_layer_windows_of_each_config_style():
     def cfg(model_type, **kw):
         return AutoConfig.for_model(model_type, num_hidden_layers=4, **kw)
 
-    assert attention_window(cfg("mistral", sliding_window=4096)) == 4096  # Mistral v0.1: every layer
-    assert attention_window(cfg("mistral", sliding_window=None)) is None
-    assert attention_window(cfg("qwen2")) is None  # use_sliding_window is off by default
-    assert attention_window(cfg("qwen2", use_sliding_window=True, sliding_window=512, max_window_layers=2)) == 512
-    assert attention_window(cfg("phi3", sliding_window=2047)) == 2047  # Phi-3-mini-4k's config
-    assert attention_window(cfg("llama")) is None and attention_window(cfg("qwen3")) is None
+    full = (None,) * 4
+    assert layer_windows(cfg("mistral", sliding_window=4096)) == (4096,) * 4  # Mistral v0.1: every layer
+    assert layer_windows(cfg("mistral", sliding_window=None)) == full
+    assert layer_windows(cfg("qwen2")) == full  # use_sliding_window is off by default
+    # Qwen2: layers from max_window_layers on
+    assert layer_windows(cfg("qwen2", use_sliding_window=True, sliding_window=512, max_window_layers=2)) == \
+        (None, None, 512, 512)
+    assert layer_windows(cfg("phi3", sliding_window=2047)) == (2047,) * 4  # Phi-3-mini-4k's config
+    assert layer_windows(cfg("llama")) == layer_windows(cfg("qwen3")) == full
     # Gemma 3: five sliding layers, then a full one
     gemma = AutoConfig.for_model("gemma3_text", num_hidden_layers=7, sliding_window=512)
-    assert layer_windows(gemma) == (512,) * 5 + (None, 512) and attention_window(gemma) == 512
+    assert layer_windows(gemma) == (512,) * 5 + (None, 512)
 
 
 def test_gemma3_keys_turn_with_each_layer_types_rope():

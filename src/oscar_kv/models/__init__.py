@@ -1,7 +1,7 @@
 """Models: loading (HF directory, .gguf, hub id, embedded default) and our own executor for the Llama family."""
 
-from .loading import (DEFAULT_MODEL, EMBEDDED_MODELS, AttentionGeometry, attention_window, default_dtype, layer_windows,
+from .loading import (DEFAULT_MODEL, EMBEDDED_MODELS, AttentionGeometry, default_dtype, layer_windows,
                       load_model, projection_rows, publish_dir, resolve_model)
 
-__all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "AttentionGeometry", "attention_window", "default_dtype", "layer_windows",
+__all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "AttentionGeometry", "default_dtype", "layer_windows",
            "load_model", "projection_rows", "publish_dir", "resolve_model"]

@@ -77,14 +77,6 @@ def layer_windows(config) -> tuple[int | None, ...]:
     return (int(window),) * n
 
 
-def attention_window(config) -> int | None:
-    """The smallest sliding window a layer of this model attends with, None when every layer sees the whole
-    sequence (see ``layer_windows``).  A sequence no longer than it gets the same attention with or without
-    the windows."""
-    windows = [w for w in layer_windows(config) if w is not None]
-    return min(windows) if windows else None
-
-
 def projection_rows(attn, which: str, geometry: AttentionGeometry) -> tuple[torch.nn.Linear, slice]:
     """The linear layer and its output rows that produce one attention module's keys (``which="k"``) or values
     ("v"): a separate k_proj / v_proj, or their rows of a fused qkv_proj (Phi-3 stacks q, k, v in that order)."""
