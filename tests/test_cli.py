@@ -106,7 +106,8 @@ def test_prompt_longer_than_the_model_is_refused(artifact_dir):
 # every flag of `oscar-kv serve` that users and scripts rely on: renaming a ServeConfig field must not rename one
 SERVE_FLAGS = ("--model", "-m", "--rotations", "-r", "--kv-cache-dtype", "--calibrate", "--sink-size", "--recent-size",
                "--group-size", "--page-size", "--max-model-len", "--kv-cache-memory", "--max-num-seqs",
-               "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching", "--host", "--port",
+               "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching", "--async-scheduling",
+               "--no-async-scheduling", "--host", "--port",
                "--api-key", "--served-model-name", "--device", "--attention-backend", "--enforce-eager", "--tp",
                "--tensor-parallel-size", "--shutdown-timeout", "--max-body-mb", "--log-level", "--model-impl")
 
