@@ -22,6 +22,7 @@ from ..config import EngineConfig
 from ..errors import ConfigError, RequestError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
+from ..kernels.tuning import TUNING
 from ..models import layer_windows
 from ..models.llama import LlamaExecutor, executor_support
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
@@ -219,7 +220,7 @@ class LLMEngine:
                     f"on each of {self.tp.size} ranks)" if self.tp.size > 1 else "")
         if self.executor_status is None:
             executor = self.runner.forward.executor
-            gemv = ("; projections of <= 16 tokens: Triton GEMV" if executor.gemm == "triton"
+            gemv = (f"; projections of <= {TUNING.gemv_max_rows} tokens: Triton GEMV" if executor.gemm == "triton"
                     else f"; projections: cuBLAS ({executor.gemm_why})")
             forward = f"oscar executor (fused QKV and gate/up GEMMs, fused norms and RoPE{gemv})"
         else:
@@ -457,9 +458,16 @@ class LLMEngine:
         try:
             return self.runner.launch(batch.scheduled, after), outputs
         except Exception as exc:  # a failed forward fails its requests, not the server
-            log.exception("forward failed")
-            return None, outputs + [self._finish(st.seq, "error", f"{type(exc).__name__}: {exc}")
-                                    for st in batch.scheduled if not st.seq.finished]
+            return None, outputs + self._fail(batch.scheduled, exc)
+
+    def _fail(self, steps, exc: Exception) -> list[RequestOutput]:
+        """A failed forward ends its requests (those still running) with an error, not the server."""
+        log.exception("forward failed")
+        return [self._finish(st.seq, "error", f"{type(exc).__name__}: {exc}") for st in steps if not st.seq.finished]
+
+    def _at_length(self, seq: Sequence, more: int = 0) -> bool:
+        """``seq`` has reached max_tokens or max_model_len (with ``more`` tokens yet to come)."""
+        return len(seq.output_ids) + more >= seq.params.max_tokens or seq.num_tokens + more >= self.max_model_len
 
     def _account(self, launched) -> None:
         """Before the step's tokens are known: count its computed tokens, and give each sequence it samples a
@@ -468,8 +476,7 @@ class LLMEngine:
             if not st.seq.finished:  # (aborted while the step was in flight)
                 self.scheduler.finish_step(st)
         for seq in launched.sampling:
-            if (not seq.finished and len(seq.output_ids) + 1 < seq.params.max_tokens
-                    and seq.num_tokens + 1 < self.max_model_len):
+            if not seq.finished and not self._at_length(seq, more=1):
                 seq.output_ids.append(PENDING)
 
     def _complete(self, launched, accounted: bool) -> list[RequestOutput]:
@@ -477,9 +484,7 @@ class LLMEngine:
         try:
             sampled = self.runner.sampled(launched)
         except Exception as exc:
-            log.exception("forward failed")
-            return [self._finish(st.seq, "error", f"{type(exc).__name__}: {exc}") for st in launched.steps
-                    if not st.seq.finished]
+            return self._fail(launched.steps, exc)
         outputs = []
         now = time.monotonic()
         new_tokens = 0
@@ -507,7 +512,7 @@ class LLMEngine:
         reason = None
         if token in self.stop_token_ids and not seq.params.ignore_eos:
             reason = "stop"
-        elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif self._at_length(seq):
             reason = "length"
         text = seq.detokenizer
         grown_from = len(text.text)

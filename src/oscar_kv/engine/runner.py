@@ -99,11 +99,6 @@ class ModelRunner:
         self.regions = NO_REGIONS  # engine/timing.py: a benchmark installs its own to time the step's parts
 
     @torch.inference_mode()
-    def run(self, steps: list[ScheduledSeq]) -> dict[Sequence, int]:
-        """The step's forward and the next token of each sequence that completed its tokens (waits for them)."""
-        return self.sampled(self.launch(steps))
-
-    @torch.inference_mode()
     def launch(self, steps: list[ScheduledSeq], after: "LaunchedStep | None" = None) -> "LaunchedStep":
         """Queue the step's forward, logits and argmax on the device without waiting for them.  ``after``: the
         step still in flight whose sampled tokens are this step's input where a sequence's last id is PENDING."""
