@@ -26,7 +26,7 @@ from ..kernels.tuning import TUNING
 from ..models import layer_windows
 from ..models.llama import LlamaExecutor, executor_support
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
-from .block_pool import PagePool, PoolPlan, plan_pool
+from .block_pool import PagePool, plan_pool
 from .detokenize import IncrementalText
 from .kernel_attention import PoolView, kernel_support
 from .runner import ATTENTION_KEY, ModelForward, ModelRunner, register_paged_attention
