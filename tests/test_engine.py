@@ -520,3 +520,25 @@ def test_overlapped_steps_queue_the_next_step_before_taking_tokens(model, tokeni
     engine.add_request("s", ids, SamplingParams(max_tokens=3, temperature=1.0, seed=1))
     run_all(engine)
     assert calls == ["launch", "wait"] * 3
+
+
+def test_step_tokens_come_to_the_host_without_waiting_for_later_steps():
+    """A launched step's argmax reaches the host through its own event: waiting for it does not wait for work
+    queued after it (the next overlapped step), as ``.tolist()`` on the device tensor would."""
+    from oscar_kv.engine.runner import _download
+
+    on_cpu = torch.tensor([3, 1, 2])
+    host, ready = _download(on_cpu)
+    assert ready is None and host is on_cpu
+    if not torch.cuda.is_available():
+        pytest.skip("the device half needs CUDA")
+    argmax = torch.tensor([5, 7, 11], device="cuda")
+    host, ready = _download(argmax)
+    assert host.is_pinned()
+    torch.cuda._sleep(1 << 31)  # the next step: ~1 s of GPU time queued behind the copy
+    later = torch.cuda.Event()
+    later.record()
+    ready.synchronize()
+    assert host.tolist() == [5, 7, 11]
+    assert not later.query(), "waiting for the step's tokens waited for the work queued after them"
+    torch.cuda.synchronize()

@@ -12,9 +12,11 @@ memory: only the KV scheme differs.  Three measurements:
 
 1. **Decode speed.**  Per (context, batch, scheme): a random-token prompt of ``context`` tokens is
    prefilled through ``LLMEngine.step`` (chunked prefill, excluded from timing), then
-   ``--decode-steps`` engine steps are timed (``torch.cuda.synchronize`` + ``perf_counter``, median
-   per step).  Each step is also split into the model runner (``ModelRunner.run``) and, inside it,
-   the per-step plan (the attention backend's ``plan``, engine/attention.py); ``forward`` = runner minus plan.  A (context,
+   ``--decode-steps`` engine steps run back to back as a server runs them (each overlaps the next one's
+   scheduling): ``step_ms`` is the median time between consecutive steps' returns, ``step_ms_mean`` the wall
+   time over the steps (``torch.cuda.synchronize`` at both ends).  A few more steps, each with a sync at both
+   edges, are split into the model runner and, inside it, the per-step plan (the attention backend's ``plan``,
+   engine/attention.py); ``forward`` = runner minus plan.  A (context,
    batch) that does not fit the KV pool (``engine.plan``) is recorded as not fitting, with why.
 2. **Throughput at a fixed KV budget.**  At the largest context: the largest batch each scheme's pool
    holds, and generated tokens/s measured at that batch.
@@ -354,10 +356,25 @@ def time_decode(engine, seqs, steps: int, warmup: int, clock: Clock) -> dict:
     with timer.installed():
         for _ in range(warmup):
             timer.step(seqs)
+    pauses = []  # the garbage collector's pauses during the timed steps (host hiccups the mean carries)
+
+    def on_gc(phase, info, start=[0.0]):  # noqa: B006 - the start time between the two calls
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            pauses.append(1e3 * (time.perf_counter() - start[0]))
+
+    gc.callbacks.append(on_gc)
     t0 = clock.now()
-    for _ in range(steps):
-        timer.step(seqs, synced=False)
-    step_ms = 1e3 * (clock.now() - t0) / steps
+    ends = []
+    try:
+        for _ in range(steps):
+            timer.step(seqs, synced=False)
+            ends.append(time.perf_counter())  # a step returns once the step before it is done (async scheduling)
+        step_ms_mean = 1e3 * (clock.now() - t0) / steps
+    finally:
+        gc.callbacks.remove(on_gc)
+    gaps = [1e3 * (b - a) for a, b in zip(ends, ends[1:])] or [step_ms_mean]
     with timer.installed():
         recs = [timer.step(seqs) for _ in range(SYNCED_STEPS)]
     ms = lambda key: [1e3 * r[key] for r in recs]  # noqa: E731
@@ -365,11 +382,15 @@ def time_decode(engine, seqs, steps: int, warmup: int, clock: Clock) -> dict:
     forward = [r - p for r, p in zip(runner, plan)]
     med = statistics.median
     b = len(seqs)
-    out = dict(steps=steps, step_ms=step_ms, synced_step_ms=med(step), synced_step_ms_min=min(step),
+    # the median of the gaps between steps' returns (a host hiccup, e.g. a garbage collection, moves the mean, not
+    # the median; both are reported)
+    out = dict(steps=steps, step_ms=med(gaps), step_ms_mean=step_ms_mean, step_ms_max=max(gaps),
+               synced_step_ms=med(step), synced_step_ms_min=min(step),
                synced_step_ms_max=max(step), runner_ms=med(runner), plan_ms=med(plan), forward_ms=med(forward),
                scheduler_ms=med([s - r for s, r in zip(step, runner)]))
     out.update(tokens_per_s_per_seq=1e3 / out["step_ms"], tokens_per_s=b * 1e3 / out["step_ms"],
                forward_tokens_per_s_per_seq=1e3 / out["forward_ms"], forward_tokens_per_s=b * 1e3 / out["forward_ms"])
+    out["gc_pause_ms"] = sum(pauses)
     out = {k: round(v, 4) for k, v in out.items()}
     out["decode_positions"] = [first, first + steps - 1]
     return out
@@ -422,7 +443,7 @@ def kernel_summary(engine, seqs, steps: int, clock: Clock, step_ms: float) -> di
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         started = clock.now()
         for _ in range(steps):
-            timer.step(seqs)
+            timer.step(seqs, synced=False)  # as time_decode runs them: idle gaps are the GPU's in served steps
         clock.sync()
         if step_ms is None:  # steps under the profiler: a little slower than unprofiled ones
             step_ms = 1e3 * (clock.now() - started) / steps
@@ -454,7 +475,38 @@ def kernel_summary(engine, seqs, steps: int, clock: Clock, step_ms: float) -> di
     return dict(kernel_ms_per_step=round(total, 4), step_ms=round(step_ms, 4),
                 busy_fraction=round(total / step_ms, 3) if step_ms else None,
                 groups_ms={k: round(v, 4) for k, v in groups.items()},
-                top=[dict(name=n[:120], ms_per_step=round(ms, 4), launches_per_step=c) for n, ms, c in top])
+                top=[dict(name=n[:120], ms_per_step=round(ms, 4), launches_per_step=c) for n, ms, c in top],
+                idle=_idle_between_kernels(prof, steps))
+
+
+IDLE_STEP_EDGE_US = 200.0  # a longer idle stretch is the host between two synced steps, not inside a step
+# launches made by the host between graph replays (input copies, page migrations, sampling): their gaps are host
+# time, which an overlapped step hides; the rest are kernels of the captured forward
+_HOST_PACED = ("memcpy", "memset", "_migrate_kernel", "at::native")
+
+
+def _idle_between_kernels(prof, steps: int) -> dict:
+    """Where the GPU idles inside the captured forward: the time between one kernel's end and the next one's start
+    (the profiler's kernel records), per step, summed by the pair of kernels around it; gaps next to host-paced
+    launches are left out (``host_paced_ms_per_step``)."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    pairs: dict[str, float] = {}
+    host = 0.0
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        idle = start - end
+        if not 0 < idle < IDLE_STEP_EDGE_US:
+            continue
+        if any(h in a.lower() or h in b.lower() for h in _HOST_PACED):
+            host += idle / steps
+            continue
+        key = f"{a[:24]} -> {b[:24]}"
+        pairs[key] = pairs.get(key, 0.0) + idle / steps
+    top = sorted(pairs.items(), key=lambda kv: -kv[1])[:12]
+    return dict(ms_per_step=round(sum(pairs.values()) / 1e3, 4), host_paced_ms_per_step=round(host / 1e3, 4),
+                top=[dict(between=k, us_per_step=round(v, 1)) for k, v in top])
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -568,8 +620,9 @@ def run(args) -> dict:
         attention_backend=args.attention_backend, model_impl=args.model_impl, prefill=args.prefill,
         prefix_caching=False,
         prefill_only=args.prefill_only, prefill_attention=args.prefill_attention,
-        timing="median over decode steps of wall time around LLMEngine.step with device synchronize; "
-               "forward = ModelRunner.run minus the step plan (the attention backend's plan())"),
+        timing="step_ms: median time between the returns of back-to-back LLMEngine.step calls (step_ms_mean: "
+               "their wall time / steps, device synchronize at both ends); synced_*, runner, plan: steps with a "
+               "sync at each edge; forward = ModelRunner.run minus the step plan (the attention backend's plan())"),
         schemes={}, prefill=[], decode=[], speedup=[], throughput_at_budget=None, breakdown=[], skipped=[], errors=[])
     print(f"{result['device']}: {args.arch} ({minfo['num_layers']} layers, {minfo['parameters'] / 1e9:.2f}B params, "
           f"built in {minfo['build_seconds']} s); KV budget {budget} GB", flush=True)

@@ -125,14 +125,17 @@ class ModelRunner:
                 return LaunchedStep(steps, [], None, None)
             rows = upload(np.array(last, dtype=np.int64), self.device)
             logits = self.forward.logits(hidden[0, rows]).float()
-            return LaunchedStep(steps, sampling, logits, torch.argmax(logits, dim=-1))
+            argmax = torch.argmax(logits, dim=-1)
+            return LaunchedStep(steps, sampling, logits, argmax, *_download(argmax))
 
     def sampled(self, launched: "LaunchedStep") -> dict[Sequence, int]:
         """Wait for a launched step; the next token of each of its sampling sequences."""
         if not launched.sampling:
             return {}
         with self.regions.region("sampling"):
-            return dict(zip(launched.sampling, sample(launched.logits, launched.sampling, launched.argmax)))
+            if launched.argmax_ready is not None:
+                launched.argmax_ready.synchronize()  # this step's work only, not the steps queued after it
+            return dict(zip(launched.sampling, sample(launched.logits, launched.sampling, launched.argmax_host)))
 
     def _forward(self, fwd: StepAttention, input_ids: torch.Tensor) -> torch.Tensor:
         """The last hidden states [1, N, hidden] of the step (graph replay, or eager)."""
@@ -183,6 +186,21 @@ class LaunchedStep:
     sampling: list[Sequence]  # the sequences it gives a token, in the logits' row order
     logits: torch.Tensor | None  # float32 [len(sampling), vocab]
     argmax: torch.Tensor | None  # int64 [len(sampling)], on the device
+    argmax_host: torch.Tensor | None = None  # its copy in host memory, valid once argmax_ready has passed
+    argmax_ready: torch.cuda.Event | None = None  # None: argmax_host is valid now (on the CPU)
+
+
+def _download(argmax: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """A copy of the step's argmax in host memory, and the event after it.  ``.tolist()`` on the device tensor
+    would wait for the whole stream, i.e. also for the step queued after this one, and the GPU would idle while the
+    host then schedules and plans the next step; waiting on this event waits for this step alone."""
+    if argmax.device.type != "cuda":
+        return argmax, None
+    host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
+    host.copy_(argmax, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def _take_pending(input_ids: torch.Tensor, steps: list[ScheduledSeq], after: LaunchedStep) -> None:
