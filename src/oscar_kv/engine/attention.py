@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..codec import LayerCodec, stored_attention
+from ..kernels.layout import PagedBatch
 from .block_pool import QUANT, WINDOW, PagePool
 from .kernel_attention import DecodeStep, ExtendStep, PoolView, kernel_step
 from .scheduler import ScheduledSeq
@@ -302,6 +303,8 @@ class KernelAttention:
     def plan(self, steps: list[ScheduledSeq]) -> KernelPlan:
         """Flat window / INT2 slots and positions of the step's tokens, and the migrating pages (host work per
         token and migration, never per page of a sequence's history); decode-only steps use the decode kernel."""
+        if all(st.num_tokens == 1 for st in steps):
+            return self._decode_plan(steps)
         step = kernel_step(self.view, steps)
         g = self.pool.geometry
         p, sink_end = g.page_size, self.pool.sink_pages * g.page_size
@@ -329,6 +332,43 @@ class KernelAttention:
         fused = not step.reads_chunk and max(q, default=-1) < 0
         migrations = upload(np.array([src, dst], dtype=np.int32), dev) if src else None
         return KernelPlan(table[2], len(positions), steps, step, slots[0], slots[1], fused, migrations)
+
+    def _decode_plan(self, steps: list[ScheduledSeq]) -> KernelPlan:
+        """``plan`` of a decode-only step in one pass over the sequences and one host-to-device copy: each
+        sequence's slot, position, block-table row, length and INT2 page count (the plan runs every step, and at
+        64 sequences each Python pass or upload is a sizable part of it)."""
+        g = self.pool.geometry
+        p, sink_end = g.page_size, self.pool.sink_pages * g.page_size
+        quantizes = self.pool.quantizes
+        win, q, rows, lens, int2, positions, src, dst = [], [], [], [], [], [], [], []
+        width = 1
+        for st in steps:
+            seq, t = st.seq, st.start
+            pages, h = seq.pages, seq.int2_pages
+            slot = pages[t // p] * p + t % p
+            if quantizes and sink_end <= t < sink_end + h * p:
+                win.append(-1)
+                q.append(slot)
+            else:
+                win.append(slot)
+                q.append(-1)
+            rows.append(seq.block_row)
+            lens.append(t + 1)
+            int2.append(h)
+            positions.append(t)
+            width = max(width, len(pages))
+            for m in st.migrations:
+                src.append(m.src)
+                dst.append(m.dst)
+        if min(rows) < 0:
+            self.pool.tables.rows_of([st.seq for st in steps])  # raises, naming what went wrong
+        table = upload(np.array([win, q, rows, lens, int2, positions], dtype=np.int64), self.pool.device)
+        small = table[:5].to(torch.int32)
+        batch = PagedBatch(self.pool.tables.gather(small[2], width), small[3], small[4])
+        step = DecodeStep(self.view, batch, max(int2), max(lens))
+        migrations = upload(np.array([src, dst], dtype=np.int32), self.pool.device) if src else None
+        # write_kv rotates the keys itself unless a token goes to an INT2 page right away
+        return KernelPlan(table[5], len(steps), steps, step, small[0], small[1], max(q) < 0, migrations)
 
     def graph_plan(self, step: DecodeStep, positions: torch.Tensor, win_slot: torch.Tensor, int2_slot: torch.Tensor,
                    fused: bool) -> KernelPlan:
