@@ -505,8 +505,9 @@ def test_overlapped_steps_give_what_steps_one_at_a_time_give(model, tokenizer, s
 
 
 def test_overlapped_steps_queue_the_next_step_before_taking_tokens(model, tokenizer, small_rotations):
-    """With greedy requests the engine launches step n + 1 before it waits for step n's tokens; a sampling
-    request makes its steps wait; the last step for a request that ends by length is never launched."""
+    """The engine launches step n + 1 before it waits for step n's tokens, greedy or sampling (both on the
+    device); the last step for a request that ends by length is never launched; without async scheduling every
+    step waits."""
     engine = make_engine(model, tokenizer, small_rotations)
     calls = []
     launch, sampled = engine.runner.launch, engine.runner.sampled
@@ -518,6 +519,11 @@ def test_overlapped_steps_queue_the_next_step_before_taking_tokens(model, tokeni
     assert calls == ["launch", "launch", "wait", "launch", "wait", "launch", "wait", "wait"]
     calls.clear()
     engine.add_request("s", ids, SamplingParams(max_tokens=3, temperature=1.0, seed=1))
+    run_all(engine)
+    assert calls == ["launch", "launch", "wait", "launch", "wait", "wait"]
+    calls.clear()
+    engine.config.async_scheduling = False
+    engine.add_request("t", ids, SamplingParams(max_tokens=3, temperature=1.0, seed=1))
     run_all(engine)
     assert calls == ["launch", "wait"] * 3
 

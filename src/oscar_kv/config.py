@@ -160,8 +160,8 @@ class SchedulerConfig(Settings):
     enable_prefix_caching: bool = setting(True, "Reuse cached KV pages of shared prompt prefixes.")
     async_scheduling: bool = setting(
         True, "Schedule and queue the next step while the GPU runs the current one (its new token ids are read on "
-        "the GPU). Steps whose sequences all decode greedily overlap; sampling with temperature waits for the "
-        "host. A sequence ending on EOS or a stop string computes one extra token, which is dropped.")
+        "the GPU, where sampling runs too). A sequence ending on EOS or a stop string computes one extra token, "
+        "which is dropped.")
 
 
 @dataclass

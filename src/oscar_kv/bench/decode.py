@@ -216,6 +216,7 @@ class Unit:
     context: int
     template: object | None = None  # prefilled, parked outside the scheduler
     counter: int = 0
+    temperature: float = 0.0  # of every request (0: greedy)
 
 
 def make_engine(model, scheme: str, rotations, args, max_model_len: int, budget_gb: float):
@@ -230,10 +231,12 @@ def make_engine(model, scheme: str, rotations, args, max_model_len: int, budget_
     return LLMEngine(model, TokenIdsOnly(), rotations if scheme != "bf16" else None, cfg, args.ranks)
 
 
-def _params(max_tokens: int):
+def _params(max_tokens: int, temperature: float = 0.0):
+    """Greedy, or sampling at ``temperature`` with top-p 0.95 (what chat clients commonly send)."""
     from ..engine import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0,
+                          ignore_eos=True)
 
 
 def _check_outputs(outputs) -> None:
@@ -249,7 +252,8 @@ def prefill(unit: Unit, lengths: list[int], gen: torch.Generator, vocab: int, ma
     for n in lengths:
         unit.counter += 1
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        seqs.append(engine.add_request(f"{unit.scheme}-{unit.context}-{unit.counter}", ids, _params(max_tokens)))
+        seqs.append(engine.add_request(f"{unit.scheme}-{unit.context}-{unit.counter}", ids,
+                                       _params(max_tokens, unit.temperature)))
     t0 = clock.now()
     steps = 0
     while any(not s.output_ids for s in seqs):
@@ -618,6 +622,7 @@ def run(args) -> dict:
         v_clip=DEFAULT_V_CLIP,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend, model_impl=args.model_impl, prefill=args.prefill,
+        temperature=args.temperature, async_scheduling=not args.no_async_scheduling,
         prefix_caching=False,
         prefill_only=args.prefill_only, prefill_attention=args.prefill_attention,
         timing="step_ms: median time between the returns of back-to-back LLMEngine.step calls (step_ms_mean: "
@@ -728,7 +733,7 @@ def measure_context(args, model, rotations, scheme, ctx, mml, budget, batch_size
     if not args.ranks.is_driver:
         engine.follow()
         return
-    unit = Unit(engine, scheme, ctx)
+    unit = Unit(engine, scheme, ctx, temperature=args.temperature)
     geometry, plan = engine.pool.geometry, engine.plan
     info = result["schemes"][scheme]
     info["plan"] = plan_summary(plan)
@@ -909,6 +914,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"RoPE pairs per KV head of the synthetic artifact's per-position key means (calibrate keeps "
                          f"{DEFAULT_PAIRS} by default, 8, 16 or 32 on request; the CUDA decode kernel's cost grows with them)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="requests sample at this temperature with top-p 0.95 (default 0: greedy)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="each step waits for the previous one's tokens before it is scheduled (engine.py)")
     ap.add_argument("--model-impl", choices=MODEL_IMPLS, default=EngineConfig.model_impl,

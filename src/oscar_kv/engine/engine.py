@@ -416,8 +416,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run the engine one step: the outputs of one step's tokens.
 
-        Overlapped (greedy steps, one rank): the step in flight is accounted, the next one is scheduled and queued
-        on the device with its new ids read there from the step in flight's argmax, and only then does the host
+        Overlapped (one rank): the step in flight is accounted, the next one is scheduled and queued on the
+        device with its new ids read there from the step in flight's sampled tokens, and only then does the host
         wait for the tokens of the step in flight; the GPU goes from one step to the next without waiting for the
         host's scheduling, planning and output handling.  A sequence that stops on a token (EOS, stop string) has
         run one step too many, which is dropped; one that reaches max_tokens is not scheduled again."""
@@ -445,8 +445,7 @@ class LLMEngine:
             self._ready += self._complete(current, accounted=False)
 
     def _overlaps(self, launched) -> bool:
-        return (self.config.async_scheduling and self.tp.size == 1
-                and all(seq.params.greedy for seq in launched.sampling))
+        return self.config.async_scheduling and self.tp.size == 1
 
     def _launch_next(self, after) -> tuple[object | None, list[RequestOutput]]:
         """Schedule and queue a step (``after``: the step in flight, whose tokens it reads on the device).

@@ -100,7 +100,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, steps: list[ScheduledSeq], after: "LaunchedStep | None" = None) -> "LaunchedStep":
-        """Queue the step's forward, logits and argmax on the device without waiting for them.  ``after``: the
+        """Queue the step's forward, logits and sampling on the device without waiting for them.  ``after``: the
         step still in flight whose sampled tokens are this step's input where a sequence's last id is PENDING."""
         with self.regions.region("runner"):
             with self.regions.region("step_plan"):
@@ -124,18 +124,17 @@ class ModelRunner:
             if not sampling:
                 return LaunchedStep(steps, [], None, None)
             rows = upload(np.array(last, dtype=np.int64), self.device)
-            logits = self.forward.logits(hidden[0, rows]).float()
-            argmax = torch.argmax(logits, dim=-1)
-            return LaunchedStep(steps, sampling, logits, argmax, *_download(argmax))
+            tokens = sample(self.forward.logits(hidden[0, rows]).float(), sampling)
+            return LaunchedStep(steps, sampling, tokens, *_download(tokens))
 
     def sampled(self, launched: "LaunchedStep") -> dict[Sequence, int]:
         """Wait for a launched step; the next token of each of its sampling sequences."""
         if not launched.sampling:
             return {}
         with self.regions.region("sampling"):
-            if launched.argmax_ready is not None:
-                launched.argmax_ready.synchronize()  # this step's work only, not the steps queued after it
-            return dict(zip(launched.sampling, sample(launched.logits, launched.sampling, launched.argmax_host)))
+            if launched.tokens_ready is not None:
+                launched.tokens_ready.synchronize()  # this step's work only, not the steps queued after it
+            return dict(zip(launched.sampling, launched.tokens_host.tolist()))
 
     def _forward(self, fwd: StepAttention, input_ids: torch.Tensor) -> torch.Tensor:
         """The last hidden states [1, N, hidden] of the step (graph replay, or eager)."""
@@ -180,24 +179,23 @@ class ModelRunner:
 
 @dataclass(eq=False)
 class LaunchedStep:
-    """A step queued on the device: its forward, the logits of its sampling sequences and their argmax."""
+    """A step queued on the device: its forward and the next token of each of its sampling sequences."""
 
     steps: list[ScheduledSeq]
-    sampling: list[Sequence]  # the sequences it gives a token, in the logits' row order
-    logits: torch.Tensor | None  # float32 [len(sampling), vocab]
-    argmax: torch.Tensor | None  # int64 [len(sampling)], on the device
-    argmax_host: torch.Tensor | None = None  # its copy in host memory, valid once argmax_ready has passed
-    argmax_ready: torch.cuda.Event | None = None  # None: argmax_host is valid now (on the CPU)
+    sampling: list[Sequence]  # the sequences it gives a token, in the tokens' order
+    tokens: torch.Tensor | None  # int64 [len(sampling)], on the device (sampling.sample)
+    tokens_host: torch.Tensor | None = None  # their copy in host memory, valid once tokens_ready has passed
+    tokens_ready: torch.cuda.Event | None = None  # None: tokens_host is valid now (on the CPU)
 
 
-def _download(argmax: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
-    """A copy of the step's argmax in host memory, and the event after it.  ``.tolist()`` on the device tensor
+def _download(tokens: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """A copy of the step's tokens in host memory, and the event after it.  ``.tolist()`` on the device tensor
     would wait for the whole stream, i.e. also for the step queued after this one, and the GPU would idle while the
     host then schedules and plans the next step; waiting on this event waits for this step alone."""
-    if argmax.device.type != "cuda":
-        return argmax, None
-    host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
-    host.copy_(argmax, non_blocking=True)
+    if tokens.device.type != "cuda":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
@@ -205,7 +203,7 @@ def _download(argmax: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | N
 
 def _take_pending(input_ids: torch.Tensor, steps: list[ScheduledSeq], after: LaunchedStep) -> None:
     """Fill the PENDING ids of ``input_ids`` [1, N] (a sequence's last id, sampled by ``after``) from ``after``'s
-    argmax on the device."""
+    tokens on the device."""
     dst, src, offset = [], [], 0
     rows = {seq: i for i, seq in enumerate(after.sampling)}
     for st in steps:
@@ -215,7 +213,7 @@ def _take_pending(input_ids: torch.Tensor, steps: list[ScheduledSeq], after: Lau
             src.append(rows[st.seq])
     if dst:
         index = upload(np.array([dst, src], dtype=np.int64), input_ids.device)
-        input_ids[0].index_copy_(0, index[0], after.argmax.index_select(0, index[1]))
+        input_ids[0].index_copy_(0, index[0], after.tokens.index_select(0, index[1]))
 
 
 def step_token_ids(steps: list[ScheduledSeq]) -> list[int]:

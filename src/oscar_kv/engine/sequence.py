@@ -9,8 +9,6 @@ import math
 import os
 from dataclasses import dataclass, field
 
-import torch
-
 from ..errors import RequestError
 
 
@@ -76,16 +74,15 @@ class Sequence:
     detokenizer: object = None  # detokenize.IncrementalText over output_ids (set by the engine)
     sent_chars: int = 0
     arrival: int = field(default_factory=lambda: next(_arrivals))
-    generator: torch.Generator | None = None
+    sample_seed: int = 0  # the seed of its sampling noise (sampling.py), in [0, 2^62)
     _page_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.prompt_ids:
             raise RequestError("the prompt is empty")
         if not self.params.greedy:
-            self.generator = torch.Generator()
-            seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            self.generator.manual_seed(seed)
+            seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little")
+            self.sample_seed = seed % (1 << 62)
 
     @property
     def pending(self) -> bool:
