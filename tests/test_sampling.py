@@ -93,3 +93,62 @@ def test_a_large_batch_samples_in_row_chunks_with_the_same_tokens(monkeypatch):
     monkeypatch.setattr(sampling, "CHUNK_ELEMENTS", 2 * 300)
     assert sample(logits, seqs).tolist() == whole
     assert whole[3] == int(logits[3].argmax())
+
+
+def test_the_gumbel_kernel_picks_what_its_reference_picks():
+    """kernels/gumbel.py against sampling.gumbel_argmax_reference: the same noise and the same token per row
+    (greedy rows included, masked tokens never), under the interpreter on the CPU and on the GPU."""
+    import os
+
+    import pytest
+
+    from oscar_kv.engine.sampling import gumbel_argmax_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel runs on CUDA or under TRITON_INTERPRET=1")
+    from oscar_kv.kernels.gumbel import gumbel_argmax
+
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 9000, generator=gen) * 4
+    x = logits / 0.8
+    x[1, 4000:] = float("-inf")  # a row whose top-k / top-p kept only the first tokens
+    seeds = torch.tensor([0, 3, (1 << 62) - 1, 77, 5])
+    counters = torch.tensor([0, 1, 2, 300, 4])
+    greedy = torch.tensor([0, 0, 1, 0, 0])
+    args = [t.to(device) for t in (x, logits, seeds, counters, greedy)]
+    got = gumbel_argmax(*args).cpu()
+    assert got.tolist() == gumbel_argmax_reference(x, logits, seeds, counters, greedy).tolist()
+    assert got[2] == logits[2].argmax() and got[1] < 4000
+
+
+def test_blockwise_cumsum_is_the_cumsum():
+    from oscar_kv.engine.sampling import _cumsum
+
+    p = torch.softmax(torch.randn(3, 2500, generator=torch.Generator().manual_seed(1)), -1)
+    torch.testing.assert_close(_cumsum(p, width=256), p.cumsum(-1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(_cumsum(p[:, :256], width=256), p[:, :256].cumsum(-1), atol=1e-6, rtol=0)
+
+
+def test_the_gumbel_kernel_splits_rows_over_programs_without_changing_tokens(monkeypatch):
+    """One row over many programs, many rows over one program each: the same tokens (ties to the lowest id)."""
+    import os
+
+    import pytest
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel runs on CUDA or under TRITON_INTERPRET=1")
+    from oscar_kv.kernels import gumbel
+
+    logits = torch.zeros(3, 5000, device=device)
+    logits[:, 4500] = 1.0
+    logits[:, 4999] = 1.0  # a tie for the greedy row: the lower id wins
+    x = (torch.randn(3, 5000, generator=torch.Generator().manual_seed(3)) * 2).to(device)
+    seeds, counters = torch.tensor([1, 2, 3], device=device), torch.tensor([0, 5, 9], device=device)
+    greedy = torch.tensor([1, 0, 0], device=device)
+    picks = []
+    for programs in (1, 3, 64):
+        monkeypatch.setattr(gumbel, "PROGRAMS", programs)
+        picks.append(gumbel.gumbel_argmax(x, logits, seeds, counters, greedy).tolist())
+    assert picks[0] == picks[1] == picks[2] and picks[0][0] == 4500

@@ -77,7 +77,29 @@ def _sample_rows(logits, top_k, seeds, counters, greedy, temperature, top_p, k_m
     if nucleus:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
-        drop = probs.cumsum(-1) - probs > top_p[:, None]  # keep the smallest set whose mass reaches top_p
+        drop = _cumsum(probs) - probs > top_p[:, None]  # keep the smallest set whose mass reaches top_p
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
-    noise = -torch.log(-torch.log(uniforms(seeds, counters, vocab)))  # Gumbel
+    if x.is_cuda:
+        from ..kernels.gumbel import gumbel_argmax
+
+        return gumbel_argmax(x, logits, seeds, counters, greedy)
+    return gumbel_argmax_reference(x, logits, seeds, counters, greedy)
+
+
+def _cumsum(p: torch.Tensor, width: int = 1024) -> torch.Tensor:
+    """p.cumsum(-1) of [rows, vocab] as a scan inside blocks of ``width`` plus the blocks' running totals: torch's
+    scan along one long row is slow on the GPU (~0.6 ms at 64 x 151936, NOTES.md run S4)."""
+    rows, n = p.shape
+    pad = -n % width
+    blocks = torch.nn.functional.pad(p, (0, pad)).view(rows, -1, width).cumsum(-1)
+    before = blocks[:, :, -1].cumsum(-1) - blocks[:, :, -1]  # the mass of the earlier blocks
+    return (blocks + before[:, :, None]).view(rows, -1)[:, :n]
+
+
+def gumbel_argmax_reference(x: torch.Tensor, logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                            greedy: torch.Tensor) -> torch.Tensor:
+    """Row b: argmax(logits[b]) where greedy[b], else argmax(x[b] + g) with g = -log(-log(uniforms)) (Gumbel).
+    x, logits [rows, vocab] float32; seeds, counters, greedy int64 [rows].  kernels/gumbel.py does it in one
+    launch on the GPU."""
+    noise = -torch.log(-torch.log(uniforms(seeds, counters, x.shape[1])))
     return torch.argmax(torch.where(greedy[:, None].bool(), logits, x + noise), dim=-1)
