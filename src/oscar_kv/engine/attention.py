@@ -44,9 +44,8 @@ import numpy as np
 import torch
 
 from ..codec import LayerCodec, stored_attention
-from ..kernels.layout import PagedBatch
 from .block_pool import QUANT, WINDOW, PagePool
-from .kernel_attention import DecodeStep, ExtendStep, PoolView, kernel_step
+from .kernel_attention import DecodeStep, ExtendStep, PoolView, kernel_step, write_slots
 from .scheduler import ScheduledSeq
 from .timing import NO_REGIONS
 from .uploads import upload
@@ -313,13 +312,9 @@ class KernelAttention:
             pages = st.seq.pages
             hist_end = sink_end + st.seq.int2_pages * p if self.pool.quantizes else sink_end
             for t in range(st.start, st.end):
-                slot = pages[t // p] * p + t % p
-                if sink_end <= t < hist_end:
-                    win.append(-1)
-                    q.append(slot)
-                else:
-                    win.append(slot)
-                    q.append(-1)
+                w, i = write_slots(pages, t, p, sink_end, hist_end)
+                win.append(w)
+                q.append(i)
             positions += range(st.start, st.end)
             src += [m.src for m in st.migrations]
             dst += [m.dst for m in st.migrations]
@@ -334,41 +329,10 @@ class KernelAttention:
         return KernelPlan(table[2], len(positions), steps, step, slots[0], slots[1], fused, migrations)
 
     def _decode_plan(self, steps: list[ScheduledSeq]) -> KernelPlan:
-        """``plan`` of a decode-only step in one pass over the sequences and one host-to-device copy: each
-        sequence's slot, position, block-table row, length and INT2 page count (the plan runs every step, and at
-        64 sequences each Python pass or upload is a sizable part of it)."""
-        g = self.pool.geometry
-        p, sink_end = g.page_size, self.pool.sink_pages * g.page_size
-        quantizes = self.pool.quantizes
-        win, q, rows, lens, int2, positions, src, dst = [], [], [], [], [], [], [], []
-        width = 1
-        for st in steps:
-            seq, t = st.seq, st.start
-            pages, h = seq.pages, seq.int2_pages
-            slot = pages[t // p] * p + t % p
-            if quantizes and sink_end <= t < sink_end + h * p:
-                win.append(-1)
-                q.append(slot)
-            else:
-                win.append(slot)
-                q.append(-1)
-            rows.append(seq.block_row)
-            lens.append(t + 1)
-            int2.append(h)
-            positions.append(t)
-            width = max(width, len(pages))
-            for m in st.migrations:
-                src.append(m.src)
-                dst.append(m.dst)
-        if min(rows) < 0:
-            self.pool.tables.rows_of([st.seq for st in steps])  # raises, naming what went wrong
-        table = upload(np.array([win, q, rows, lens, int2, positions], dtype=np.int64), self.pool.device)
-        small = table[:5].to(torch.int32)
-        batch = PagedBatch(self.pool.tables.gather(small[2], width), small[3], small[4])
-        step = DecodeStep(self.view, batch, max(int2), max(lens))
-        migrations = upload(np.array([src, dst], dtype=np.int32), self.pool.device) if src else None
+        """``plan`` of a decode-only step (DecodeStep.with_writes: one pass, one upload)."""
+        step, w = DecodeStep.with_writes(self.view, steps)
         # write_kv rotates the keys itself unless a token goes to an INT2 page right away
-        return KernelPlan(table[5], len(steps), steps, step, small[0], small[1], max(q) < 0, migrations)
+        return KernelPlan(w.positions, len(steps), steps, step, w.win_slot, w.int2_slot, not w.to_int2, w.migrations)
 
     def graph_plan(self, step: DecodeStep, positions: torch.Tensor, win_slot: torch.Tensor, int2_slot: torch.Tensor,
                    fused: bool) -> KernelPlan:

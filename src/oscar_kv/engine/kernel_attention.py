@@ -149,6 +149,25 @@ def _step_batch(view: PoolView, steps, lengths: list[int], int2_pages: list[int]
     return PagedBatch(tables.gather(meta[0], width), meta[1], meta[2])
 
 
+def write_slots(pages: list[int], t: int, page_size: int, sink_end: int, hist_end: int) -> tuple[int, int]:
+    """(window slot, INT2 slot) where position ``t`` of a sequence with these ``pages`` is written, -1 for the
+    pool it does not go to: positions in [sink_end, hist_end) (its INT2 history) go to the INT2 pool."""
+    slot = pages[t // page_size] * page_size + t % page_size
+    return (-1, slot) if sink_end <= t < hist_end else (slot, -1)
+
+
+@dataclasses.dataclass
+class DecodeWrites:
+    """Where a decode step's tokens go, on the device: write slots (-1: not that pool), position ids, and the
+    recent pages migrating to INT2 before the first layer writes."""
+
+    win_slot: torch.Tensor  # int32 [B]
+    int2_slot: torch.Tensor  # int32 [B]
+    positions: torch.Tensor  # int64 [B]
+    migrations: torch.Tensor | None  # int32 [2, M] (window page, INT2 page)
+    to_int2: bool  # some token goes straight to an INT2 page
+
+
 class DecodeStep:
     """Block tables of a decode-only step, built once and used by every layer."""
 
@@ -163,9 +182,37 @@ class DecodeStep:
     @classmethod
     def of(cls, view: PoolView, steps) -> "DecodeStep":
         """``steps``: the step's ScheduledSeqs, one token each, already counted in their page tables."""
-        seq_lens = [st.end for st in steps]
-        int2_pages = [st.seq.int2_pages for st in steps]
-        return cls(view, _step_batch(view, steps, seq_lens, int2_pages), max(int2_pages), max(seq_lens))
+        return cls.with_writes(view, steps)[0]
+
+    @classmethod
+    def with_writes(cls, view: PoolView, steps) -> tuple["DecodeStep", "DecodeWrites"]:
+        """The step and where its tokens are written, in one pass over the sequences and one host-to-device copy
+        (a decode plan runs every step: at 64 sequences each Python pass or upload is a sizable part of it)."""
+        pool = view.pool
+        p, sink_end = pool.geometry.page_size, pool.sink_pages * pool.geometry.page_size
+        win, q, rows, lens, int2, positions, src, dst = [], [], [], [], [], [], [], []
+        width = 1
+        for st in steps:
+            seq, t = st.seq, st.start
+            pages, h = seq.pages, seq.int2_pages
+            w, i = write_slots(pages, t, p, sink_end, sink_end + h * p if pool.quantizes else sink_end)
+            win.append(w)
+            q.append(i)
+            rows.append(seq.block_row)
+            lens.append(t + 1)
+            int2.append(h)
+            positions.append(t)
+            width = max(width, len(pages))
+            for m in st.migrations:
+                src.append(m.src)
+                dst.append(m.dst)
+        if min(rows) < 0:
+            pool.tables.rows_of([st.seq for st in steps])  # raises, naming what went wrong
+        table = upload(np.array([win, q, rows, lens, int2, positions], dtype=np.int64), pool.device)
+        small = table[:5].to(torch.int32)
+        step = cls(view, PagedBatch(pool.tables.gather(small[2], width), small[3], small[4]), max(int2), max(lens))
+        migrations = upload(np.array([src, dst], dtype=np.int32), pool.device) if src else None
+        return step, DecodeWrites(small[0], small[1], table[5], migrations, max(q) >= 0)
 
     def attend(self, layer_idx: int, codec, query: torch.Tensor, keys=None, values=None,
                scaling: float | None = None) -> torch.Tensor:
