@@ -40,10 +40,10 @@ def _run(engine, prompts, lengths):
     seen: dict[str, list[torch.Tensor]] = {}
     real = runner_mod.sample
 
-    def fixed(logits, seqs, argmax=None):  # engine/sampling.sample's signature: a step's rows, their sequences
+    def fixed(logits, seqs):  # engine/sampling.sample's signature: a step's rows, their sequences -> token tensor
         for row, seq in zip(logits, seqs):
             seen.setdefault(seq.request_id, []).append(row.float().cpu())
-        return [(len(seen[seq.request_id]) * 7 + 3) % 500 for seq in seqs]
+        return torch.tensor([(len(seen[seq.request_id]) * 7 + 3) % 500 for seq in seqs], device=logits.device)
 
     runner_mod.sample = fixed
     try:
