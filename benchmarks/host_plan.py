@@ -59,7 +59,7 @@ def sealed_pages(pool, seq) -> int:
 
 def measure(dtype: str, batch: int, context: int, steps: int, device: str) -> dict:
     bits = (16,) if dtype == "bf16" else None
-    g = PoolGeometry(num_layers=1, num_kv_heads=1, head_dim=64, group_size=64, page_size=16, layer_bits=bits)
+    g = PoolGeometry(num_layers=1, num_kv_heads=1, head_dim=64, group_size=64, page_size=16, k_bits=bits)
     longest = context + batch + steps + 2 * g.page_size
     if g.quantizes:
         plan = PoolPlan(batch * (g.window_pages_per_seq() + 1), batch * g.int2_pages_for(longest) + batch, g)

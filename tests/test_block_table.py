@@ -87,7 +87,7 @@ def _check_step(view, steps, follower):
 @pytest.mark.parametrize("dtype", ["int2", "bf16"])
 def test_device_tables_follow_the_page_lists_through_a_long_run(dtype):
     g = PoolGeometry(num_layers=1, num_kv_heads=1, head_dim=64, group_size=64, page_size=16, sink_size=32,
-                     recent_size=64, layer_bits=(16,) if dtype == "bf16" else None)
+                     recent_size=64, k_bits=(16,) if dtype == "bf16" else None)
     plan = PoolPlan(30, 50, g) if g.quantizes else PoolPlan(60, 0, g)  # small: long sequences preempt others
     pool = PagePool(plan)
     view = PoolView(pool)

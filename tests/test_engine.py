@@ -220,7 +220,7 @@ def test_requests_that_cannot_fit_are_refused(model, tokenizer, small_rotations)
 # ---- pure accounting / allocator tests (no model) ---------------------------------------------------
 def smol_geometry(bits=2):
     return PoolGeometry(num_layers=30, num_kv_heads=3, head_dim=64, group_size=64, page_size=16, sink_size=64,
-                        recent_size=256, layer_bits=(bits,) * 30)
+                        recent_size=256, k_bits=(bits,) * 30)
 
 
 def test_pool_accounting_counts_codes_metadata_and_windows():

@@ -19,9 +19,20 @@ def test_smaller_groups_cost_more_metadata():
 
 
 def test_layer_policy_is_averaged_in():
-    mixed = bits_per_element(131072, 128, 128, layer_bits=[2, 2, 2, 4])
+    mixed = bits_per_element(131072, 128, 128, k_bits=[2, 2, 2, 4])
     assert mixed == pytest.approx((3 * bits_per_element(131072, 128, 128) + bits_per_element(131072, 128, 128, bits=4)) / 4)
     assert bits_per_element(131072, 128, 128, bits=16) == 16.0
+
+
+def test_keys_and_values_count_at_their_own_widths():
+    # K3V2 at 32K, D = G = 128: (320 * 16 + 32448 * (3.25 + 2.25) / 2) / 32768 = 2.879
+    k3v2 = bits_per_element(32768, 128, 128, k_bits=[3, 3], v_bits=[2, 2])
+    assert k3v2 == pytest.approx((320 * 16 + 32448 * 2.75) / 32768)
+    assert k3v2 == pytest.approx((bits_per_element(32768, 128, 128, bits=3) + bits_per_element(32768, 128, 128)) / 2)
+    # D = G = 64: 0.5 bit of metadata per element on each side
+    assert bits_per_element(10**9, 64, 64, k_bits=[4], v_bits=[2]) == pytest.approx(3.5, abs=1e-4)
+    with pytest.raises(ValueError):
+        bits_per_element(4096, 64, k_bits=[2, 2], v_bits=[2])
 
 
 def test_kv_bytes_reflects_the_7x_saving():

@@ -16,7 +16,7 @@ SMOL = dict(num_layers=30, num_kv_heads=3, head_dim=64, group_size=64, page_size
 
 
 def smol(bits=2, **changes):
-    return PoolGeometry(**{**SMOL, "layer_bits": (bits,) * SMOL["num_layers"], **changes})
+    return PoolGeometry(**{**SMOL, "k_bits": (bits,) * SMOL["num_layers"], **changes})
 
 
 def test_pages_of_a_sequence():
@@ -76,14 +76,14 @@ def test_bf16_bytes():
 
 
 def test_wider_layers_count_their_own_codes():
-    g = smol(layer_bits=(2,) * 29 + (4,))
+    g = smol(k_bits=(2,) * 29 + (4,))
     assert g.quant_bytes_per_token(29) == 2 * (64 * 4 // 8 + 4) == 72
     assert g.quant_page_bytes == 3 * 16 * (29 * 40 + 72)
 
 
 def test_default_is_an_int2_cache():
     g = PoolGeometry(num_layers=2, num_kv_heads=1)
-    assert g.layer_bits == (2, 2) and g.quantizes
+    assert g.k_bits == (2, 2) and g.quantizes
     assert (g.head_dim, g.group_size, g.page_size, g.sink_size, g.recent_size) == (128, 128, 16, 64, 256)
 
 
@@ -102,9 +102,9 @@ def test_settings_no_pool_can_use():
     with pytest.raises(ConfigError, match="group_size 48 must divide the head dim 64"):
         smol(group_size=48)
     with pytest.raises(ValueError, match="cannot mix BF16 layers"):
-        smol(layer_bits=(2,) * 29 + (16,))
-    with pytest.raises(ValueError, match="layer_bits has 29 entries for 30 layers"):
-        smol(layer_bits=(2,) * 29)
+        smol(k_bits=(2,) * 29 + (16,))
+    with pytest.raises(ValueError, match="k_bits has 29 entries for 30 layers"):
+        smol(k_bits=(2,) * 29)
     smol(16, sink_size=40, group_size=48)  # a BF16 cache has neither a sink nor groups
 
 
@@ -112,7 +112,7 @@ def test_settings_no_pool_can_use():
     (dict(head_dim=96, group_size=96), "head dim must be a power of two >= 32, got 96"),
     (dict(group_size=8), "group size 8 must divide head dim 64 and be >= D/4 = 16"),
     (dict(page_size=8), "page size must be 16, 32 or 64, got 8"),
-    (dict(layer_bits=(2,) * 29 + (4,)), "other than 2 bits"),
+    (dict(k_bits=(2,) * 29 + (4,)), "the kernels read INT2 codes only"),
     (dict(window_dtype=torch.float16), "the kernels read BF16 windows"),
 ])
 def test_kernel_error_says_why(changes, why):

@@ -12,12 +12,21 @@ def outlier_rows(n=256, d=128, seed=0):
     return x
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_pack_unpack_round_trip(bits):
     codes = torch.randint(0, 1 << bits, (5, 7, 128), dtype=torch.uint8)
     packed = pack_codes(codes, bits)
     assert packed.shape[-1] == 128 * bits // 8 and packed.dtype == torch.uint8
     assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+def test_int3_is_an_int2_plane_then_a_high_bit_plane():
+    codes = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7] * 2], dtype=torch.uint8)  # D = 16
+    packed = pack_codes(codes, 3)
+    assert packed.shape[-1] == 6  # 4 bytes of low bit pairs + 2 bytes of high bits
+    assert torch.equal(packed[:, :4], pack_codes(codes & 3, 2))
+    # the high-bit plane: byte j holds channel j + 2k in bit k (channels 4-7 and 12-15 have it set)
+    assert packed[:, 4:].tolist() == [[0b11001100, 0b11001100]]
 
 
 def test_int2_bit_layout_is_stride_packed():
@@ -26,7 +35,7 @@ def test_int2_bit_layout_is_stride_packed():
     assert pack_codes(codes, 2).tolist() == [[0 | 2 << 2 | 3 << 4 | 1 << 6, 1 | 3 << 2 | 2 << 4 | 0 << 6]]
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group", [32, 128])
 def test_reconstruction_error_is_within_half_a_step(bits, group):
     x = outlier_rows()
@@ -41,8 +50,9 @@ def test_reconstruction_error_is_within_half_a_step(bits, group):
 
 def test_more_bits_less_error():
     x = outlier_rows()
-    errs = [float((fake_quantize(x, b, 128) - x).norm()) for b in (2, 4, 8)]
-    assert errs[0] > 3 * errs[1] > 9 * errs[2]
+    errs = [float((fake_quantize(x, b, 128) - x).norm()) for b in (2, 3, 4, 8)]
+    # steps shrink with the levels: 3 -> 7 -> 15 -> 255
+    assert errs[0] > 1.8 * errs[1] and errs[1] > 2 * errs[2] and errs[2] > 15 * errs[3]
 
 
 def test_clip_clamps_the_largest_magnitudes_symmetrically():
@@ -79,7 +89,9 @@ def test_group_must_divide_head_dim():
     with pytest.raises(ValueError, match="divide"):
         quantize_rows(torch.randn(2, 128), 2, 48)
     with pytest.raises(ValueError, match="bits"):
-        quantize_rows(torch.randn(2, 128), 3, 128)
+        quantize_rows(torch.randn(2, 128), 5, 128)
+    with pytest.raises(ValueError, match="multiple of 8 for 3-bit packing"):
+        quantize_rows(torch.randn(2, 12), 3, 12)
 
 
 @pytest.mark.parametrize("group", [32, 128])

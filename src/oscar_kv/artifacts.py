@@ -7,7 +7,10 @@ Tensors (float32 unless noted; H = KV heads, or 1 when one rotation is shared pe
   k_rope_mean [L, Hkv, D]                            mean pre-RoPE key for position-aware centering
                                                      (rope.py); zeros when keys are centered by k_mean only
   k_clip [L, Hkv], v_clip [L, Hkv]                   clip ratios used for INT2 rows
-  layer_bits [L] int32                               storage precision of the quantized history per layer
+  k_bits [L], v_bits [L] int32                       storage precision of each layer's quantized keys / values
+                                                     (2, 3, 4 or 8; 16 on both: the layer is not quantized).
+                                                     Artifacts written before keys and values could differ hold
+                                                     one ``layer_bits`` [L] for both; loading reads it so.
 
 The manifest holds the format version, the model's attention geometry and fingerprint, the
 calibration settings, validation results, the quantizer's ``rescale`` strengths (``{"keys": g, "values": g}``,
@@ -30,6 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import OscarKVError
+from .memory import width_summary
 from .models import AttentionGeometry, projection_rows
 from .rope import RopeUnsupported, RotaryLayout, rotated_only
 from .rotation import ORTHOGONALITY_TOLERANCE, compose, orthogonality_error
@@ -41,6 +45,7 @@ TENSOR_FILE = "rotations.safetensors"
 MANIFEST_FILE = "manifest.json"
 DEFAULT_K_CLIP = 0.96
 DEFAULT_V_CLIP = 0.92
+STORED_BITS = (2, 3, 4, 8, 16)  # widths of a layer's quantized keys / values (16: not quantized)
 
 
 class ArtifactError(OscarKVError, ValueError):
@@ -54,7 +59,7 @@ class Rotations:
 
     Shapes:
         k_rotation, v_rotation: float32 [L, H | 1, D, D]; k_eigenvalues, v_eigenvalues: [L, H | 1, D];
-        k_mean, v_mean, k_rope_mean: [L, Hkv, D]; k_clip, v_clip: [L, Hkv]; layer_bits: int32 [L].
+        k_mean, v_mean, k_rope_mean: [L, Hkv, D]; k_clip, v_clip: [L, Hkv]; k_bits, v_bits: int32 [L].
     """
 
     k_rotation: torch.Tensor
@@ -65,7 +70,7 @@ class Rotations:
     v_mean: torch.Tensor
     k_clip: torch.Tensor
     v_clip: torch.Tensor
-    layer_bits: torch.Tensor
+    k_bits: torch.Tensor
     geometry: AttentionGeometry
     group_size: int
     manifest: dict = field(default_factory=dict)
@@ -77,14 +82,34 @@ class Rotations:
     # the RoPE layout of k_rope_mean's channels (partial rotary keeps it zero past rotary_dim); None: rotate-half
     # over the whole head
     rope_layout: RotaryLayout | None = None
+    v_bits: torch.Tensor | None = None  # None: the keys' widths
 
     TENSORS = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_mean", "v_mean",
-               "k_clip", "v_clip", "layer_bits")
+               "k_clip", "v_clip", "k_bits", "v_bits")
     OPTIONAL_TENSORS = ("k_rope_mean",)  # absent from artifacts written before they existed
+    LEGACY_BITS = "layer_bits"  # one width per layer for keys and values, before they could differ
 
     def __post_init__(self):
         if self.k_rope_mean is None:
             self.k_rope_mean = torch.zeros_like(self.k_mean)
+        if self.v_bits is None:
+            self.v_bits = self.k_bits.clone()
+
+    def side_bits(self, layer: int) -> tuple[int, int]:
+        """(key bits, value bits) of ``layer``'s quantized history."""
+        return int(self.k_bits[layer]), int(self.v_bits[layer])
+
+    def width_summary(self) -> str:
+        """The layers' widths in words, e.g. "K3V2 x 20, K4V2 x 4"."""
+        return width_summary(self.k_bits.tolist(), self.v_bits.tolist())
+
+    def set_bits(self, k_bits, v_bits=None) -> None:
+        """Set every layer's widths: a list / tensor per layer, or one number for all (``v_bits`` None: as keys)."""
+        L = self.geometry.num_layers
+        as_tensor = lambda b: (torch.full((L,), int(b), dtype=torch.int32) if isinstance(b, int)  # noqa: E731
+                               else torch.as_tensor(b, dtype=torch.int32).clone())
+        self.k_bits = as_tensor(k_bits)
+        self.v_bits = as_tensor(k_bits if v_bits is None else v_bits)
 
     @property
     def key_centering(self) -> str:
@@ -168,8 +193,12 @@ class Rotations:
             for name in (f"{which}_mean",) + tuple(n for n, _ in extra):
                 if not torch.isfinite(getattr(self, name)).all():
                     raise ArtifactError(f"{name} contains NaN or Inf")
-        if tuple(self.layer_bits.shape) != (L,) or not set(self.layer_bits.tolist()) <= {2, 4, 8, 16}:
-            raise ArtifactError("layer_bits must hold one of 2, 4, 8, 16 per layer")
+        for name in ("k_bits", "v_bits"):
+            bits = getattr(self, name)
+            if tuple(bits.shape) != (L,) or not set(bits.tolist()) <= set(STORED_BITS):
+                raise ArtifactError(f"{name} must hold one of {', '.join(map(str, STORED_BITS))} per layer")
+        if ((self.k_bits == 16) != (self.v_bits == 16)).any():
+            raise ArtifactError("a layer stores both keys and values at 16 bits or neither (k_bits / v_bits)")
         if self.group_size <= 0 or D % self.group_size:
             raise ArtifactError(f"group size {self.group_size} does not divide the head dim {D}")
         layout = self.rotary_layout
@@ -227,6 +256,9 @@ class Rotations:
             tensors = load_file(str(tensor_path))
         except (SafetensorError, OSError) as exc:
             raise ArtifactError(f"cannot read {tensor_path}: {exc}") from exc
+        if "k_bits" not in tensors and cls.LEGACY_BITS in tensors:
+            tensors["k_bits"] = tensors.pop(cls.LEGACY_BITS)
+            tensors["v_bits"] = tensors["k_bits"].clone()
         missing = [t for t in cls.TENSORS if t not in tensors]
         if missing:
             raise ArtifactError(f"{tensor_path} lacks tensors {missing}")

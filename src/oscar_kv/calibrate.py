@@ -345,7 +345,7 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     say("validation table")
     proposed = propose_layer_bits(table["oscar"])
     if settings.layer_policy == "auto":
-        rotations.layer_bits = torch.tensor(proposed, dtype=torch.int32)
+        rotations.set_bits(proposed)
     rotations.manifest = {
         "model": getattr(model, "oscar_model_name", getattr(model.config, "_name_or_path", "")),
         "fingerprint": fingerprint,

@@ -199,7 +199,7 @@ def inspect(directory: Path = typer.Argument(..., help="A rotation artifact dire
     typer.echo(f"model     {m.get('model', '?')}  fingerprint {m.get('fingerprint', '?')}")
     typer.echo(f"geometry  {g.model_type}: {g.num_layers} layers, {g.num_attention_heads} query heads, "
                f"{g.num_kv_heads} KV heads, head dim {g.head_dim}")
-    typer.echo(f"rotations {rot.scope}, group size {rot.group_size}, layer bits {sorted(set(rot.layer_bits.tolist()))}")
+    typer.echo(f"rotations {rot.scope}, group size {rot.group_size}, layer widths {rot.width_summary()}")
     typer.echo(f"clip      K {rot.k_clip.min():.2f}-{rot.k_clip.max():.2f}, V {rot.v_clip.min():.2f}-{rot.v_clip.max():.2f}; "
                f"rescale: keys {rot.k_rescale:g}, values {rot.v_rescale:g}")
     typer.echo(f"centering keys {rot.key_centering}: |mu_K| mean {rot.k_mean.norm(dim=-1).mean():.3f}, |mu_pre| mean "

@@ -37,7 +37,7 @@ class LayerCodec:
     [Hkv, R] int32.  Rows handed to ``quantize_*`` carry the KV head in dim 1 ([B, Hkv, T, D] or [N, Hkv, D]).
     """
 
-    bits: int  # of the quantized history; 16: nothing is quantized
+    k_bits: int  # of the quantized history's keys; 16: nothing is quantized
     group_size: int  # channels sharing one scale / minimum
     k_rotation: torch.Tensor
     k_mean: torch.Tensor
@@ -52,8 +52,13 @@ class LayerCodec:
     # keys are stored as they come (identity rotation, no centering: a BF16 cache without an artifact), so the
     # kernels skip the rotation (computed once here: testing it on the device syncs)
     keys_as_is: bool = dataclasses.field(init=False, default=False)
+    v_bits: int | None = None  # of the quantized history's values; None: as the keys
 
     def __post_init__(self):
+        if self.v_bits is None:
+            self.v_bits = self.k_bits
+        if (self.k_bits == 16) != (self.v_bits == 16):
+            raise ConfigError(f"keys at {self.k_bits} bits and values at {self.v_bits}: a layer quantizes both or neither")
         eye = torch.eye(self.k_rotation.shape[-1], device=self.k_rotation.device)
         self.keys_as_is = (self.k_rope_mean is None and not bool(self.k_mean.any())
                            and bool((self.k_rotation == eye).all()))
@@ -65,7 +70,7 @@ class LayerCodec:
 
     @property
     def quantizes(self) -> bool:
-        return self.bits < 16
+        return self.k_bits < 16
 
     @property
     def num_kv_heads(self) -> int:
@@ -118,14 +123,14 @@ class LayerCodec:
     def quantize_keys(self, rows: torch.Tensor) -> QuantizedRows:
         """Rotated keys as the history stores them; per channel over pages: rows [B, Hkv, N, D], N whole pages."""
         if self.key_page is None:
-            return quantize_rows(rows, self.bits, self.group_size, _clip_per_row(self.k_clip, rows), self.k_rescale)
+            return quantize_rows(rows, self.k_bits, self.group_size, _clip_per_row(self.k_clip, rows), self.k_rescale)
         b, h, n, d = rows.shape
         p = self.key_page
         pages = rows.reshape(b, h, n // p, p, d).transpose(-1, -2)  # [B, H, pages, D, P]: a row is one channel
-        return quantize_rows(pages, self.bits, p)
+        return quantize_rows(pages, self.k_bits, p)
 
     def quantize_values(self, rows: torch.Tensor) -> QuantizedRows:
-        return quantize_rows(rows, self.bits, self.group_size, _clip_per_row(self.v_clip, rows), self.v_rescale)
+        return quantize_rows(rows, self.v_bits, self.group_size, _clip_per_row(self.v_clip, rows), self.v_rescale)
 
     def dequantize_keys(self, q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         x = dequantize_rows(q, dtype)
@@ -137,10 +142,12 @@ class LayerCodec:
     def dequantize_values(self, q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_rows(q, dtype)
 
-    def stored_rows(self, codes: torch.Tensor, meta: torch.Tensor) -> QuantizedRows:
-        """Rows read back from a pool: packed codes and the metadata as stored there (scales | minima)."""
+    def stored_rows(self, codes: torch.Tensor, meta: torch.Tensor, which: str) -> QuantizedRows:
+        """Rows of ``which`` ("k" or "v") read back from a pool: packed codes and the metadata as stored there
+        (scales | minima)."""
         groups = meta.shape[-1] // 2
-        return QuantizedRows(codes, meta[..., :groups], meta[..., groups:], self.bits, self.group_size)
+        bits = self.k_bits if which == "k" else self.v_bits
+        return QuantizedRows(codes, meta[..., :groups], meta[..., groups:], bits, self.group_size)
 
 
 def stored_attention(q_rot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
@@ -194,7 +201,7 @@ def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: i
     Args:
         model: the model the artifact is for (its RoPE, when the artifact centers keys per position).
         rotations: the artifact.
-        kv_cache_dtype: the history's precision; a layer the artifact keeps wider keeps its own bits.
+        kv_cache_dtype: the history's precision; a layer (keys or values) the artifact keeps wider keeps its own bits.
         group_size: channels per scale / minimum (default: the artifact's).
         key_page: quantize keys per channel over pages of this many tokens (KIVI) instead of per token.
     Returns:
@@ -211,12 +218,16 @@ def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: i
         raise ArtifactError(f"the artifact centers keys for RoPE {rotations.rotary_layout.as_dict()}, the model's is "
                             f"{ropes[0].layout.as_dict()} (recalibrate for this model)")
     codecs = []
+    def width(stored: int) -> int:
+        return 16 if bits == 16 or stored == 16 else max(bits, stored)
+
     for i in range(geometry.num_layers):
         k_rope_mean = rotations.k_rope_mean[i].float()
+        k_bits, v_bits = rotations.side_bits(i)
         codecs.append(LayerCodec(
-            bits if bits == 16 else max(bits, int(rotations.layer_bits[i])), group_size,
+            width(k_bits), group_size,
             # contiguous once here: the write kernel takes R_K contiguous, and would copy it per layer and step
             rotations.k_rotation[i].float().contiguous(), rotations.k_mean[i].float(), rotations.k_clip[i].float(),
             rotations.v_clip[i].float(), rotations.k_rescale, rotations.v_rescale,
-            k_rope_mean if k_rope_mean.abs().max() > 0 else None, ropes[i], key_page=key_page))
+            k_rope_mean if k_rope_mean.abs().max() > 0 else None, ropes[i], key_page=key_page, v_bits=width(v_bits)))
     return codecs

@@ -5,7 +5,8 @@ T tokens with sink S0, recent window W, head dim D, group G and b-bit codes:
     quantized tokens  n = max(T - S0 - W, 0)
     bits = (min(T, S0 + W) * window_bits + n * (b + 2 * meta_bits / G)) / T
 At T = 128K, D = G = 128: (320 * 16 + 130752 * 2.25) / 131072 = 2.2836 - the paper's 2.28.
-Layers stored at another precision (the artifact's layer policy) are averaged in.
+Layers whose keys or values are stored at another width (the artifact's k_bits / v_bits) are averaged in, each
+side at its own width.
 """
 
 from __future__ import annotations
@@ -36,27 +37,39 @@ class KVFootprint:
 
 def bits_per_element(seq_len: int, head_dim: int, group_size: int | None = None, bits: int = 2,
                      sink_size: int = 64, recent_size: int = 256, window_bits: int = 16, meta_bits: int = 16,
-                     layer_bits: list[int] | None = None, key_group_size: int | None = None) -> float:
+                     k_bits: list[int] | None = None, v_bits: list[int] | None = None,
+                     key_group_size: int | None = None) -> float:
     """Average stored bits per KV element at ``seq_len`` tokens (see the module docstring).
 
+    ``k_bits`` / ``v_bits``: each layer's key / value width (the artifact's; ``bits`` is the least any side is
+    stored at, 16: nothing is quantized); None: ``bits`` everywhere (``v_bits`` None: as ``k_bits``).
     ``key_group_size`` is the number of key elements sharing one scale/min pair when it differs
     from the values' (KIVI's per-channel keys: one pair per channel per page of tokens).
     """
     if seq_len <= 0:
         raise ValueError("sequence length must be positive")
     group_size = group_size or min(head_dim, 128)
-    meta = (meta_bits / (key_group_size or group_size) + meta_bits / group_size)  # K and V averaged: 2*m/G each
-    per_layer = layer_bits or [bits]
+    k_bits = k_bits or [bits]
+    v_bits = v_bits or k_bits
+    windowed = min(seq_len, sink_size + recent_size)
+    quantized = seq_len - windowed
     total = 0.0
-    for b in per_layer:
-        b = max(b, bits) if bits < 16 else 16
-        if b >= 16:
-            total += window_bits
-            continue
-        windowed = min(seq_len, sink_size + recent_size)
-        quantized = seq_len - windowed
-        total += (windowed * window_bits + quantized * (b + meta)) / seq_len
-    return total / len(per_layer)
+    for kb, vb in zip(k_bits, v_bits, strict=True):
+        for b, group in ((kb, key_group_size or group_size), (vb, group_size)):
+            b = max(b, bits) if bits < 16 and b < 16 else 16
+            if b >= 16:
+                total += window_bits
+            else:
+                total += (windowed * window_bits + quantized * (b + 2 * meta_bits / group)) / seq_len
+    return total / (2 * len(k_bits))
+
+
+def width_summary(k_bits, v_bits) -> str:
+    """Layers' key / value widths in words, e.g. "K3V2 x 20, K4V2 x 4"."""
+    counts: dict[str, int] = {}
+    for k, v in zip(k_bits, v_bits, strict=True):
+        counts[f"K{k}V{v}"] = counts.get(f"K{k}V{v}", 0) + 1
+    return ", ".join(f"{name} x {n}" for name, n in sorted(counts.items()))
 
 
 def kv_bytes(seq_len: int, num_layers: int, num_kv_heads: int, head_dim: int, batch: int = 1, **kwargs) -> float:

@@ -1,4 +1,4 @@
-"""Reference (torch) quantizer for KV rows: clip, asymmetric INT2/INT4/INT8, packing.
+"""Reference (torch) quantizer for KV rows: clip, asymmetric INT2/INT3/INT4/INT8, packing.
 
 This module is the specification the Triton kernels are tested against.
 
@@ -8,6 +8,9 @@ Layout of one quantized row (one token x one KV head, D channels, group size G):
     k = 0..n-1.  For INT2 and D=128: byte j holds channels j, j+32, j+64, j+96 in bit pairs
     0-1, 2-3, 4-5, 6-7.  Unpacking yields n contiguous channel slices, which lets a kernel
     dot each slice with a contiguous slice of the query instead of interleaving lanes.
+  * INT3 codes are two bit planes, ``3 * D / 8`` bytes: first the low two bits of every code, stride-packed as
+    INT2 (``D / 4`` bytes), then the high bit, stride-packed as 1-bit codes (``D / 8`` bytes: byte j holds channel
+    ``j + k * D/8`` in bit k).  A kernel reads the INT2 plane as it reads INT2 and adds 4 x the high bit.
   * scale and minimum: one float16 each per group of G contiguous channels
     (``D // G`` of each per row).  x_hat = code * scale + minimum.
 
@@ -33,7 +36,7 @@ import torch
 from .errors import ConfigError, NonFiniteActivations
 
 METADATA_DTYPE = torch.float16
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)
 _F16_MAX = 65504.0
 RESCALE_RANGE = (0.5, 2.0)
 
@@ -67,8 +70,9 @@ def check_geometry(head_dim: int, group_size: int, bits: int) -> None:
         raise ConfigError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
     if group_size <= 0 or head_dim % group_size != 0:
         raise ConfigError(f"group size {group_size} must divide the head dim {head_dim}")
-    if head_dim % (8 // bits) != 0:
-        raise ConfigError(f"head dim {head_dim} must be a multiple of {8 // bits} for {bits}-bit packing")
+    multiple = 8 if bits == 3 else 8 // bits  # INT3's high-bit plane packs 8 channels per byte
+    if head_dim % multiple != 0:
+        raise ConfigError(f"head dim {head_dim} must be a multiple of {multiple} for {bits}-bit packing")
 
 
 def clip_index(head_dim: int, ratio: float) -> int:
@@ -101,7 +105,10 @@ def clip_rows(x: torch.Tensor, ratio: float | torch.Tensor) -> torch.Tensor:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Stride-pack integer codes (last dim D) into uint8, ``8 // bits`` codes per byte."""
+    """Stride-pack integer codes (last dim D) into uint8, ``8 // bits`` codes per byte (INT3: two bit planes)."""
+    if bits == 3:
+        codes = codes.to(torch.uint8)
+        return torch.cat([pack_codes(codes & 3, 2), pack_codes(codes >> 2, 1)], dim=-1)
     per_byte = 8 // bits
     if per_byte == 1:
         return codes.to(torch.uint8)
@@ -115,6 +122,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: uint8 [..., D*bits/8] -> uint8 codes [..., D]."""
+    if bits == 3:
+        d = packed.shape[-1] * 8 // 3
+        return unpack_codes(packed[..., :d // 4], 2) | (unpack_codes(packed[..., d // 4:], 1) << 2)
     per_byte = 8 // bits
     if per_byte == 1:
         return packed
@@ -130,7 +140,7 @@ def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
 
     Args:
         x: rows to quantize; NaN or Inf raises NonFiniteActivations.
-        bits: 2, 4 or 8.
+        bits: 2, 3, 4 or 8.
         group_size: channels sharing one scale / minimum (default: the whole row).
         clip_ratio: see :func:`clip_rows`.
         rescale: the strength g of the metadata rescale (module docstring); 0: none.

@@ -481,7 +481,7 @@ def bench_write_path(geom, device, batch_sizes: list[int]) -> dict:
     out = {}
     h, d, p = geom.num_kv_heads, geom.head_dim, geom.page_size
     layers = GEOMETRY["num_layers"]
-    g36 = dataclasses.replace(geom, num_layers=layers, layer_bits=geom.layer_bits[:1] * layers,
+    g36 = dataclasses.replace(geom, num_layers=layers, k_bits=geom.k_bits[:1] * layers, v_bits=geom.v_bits[:1] * layers,
                               layer_windows=geom.layer_windows[:1] * layers)
     pool = PagedKVPool.allocate(g36, 4096, 4096, device=device)
     _fill_pool(pool)

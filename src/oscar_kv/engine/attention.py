@@ -287,8 +287,8 @@ class TorchAttention:
         if not len(quant):
             return _Joined(k_w, None), _Joined(v_w, None)
         codec = self.codecs[li]
-        k_q, v_q = (codec.stored_rows(codes[li][quant.page, :, quant.off], meta[li][quant.page, :, quant.off])
-                    for codes, meta in ((pool.k_codes, pool.k_meta), (pool.v_codes, pool.v_meta)))
+        k_q, v_q = (codec.stored_rows(codes[li][quant.page, :, quant.off], meta[li][quant.page, :, quant.off], which)
+                    for which, codes, meta in (("k", pool.k_codes, pool.k_meta), ("v", pool.v_codes, pool.v_meta)))
         return _Joined(k_w, codec.dequantize_keys(k_q)), _Joined(v_w, codec.dequantize_values(v_q))
 
 

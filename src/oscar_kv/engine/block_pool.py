@@ -5,7 +5,8 @@ another precision by the artifact's layer policy simply get wider codes; the sha
 byte counts are ``kernels.layout.PoolGeometry``):
 
   window pool   k_win[l], v_win[l]    window dtype (BF16) [NW, H, P, D]     sink and recent pages
-  INT2 pool     k_codes[l], v_codes[l] uint8   [NQ, H, P, D*bits/8]          stride-packed (quant.py)
+  INT2 pool     k_codes[l], v_codes[l] uint8   [NQ, H, P, D*bits/8]          stride-packed (quant.py), each side
+                                                                               at its layer's width
                 k_meta[l],  v_meta[l]  float16 [NQ, H, P, 2*D/G]             [..., :NG] scale, [..., NG:] min
 
 A sequence's logical page i (positions [iP, (i+1)P)) lives in the INT2 pool when
@@ -171,8 +172,9 @@ class PagePool:
         self.v_win = [torch.empty(nw, h, p, d, dtype=g.window_dtype, device=device) for _ in range(g.num_layers)]
         self.k_codes, self.v_codes, self.k_meta, self.v_meta = [], [], [], []
         if g.quantizes:
-            for bits in g.layer_bits:
-                for codes, meta in ((self.k_codes, self.k_meta), (self.v_codes, self.v_meta)):
+            for layer in range(g.num_layers):
+                for bits, codes, meta in zip(g.layer_widths(layer), (self.k_codes, self.v_codes),
+                                             (self.k_meta, self.v_meta)):
                     codes.append(torch.empty(nq, h, p, d * bits // 8, dtype=torch.uint8, device=device))
                     meta.append(torch.empty(nq, h, p, 2 * ng, dtype=torch.float16, device=device))
         self.window = PageAllocator(plan.window_pages, WINDOW)

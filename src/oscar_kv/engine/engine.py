@@ -128,8 +128,9 @@ class LLMEngine:
         model.set_attn_implementation(ATTENTION_KEY)
         pool_geometry = PoolGeometry(geometry.num_layers, heads.stop - heads.start, geometry.head_dim,
                                      codecs[0].group_size, config.page_size, config.sink_size, config.recent_size,
-                                     tuple(codec.bits for codec in self.codecs),
-                                     layer_windows=layer_windows(model.config))
+                                     tuple(codec.k_bits for codec in self.codecs),
+                                     layer_windows=layer_windows(model.config),
+                                     v_bits=tuple(codec.v_bits for codec in self.codecs))
         limit = getattr(model.config, "max_position_embeddings", None) or 8192
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
@@ -204,7 +205,7 @@ class LLMEngine:
         spec, plan = self.pool.geometry, self.plan
         bf16_tokens = plan.total_bytes // spec.window_page_bytes * spec.page_size
         scheme = (f"{self.config.kv_cache_dtype} (sink {spec.sink_size}, recent {spec.recent_size}, "
-                  f"group {spec.group_size}, page {spec.page_size}, layer bits {sorted(set(spec.layer_bits))})"
+                  f"group {spec.group_size}, page {spec.page_size}, layer widths {spec.width_summary()})"
                   if spec.quantizes else f"bf16 (page {spec.page_size})")
         backend = (f"Triton kernels (paged decode; prefill chunks: history materialized in float16, then "
                    f"{self.prefill_attention_description()}; short chunks through the extend kernel)"

@@ -108,7 +108,7 @@ class PoolView:
         """Layer i as a one-layer PagedKVPool (views of the engine's tensors, nothing copied)."""
         if i not in self._layer_pools:
             t, g = self.layer(i), self.geometry
-            one = dataclasses.replace(g, num_layers=1, layer_bits=g.layer_bits[i:i + 1],
+            one = dataclasses.replace(g, num_layers=1, k_bits=g.k_bits[i:i + 1], v_bits=g.v_bits[i:i + 1],
                                       layer_windows=g.layer_windows[i:i + 1])
             names = ("k_codes", "v_codes", "k_meta", "v_meta", "k_win", "v_win")
             self._layer_pools[i] = PagedKVPool(one, *(t[n].unsqueeze(0) for n in names))

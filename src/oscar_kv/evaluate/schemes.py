@@ -40,9 +40,10 @@ class Scheme:
         """Mean stored bits per K/V element over a sequence of ``seq_len`` tokens (memory.bits_per_element)."""
         s = self.settings
         group = s.group_size or (self.rotations.group_size if self.rotations else min(geometry.head_dim, 128))
-        layer_bits = self.rotations.layer_bits.tolist() if self.rotations is not None else None
+        rot = self.rotations
         return bits_per_element(seq_len, geometry.head_dim, group, s.bits, s.sink_size, s.recent_size,
-                                layer_bits=layer_bits,
+                                k_bits=rot.k_bits.tolist() if rot is not None else None,
+                                v_bits=rot.v_bits.tolist() if rot is not None else None,
                                 key_group_size=s.page_size if s.key_axis == "channel" else None)
 
 
@@ -117,7 +118,7 @@ def ablation_schemes(stats: Statistics, calibration: CalibrationSettings, oscar:
         if settings.clip == "fixed" and oscar.manifest.get("calibration", {}).get("clip") == "fit" and not settings_change:
             rot.k_clip, rot.v_clip = oscar.k_clip.clone(), oscar.v_clip.clone()
         if layer_bits is not None:
-            rot.layer_bits = layer_bits
+            rot.set_bits(layer_bits)
         return Scheme(name, rot, cache, description)
 
     half = max(oscar.group_size // 2, 8)
@@ -155,5 +156,5 @@ def ablation_schemes(stats: Statistics, calibration: CalibrationSettings, oscar:
                           else "clip ratios fitted per layer and head on held-back text"))
     if proposed and any(b != 2 for b in proposed):
         out.append(fitted("oscar-layer-policy", "layers with outlying INT2 error stored at INT4",
-                          layer_bits=torch.tensor(proposed, dtype=torch.int32)))
+                          layer_bits=proposed))
     return out

@@ -60,6 +60,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import ConfigError
+from ..memory import width_summary
 
 
 # The kernels read 2-bit codes; a geometry that names no bits per layer is such an INT2 cache.
@@ -70,8 +71,9 @@ KERNEL_BITS = 2
 class PoolGeometry:
     """The shape of a paged KV pool: what the engine allocates and accounts, and what the kernels address.
 
-    ``layer_bits[l]``: bits per code of layer l's quantized pages (default: 2 on every layer).  16 on every
-    layer is a plain cache in ``window_dtype``: window pages only, no sink, no quantized pages.
+    ``k_bits[l]`` / ``v_bits[l]``: bits per code of layer l's quantized key / value pages (default: 2 on every
+    layer; ``v_bits`` None: as ``k_bits``).  16 on every layer is a plain cache in ``window_dtype``: window pages
+    only, no sink, no quantized pages.
     ``layer_windows[l]``: layer l's sliding window (a query at position p attends to keys in (p - window, p]), or
     None where it attends to the whole sequence (default: every layer; models.layer_windows).  Every layer
     stores every token: the windows change what attention reads, not the layout.  Settings that
@@ -88,15 +90,20 @@ class PoolGeometry:
     page_size: int = 16
     sink_size: int = 64
     recent_size: int = 256
-    layer_bits: tuple[int, ...] | None = None
+    k_bits: tuple[int, ...] | None = None
     window_dtype: torch.dtype = torch.bfloat16
     layer_windows: tuple[int | None, ...] | None = None
+    v_bits: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        bits = (KERNEL_BITS,) * self.num_layers if self.layer_bits is None else tuple(self.layer_bits)
-        object.__setattr__(self, "layer_bits", bits)  # frozen: normalize once, here
-        if len(bits) != self.num_layers:
-            raise ValueError(f"layer_bits has {len(bits)} entries for {self.num_layers} layers")
+        k_bits = (KERNEL_BITS,) * self.num_layers if self.k_bits is None else tuple(self.k_bits)
+        v_bits = k_bits if self.v_bits is None else tuple(self.v_bits)
+        object.__setattr__(self, "k_bits", k_bits)  # frozen: normalize once, here
+        object.__setattr__(self, "v_bits", v_bits)
+        for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
+            if len(bits) != self.num_layers:
+                raise ValueError(f"{name} has {len(bits)} entries for {self.num_layers} layers")
+        bits = k_bits + v_bits
         windows = (None,) * self.num_layers if self.layer_windows is None else tuple(self.layer_windows)
         object.__setattr__(self, "layer_windows", windows)
         if len(windows) != self.num_layers:
@@ -117,8 +124,9 @@ class PoolGeometry:
     def kernel_error(self) -> str | None:
         """None when the Triton/CUDA kernels can address this pool, else why not."""
         d, g, p = self.head_dim, self.group_size, self.page_size
-        if self.quantizes and any(b != KERNEL_BITS for b in self.layer_bits):
-            return "the artifact stores some layers at other than 2 bits (the kernels read INT2 codes only)"
+        if self.quantizes and any(b != KERNEL_BITS for b in self.k_bits + self.v_bits):
+            widths = "/".join(f"K{k}V{v}" for k, v in sorted(set(zip(self.k_bits, self.v_bits))))
+            return f"the artifact stores layers at {widths} (the kernels read INT2 codes only)"
         if d % 4 or d % g or g < d // 4:
             return f"group size {g} must divide head dim {d} and be >= D/4 = {d // 4}"
         if d & (d - 1) or d < 32:
@@ -131,12 +139,12 @@ class PoolGeometry:
 
     def as_bf16(self) -> "PoolGeometry":
         """The same pool stored without quantization (what a BF16 cache of these layers would hold)."""
-        return replace(self, layer_bits=(16,) * self.num_layers)
+        return replace(self, k_bits=(16,) * self.num_layers, v_bits=(16,) * self.num_layers)
 
     # ---- pages -----------------------------------------------------------------------------------
     @property
     def quantizes(self) -> bool:
-        return any(b < 16 for b in self.layer_bits)
+        return any(b < 16 for b in self.k_bits)
 
     @property
     def num_groups(self) -> int:
@@ -175,10 +183,20 @@ class PoolGeometry:
         return 2 * self.head_dim * self.window_dtype.itemsize
 
     def quant_bytes_per_token(self, layer: int = 0) -> int:
-        """Layer ``layer``'s quantized bytes: codes + float16 scale and minimum per group (0 in a BF16 cache)."""
+        """Layer ``layer``'s quantized bytes, keys and values: codes + float16 scale and minimum per group (0 in a
+        BF16 cache)."""
         if not self.quantizes:
             return 0
-        return 2 * (self.head_dim * self.layer_bits[layer] // 8 + 2 * 2 * self.num_groups)
+        codes = self.head_dim * (self.k_bits[layer] + self.v_bits[layer]) // 8
+        return codes + 2 * 2 * 2 * self.num_groups
+
+    def layer_widths(self, layer: int) -> tuple[int, int]:
+        """(key bits, value bits) of layer ``layer``'s quantized pages."""
+        return self.k_bits[layer], self.v_bits[layer]
+
+    def width_summary(self) -> str:
+        """The layers' widths in words, e.g. "K3V2 x 20, K4V2 x 4"."""
+        return width_summary(self.k_bits, self.v_bits)
 
     @property
     def window_page_bytes(self) -> int:
