@@ -1,3 +1,4 @@
+import hashlib
 import json
 
 import pytest
@@ -238,3 +239,36 @@ def test_obtain_prefers_the_given_then_shipped_then_cached_artifact(model, token
                 obtain("my-model", model)
         finally:
             weight.copy_(saved)
+
+
+def test_artifacts_with_one_width_per_layer_load_it_for_keys_and_values(tmp_path):
+    """Artifacts written before keys and values could differ hold one ``layer_bits``."""
+    from safetensors.torch import load_file, save_file
+
+    rot = per_head_artifact()
+    rot.set_bits([4, 2, 2])
+    rot.save(tmp_path)
+    tensors = load_file(str(tmp_path / "rotations.safetensors"))
+    tensors["layer_bits"] = tensors.pop("k_bits")
+    del tensors["v_bits"]
+    save_file(tensors, str(tmp_path / "rotations.safetensors"))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["sha256"] = hashlib.sha256((tmp_path / "rotations.safetensors").read_bytes()).hexdigest()
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    back = Rotations.load(tmp_path, GEOM)
+    assert back.k_bits.tolist() == back.v_bits.tolist() == [4, 2, 2]
+
+
+def test_key_and_value_widths_round_trip_and_are_validated(tmp_path):
+    rot = per_head_artifact()
+    rot.set_bits([3, 4, 2], [2, 2, 3])
+    rot.save(tmp_path)
+    back = Rotations.load(tmp_path, GEOM)
+    assert back.k_bits.tolist() == [3, 4, 2] and back.v_bits.tolist() == [2, 2, 3]
+    assert back.width_summary() == "K2V3 x 1, K3V2 x 1, K4V2 x 1"
+    rot.set_bits([3, 5, 2], [2, 2, 2])
+    with pytest.raises(ArtifactError, match="k_bits must hold one of 2, 3, 4, 8, 16 per layer"):
+        rot.validate()
+    rot.set_bits([16, 2, 2], [2, 2, 2])
+    with pytest.raises(ArtifactError, match="both keys and values at 16 bits or neither"):
+        rot.validate()

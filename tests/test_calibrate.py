@@ -5,8 +5,7 @@ import torch
 
 from oscar_kv.activations import NonFiniteActivations
 from oscar_kv.artifacts import Rotations
-from oscar_kv.calibrate import (PAIRS_TOLERANCE, ROPE_GAIN, CalibrationSettings, calibrate, choose_centering,
-                                propose_layer_bits)
+from oscar_kv.calibrate import PAIRS_TOLERANCE, ROPE_GAIN, CalibrationSettings, calibrate, choose_centering
 from oscar_kv.corpus import read_text_file
 from oscar_kv.rope import kernel_pairs
 from oscar_kv.rotation import orthogonality_error
@@ -93,9 +92,6 @@ def test_nan_activations_are_reported_with_the_layer(model, tokenizer):
             w.copy_(saved)
 
 
-def test_layer_policy_flags_only_outliers():
-    assert propose_layer_bits([0.4, 0.5, 0.45, 2.0, 0.5]) == [2, 2, 2, 4, 2]
-    assert propose_layer_bits([0.4] * 6) == [2] * 6
 
 
 def test_bad_settings():
@@ -173,3 +169,49 @@ def test_bad_rope_pairs():
     for bad in (0, "many", 2.5, True):
         with pytest.raises(ValueError, match="rope_pairs"):
             CalibrationSettings(rope_pairs=bad)
+
+
+def test_auto_widths_follow_the_key_noise_and_the_manifest_says_why(model, tokenizer):
+    settings = CalibrationSettings(**SMALL)
+    rot = calibrate(model, tokenizer, settings, progress=False)
+    w = rot.manifest["calibration"]["widths"]
+    assert w["k_bits"] == rot.k_bits.tolist() and set(w["k_bits"]) <= {2, 3, 4}
+    assert rot.v_bits.tolist() == [2] * 30 and w["tolerance"] == settings.key_noise
+    by_width = w["key_noise_by_width"]
+    for layer in range(30):
+        assert by_width["2"][layer] > by_width["3"][layer] > by_width["4"][layer], layer
+        bits = w["k_bits"][layer]
+        assert w["key_noise"][layer] == by_width[str(bits)][layer]
+        # within the tolerance or as wide as it goes, and no wider than it needs
+        assert w["key_noise"][layer] <= settings.key_noise or bits == 4, layer
+        assert bits == 2 or by_width[str(bits - 1)][layer] > settings.key_noise, layer
+    assert w["bits_per_element"] == pytest.approx(rot_bits(rot, 8192), abs=1e-3)
+    rot.validate()
+
+
+def rot_bits(rot, seq_len):
+    from oscar_kv.memory import bits_per_element
+
+    return bits_per_element(seq_len, 64, 64, k_bits=rot.k_bits.tolist(), v_bits=rot.v_bits.tolist())
+
+
+def test_requested_widths_and_budgets_are_kept(model, tokenizer):
+    from oscar_kv.memory import bits_per_element
+
+    rot = calibrate(model, tokenizer, CalibrationSettings(key_bits=3, value_bits=3, **SMALL), progress=False)
+    assert rot.k_bits.tolist() == [3] * 30 and rot.v_bits.tolist() == [3] * 30
+    assert rot.manifest["calibration"]["widths"]["reason"] == "requested"
+    k2v2 = bits_per_element(8192, 64, 64)
+    rot = calibrate(model, tokenizer, CalibrationSettings(key_noise=None, kv_bits=k2v2 + 0.1, **SMALL), progress=False)
+    assert rot_bits(rot, 8192) <= k2v2 + 0.1 and 0 < sum(b > 2 for b in rot.k_bits.tolist()) < 30
+
+
+def test_bad_width_settings():
+    with pytest.raises(ValueError, match="key bits must be 'auto' or one of"):
+        CalibrationSettings(key_bits=5)
+    with pytest.raises(ValueError, match="value bits"):
+        CalibrationSettings(value_bits=8)
+    with pytest.raises(ValueError, match="needs a key noise tolerance, a bit budget or both"):
+        CalibrationSettings(key_noise=None, kv_bits=None)
+    with pytest.raises(ValueError, match="bit budget must lie"):
+        CalibrationSettings(kv_bits=1.5)

@@ -207,8 +207,11 @@ def test_calibrate_help_defaults_are_the_library_defaults():
     for name in ("calib_tokens", "seq_len", "k_clip", "v_clip", "center_values"):
         assert params[name].default.default == getattr(lib, name), name
     assert params["rope_pairs"].default.default == str(lib.rope_pairs)  # "auto" or a number: parsed as text
-    for name in ("clip", "key_centering", "rotation_scope", "layer_policy"):
+    for name in ("clip", "key_centering", "rotation_scope"):
         assert params[name].default.default.value == getattr(lib, name), name
+    for name in ("key_noise", "kv_bits", "value_bits"):
+        assert params[name].default.default == getattr(lib, name), name
+    assert params["key_bits"].default.default == str(lib.key_bits)
 
 
 def test_help_imports_neither_torch_nor_transformers():

@@ -437,6 +437,83 @@ def test_position_aware_centering_runs_the_kernels_int2_and_bf16(model, tokenize
     assert sum("per-position key means are not used" in r.message for r in caplog.records) == 1
 
 
+# per layer (key bits, value bits), repeated over the layers: keys at 3 / 4 bits beside INT2 values as the accuracy
+# work moves to, values at 3 / 4 too, and K2V2
+MIXED_WIDTHS = [(3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (2, 2)]
+
+
+@cpu_kernels
+def test_keys_and_values_at_mixed_widths_run_the_kernels_with_the_torch_paths_tokens(model, tokenizer, long_prompt,
+                                                                                       monkeypatch):
+    """The shipped artifact with each layer's keys and values at their own widths (MIXED_WIDTHS): the Triton engine
+    (interpreted: write_kv, migrate_pages on each layer's pool, the materialized and extend prefill paths, decode;
+    every layer at its own widths) gives the torch reference engine's greedy tokens, and start-up names the widths
+    and the decode kernel.  A 95-token prompt in chunks of 64 (materialized path) and 31 (the extend kernel, over
+    quantized history) leaves 2 quantized pages and a full recent window: the decode step migrates a page.  (~1 min
+    interpreted: the kernel tests cover each width; this checks that every layer's kernels get its widths.)"""
+    pytest.importorskip("triton")
+    from oscar_kv.artifacts import load_shipped
+    from oscar_kv.kernels import write
+
+    rot = load_shipped("smollm2-135m", model)
+    layers = rot.geometry.num_layers
+    widths = [MIXED_WIDTHS[i % len(MIXED_WIDTHS)] for i in range(layers)]
+    rot.set_bits(*zip(*widths))
+    migrations = []
+    migrate = write.migrate_pages
+    monkeypatch.setattr(write, "migrate_pages", lambda pool, *args, **kw: (
+        migrations.append(pool.geometry.layer_widths(0)), migrate(pool, *args, **kw)))
+    ids = tokenizer(long_prompt).input_ids[:95]
+    tokens = {}
+    for backend in ("torch", "triton"):
+        engine = make_engine(model, tokenizer, rot, sink_size=16, recent_size=32, max_num_batched_tokens=64,
+                             attention_backend=backend)
+        g = engine.pool.geometry
+        assert [g.layer_widths(i) for i in range(layers)] == widths
+        assert [(engine.pool.k_codes[i].shape[-1] * 8 // g.head_dim, engine.pool.v_codes[i].shape[-1] * 8 // g.head_dim)
+                for i in range(layers)] == widths
+        if backend == "triton":
+            assert engine.kernel_status is None and engine.runner.kernels is not None
+            lines = "\n".join(engine.describe())
+            assert "layer widths K2V2 x 5, K2V4 x 5, K3V2 x 5, K3V3 x 5, K4V2 x 5, K4V4 x 5" in lines
+            assert "quantized decode: the Triton kernel (not a CUDA device)" in lines
+        engine.add_request("r", ids, SamplingParams(max_tokens=2, ignore_eos=True, **GREEDY))
+        tokens[backend] = [t for o in run_all(engine)["r"] for t in o.token_ids]
+        assert engine.pool.all_free()
+        unprepare_model(model)
+    # the kernel engine migrated pages (the second chunk's step and the decode step) of every layer at its widths
+    assert len(migrations) >= 2 * layers and migrations == widths * (len(migrations) // layers)
+    assert len(tokens["torch"]) == 2 and tokens["triton"] == tokens["torch"], tokens
+
+
+def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read():
+    """LLMEngine.describe's decode part where the CUDA kernel runs (here as on an H100): the layers at other widths
+    than K2V2 are named as taking Triton, beside windowed ones; when no layer is left for CUDA, Triton serves all."""
+    from types import SimpleNamespace
+
+    from oscar_kv.kernels.decode import sliding_window_reason
+
+    def engine(k_bits, v_bits, windows=None):
+        def choice(window=None, widths=(2, 2)):
+            return ("triton", sliding_window_reason(window)) if window else ("cuda", None)
+
+        geom = PoolGeometry(num_layers=len(k_bits), num_kv_heads=2, k_bits=k_bits, v_bits=v_bits,
+                            layer_windows=windows)
+        return SimpleNamespace(pool=SimpleNamespace(geometry=geom), int2_decode_kernel=choice)
+
+    describe = LLMEngine.int2_decode_description
+    assert describe(engine((2, 2), (2, 2))) == "the one-launch CUDA kernel"
+    assert describe(engine((3, 2, 4, 2), (2, 2, 4, 2))) == (
+        "the one-launch CUDA kernel on 2 layers at K2V2, the Triton kernel on the 2 layers stored at K3V2 x 1, "
+        "K4V4 x 1 (the CUDA kernel reads INT2 codes only)")
+    mixed = describe(engine((3, 2, 2), (2, 2, 2), (None, 1024, None)))
+    assert mixed == ("the one-launch CUDA kernel on 1 layer at K2V2 of full attention, the Triton kernel on the 1 "
+                     "layer stored at K3V2 x 1 (the CUDA kernel reads INT2 codes only) and the 1 layer at K2V2 with a "
+                     "sliding window (1024 tokens: the CUDA kernel reads whole histories)")
+    assert describe(engine((3, 4), (2, 2))) == ("the Triton kernel on every layer: the 2 layers stored at K3V2 x 1, "
+                                                "K4V2 x 1 (the CUDA kernel reads INT2 codes only)")
+
+
 def test_warm_up_runs_every_stage_and_leaves_no_trace(model, tokenizer, small_rotations):
     """The server's start-up request (compiles the kernels on a GPU): it reaches the INT2 history and decodes,
     then the engine serves as if fresh: no requests, zeroed counters, every page free, same outputs."""

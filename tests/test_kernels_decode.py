@@ -40,25 +40,33 @@ def build_pool(geom, seq_lens, gen, layer=0, int2_pages=None, clip=(0.96, 0.92))
     return pool, batch, rot
 
 
-def small_geoms():
+def small_geoms(widths=(2, 2)):
+    """D = G = 64, P = 16 (two layers), and D = 128 with two groups, P = 32; keys / values at ``widths``."""
+    k, v = widths
     yield PoolGeometry(num_layers=2, num_kv_heads=2, head_dim=64, group_size=64, page_size=16,
-                       sink_size=32, recent_size=64)
+                       sink_size=32, recent_size=64, k_bits=(k, k), v_bits=(v, v))
     yield PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=128, group_size=64, page_size=32,
-                       sink_size=64, recent_size=64)
+                       sink_size=64, recent_size=64, k_bits=(k,), v_bits=(v,))
 
 
+# keys and values at their own widths (PoolGeometry.k_bits / v_bits: 3 and 4 bits beside INT2)
+WIDTHS = [(2, 2), (3, 2), (4, 2), (3, 3), (2, 4), (4, 4)]
+
+
+@pytest.mark.parametrize("widths", WIDTHS)
 @pytest.mark.parametrize("gi", [0, 1])
-def test_int2_decode_matches_reference(gi):
+def test_int2_decode_matches_reference(gi, widths):
     from oscar_kv.kernels.decode import int2_decode
 
-    geom = list(small_geoms())[gi]
+    geom = list(small_geoms(widths))[gi]
     gen = torch.Generator().manual_seed(10 + gi)
     seq_lens = [0, 7, geom.sink_size, 300, 517] if not GPU else [0, 7, 64, 1000, 5003, 131072 + 77]
     pool, batch, rot = build_pool(geom, seq_lens, gen, layer=geom.num_layers - 1)
     hq = geom.num_kv_heads * 4
     q = torch.randn(len(seq_lens), hq, geom.head_dim, generator=gen).to(DEV, torch.bfloat16)
     want = ref.decode_reference(pool, geom.num_layers - 1, q, batch, rot, None)
-    for rotation in ("per-head", "shared"):
+    # the rotation is the query's business, not the codes': other widths run it once (interpreted runs are slow)
+    for rotation in ("per-head", "shared") if widths == (2, 2) or GPU else ("per-head",):
         r = rot if rotation == "per-head" else rot[:1]
         want_r = want if rotation == "per-head" else ref.decode_reference(pool, geom.num_layers - 1, q, batch, r, None)
         out = torch.full_like(q, float("nan"))
@@ -194,12 +202,14 @@ def test_int2_decode_head_dim_256(group, centering):
         assert out[0].abs().max() == 0  # empty sequence
 
 
-def test_int2_decode_variants_agree():
-    """Tile sizes, warps, key-load orientation and the PTX code conversion give the same result."""
+@pytest.mark.parametrize("widths", [(2, 2), (3, 4), (4, 3)])
+def test_int2_decode_variants_agree(widths):
+    """Tile sizes, warps, key-load orientation and the PTX code conversion give the same result; INT3 and INT4 keys
+    in both orientations (``kt``)."""
     from oscar_kv.kernels.decode import int2_decode
 
     geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=128, group_size=128, page_size=16,
-                        sink_size=16, recent_size=32)
+                        sink_size=16, recent_size=32, k_bits=widths[:1], v_bits=widths[1:])
     gen = torch.Generator().manual_seed(7)
     pool, batch, rot = build_pool(geom, [400, 3] if not GPU else [20000, 3000, 1], gen)
     q = torch.randn(batch.batch_size, 8, 128, generator=gen).to(DEV, torch.bfloat16)
@@ -325,6 +335,31 @@ def test_sliding_window_layers_take_the_triton_kernel(monkeypatch):
     assert decode.int2_kernel_choice(cuda, geom, 4, window=1024) == ("triton", decode.sliding_window_reason(1024))
     monkeypatch.setenv(decode.INT2_KERNEL_ENV, "triton")
     assert decode.int2_kernel_choice(cuda, geom, 4, window=1024)[0] == "triton"
+
+
+def test_layers_at_other_widths_take_the_triton_kernel(monkeypatch):
+    """The CUDA kernel reads INT2 codes only: a layer whose keys or values are stored at 3 or 4 bits takes Triton,
+    and says why, also under OSCAR_KV_INT2_KERNEL=cuda (the model's K2V2 layers keep CUDA); a call that itself asks
+    for CUDA raises.  int2_decode decides by its layer's widths (PoolGeometry.layer_widths)."""
+    from oscar_kv.kernels import decode, int2_cuda
+
+    geom = PoolGeometry(num_layers=3, num_kv_heads=8, head_dim=128, group_size=128, k_bits=(2, 3, 2),
+                        v_bits=(2, 2, 4), layer_windows=(None, None, 1024))
+    monkeypatch.setattr(int2_cuda, "unsupported", lambda *args: None)  # as on an H100
+    monkeypatch.setattr(decode, "INTERPRET", False)
+    cuda = torch.device("cuda")
+    choices = [decode.int2_kernel_choice(cuda, geom, 4, window=geom.layer_windows[i], widths=geom.layer_widths(i))
+               for i in range(3)]
+    assert choices == [("cuda", None), ("triton", decode.stored_width_reason(3, 2)),
+                       ("triton", decode.stored_width_reason(2, 4))]
+    assert "K3V2" in choices[1][1] and "INT2 codes only" in choices[1][1]
+    assert decode.int2_kernel_choice(cuda, geom, 4, widths=(2, 2)) == ("cuda", None)  # the default: K2V2
+    with pytest.raises(ValueError, match="cannot run this call: layer stored at K3V2"):
+        decode.int2_kernel_choice(cuda, geom, 4, backend="cuda", widths=(3, 2))
+    monkeypatch.setenv(decode.INT2_KERNEL_ENV, "cuda")
+    assert decode.int2_kernel_choice(cuda, geom, 4, widths=(2, 4))[0] == "triton"
+    assert decode._use_cuda(None, cuda, geom, 4, None, widths=(2, 2))
+    assert not decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 4))
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")

@@ -1,5 +1,6 @@
 """Fused write path and page migration vs the torch reference: codes and metadata bit for bit."""
 
+import dataclasses
 import os
 
 import pytest
@@ -11,6 +12,7 @@ triton = pytest.importorskip("triton")
 
 from oscar_kv.kernels import reference as ref  # noqa: E402
 from oscar_kv.kernels.layout import PagedKVPool, PoolGeometry, clip_indices  # noqa: E402
+from oscar_kv.quant import unpack_codes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = DEV == "cuda"
@@ -55,17 +57,23 @@ def assert_pools_equal(a, b):
 
 # head dim 256 (Gemma): the write kernel rotates in column slices there (kernels/write.py)
 CASES = [(64, 64, 16), (128, 32, 32), (256, 256, 16)] + ([(128, 128, 16), (128, 64, 64), (256, 64, 32)] if GPU else [])
+MODES = ["prerotated", "signed-perm", "bf16-input", "rescaled"]
+# keys and values at their own widths (PoolGeometry.k_bits / v_bits): each pair at head dim 64 and 128, the modes
+# taking turns (INT2 runs every case and mode above)
+WIDTHS = [(3, 2), (4, 2), (3, 3), (2, 4), (4, 4)]
+WIDTH_CASES = [(d, 32, 16, MODES[(i + j) % len(MODES)], w) for i, w in enumerate(WIDTHS)
+               for j, d in enumerate((64, 128))]
 
 
-@pytest.mark.parametrize("d,g,p", CASES)
-@pytest.mark.parametrize("mode", ["prerotated", "signed-perm", "bf16-input", "rescaled"])
-def test_write_bit_exact(d, g, p, mode):
+@pytest.mark.parametrize("d,g,p,mode,widths", [(d, g, p, mode, (2, 2)) for d, g, p in CASES for mode in MODES]
+                         + WIDTH_CASES)
+def test_write_bit_exact(d, g, p, mode, widths):
     from oscar_kv.kernels.write import write_kv
 
     gen = torch.Generator().manual_seed(d + g + p)
     h, layers = 2, 2
     geom = PoolGeometry(num_layers=layers, num_kv_heads=h, head_dim=d, group_size=g, page_size=p,
-                        sink_size=p, recent_size=p)
+                        sink_size=p, recent_size=p, k_bits=(widths[0],) * layers, v_bits=(widths[1],) * layers)
     nq = nw = 8 if not GPU else 512
     t = 45 if not GPU else 5000
     slots = torch.randperm(nq * p, generator=gen)[:t]
@@ -85,6 +93,11 @@ def test_write_bit_exact(d, g, p, mode):
     ref.write_reference(a, 1, k, v, win, q2, rot, mean, ck, cv, rescale=rescale)
     write_kv(b, 1, k, v, win, q2, rot, mean, ck, cv, rescale=rescale)
     assert_pools_equal(a, b)
+    assert a.k_codes.shape[-1] == d * widths[0] // 8 and a.v_codes.shape[-1] == d * widths[1] // 8
+    if widths != (2, 2):  # the reference is quant.py's: the codes of the quantized slots read back to its levels
+        levels = [torch.unique(unpack_codes(codes[1].flatten(0, -2), bits)) for codes, bits in
+                  ((a.k_codes, widths[0]), (a.v_codes, widths[1]))]
+        assert [int(x.max()) for x in levels] == [(1 << bits) - 1 for bits in widths]
 
 
 def _alternating_slots(d, h, p, t, gen):
@@ -118,16 +131,20 @@ def test_write_random_rotation_close(d):
     assert torch.equal(a.v_codes, b.v_codes)
 
 
-@pytest.mark.parametrize("p,rescale,d", [(16, (0.0, 0.0), 64), (32, (0.0, 0.0), 64), (16, (1.0, 0.25), 64),
-                                         (16, (1.0, 0.25), 256)]
-                         + ([(64, (0.0, 0.0), 64), (64, (0.5, 0.0), 64), (32, (0.0, 0.0), 256)] if GPU else []))
-def test_migrate_bit_exact(p, rescale, d):
+@pytest.mark.parametrize("p,rescale,d,widths", [(16, (0.0, 0.0), 64, (2, 2)), (32, (0.0, 0.0), 64, (2, 2)),
+                                                (16, (1.0, 0.25), 64, (2, 2)), (16, (1.0, 0.25), 256, (2, 2))]
+                         + [(16, (1.0, 0.25) if i % 2 else (0.0, 0.0), (64, 128)[i % 2], w)
+                            for i, w in enumerate(WIDTHS)]
+                         + ([(64, (0.0, 0.0), 64, (2, 2)), (64, (0.5, 0.0), 64, (2, 2)), (32, (0.0, 0.0), 256, (2, 2))]
+                            if GPU else []))
+def test_migrate_bit_exact(p, rescale, d, widths):
+    """One launch for every layer of a stacked pool, keys and values each at the pool's width."""
     from oscar_kv.kernels.write import migrate_pages
 
     gen = torch.Generator().manual_seed(p)
     h, layers = 2, 3
     geom = PoolGeometry(num_layers=layers, num_kv_heads=h, head_dim=d, group_size=d // 2, page_size=p, sink_size=p,
-                        recent_size=p)
+                        recent_size=p, k_bits=(widths[0],) * layers, v_bits=(widths[1],) * layers)
     nq, nw = 6, 6
     a, b = pools(geom, nq, nw)
     w = outliers(layers * nw * h * p, 1, d, gen).view(layers, nw, h, p, d).to(torch.bfloat16)
@@ -141,6 +158,23 @@ def test_migrate_bit_exact(p, rescale, d):
     ref.migrate_reference(a, src, dst, ck, cv, rescale=rescale)
     migrate_pages(b, src, dst, ck, cv, rescale=rescale)
     assert_pools_equal(a, b)
+
+
+def test_a_stacked_pool_holds_one_width_per_side():
+    """PagedKVPool stacks its layers: it allocates (and migrate_pages quantizes) one key width and one value width for
+    all of them; layers at different widths are one-layer pools each (the engine's PoolView.layer_pool)."""
+    from oscar_kv.kernels.write import migrate_pages
+
+    geom = PoolGeometry(num_layers=2, num_kv_heads=1, head_dim=64, group_size=64, page_size=16, sink_size=16,
+                        recent_size=16, k_bits=(3, 4), v_bits=(2, 2))
+    assert geom.kernel_error() is None  # the per-layer kernels read both layers
+    with pytest.raises(ValueError, match="one key width and one value width, not K3V2 x 1, K4V2 x 1"):
+        PagedKVPool.allocate(geom, 1, 1)
+    one = PagedKVPool.allocate(dataclasses.replace(geom, k_bits=(3, 3)), 1, 1)
+    mixed = PagedKVPool(geom, *(getattr(one, n) for n in ("k_codes", "v_codes", "k_meta", "v_meta", "k_win", "v_win")))
+    idx = torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="migrate each layer's pool"):
+        migrate_pages(mixed, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), idx, idx)
 
 
 @pytest.mark.parametrize("d,rotary", [(64, None), (64, "half"), (64, "interleaved"), (256, None)])

@@ -23,9 +23,14 @@ from kernel_utils import DEV, GPU, rel_err, rope_case  # noqa: E402
 from test_kernels_extend import Case  # noqa: E402
 
 
-def geometry(d, g, p, heads=2, sink=None, recent=64):
+def geometry(d, g, p, heads=2, sink=None, recent=64, widths=(2, 2)):
     return PoolGeometry(num_layers=1, num_kv_heads=heads, head_dim=d, group_size=g, page_size=p,
-                        sink_size=2 * p if sink is None else sink, recent_size=recent)
+                        sink_size=2 * p if sink is None else sink, recent_size=recent, k_bits=widths[:1],
+                        v_bits=widths[1:])
+
+
+# keys and values at their own widths beside INT2 (PoolGeometry.k_bits / v_bits)
+WIDTHS = [(3, 2), (4, 2), (3, 3), (2, 4), (4, 4)]
 
 
 def hit_case(geom, gen, gqa, hist=None, chunk=None):
@@ -53,14 +58,17 @@ def ulps(got, want, slack=0.0):
 
 
 # ------------------------------------------------------------------------------------------ the pass
-@pytest.mark.parametrize("d,g,p,live,rotary", [(64, 64, 16, None, None), (128, 64, 32, 3, None),
-                                               (128, 32, 16, 12, None), (256, 128, 16, 3, None),
-                                               (64, 64, 16, 3, "half"), (64, 32, 16, 5, "interleaved")])
-def test_materialize_writes_the_history_as_stored(d, g, p, live, rotary):
+@pytest.mark.parametrize("d,g,p,live,rotary,widths", [(64, 64, 16, None, None, (2, 2)), (128, 64, 32, 3, None, (2, 2)),
+                                                      (128, 32, 16, 12, None, (2, 2)), (256, 128, 16, 3, None, (2, 2)),
+                                                      (64, 64, 16, 3, "half", (2, 2)),
+                                                      (64, 32, 16, 5, "interleaved", (2, 2))]
+                         + [(d, 64, 16, None, None, w) for w in WIDTHS for d in (64, 128)])
+def test_materialize_writes_the_history_as_stored(d, g, p, live, rotary, widths):
     """Scratch rows = history as stored (INT2 dequantized per group, BF16 windows) then the chunk, keys with
     RoPE_p(mu_pre) @ R_K added, to within one float16 rounding; groups of several sequences at their rows.
-    ``rotary``: RoPE on the first half of each head only (rotate-half or interleaved pairs)."""
-    geom = geometry(d, g, p)
+    ``rotary``: RoPE on the first half of each head only (rotate-half or interleaved pairs).  ``widths``: keys and
+    values stored at 2, 3 or 4 bits (dequantized as quant.py does)."""
+    geom = geometry(d, g, p, widths=widths)
     gen = torch.Generator().manual_seed(d + g + p)
     c = hit_case(geom, gen, gqa=2)
     n_max = int((c.batch.seq_lens + c.cu[1:] - c.cu[:-1]).max())
@@ -88,14 +96,16 @@ def test_materialize_writes_the_history_as_stored(d, g, p, live, rotary):
 
 
 # ------------------------------------------------------------------------------------------ the attention
-CONFIGS = [  # (head dim, group, page, GQA, centering)
-    (64, 64, 16, 1, "constant"),
-    (64, 64, 16, 4, "rope20"),
-    (128, 64, 32, 8, "constant"),
-    (128, 128, 16, 4, "rope20"),
-    (128, 64, 32, 4, "rope900"),
-    (64, 64, 16, 8, "rope900"),
-    (256, 256, 16, 2, "rope900"),  # Gemma's head dim
+CONFIGS = [  # (head dim, group, page, GQA, centering, key / value widths)
+    (64, 64, 16, 1, "constant", (2, 2)),
+    (64, 64, 16, 4, "rope20", (2, 2)),
+    (128, 64, 32, 8, "constant", (2, 2)),
+    (128, 128, 16, 4, "rope20", (2, 2)),
+    (128, 64, 32, 4, "rope900", (2, 2)),
+    (64, 64, 16, 8, "rope900", (2, 2)),
+    (256, 256, 16, 2, "rope900", (2, 2)),  # Gemma's head dim
+    (64, 64, 16, 4, "rope20", (3, 3)),  # wider codes (the pass's own test covers every pair of widths)
+    (128, 64, 32, 4, "constant", (4, 2)),
 ]
 
 
@@ -124,12 +134,14 @@ def bf16_materialization_error(c, rope, want):
     return rel_err(out, want)
 
 
-@pytest.mark.parametrize("d,g,p,gqa,centering", CONFIGS)
-def test_matches_the_reference(d, g, p, gqa, centering):
+@pytest.mark.parametrize("d,g,p,gqa,centering,widths", CONFIGS)
+def test_matches_the_reference(d, g, p, gqa, centering, widths):
     """Against reference.extend_reference (float32 keys, float64 softmax): constant and per-position centering
     (|mu_pre| ~ 20 in every pair, and ~900 in 3 pairs as a k_proj bias gives), pages of 16 and 32, GQA 1 / 2 / 4 / 8,
-    head dim 64, 128 and 256, one and several quantization groups, a prefix-hit layout."""
-    geom = geometry(d, g, p, heads=2 if not GPU else 8, sink=None if not GPU else 64, recent=64 if not GPU else 256)
+    head dim 64, 128 and 256, one and several quantization groups, a prefix-hit layout, keys and values at 2, 3 or
+    4 bits."""
+    geom = geometry(d, g, p, heads=2 if not GPU else 8, sink=None if not GPU else 64, recent=64 if not GPU else 256,
+                    widths=widths)
     gen = torch.Generator().manual_seed(d * gqa + p)
     c = hit_case(geom, gen, gqa)
     rope = rope_for(centering, c, gen)

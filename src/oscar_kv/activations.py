@@ -123,11 +123,18 @@ def capture_samples(model, input_ids: torch.Tensor) -> list[LayerSample]:
     return [samples[i] for i in range(len(samples))]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Exact causal attention, q [Hq, T, D], k/v [Hkv, T, D] (GQA) -> [Hq, T, D], float32."""
-    hq, hkv = q.shape[0], k.shape[0]
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                     window: int | None = None) -> torch.Tensor:
+    """Exact causal attention, q [Hq, T, D], k/v [Hkv, T, D] (GQA) -> [Hq, T, D], float32, at softmax ``scale``
+    (None: D^-0.5) and, with a sliding ``window``, over the keys at positions (p - window, p] only."""
+    hq, hkv, t = q.shape[0], k.shape[0], k.shape[1]
+    pos = torch.arange(t, device=q.device)
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed = allowed & (pos[None, :] > pos[:, None] - window)
     return torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.float().repeat_interleave(hq // hkv, 0), v.float().repeat_interleave(hq // hkv, 0), is_causal=True)
+        q.float(), k.float().repeat_interleave(hq // hkv, 0), v.float().repeat_interleave(hq // hkv, 0),
+        attn_mask=allowed, scale=scale)
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -156,7 +163,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
                               bits: int = 2, group_size: int | None = None,
                               quantize_keys: bool = True, quantize_values: bool = True, sink_size: int = 64,
                               recent_size: int = 0, queries: int | None = None,
-                              rescale: tuple[float, float] = (0.0, 0.0)) -> float:
+                              rescale: tuple[float, float] = (0.0, 0.0), value_bits: int | None = None) -> float:
     """Relative error of one layer's attention output when its K/V are stored quantized.
 
     Args:
@@ -166,7 +173,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
             exactly.
         v_mean: the value mean (added back to the output).
         k_clip, v_clip: clip ratios per KV head.
-        bits, group_size: the quantizer's (group_size None: the head dim).
+        bits, group_size: the quantizer's (group_size None: the head dim); ``bits`` the keys' width.
         quantize_keys, quantize_values: False keeps that side exact.
         sink_size: the first tokens stay exact.
         recent_size: so do the most recent keys of each query (the cache's recent window; 0: every key past the
@@ -174,6 +181,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
         queries: score only the last that many positions (on a long probe: the queries whose attention reaches
             far back, where retrieval happens); None scores every position.
         rescale: quant.quantize_rows' strength for keys and values.
+        value_bits: the values' width (None: ``bits``).
     Shapes:
         k_rotation, v_rotation: [H | 1, D, D]; k_mean: [Hkv, D] or [Hkv, T, D]; v_mean: [Hkv, D];
         k_clip, v_clip: [Hkv].
@@ -196,7 +204,8 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     if quantize_keys:
         k_q[:, s:last] = fake_quantize(k_rot[:, s:last], bits, group_size, k_clip[:, None].float(), rescale[0])
     if quantize_values:
-        v_q[:, s:last] = fake_quantize(v_rot[:, s:last], bits, group_size, v_clip[:, None].float(), rescale[1])
+        v_q[:, s:last] = fake_quantize(v_rot[:, s:last], bits if value_bits is None else value_bits, group_size,
+                                       v_clip[:, None].float(), rescale[1])
     full_offset = rotate(offset.expand_as(sample.k), rk)
     head_of = torch.arange(hq) // (hq // hkv)
     scale = sample.scale

@@ -31,15 +31,17 @@ from tqdm.auto import tqdm
 
 from .activations import (LayerSample, capture_samples, clip_candidate_errors, observing, quantized_attention_error,
                           run_layers)
+from .allocation import KEY_WIDTHS, WidthChoice, allocate_key_widths, key_logit_noise
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
 from .corpus import CorpusError, load_calibration_text
 from .errors import ConfigError
 from .models import AttentionGeometry
 from .parallel import SINGLE, TensorParallel, shard_model
-from .quant import check_rescale
+from .memory import bits_per_element
+from .quant import check_rescale, fake_quantize
 from .rope import (DEFAULT_PAIRS, RopeTable, RopeUnsupported, keep_pairs, layer_rope_tables, mean_phase, pair_counts,
                    remove_rope, rotate_half, rotated_only)
-from .rotation import compose
+from .rotation import compose, rotate
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,13 @@ PAIRS_TOLERANCE = 0.10
 # (benchmarks/NOTES.md, "Long context"); the attention-output error favours clipping that retrieval pays for.
 PROBE_QUERIES = None
 PROBE_SINK, PROBE_RECENT = 64, 0
+# The key logit noise (nats^2, allocation.py) every layer is widened to, and the most mean stored bits per element at
+# the model's context the widening may spend.  0.3 on the protocol (benchmarks/NOTES.md, "Issue 34: keys get the bits
+# they need"): SmolLM2 and Qwen2.5-Coder-1.5B keep BF16's NIAH and multi-key NIAH within one prompt of ten at 4K-32K,
+# KL 0.007-0.009, at 3.0 bits per element (Qwen2.5, 32K); 0.1 (nearly every layer at 4 bits) gains one multi-key
+# prompt at 16K for 0.34 more bits; every layer at 3 bits loses a needle on SmolLM2 at 4K
+DEFAULT_KEY_NOISE = 0.3
+DEFAULT_KV_BITS: float | None = None
 
 
 @dataclass
@@ -81,13 +90,19 @@ class CalibrationSettings:
     clip: str = "fit"
     k_clip: float = DEFAULT_K_CLIP
     v_clip: float = DEFAULT_V_CLIP
-    layer_policy: str = "off"  # "auto" stores layers whose INT2 error is an outlier at INT4
     probe_tokens: int = 512
     # clipped keys lose the logit of the query aligned with them (the needle); the rescale gives this share of it
     # back (quant.py).  0.5 beat both 0 and 1 on KL and single-needle retrieval (benchmarks/NOTES.md, "rescaled key
     # rows against the needle's shrink")
     key_rescale: float = 0.5
     value_rescale: float = 0.0
+    # keys' widths: "auto" lets the allocation (allocation.py) choose per layer from KEY_WIDTHS, or one width for all
+    key_bits: int | str = "auto"
+    value_bits: int = 2
+    # "auto" widens the layers whose key logit noise (nats^2 on the held-back text) is above key_noise, noisiest
+    # first, while the mean stored bits per element at the model's context stay within kv_bits (None: unbounded)
+    key_noise: float | None = DEFAULT_KEY_NOISE
+    kv_bits: float | None = DEFAULT_KV_BITS
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:
@@ -102,8 +117,16 @@ class CalibrationSettings:
             raise ConfigError(f"rope_horizon must be a whole number >= 1, got {self.rope_horizon!r}")
         check_rescale(self.key_rescale)
         check_rescale(self.value_rescale)
-        if self.layer_policy not in ("off", "auto"):
-            raise ConfigError("layer policy must be 'off' or 'auto'")
+        if self.key_bits != "auto" and self.key_bits not in KEY_WIDTHS:
+            raise ConfigError(f"key bits must be 'auto' or one of {KEY_WIDTHS}, got {self.key_bits!r}")
+        if self.value_bits not in KEY_WIDTHS:
+            raise ConfigError(f"value bits must be one of {KEY_WIDTHS}, got {self.value_bits!r}")
+        if self.key_noise is not None and not self.key_noise > 0:
+            raise ConfigError(f"the key noise tolerance must be > 0 nats^2, got {self.key_noise}")
+        if self.kv_bits is not None and not 2 <= self.kv_bits <= 16:
+            raise ConfigError(f"the bit budget must lie in [2, 16] bits per element, got {self.kv_bits}")
+        if self.key_bits == "auto" and self.key_noise is None and self.kv_bits is None:
+            raise ConfigError("key bits 'auto' needs a key noise tolerance, a bit budget or both")
         if self.calib_tokens < 16 or self.seq_len < 16:
             raise ConfigError("calibration needs at least 16 tokens")
         for c in (self.k_clip, self.v_clip):
@@ -338,14 +361,11 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     say("rotations fitted (eigen-decompositions)")
     centering = choose_key_centering(rotations, stats, settings, probe)
     say(f"key centering: {centering['chosen']}, {centering['pairs']} RoPE pairs")
-    if settings.clip == "fit":
-        fit_clip_ratios(rotations, probe, progress)
-        say("clip ratios fitted")
+    widths = choose_widths(rotations, stats, settings, probe, max_len, progress)
+    say(f"widths: {rotations.width_summary()} ({widths['bits_per_element']:.3f} bits per element at {max_len} "
+        f"tokens; {widths['reason']})" + (", clip ratios fitted at each width" if settings.clip == "fit" else ""))
     table = error_table(rotations, probe)
     say("validation table")
-    proposed = propose_layer_bits(table["oscar"])
-    if settings.layer_policy == "auto":
-        rotations.set_bits(proposed)
     rotations.manifest = {
         "model": getattr(model, "oscar_model_name", getattr(model.config, "_name_or_path", "")),
         "fingerprint": fingerprint,
@@ -353,9 +373,9 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
         "calibration": {**asdict(settings), "rope_pairs": centering["pairs"], "rope_horizon": horizon,
                         "group_size": group_size, "seq_len": seq_len,
                         "sequences": len(sequences), "tokens": int(stats.tokens[0]), "data": source,
-                        "seconds": round(time.perf_counter() - started, 1), "key_centering_choice": centering},
-        "validation": {"probe_tokens": int(probe_ids.shape[1]), "attention_relative_error": table,
-                       "proposed_layer_bits": proposed},
+                        "seconds": round(time.perf_counter() - started, 1), "key_centering_choice": centering,
+                        "widths": widths},
+        "validation": {"probe_tokens": int(probe_ids.shape[1]), "attention_relative_error": table},
     }
     return rotations
 
@@ -388,6 +408,69 @@ def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: 
                      torch.full((g.num_layers,), 2, dtype=torch.int32), g, group_size, k_rope_mean=mu_pre.float(),
                      k_rescale=settings.key_rescale, v_rescale=settings.value_rescale,
                      rope_layout=stats.rope.layout if stats.rope is not None else None)
+
+
+def key_noise(rot: Rotations, c_q: torch.Tensor, sample: LayerSample, layer: int) -> torch.Tensor:
+    """float64 [Hkv]: the key logit noise (allocation.key_logit_noise) of ``layer``'s keys past the sink on the
+    probe, stored at the artifact's key width with its key clips and rescale.  ``c_q``: the layer's query second
+    moments [Hkv, D, D] in the model's space."""
+    hkv = rot.geometry.num_kv_heads
+    r = rot.k_rotation[layer].float()
+    r = r.expand(hkv, *r.shape[1:]) if r.shape[0] == 1 else r
+    keys = rotate(sample.k - sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer]), r)[:, PROBE_SINK:]
+    stored = fake_quantize(keys, int(rot.k_bits[layer]), rot.group_size, rot.k_clip[layer][:, None].float(),
+                           rot.k_rescale)
+    c_rot = r.double().transpose(-1, -2) @ c_q.double() @ r.double()
+    return key_logit_noise(keys, stored, c_rot, sample.scale)
+
+
+def choose_widths(rot: Rotations, stats: Statistics, settings: CalibrationSettings, probe: list[LayerSample],
+                  seq_len: int, progress: bool = True) -> dict:
+    """Set ``rot``'s key and value widths (allocation.py) and, with fitted clips, each side's clips at its width.
+
+    Every candidate key width is measured with key clips fitted at that width; the values are stored at
+    ``settings.value_bits``.
+    Args:
+        rot: the fitted rotations (centering settled), changed in place.
+        stats: the calibration statistics (their query second moments weigh the key errors).
+        settings: the calibration's settings (key_bits, value_bits, key_noise, kv_bits, clip).
+        probe: one held-back LayerSample per layer.
+        seq_len: the context the bit budget is counted at (the model's).
+    Returns:
+        The manifest's record: the widths, each candidate's noise per layer, the chosen noise, the bits per
+        element and the reason.
+    """
+    g = rot.geometry
+    layers = range(g.num_layers)
+    c_q = stats.qq / stats.rows[:, None, None, None]
+    candidates = KEY_WIDTHS if settings.key_bits == "auto" else (settings.key_bits,)
+    v_bits = [settings.value_bits] * g.num_layers
+    clips, noise = {}, {}
+    for width in candidates:
+        rot.set_bits(width, v_bits)
+        if settings.clip == "fit":
+            fit_clip_ratios(rot, probe, progress, sides=("k",))
+        clips[width] = rot.k_clip.clone()
+        noise[width] = [float(key_noise(rot, c_q[i], probe[i], i).max()) for i in layers]
+    if len(candidates) > 1:
+        choice = allocate_key_widths(noise, v_bits, settings.key_noise, settings.kv_bits, seq_len, g.head_dim,
+                                     rot.group_size)
+    else:
+        k_bits = [candidates[0]] * g.num_layers
+        bits = bits_per_element(seq_len, g.head_dim, rot.group_size, 2, k_bits=k_bits, v_bits=v_bits)
+        choice = WidthChoice(k_bits, noise[candidates[0]], round(bits, 4), "requested")
+    rot.set_bits(choice.k_bits, v_bits)
+    rot.k_clip = torch.stack([clips[w][i] for i, w in enumerate(choice.k_bits)])
+    if settings.clip == "fit":
+        fit_clip_ratios(rot, probe, progress, sides=("v",))
+    return {"k_bits": choice.k_bits, "v_bits": v_bits, "key_noise": choice.noise,
+            "key_noise_by_width": {str(w): [round(n, 5) for n in noise[w]] for w in candidates},
+            "tolerance": settings.key_noise if len(candidates) > 1 else None,
+            "budget": settings.kv_bits if len(candidates) > 1 else None, "seq_len": seq_len,
+            "bits_per_element": choice.bits_per_element, "reason": choice.reason,
+            # what the widths cost at the lengths users compare (memory.bits_per_element: windows, scale/min counted)
+            "bits_per_element_at": {str(n): round(bits_per_element(n, g.head_dim, rot.group_size, 2, k_bits=choice.k_bits,
+                                                                   v_bits=v_bits), 4) for n in (32768, 131072)}}
 
 
 @dataclass(frozen=True)
@@ -486,28 +569,35 @@ def choose_key_centering(rot: Rotations, stats: Statistics, settings: Calibratio
 
 
 def _layer_error(rot: Rotations, sample: LayerSample, layer: int, k_clip=None, v_clip=None, **kwargs) -> float:
+    """The probe's attention error of ``layer`` with each side stored at the artifact's width (16: at 2, as the
+    validation table compares schemes at INT2)."""
+    k_bits, v_bits = (b if b < 16 else 2 for b in rot.side_bits(layer))
     return quantized_attention_error(
         sample, rot.k_rotation[layer], rot.v_rotation[layer],
         sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer]), rot.v_mean[layer],
         rot.k_clip[layer] if k_clip is None else k_clip, rot.v_clip[layer] if v_clip is None else v_clip,
-        bits=2, group_size=rot.group_size, sink_size=PROBE_SINK, recent_size=PROBE_RECENT, queries=PROBE_QUERIES,
-        rescale=(rot.k_rescale, rot.v_rescale), **kwargs)
+        bits=k_bits, value_bits=v_bits, group_size=rot.group_size, sink_size=PROBE_SINK, recent_size=PROBE_RECENT,
+        queries=PROBE_QUERIES, rescale=(rot.k_rescale, rot.v_rescale), **kwargs)
 
 
-def fit_clip_ratios(rot: Rotations, probe: list[LayerSample], progress: bool = True) -> None:
+def fit_clip_ratios(rot: Rotations, probe: list[LayerSample], progress: bool = True,
+                    sides: tuple[str, ...] = ("k", "v")) -> None:
     """Set ``rot``'s k_clip / v_clip in place: per layer (and KV head when rotations are per head), the ratio of
     CLIP_CANDIDATES that minimizes the attention output error on the held-back ``probe`` (one LayerSample per
-    layer), keys and values separately."""
+    layer) with that side stored at its width (k_bits / v_bits; a layer at 16 bits keeps its clips), keys and
+    values separately.  ``sides``: which of "k" and "v" to fit."""
     hkv = rot.geometry.num_kv_heads
     per_head = rot.scope == "per-head"
     candidates = torch.tensor(CLIP_CANDIDATES)
     for layer in tqdm(range(rot.geometry.num_layers), desc="fitting clip ratios", disable=not progress):
         sample = probe[layer]
         offset = sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer])
-        for which in ("k", "v"):
+        for which, bits in zip(("k", "v"), rot.side_bits(layer)):
+            if which not in sides or bits == 16:
+                continue
             errors = torch.stack([clip_candidate_errors(
                 sample, h, rot.k_rotation[layer], rot.v_rotation[layer], offset, rot.v_mean[layer], which,
-                candidates, 2, rot.group_size, PROBE_SINK, PROBE_RECENT, PROBE_QUERIES,
+                candidates, bits, rot.group_size, PROBE_SINK, PROBE_RECENT, PROBE_QUERIES,
                 getattr(rot, f"{which}_rescale")) for h in range(hkv)])
             clips = getattr(rot, f"{which}_clip")
             if per_head:
@@ -526,12 +616,6 @@ def error_table(rot: Rotations, probe: list[LayerSample]) -> dict[str, list[floa
     }
     return {name: [round(_layer_error(r, probe[i], i), 5) for i in range(g.num_layers)]
             for name, r in baselines.items()}
-
-
-def propose_layer_bits(errors: list[float], ratio: float = 3.0) -> list[int]:
-    """INT4 for layers whose INT2 error is more than ``ratio`` times the median layer's."""
-    median = sorted(errors)[len(errors) // 2]
-    return [4 if e > ratio * median else 2 for e in errors]
 
 
 def format_error_table(table: dict[str, list[float]]) -> str:

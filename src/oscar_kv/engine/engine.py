@@ -23,6 +23,7 @@ from ..errors import ConfigError, RequestError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
 from ..kernels.tuning import TUNING
+from ..memory import width_summary
 from ..models import layer_windows
 from ..models.llama import LlamaExecutor, executor_support
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
@@ -214,7 +215,8 @@ class LLMEngine:
             pairs = max(codec.rope_pairs.shape[1] for codec in self.codecs if codec.rope_pairs is not None)
             backend += f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term"
         if self.kernel_status is None and spec.quantizes:
-            backend += f"; INT2 decode: {self.int2_decode_description()}"
+            int2 = all(spec.layer_widths(i) == (2, 2) for i in range(spec.num_layers))
+            backend += f"; {'INT2' if int2 else 'quantized'} decode: {self.int2_decode_description()}"
         if self.runner.graphs is not None:
             backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
         per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "
@@ -247,9 +249,10 @@ class LLMEngine:
         config = self.model.config
         return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
-    def int2_decode_kernel(self, window: int | None = None) -> tuple[str, str | None]:
-        """("cuda", None) or ("triton", why): the kernel this engine's INT2 decode steps run (kernels/decode.py) on
-        its layers with this sliding ``window`` (None: the full-attention layers)."""
+    def int2_decode_kernel(self, window: int | None = None, widths: tuple[int, int] = (2, 2)) -> tuple[str, str | None]:
+        """("cuda", None) or ("triton", why): the kernel this engine's decode steps run (kernels/decode.py) on its
+        layers with this sliding ``window`` (None: the full-attention layers) stored at these (key, value)
+        ``widths``."""
         from types import SimpleNamespace
 
         from ..kernels.decode import int2_kernel_choice
@@ -257,26 +260,42 @@ class LLMEngine:
         codec = next((c for c in self.codecs if c.rope_pairs is not None), None)
         rope = SimpleNamespace(pairs=codec.rope_pairs) if codec is not None else None  # only its pair count counts
         return int2_kernel_choice(self.device, self.pool.geometry, self._gqa(), rope,
-                                  next(self.model.parameters()).dtype, window=window)
+                                  next(self.model.parameters()).dtype, window=window, widths=widths)
 
     def int2_decode_description(self) -> str:
-        """The INT2 decode kernel(s) for the start-up line: one for every layer, or where some layers have a sliding
-        window and the others take the CUDA kernel, which layers take which."""
-        windows = self.pool.geometry.layer_windows
+        """The decode kernel(s) for the start-up line: one for every layer, or where some layers have a sliding
+        window or are stored at other widths than K2V2 and the others take the CUDA kernel, which layers take
+        which (the CUDA kernel reads whole histories of INT2 codes)."""
+        spec = self.pool.geometry
+        windows = spec.layer_windows
         kernel, why = self.int2_decode_kernel()
         if kernel != "cuda":
             return f"the Triton kernel ({why})"
-        windowed = sorted({w for w in windows if w is not None})
-        if not windowed:
+        int2 = [i for i in range(spec.num_layers) if spec.layer_widths(i) == (2, 2)]
+        windowed = [i for i in int2 if windows[i] is not None]
+        wider = [i for i in range(spec.num_layers) if i not in int2]
+        if not windowed and not wider:
             return "the one-launch CUDA kernel"
-        n = sum(w is not None for w in windows)
-        sizes = ", ".join(map(str, windowed))
-        if n == len(windows):
-            return (f"the Triton kernel (every layer has a sliding window of {sizes} tokens: the CUDA kernel reads "
-                    f"whole histories)")
         layers = lambda k: f"{k} layer" + "s" * (k != 1)  # noqa: E731
-        return (f"the one-launch CUDA kernel on {layers(len(windows) - n)} of full attention, the Triton kernel on the "
-                f"{layers(n)} with a sliding window ({sizes} tokens: the CUDA kernel reads whole histories)")
+        sizes = ", ".join(map(str, sorted({windows[i] for i in windowed})))
+        cuda = len(int2) - len(windowed)
+        if not wider:  # only sliding windows keep layers off the CUDA kernel
+            if not cuda:
+                return (f"the Triton kernel (every layer has a sliding window of {sizes} tokens: the CUDA kernel reads "
+                        f"whole histories)")
+            return (f"the one-launch CUDA kernel on {layers(cuda)} of full attention, the Triton kernel on the "
+                    f"{layers(len(windowed))} with a sliding window ({sizes} tokens: the CUDA kernel reads whole "
+                    f"histories)")
+        k_bits, v_bits = zip(*(spec.layer_widths(i) for i in wider))
+        parts = [f"the {layers(len(wider))} stored at {width_summary(k_bits, v_bits)} (the CUDA kernel reads INT2 "
+                 f"codes only)"]
+        if windowed:
+            parts.append(f"the {layers(len(windowed))} at K2V2 with a sliding window ({sizes} tokens: the CUDA "
+                         f"kernel reads whole histories)")
+        if not cuda:
+            return f"the Triton kernel on every layer: {' and '.join(parts)}"
+        full = " of full attention" if windowed else ""
+        return f"the one-launch CUDA kernel on {layers(cuda)} at K2V2{full}, the Triton kernel on {' and '.join(parts)}"
 
     def prefill_attention_description(self) -> str:
         """How the kernels' long prefill chunks attend over their materialized history (kernels/chunk_attention.py)."""

@@ -20,13 +20,16 @@ from ..errors import ConfigError
 from ..models import AttentionGeometry
 from ..rope import DEFAULT_PAIRS, RopeUnsupported, layer_rope_tables
 from . import tasks
+from .generation import score_long_generation
 from .report import write_report
 from .schemes import STANDARD, Scheme, ablation_schemes, standard_scheme
 from .served import SERVED_SCHEMES, served_answers
 
 log = logging.getLogger(__name__)
 
-TASKS = ("kl", "ppl", "niah", "niah_multikey", "attn")
+TASKS = ("kl", "ppl", "niah", "niah_multikey", "attn", "longgen")
+# longgen decodes G tokens per scheme and length through the real cache: run when named, not by default
+DEFAULT_TASKS = ("kl", "ppl", "niah", "niah_multikey", "attn")
 # Calibration reads the shipped corpus from its start; evaluation text starts far past that.
 EVAL_TEXT_OFFSET = 150_000
 
@@ -37,17 +40,19 @@ class EvalConfig:
     methods (the reference)."""
 
     methods: list[str] = field(default_factory=lambda: list(STANDARD))
-    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
     context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     text: str | None = None
     niah_samples: int = 20
     kl_docs: int = 1
+    gen_tokens: int = 1024  # longgen: greedy tokens generated after each prompt (the first from the prefill)
     ablations: bool = True
     served: bool = False  # also ask the needle prompts through the serving engine (rows bf16@engine, oscar@engine)
     sink_size: int = 64
     recent_size: int = 256
     page_size: int = 16
     seed: int = 0
+    compare: dict[str, Rotations] = field(default_factory=dict)  # more artifacts, scored as methods of these names
 
     def __post_init__(self):
         bad = [t for t in self.tasks if t not in TASKS]
@@ -57,6 +62,9 @@ class EvalConfig:
             self.methods = ["bf16"] + list(self.methods)
         if any(c < 64 for c in self.context_lengths):
             raise ConfigError("context lengths must be at least 64 tokens")
+        if "longgen" in self.tasks and self.gen_tokens < 2:
+            raise ConfigError("gen_tokens must be at least 2 (the first token comes from the prompt's prefill)",
+                              "gen_tokens")
 
     @classmethod
     def quick(cls, **overrides) -> "EvalConfig":
@@ -138,6 +146,11 @@ def build_schemes(model, tokenizer, oscar: Rotations, config: EvalConfig) -> lis
     geometry = AttentionGeometry.of(model.config)
     base = CacheSettings("int2", config.sink_size, config.recent_size, config.page_size)
     schemes = [standard_scheme(name, geometry, oscar, base) for name in config.methods]
+    for name, rot in config.compare.items():
+        if name in STANDARD or name in config.methods:
+            raise ConfigError(f"compared artifact name {name!r} is taken by a method")
+        rot.validate(geometry)
+        schemes.append(Scheme(name, rot, base, f"artifact {rot.source or name} ({rot.width_summary()})"))
     if config.ablations:
         stats, settings, proxy_c_s, probe = _calibration_statistics(model, tokenizer, oscar)
         schemes += ablation_schemes(stats, settings, oscar, base, proxy_c_s, probe)
@@ -162,6 +175,9 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and max(config.context_lengths) > limit:
         raise ConfigError(f"context length {max(config.context_lengths)} exceeds the model's context of {limit}")
+    if limit and "longgen" in config.tasks and max(config.context_lengths) + config.gen_tokens > limit:
+        raise ConfigError(f"context length {max(config.context_lengths)} plus gen_tokens {config.gen_tokens} "
+                          f"exceeds the model's context of {limit}", "gen_tokens")
     started = time.perf_counter()
     schemes = build_schemes(model, tokenizer, oscar, config)
     text = evaluation_text(config.text)
@@ -200,7 +216,7 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
             bar.set_postfix_str(f"{scheme.name}@{ctx}")
         del refs, samples
         # ablations are scored on KL/ppl/attn only; each haystack is prefilled once and asked through every scheme
-        scored = [s for s in schemes if s.name in config.methods]
+        scored = [s for s in schemes if s.name in config.methods or s.name in config.compare]
         for task in ("niah", "niah_multikey"):
             if task not in config.tasks:
                 continue
@@ -226,11 +242,21 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
             for name, h in hits.items():
                 results["methods"][name].setdefault(task, {})[key] = sum(h) / len(h)
             timings[f"{task}@{ctx}"] = round(time.perf_counter() - t0, 1)
+        # longgen: the KL task's first text window is the prompt, BF16's greedy continuation the reference
+        if "longgen" in config.tasks:
+            t0 = time.perf_counter()
+            reference = next(s for s in scored if s.name == "bf16")
+            scores = score_long_generation(model, scored, reference, docs[0], config.gen_tokens, progress)
+            for name, measured in scores.items():
+                for metric, value in measured.items():
+                    results["methods"][name].setdefault(metric, {})[key] = value
+            timings[f"longgen@{ctx}"] = round(time.perf_counter() - t0, 1)
         # a long run keeps what it measured so far (the report and plots are written at the end)
         (output / "results.json").write_text(json.dumps(dict(results, timings=timings, partial=True), indent=1) + "\n")
     bar.close()
     unprepare_model(model)
-    results["config"] = {k: v for k, v in config.__dict__.items()}
+    results["config"] = {k: v for k, v in config.__dict__.items() if k != "compare"}
+    results["config"]["compare"] = {name: rot.source for name, rot in config.compare.items()}
     results["seconds"] = round(time.perf_counter() - started, 1)
     results["timings"] = timings
     (output / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -109,7 +109,7 @@ def _stored_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 def _stored_cache(model, stored: StoredHaystack) -> DynamicCache:
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()  # no config: a model's sliding-window layers would keep only their last window tokens
     dtype = next(model.parameters()).dtype
     for i, (k, v) in enumerate(zip(stored.keys, stored.values)):
         cache.update(k[None].to(dtype), v[None].to(dtype), i)

@@ -10,7 +10,10 @@ log = logging.getLogger(__name__)
 COLUMNS = (("bits_per_element", "bits/elem", "{:.3f}"), ("kl", "KL vs bf16", "{:.4f}"),
            ("top1_agreement", "top-1", "{:.3f}"), ("ppl", "ppl", "{:.3f}"), ("niah", "NIAH", "{:.2f}"),
            ("niah_multikey", "multi-key NIAH", "{:.2f}"),
-           ("attn_error_mean", "attn err", "{:.4f}"))
+           ("attn_error_mean", "attn err", "{:.4f}"), ("gen_kl", "gen KL vs bf16", "{:.4f}"),
+           ("gen_top1", "gen top-1", "{:.3f}"),
+           ("gen_first_divergence", "gen tokens before divergence", "{:d}"),
+           ("gen_agreement", "gen agreement", "{:.3f}"))
 
 
 def markdown_table(results: dict) -> str:
@@ -25,6 +28,13 @@ def markdown_table(results: dict) -> str:
             cells = [c[2].format(m[c[0]][key]) if key in m.get(c[0], {}) else "–" for c in present]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
+    gen_tokens = results.get("config", {}).get("gen_tokens")
+    if gen_tokens and any("gen_kl" in m for m in results["methods"].values()):
+        lines += [f"Long generation: {gen_tokens} greedy tokens decoded through each cache after the prompt. gen KL: "
+                  "mean KL(bf16 || method) over the decode steps, teacher-forced on bf16's tokens; gen top-1: the "
+                  "share of those steps whose greedy token is bf16's; tokens before "
+                  "divergence: the method's own greedy tokens that equal bf16's before the first that does not "
+                  "(agreement: that count over all generated tokens).", ""]
     lines += ["Methods:", ""] + [f"- `{n}`: {m.get('description', '')}" for n, m in results["methods"].items()]
     lines += ["", f"Wall time: {results.get('seconds', '?')} s."]
     return "\n".join(lines) + "\n"
@@ -42,16 +52,21 @@ def write_report(results: dict, output: Path) -> None:
         log.warning("matplotlib is not installed: no plots written")
         return
     ctxs = results["context_lengths"]
+    gen_tokens = results.get("config", {}).get("gen_tokens", "the")
     for metric, ylabel, fname, logy in (("kl", "mean KL vs bf16", "kl_vs_context.png", True),
                                         ("niah", "NIAH accuracy", "niah_vs_context.png", False),
                                         ("niah_multikey", "multi-key NIAH accuracy", "niah_multikey_vs_context.png",
-                                         False)):
+                                         False),
+                                        ("gen_kl", f"mean KL vs bf16 over {gen_tokens} generated tokens",
+                                         "gen_kl_vs_context.png", True),
+                                        ("gen_agreement", f"share of {gen_tokens} greedy tokens before divergence",
+                                         "gen_agreement_vs_context.png", False)):
         rows = {n: m[metric] for n, m in results["methods"].items() if metric in m}
         if not rows:
             continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for name, values in rows.items():
-            if metric == "kl" and name == "bf16":
+            if metric in ("kl", "gen_kl") and name == "bf16":
                 continue
             ax.plot(ctxs, [values.get(str(c)) for c in ctxs], marker="o", label=name)
         ax.set_xlabel("context length (tokens)")

@@ -112,17 +112,14 @@ def ablation_schemes(stats: Statistics, calibration: CalibrationSettings, oscar:
         proxy_c_s: [L, Hkv, D, D].
     """
 
-    def fitted(name, description, settings_change=None, group=None, cache=base, layer_bits=None):
+    def fitted(name, description, settings_change=None, group=None, cache=base):
         settings = replace(calibration, **(settings_change or {}))
         rot = fit_rotations(stats, settings, group or oscar.group_size)
         if settings.clip == "fixed" and oscar.manifest.get("calibration", {}).get("clip") == "fit" and not settings_change:
             rot.k_clip, rot.v_clip = oscar.k_clip.clone(), oscar.v_clip.clone()
-        if layer_bits is not None:
-            rot.set_bits(layer_bits)
         return Scheme(name, rot, cache, description)
 
     half = max(oscar.group_size // 2, 8)
-    proposed = oscar.manifest.get("validation", {}).get("proposed_layer_bits")
     out = [
         Scheme("oscar-no-windows", oscar, replace(base, sink_size=0, recent_size=0), "no BF16 sink or recent window"),
         fitted("oscar-no-key-centering", "keys not centered", {"key_centering": "off"}),
@@ -154,7 +151,4 @@ def ablation_schemes(stats: Statistics, calibration: CalibrationSettings, oscar:
         rot = fitted("", "", {"clip": "fixed"}).rotations if fitted_clip else with_fitted_clips(oscar, probe)
         out.append(Scheme(name, rot, base, "clip ratios fixed at 0.96/0.92" if fitted_clip
                           else "clip ratios fitted per layer and head on held-back text"))
-    if proposed and any(b != 2 for b in proposed):
-        out.append(fitted("oscar-layer-policy", "layers with outlying INT2 error stored at INT4",
-                          layer_bits=proposed))
     return out

@@ -60,9 +60,11 @@ def stored_forms(layer: OscarCacheLayer, keys: torch.Tensor, values: torch.Tenso
 QUERY_BLOCK = 256  # queries per block: the logits of one block are [g, QUERY_BLOCK, keys]
 
 
-def simulated_attention_from_forms(layer: OscarCacheLayer, query: torch.Tensor, forms, start: int = 0) -> torch.Tensor:
+def simulated_attention_from_forms(layer: OscarCacheLayer, query: torch.Tensor, forms, start: int = 0,
+                                   scaling: float | None = None) -> torch.Tensor:
     """Causal attention of ``query`` [B, Hq, T, D] (positions start..) under decode semantics -> [B, Hq, T, D],
-    over the keys and values of ``forms`` (stored_forms).
+    over the keys and values of ``forms`` (stored_forms), at the layer's softmax ``scaling`` (None: D^-0.5) and, on a
+    sliding-window layer, over the keys of the window only (positions (p - window, p], as the cache reads them).
 
     Query i sees keys [S0, h(i)) in their quantized form and all others exact, h(i) = max(S0, history end).
     h grows with i, so within a block of queries the keys split into [0, S0) exact | [S0, h_min) quantized |
@@ -73,7 +75,8 @@ def simulated_attention_from_forms(layer: OscarCacheLayer, query: torch.Tensor, 
     hkv, n_keys = k_e.shape[1], k_e.shape[2]
     g = hq // hkv
     s0 = layer.settings.sink_size if layer.codec.quantizes else 0
-    q = layer.codec.rotate_queries(query).reshape(b, hkv, g, t, d) * d**-0.5
+    q = layer.codec.rotate_queries(query).reshape(b, hkv, g, t, d) * (d**-0.5 if scaling is None else scaling)
+    window = layer.window
     dev = query.device
     pos_q = torch.arange(start, start + t)
     hist = quantized_history_end(pos_q, layer).clamp_min(s0)  # [T] on the CPU: segment bounds are host ints
@@ -94,6 +97,8 @@ def simulated_attention_from_forms(layer: OscarCacheLayer, query: torch.Tensor, 
                             dot(k_e, h1, n)], -1)
         c = start + i0  # keys from the block's first query on may lie in a query's future
         logits[..., c:n].masked_fill_(torch.arange(c, n, device=dev)[None, :] > pos_dev[i0:i1, None], float("-inf"))
+        if window is not None:  # and a sliding window hides the keys at or before p - window
+            logits.masked_fill_(torch.arange(n, device=dev)[None, :] <= pos_dev[i0:i1, None] - window, float("-inf"))
         probs = torch.softmax(logits, -1)
         p_band = probs[..., h0:h1]
         out[:, :, :, i0:i1] = (probs[..., :a] @ v_e[:, :, None, :a] + probs[..., a:h0] @ v_q[:, :, None, a:h0]
@@ -105,7 +110,7 @@ def simulated_attention_from_forms(layer: OscarCacheLayer, query: torch.Tensor, 
 def _simulated_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     layer = _active[-1].layers[module.layer_idx]
     forms = stored_forms(layer, key, value)
-    out = simulated_attention_from_forms(layer, query, forms)
+    out = simulated_attention_from_forms(layer, query, forms, scaling=scaling)
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
 
 

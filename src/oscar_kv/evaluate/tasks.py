@@ -172,7 +172,7 @@ def haystack_kv(model, ids: list[int]):
     from transformers import DynamicCache
 
     unprepare_model(model)
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()  # no config: a model's sliding-window layers would keep only their last window tokens
     model(torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -239,9 +239,9 @@ def layer_attention_errors(scheme: Scheme, cache: OscarCache, samples: list[Laye
     for i, s in enumerate(samples):
         layer = cache.layers[i]
         q, k, v = s.q[None], s.k[None], s.v[None]
-        exact = causal_attention(s.q, s.k, s.v)
+        exact = causal_attention(s.q, s.k, s.v, s.scale, s.window)
         forms = stored_forms(layer, k, fold_value_tensor(v, scheme, i))
-        out = simulated_attention_from_forms(layer, q, forms)[0]
+        out = simulated_attention_from_forms(layer, q, forms, scaling=s.scale)[0]
         if scheme.rotations is not None:  # back from the value-rotated, centered space
             rot = scheme.rotations.v_rotation[i]
             hkv = s.k.shape[0]

@@ -1,7 +1,7 @@
-"""Building blocks shared by the Triton attention kernels (decode.py, extend.py): INT2 code unpacking, per-group
-INT2 scores and values, the BF16 window range, the matmul helper, the position-aware (RoPE) logits, the split plan
-and the merge of split partials, and the constants and device queries they use.  The INT2 arithmetic is described
-in decode.py's docstring.
+"""Building blocks shared by the Triton attention kernels (decode.py, extend.py): code unpacking (INT2, INT3, INT4),
+per-group scores and values over the codes, the BF16 window range, the matmul helper, the position-aware (RoPE)
+logits, the split plan and the merge of split partials, and the constants and device queries they use.  The
+arithmetic over the codes is described in decode.py's docstring.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._compat import install_interpreter_shim
+from .layout import KERNEL_WIDTHS
 from .tuning import TUNING
 
 install_interpreter_shim()
@@ -51,6 +52,43 @@ def unpack4(raw, USE_ASM: tl.constexpr):
         c1 = ((raw & 12).to(tl.float16) + 1024.0).to(tl.float16)
         c2 = ((raw & 48).to(tl.float16) + 1024.0).to(tl.float16)
         c3 = ((raw & 192).to(tl.float16) + 1024.0).to(tl.float16)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def code_slices(ptrs, mask, ch, BITS: tl.constexpr, D: tl.constexpr, USE_ASM: tl.constexpr):
+    """Load rows of BITS-bit codes (quant.py's layout) as four float16 tensors 1024 + c * 4^k, slice k holding
+    channels k*D/4 .. (k+1)*D/4 - 1: what the INT2 arithmetic takes (decode.py), whatever the width.
+
+    ``ptrs`` and ``mask`` address the rows' first D/4 bytes in the orientation the caller wants ([D/4, N] or
+    [N, D/4]); ``ch`` (broadcastable to ptrs) is each element's channel within its slice, i.e. its byte's index in
+    the row.  1024 + c * 4^k is exact in float16 for c * 4^k < 1024: c <= 15 at k <= 3.
+      INT2: one byte per four channels; unpack4 (PTX on the GPU).
+      INT3: the INT2 plane as INT2, plus the high-bit plane at byte D/4 + j % (D/8), bit 2k + j // (D/8) for channel
+            j of slice k (quant.py: byte j' holds channel j' + m D/8 in bit m): + 4^(k+1) where set.
+      INT4: bytes j and D/4 + j hold channels j, D/4 + j in their low nibbles and D/2 + j, 3D/4 + j in their high
+            nibbles; nibble c goes to c * 4^k by a shift (0, 2, 0, 2 after the high nibble's built-in 16).
+    """
+    if BITS == 2:
+        c0, c1, c2, c3 = unpack4(tl.load(ptrs, mask=mask, other=0), USE_ASM)
+    elif BITS == 3:
+        D4: tl.constexpr = D // 4
+        D8: tl.constexpr = D // 8
+        c0, c1, c2, c3 = unpack4(tl.load(ptrs, mask=mask, other=0), USE_ASM)
+        hi = tl.load(ptrs + (D4 - ch + ch % D8), mask=mask, other=0).to(tl.int32)
+        hi = hi >> (ch // D8)  # bit 2k of this now holds the high bit of slice k
+        c0 = (c0 + ((hi & 1) << 2).to(tl.float16)).to(tl.float16)
+        c1 = (c1 + ((hi & 4) << 2).to(tl.float16)).to(tl.float16)
+        c2 = (c2 + ((hi & 16) << 2).to(tl.float16)).to(tl.float16)
+        c3 = (c3 + ((hi & 64) << 2).to(tl.float16)).to(tl.float16)
+    else:
+        D4: tl.constexpr = D // 4
+        lo = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        up = tl.load(ptrs + D4, mask=mask, other=0).to(tl.int32)
+        c0 = ((lo & 15).to(tl.float16) + 1024.0).to(tl.float16)
+        c1 = (((up & 15) << 2).to(tl.float16) + 1024.0).to(tl.float16)
+        c2 = ((lo & 240).to(tl.float16) + 1024.0).to(tl.float16)
+        c3 = (((up & 240) << 2).to(tl.float16) + 1024.0).to(tl.float16)
     return c0, c1, c2, c3
 
 
@@ -229,6 +267,26 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8
+
+
+def kernel_widths(geom, layer: int) -> tuple[int, int]:
+    """(key bits, value bits) of ``layer``'s codes (``PoolGeometry.layer_widths``), the kernels' K_BITS / V_BITS;
+    ValueError for a width they do not read.  A BF16 cache has no codes: (2, 2), for the INT2 placeholders the
+    kernels are handed there and never read."""
+    if not geom.quantizes:
+        return 2, 2
+    widths = geom.layer_widths(layer)
+    if any(b not in KERNEL_WIDTHS for b in widths):
+        raise ValueError(f"layer {layer} stores keys / values at {widths[0]} / {widths[1]} bits; the kernels read "
+                         f"{', '.join(map(str, KERNEL_WIDTHS))}-bit codes")
+    return widths
+
+
+def own_value_rows(k_codes: torch.Tensor, v_codes: torch.Tensor, widths: tuple[int, int]) -> bool:
+    """Whether a kernel addresses the value codes' rows on their own (its V_ROWS constexpr): values at another
+    width than the keys, or in a tensor with other strides.  Otherwise the key rows' offsets serve both, as they
+    always did for INT2 (no extra address arithmetic in the INT2 kernels)."""
+    return widths[0] != widths[1] or k_codes.stride()[:-1] != v_codes.stride()[:-1]
 
 
 def asm_enabled(device: torch.device, use_asm: bool | None) -> bool:

@@ -24,6 +24,13 @@ float16 query slice, and the 1024 offset is removed with sum(q) / sum(p*scale) c
 cores see the raw masked bytes; scale and min are applied per token in float32.  Under the Triton
 interpreter the same values are made with ordinary integer ops.  Keys are loaded transposed ([D/4, N]) so
 the MMA's key operand needs no register transpose.  Performance notes: benchmarks/NOTES.md.
+
+Keys and values at 3 or 4 bits (a layer's ``PoolGeometry.layer_widths``; K_BITS / V_BITS are constexprs, so the
+INT2 kernel compiles to the same SASS as before): ``common.code_slices`` turns either width into the same four
+float16 slices 1024 + c*4^k (exact up to c = 15), so the scores, values and offset corrections above are unchanged.
+INT3 reads its INT2 plane as INT2 (the PTX conversion included) and adds the high-bit plane as + 4^(k+1) where set
+(4 code steps: 4 x scale once scaled); INT4 shifts its nibbles into place with integer ops.  Values at another width
+than the keys address their own rows (V_ROWS).  The CUDA kernel reads K2V2 layers only (int2_kernel_choice).
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ import triton.language as tl
 
 from ._compat import install_interpreter_shim
 from .tuning import TUNING, kernel_choice
-from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, grp_scores, grp_values, load_rope_ab, merge,
-                     num_sms, rope_args, rope_logits_tiled, split_plan, unpack4)
+from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, code_slices, grp_scores, grp_values, kernel_widths,
+                     load_rope_ab, merge, num_sms, own_value_rows, rope_args, rope_logits_tiled, split_plan,
+                     unpack4)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -45,6 +53,12 @@ install_interpreter_shim()
 # bf16_decode rotates the query in the kernel up to this head dim; above, its float32 D x D operand does not fit
 # an SM's shared memory (256 KiB at D = 256) and rotate_query runs first (benchmarks/kernel_smem.py)
 ROTATE_IN_KERNEL_MAX_DIM = 128
+
+# The history tile of layers whose codes unpack into more live registers than INT2's (a side at 4 bits, or values at
+# 3): at the INT2 default of 256 tokens their sm_90 builds spill 220-460 bytes a thread under the 128-register cap
+# (INT2 and K3V2: 40 at D = G = 128), at 128 tokens at most 48 (sm_90 builds read with cuobjdump -res-usage, D = 64
+# and 128; not yet timed on a GPU)
+WIDE_CODES_BLOCK_N = 128
 
 # the register cap holds the position-aware term up to this many pairs (benchmarks/NOTES.md, "cost vs pairs, with
 # and without the register cap")
@@ -113,11 +127,12 @@ def _bf16_decode_kernel(Q, R, Kw, Vw, BT, SL, PO, PL, qk_scale,
 def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, BASE, STEPS, qk_scale,
                         stride_qb, stride_qh, stride_cp, stride_ch, stride_mp, stride_mh,
                         stride_wp, stride_wh, stride_bt, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                        stride_abb, stride_abh, stride_prh, chunk, window,
+                        stride_abb, stride_abh, stride_prh, chunk, window, stride_vcp, stride_vch,
                         D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
                         GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                         USE_ASM: tl.constexpr, F32DOT: tl.constexpr, KT: tl.constexpr, ROPE: tl.constexpr,
-                        R: tl.constexpr, SLIDING: tl.constexpr):
+                        R: tl.constexpr, SLIDING: tl.constexpr, K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2,
+                        V_ROWS: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -159,9 +174,14 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
         _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                        0, D, GQA, H_PAD, True)
     else:
-        # ---- INT2 history tokens [start, end) counted from the sink's end (start, end: multiples of P)
+        # ---- quantized history tokens [start, end) counted from the sink's end (start, end: multiples of P)
         D4: tl.constexpr = D // 4
         NG: tl.constexpr = D // G
+        KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row
+        VCB: tl.constexpr = D * V_BITS // 8
+        # rows start at multiples of the largest power of two dividing KCB / VCB (3D/8 at INT3: D/8)
+        K_ALIGN: tl.constexpr = KCB & -KCB
+        V_ALIGN: tl.constexpr = VCB & -VCB
         offs_c = tl.arange(0, D4)
         # query slices (float32, scaled), float16 slice k pre-divided by 4^k (its codes arrive as 1024 + c*4^k)
         qf0 = tl.load(qrow + offs_c[None, :], mask=hm, other=0.0).to(tl.float32) * qk_scale
@@ -209,15 +229,29 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
             if SLIDING:  # one bound for every row: the tokens below it are neither loaded nor counted
                 valid = valid & (offs >= lo - SINK)
             phys = tl.load(bt_row + SINK_PAGES + offs // P, mask=valid, other=0).to(tl.int64)
-            crow = tl.multiple_of(phys * stride_cp + head_c + (offs % P) * D4, D4)
+            crow = tl.multiple_of(phys * stride_cp + head_c + (offs % P) * KCB, K_ALIGN)
+            if V_ROWS:  # values at another width (or in a tensor with other strides) than the keys
+                vrow = tl.multiple_of(phys * stride_vcp + h.to(tl.int64) * stride_vch + (offs % P) * VCB, V_ALIGN)
+            else:
+                vrow = crow
             mrow = phys * stride_mp + head_m + (offs % P) * (2 * NG)
             bias = tl.where(valid, 0.0, float("-inf"))
+            # INT2 unpacks here as it always did, not through code_slices: ptxas schedules by the inlined calls its
+            # line info shows, and one more level changed the INT2 extend kernel's SASS
             if KT:
-                kraw = tl.load(Kc + crow[None, :] + offs_c[:, None], mask=valid[None, :], other=0)
-                k0, k1, k2, k3 = unpack4(kraw, USE_ASM)
+                if K_BITS == 2:
+                    kraw = tl.load(Kc + crow[None, :] + offs_c[:, None], mask=valid[None, :], other=0)
+                    k0, k1, k2, k3 = unpack4(kraw, USE_ASM)
+                else:
+                    k0, k1, k2, k3 = code_slices(Kc + crow[None, :] + offs_c[:, None], valid[None, :],
+                                                 offs_c[:, None], K_BITS, D, USE_ASM)
             else:
-                kraw = tl.load(Kc + crow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
-                k0, k1, k2, k3 = unpack4(kraw, USE_ASM)
+                if K_BITS == 2:
+                    kraw = tl.load(Kc + crow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
+                    k0, k1, k2, k3 = unpack4(kraw, USE_ASM)
+                else:
+                    k0, k1, k2, k3 = code_slices(Kc + crow[:, None] + offs_c[None, :], valid[:, None],
+                                                 offs_c[None, :], K_BITS, D, USE_ASM)
                 k0 = tl.trans(k0)
                 k1 = tl.trans(k1)
                 k2 = tl.trans(k2)
@@ -244,8 +278,12 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
             p = tl.exp2(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
-            vraw = tl.load(Vc + crow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
-            v0, v1, v2, v3 = unpack4(vraw, USE_ASM)
+            if V_BITS == 2:
+                vraw = tl.load(Vc + vrow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
+                v0, v1, v2, v3 = unpack4(vraw, USE_ASM)
+            else:
+                v0, v1, v2, v3 = code_slices(Vc + vrow[:, None] + offs_c[None, :], valid[:, None], offs_c[None, :],
+                                             V_BITS, D, USE_ASM)
             if NG == 1:
                 vs = tl.load(Vm + mrow, mask=valid, other=0.0).to(tl.float32)
                 vn = tl.load(Vm + mrow + 1, mask=valid, other=0.0).to(tl.float32)
@@ -378,7 +416,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
             an SM at once).
         window: the layer's sliding window (the query sees the last ``window`` tokens); None or 0: the whole
             sequence.  Windowed calls run the Triton kernel (int2_kernel_choice), whose history splits then
-            cover only the window's part of the INT2 history.
+            cover only the window's part of the INT2 history.  So do layers whose keys or values are stored at 3 or
+            4 bits (``pool.geometry.layer_widths(layer)``).
         out: the output, written in place; None: a new tensor.
     Shapes:
         q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D].
@@ -391,19 +430,21 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     gqa = hq // h
     if d != g.head_dim or hq % h:
         raise ValueError("query shape does not match the pool geometry")
+    widths = kernel_widths(g, layer)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if max_int2_pages is None:
         max_int2_pages = int(batch.int2_pages.max()) if bsz else 0
     num_warps = num_warps or (TUNING.decode_num_warps_d256 if d > 128 else TUNING.decode_num_warps)
     if rope is not None and max_seq_len is None:
         max_seq_len = int(batch.seq_lens.max()) if bsz else 0
-    block_n = block_n or max(g.page_size, TUNING.decode_block_n)
+    wide = widths[0] == 4 or widths[1] > 2
+    block_n = block_n or max(g.page_size, WIDE_CODES_BLOCK_N if wide else TUNING.decode_block_n)
     if block_n % g.page_size:
         raise ValueError("block_n must be a multiple of the page size")
     if split_target is None:
         split_target = TUNING.decode_split_target_small if bsz * h <= 8 else TUNING.decode_split_target
     window = window or None
-    if _use_cuda(backend, q.device, g, gqa, rope, q.dtype, window):
+    if _use_cuda(backend, q.device, g, gqa, rope, q.dtype, window, widths):
         from . import int2_cuda
 
         # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
@@ -441,38 +482,44 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, pr, base, steps,
         sm_scale * LOG2E, qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
         kw.stride(0), kw.stride(1), bt.stride(0), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-        pl.stride(1), stride_abb, stride_abh, stride_prh, chunk, window or 0,
+        pl.stride(1), stride_abb, stride_abh, stride_prh, chunk, window or 0, vc.stride(0), vc.stride(1),
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_N=block_n,
         BLOCK_W=block_w, USE_ASM=asm_enabled(q.device, use_asm), F32DOT=INTERPRET, KT=kt, ROPE=on, R=r,
-        SLIDING=window is not None, num_warps=num_warps, num_stages=num_stages, **extra)
+        SLIDING=window is not None, K_BITS=widths[0], V_BITS=widths[1], V_ROWS=own_value_rows(kc, vc, widths),
+        num_warps=num_warps, num_stages=num_stages, **extra)
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     return merge(po, pl, out)
 
 
 INT2_KERNEL_ENV = "OSCAR_KV_INT2_KERNEL"  # "auto" (default) | "cuda" | "triton": which INT2 decode kernel runs
+CUDA_WIDTHS = (2, 2)  # the one-launch CUDA kernel reads INT2 keys and INT2 values only
 
 
 def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: torch.dtype = torch.bfloat16,
-                       backend: str | None = None, window: int | None = None) -> tuple[str, str | None]:
-    """Which kernel INT2 decode attention runs for this pool: ("cuda", None), the one-launch CUDA kernel, or
+                       backend: str | None = None, window: int | None = None,
+                       widths: tuple[int, int] = CUDA_WIDTHS) -> tuple[str, str | None]:
+    """Which kernel decode attention runs for a layer of this pool: ("cuda", None), the one-launch CUDA kernel, or
     ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
     "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
-    None.  ``window``: the layer's sliding window (None or 0: none): such a layer takes Triton where the model's
-    other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda included (the CUDA kernel reads whole histories); only a
+    None.  ``window``: the layer's sliding window (None or 0: none); ``widths``: the layer's (key, value) code
+    widths.  A windowed layer, or one stored at other than K2V2, takes Triton where the model's other layers
+    take CUDA, $OSCAR_KV_INT2_KERNEL=cuda included (the CUDA kernel reads whole histories of INT2 codes); only a
     call that itself asks for "cuda" raises.  The engine reports the choice at start-up; ``int2_decode`` makes it
     per call."""
     from . import int2_cuda
 
-    if window and backend == "cuda":
-        raise ValueError(f"the CUDA INT2 kernel cannot run this call: {sliding_window_reason(window)}")
+    own = stored_width_reason(*widths) if tuple(widths) != CUDA_WIDTHS else (
+        sliding_window_reason(window) if window else None)
+    if own is not None and backend == "cuda":
+        raise ValueError(f"the CUDA INT2 kernel cannot run this call: {own}")
 
     def why_not() -> str | None:
         return int2_cuda.unsupported(device, geom, gqa, rope, dtype) or (
             "the Triton interpreter is on" if INTERPRET else None)
 
     kernel, why = kernel_choice(INT2_KERNEL_ENV, backend, "cuda", "triton", why_not, "the CUDA INT2 kernel")
-    if window and kernel == "cuda":
-        return "triton", sliding_window_reason(window)
+    if own is not None and kernel == "cuda":
+        return "triton", own
     return kernel, why
 
 
@@ -482,9 +529,15 @@ def sliding_window_reason(window: int) -> str:
             f"kernel reads only the window")
 
 
+def stored_width_reason(k_bits: int, v_bits: int) -> str:
+    """Why a layer stored at other than K2V2 decodes with the Triton kernel."""
+    return (f"layer stored at K{k_bits}V{v_bits} (keys at {k_bits} bits, values at {v_bits}): the CUDA kernel reads "
+            f"INT2 codes only")
+
+
 def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16,
-              window: int | None = None) -> bool:
-    return int2_kernel_choice(device, geom, gqa, rope, dtype, backend, window)[0] == "cuda"
+              window: int | None = None, widths: tuple[int, int] = CUDA_WIDTHS) -> bool:
+    return int2_kernel_choice(device, geom, gqa, rope, dtype, backend, window, widths)[0] == "cuda"
 
 
 def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block_table: torch.Tensor,

@@ -18,7 +18,8 @@ and decode's merge kernel combines the partial outputs by their log-sum-exp.
 
 Per program, one online softmax (base 2, float32) over, in this order:
   1. the INT2 history, read as in decode.py (codes -> float16 1024 + c*4^k with the 4^k folded into the
-     query slice, per-token scale/min applied in float32; no dequantized tile is ever built), except that
+     query slice, per-token scale/min applied in float32; no dequantized tile is ever built; keys and values at
+     the layer's widths, 2, 3 or 4 bits, through common.code_slices), except that
      the values' 1024 offset is removed from the MMA accumulator tile by tile, not once at the end (a
      program may read 100K+ tokens: see _int2_history).  Its four per-slice accumulators are folded and
      concatenated into the [BLOCK_M, D] accumulator afterwards, so they are not live during the rest;
@@ -42,8 +43,9 @@ import triton.language as tl
 
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
-from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, cat4, grp_scores, grp_values, load_rope_ab, merge,
-                     mm, num_sms, rope_args, rope_logits, softmax_step, split_plan, unpack4)
+from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, cat4, code_slices, grp_scores, grp_values,
+                     kernel_widths, load_rope_ab, merge, mm, num_sms, own_value_rows, rope_args, rope_logits,
+                     softmax_step, split_plan, unpack4)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -53,12 +55,16 @@ install_interpreter_shim()
 def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, head_c, head_m, stride_cp, stride_mp,
                   M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
                   BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, ra=None, rb=None, CS=None,
-                  ROPE: tl.constexpr = False, PR=None, row_lo=None, SLIDING: tl.constexpr = False):
-    """Online softmax over INT2 history tokens [start, end), counted from the sink's end.
+                  ROPE: tl.constexpr = False, PR=None, row_lo=None, SLIDING: tl.constexpr = False,
+                  head_vc=None, stride_vcp=None, K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2,
+                  V_ROWS: tl.constexpr = False):
+    """Online softmax over quantized history tokens [start, end), counted from the sink's end.
 
     qrow: pointers [M, 1] to the rotated float32 query rows.  SLIDING: row m sees only tokens >= row_lo[m]
-    (counted from the sink's end too).  Returns (m_i, l_i, acc [M, D]) with acc the
-    unnormalized output in the true value space (offsets removed, slices concatenated).
+    (counted from the sink's end too).  Keys and values are K_BITS / V_BITS-bit codes (common.code_slices); with
+    V_ROWS the value codes' rows are addressed by head_vc / stride_vcp, else by the keys' offsets.  Returns (m_i,
+    l_i, acc [M, D]) with acc the unnormalized output in the true value space (offsets removed, slices
+    concatenated).
 
     Value codes arrive as 1024 + c*4^k, so a tile's MMA adds 1024*sum(pp) to every column on top of the
     signal sum(pp*c*4^k) (<= 3/1024 of it in slice 0).  The offset is subtracted from the accumulator
@@ -71,6 +77,11 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
     """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
+    KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row
+    VCB: tl.constexpr = D * V_BITS // 8
+    # rows start at multiples of the largest power of two dividing KCB / VCB (3D/8 at INT3: D/8)
+    K_ALIGN: tl.constexpr = KCB & -KCB
+    V_ALIGN: tl.constexpr = VCB & -VCB
     offs_c = tl.arange(0, D4)
     # query slices (float32, scaled); float16 slice k is pre-divided by 4^k (its codes arrive as 1024 + c*4^k)
     qf0 = tl.load(qrow + offs_c[None, :], mask=rmask, other=0.0).to(tl.float32) * qk_scale
@@ -107,11 +118,21 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
         offs = t0 + tl.arange(0, BLOCK_N)
         valid = offs < end
         phys = tl.load(bt_row + SINK_PAGES + offs // P, mask=valid, other=0).to(tl.int64)
-        crow = tl.multiple_of(phys * stride_cp + head_c + (offs % P) * D4, D4)
+        crow = tl.multiple_of(phys * stride_cp + head_c + (offs % P) * KCB, K_ALIGN)
+        if V_ROWS:
+            vrow = tl.multiple_of(phys * stride_vcp + head_vc + (offs % P) * VCB, V_ALIGN)
+        else:
+            vrow = crow
         mrow = phys * stride_mp + head_m + (offs % P) * (2 * NG)
         # keys loaded transposed ([D4, N]): the MMA's key operand needs no register transpose
-        kraw = tl.load(Kc + crow[None, :] + offs_c[:, None], mask=valid[None, :], other=0)
-        k0, k1, k2, k3 = unpack4(kraw, USE_ASM)
+        # INT2 unpacks here as it always did, not through code_slices: ptxas schedules by the inlined calls its
+        # line info shows, and one more level changed this kernel's INT2 SASS
+        if K_BITS == 2:
+            kraw = tl.load(Kc + crow[None, :] + offs_c[:, None], mask=valid[None, :], other=0)
+            k0, k1, k2, k3 = unpack4(kraw, USE_ASM)
+        else:
+            k0, k1, k2, k3 = code_slices(Kc + crow[None, :] + offs_c[:, None], valid[None, :], offs_c[:, None],
+                                         K_BITS, D, USE_ASM)
         if NG == 1:
             ks = tl.load(Km + mrow, mask=valid, other=0.0).to(tl.float32)
             kn = tl.load(Km + mrow + 1, mask=valid, other=0.0).to(tl.float32)
@@ -132,8 +153,12 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
             see = see & (offs[None, :] >= row_lo[:, None])
         sc = tl.where(see, sc, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(sc, m_i, l_i, SLIDING)
-        vraw = tl.load(Vc + crow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
-        v0, v1, v2, v3 = unpack4(vraw, USE_ASM)
+        if V_BITS == 2:
+            vraw = tl.load(Vc + vrow[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
+            v0, v1, v2, v3 = unpack4(vraw, USE_ASM)
+        else:
+            v0, v1, v2, v3 = code_slices(Vc + vrow[:, None] + offs_c[None, :], valid[:, None], offs_c[None, :],
+                                         V_BITS, D, USE_ASM)
         if NG == 1:
             vs = tl.load(Vm + mrow, mask=valid, other=0.0).to(tl.float32)
             vn = tl.load(Vm + mrow + 1, mask=valid, other=0.0).to(tl.float32)
@@ -196,11 +221,12 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO
                         stride_qt, stride_qh, stride_abt, stride_abh, stride_prh, stride_knt, stride_knh, stride_vnt, stride_vnh,
                         stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh, stride_bt,
                         stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
-                        num_tiles, num_splits, split_len, window,
+                        num_tiles, num_splits, split_len, window, stride_vcp, stride_vch,
                         D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
                         GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                         USE_ASM: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
-                        PARTIAL: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, SLIDING: tl.constexpr):
+                        PARTIAL: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, SLIDING: tl.constexpr,
+                        K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False):
     tile = num_tiles - 1 - tl.program_id(0)  # last tiles of a chunk see the most keys: start them first
     b = tl.program_id(1)
     h = tl.program_id(2) // (num_splits + 1)
@@ -246,11 +272,14 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO
     i_lo = i_base + tl.maximum(s - 1, 0) * split_len
     i_hi = tl.where(num_splits == 0, int2_end, tl.where(s == 0, 0, tl.minimum(i_base + s * split_len, int2_end)))
     mine = s == 0  # the window and the chunk
+    head_vc = 0
+    if V_ROWS:  # values at another width (or with other strides) than the keys: their own row offsets
+        head_vc = h.to(tl.int64) * stride_vch
     # 1. INT2 history
     m_i, l_i, acc = _int2_history(qrow, rmask, qk_scale, i_lo, i_hi, bt_row, Kc, Km, Vc, Vm,
                                   h.to(tl.int64) * stride_ch, h.to(tl.int64) * stride_mh, stride_cp, stride_mp,
                                   M, D, G, P, SINK_PAGES, BLOCK_N, USE_ASM, ra, rb, CS, ROPE, pr,
-                                  row_lo_h, SLIDING)
+                                  row_lo_h, SLIDING, head_vc, stride_vcp, K_BITS, V_BITS, V_ROWS)
     # 2. BF16 sink and recent pages; the float32 query as bf16 hi + lo parts
     offs_d = tl.arange(0, D)
     qf = tl.load(qrow + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32) * qk_scale
@@ -373,6 +402,7 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
     h = g.num_kv_heads
     if d != g.head_dim or hq % h or d < 64:
         raise ValueError("query shape does not match the pool geometry (or head dim < 64)")
+    widths = kernel_widths(g, layer)
     if k_new.shape != (t, h, d) or v_new.shape != (t, h, d):
         raise ValueError(f"k_new / v_new must be [{t}, {h}, {d}]")
     if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
@@ -425,8 +455,9 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
         v_new.stride(0),
         v_new.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
         bt.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-        pl.stride(1), num_tiles, ns, split_len, window or 0,
+        pl.stride(1), num_tiles, ns, split_len, window or 0, vc.stride(0), vc.stride(1),
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_T=block_t,
         BLOCK_N=block_n, USE_ASM=asm_enabled(q.device, use_asm), F32DOT=INTERPRET, SPLITQ=split_query,
-        PARTIAL=ns > 0, ROPE=on, R=r, SLIDING=window is not None, num_warps=num_warps, num_stages=num_stages)
+        PARTIAL=ns > 0, ROPE=on, R=r, SLIDING=window is not None, K_BITS=widths[0], V_BITS=widths[1],
+        V_ROWS=own_value_rows(kc, vc, widths), num_warps=num_warps, num_stages=num_stages)
     return merge(po, pl, out) if ns else out

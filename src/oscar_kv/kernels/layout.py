@@ -14,12 +14,13 @@ be a multiple of P), in two pools:
 
 * **INT2 pool** for history pages, codes and 16-bit metadata in separate tensors::
 
-      k_codes, v_codes  uint8   [L, NQ, H, P, D/4]    stride-packed as in quant.py (byte j holds
-                                                      channels j, j+D/4, j+D/2, j+3D/4)
+      k_codes, v_codes  uint8   [L, NQ, H, P, D*b/8]  b-bit codes (b = 2, 3 or 4, keys and values each
+                                                      at their own width), stride-packed as in quant.py
+                                                      (INT2: byte j holds channels j, j+D/4, j+D/2, j+3D/4)
       k_meta,  v_meta   float16 [L, NQ, H, P, 2*NG]   NG = D/G groups; [..., :NG] = scale,
                                                       [..., NG:] = minimum; x_hat = code*scale + min
 
-  One (page, head) tile is contiguous: P*D/4 code bytes (512 B at P=16, D=128) and P*4*NG bytes of
+  One (page, head) tile is contiguous: P*D*b/8 code bytes (512 B at P=16, D=128, INT2) and P*4*NG bytes of
   metadata, so a decode program streams whole pages with 16-byte loads.  The layer dimension leads
   so that one launch can address every layer (migration) while a per-layer view is a plain slice.
 
@@ -63,8 +64,12 @@ from ..errors import ConfigError
 from ..memory import width_summary
 
 
-# The kernels read 2-bit codes; a geometry that names no bits per layer is such an INT2 cache.
+# A geometry that names no bits per layer is an INT2 cache.
 KERNEL_BITS = 2
+# The code widths the Triton kernels read and write, keys and values each (the CUDA decode kernel reads INT2 only:
+# decode.int2_kernel_choice).  INT8 has no kernel: kernel_error names such layers, and an engine with one runs the
+# torch reference.
+KERNEL_WIDTHS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -124,9 +129,10 @@ class PoolGeometry:
     def kernel_error(self) -> str | None:
         """None when the Triton/CUDA kernels can address this pool, else why not."""
         d, g, p = self.head_dim, self.group_size, self.page_size
-        if self.quantizes and any(b != KERNEL_BITS for b in self.k_bits + self.v_bits):
-            widths = "/".join(f"K{k}V{v}" for k, v in sorted(set(zip(self.k_bits, self.v_bits))))
-            return f"the artifact stores layers at {widths} (the kernels read INT2 codes only)"
+        if self.quantizes and any(b not in KERNEL_WIDTHS for b in self.k_bits + self.v_bits):
+            widths = "/".join(f"K{k}V{v}" for k, v in sorted(set(zip(self.k_bits, self.v_bits)))
+                              if k not in KERNEL_WIDTHS or v not in KERNEL_WIDTHS)
+            return f"the artifact stores layers at {widths} (the kernels read 2, 3 and 4-bit codes)"
         if d % 4 or d % g or g < d // 4:
             return f"group size {g} must divide head dim {d} and be >= D/4 = {d // 4}"
         if d & (d - 1) or d < 32:
@@ -229,9 +235,14 @@ class PoolGeometry:
 class PagedKVPool:
     """The pool's tensors for every layer (layout: the module docstring).
 
+    The layers are stacked, so every layer stores its keys at one width and its values at one width (the geometry's
+    ``k_bits`` / ``v_bits``, each uniform over the layers; they may differ from each other).  The engine keeps
+    one tensor per layer instead and hands the kernels one-layer pools or per-layer views, whose widths may differ
+    from layer to layer (engine/kernel_attention.PoolView).
+
     Shapes:
-        k_codes, v_codes: uint8 [L, N_int2, Hkv, P, D / 4]; k_meta, v_meta: float16 [L, N_int2, Hkv, P, 2 NG]
-        (scales | minima); k_win, v_win: bfloat16 [L, N_win, Hkv, P, D].
+        k_codes: uint8 [L, N_int2, Hkv, P, D * k_bits / 8], v_codes likewise at v_bits; k_meta, v_meta: float16
+        [L, N_int2, Hkv, P, 2 NG] (scales | minima); k_win, v_win: bfloat16 [L, N_win, Hkv, P, D].
     """
 
     geometry: PoolGeometry
@@ -249,15 +260,20 @@ class PagedKVPool:
         kernels; ValueError when they cannot address ``geom``.  ``fill_nan``: metadata and windows start as NaN
         (tests: a read of an unwritten slot shows), else zeros."""
         why = geom.kernel_error()
+        if why is None and (len(set(geom.k_bits)) > 1 or len(set(geom.v_bits)) > 1):
+            why = (f"a stacked pool holds every layer at one key width and one value width, not "
+                   f"{geom.width_summary()} (allocate one pool per layer)")
         if why is not None:  # this pool exists for the kernels
             raise ValueError(why)
         l, h, p, d, ng = geom.num_layers, geom.num_kv_heads, geom.page_size, geom.head_dim, geom.num_groups
         nq, nw = max(num_int2_pages, 1), max(num_window_pages, 1)
-        codes = lambda: torch.zeros(l, nq, h, p, d // 4, dtype=torch.uint8, device=device)  # noqa: E731
+        # a BF16 cache (16 bits) gets INT2-sized placeholders the kernels never read
+        k_bytes, v_bytes = (d * b // 8 if b < 16 else d // 4 for b in geom.layer_widths(0))
+        codes = lambda n: torch.zeros(l, nq, h, p, n, dtype=torch.uint8, device=device)  # noqa: E731
         fill = float("nan") if fill_nan else 0.0
         meta = lambda: torch.full((l, nq, h, p, 2 * ng), fill, dtype=torch.float16, device=device)  # noqa: E731
         win = lambda: torch.full((l, nw, h, p, d), fill, dtype=torch.bfloat16, device=device)  # noqa: E731
-        return cls(geom, codes(), codes(), meta(), meta(), win(), win())
+        return cls(geom, codes(k_bytes), codes(v_bytes), meta(), meta(), win(), win())
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name)[i] for name in

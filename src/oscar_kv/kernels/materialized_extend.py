@@ -2,11 +2,12 @@
 Specification: reference.extend_reference (the same semantics as extend.int2_extend).
 
 Per sequence and layer, one Triton pass writes the sequence's keys and values of positions [0, n) into a
-contiguous float16 scratch in the rotated space: positions before the chunk as stored (INT2 pages
-dequantized, sink / recent BF16 pages copied), then the chunk's own keys and values exactly as given; keys
-get the position-aware offset RoPE_p(mu_pre) @ R_K added back (rope.py), as codec.LayerCodec.restore_offsets
-does.  Then the rotated queries attend over [history | chunk] (chunk_attention.py: cuDNN over the history and
-the chunk, merged by log-sum-exp, or one flash call with a lower-right mask).  Nothing about the attention
+contiguous float16 scratch in the rotated space: positions before the chunk as stored (INT2 pages dequantized,
+keys and values each at the layer's width of 2, 3 or 4 bits; sink / recent BF16 pages copied), then the chunk's
+own keys and values exactly as given; keys get the position-aware offset RoPE_p(mu_pre) @ R_K added back
+(rope.py), as codec.LayerCodec.restore_offsets does.  Then the rotated queries attend over [history | chunk]
+(chunk_attention.py: cuDNN over the history and the chunk, merged by log-sum-exp, or one flash call with a
+lower-right mask).  Nothing about the attention
 itself is INT2-specific: the cost is the BF16 cache's attention plus one streaming pass over the history.
 
 A sliding-window layer materializes only what the chunk's first query sees, positions from hist - window + 1
@@ -46,6 +47,7 @@ import triton.language as tl
 
 from ._compat import install_interpreter_shim
 from .chunk_attention import chunk_attention, prefill_attention_choice
+from .common import kernel_widths, own_value_rows
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -57,19 +59,34 @@ SCRATCH_DTYPE = torch.float16
 
 # ------------------------------------------------------------------------------------------ kernel
 @triton.jit
+def _codes(Codes, crow, is_q, D: tl.constexpr, BITS: tl.constexpr):
+    """float32 [BLOCK, D] codes of the rows at Codes + crow (quant.py's stride packing at BITS = 2, 3 or 4)."""
+    offs_d = tl.arange(0, D)
+    if BITS == 3:  # an INT2 plane (D/4 bytes), then the high bits: byte D/4 + j holds channel j + m D/8 in bit m
+        D4: tl.constexpr = D // 4
+        D8: tl.constexpr = D // 8
+        low = tl.load(Codes + crow[:, None] + (offs_d % D4)[None, :], mask=is_q[:, None], other=0)
+        high = tl.load(Codes + crow[:, None] + D4 + (offs_d % D8)[None, :], mask=is_q[:, None], other=0)
+        code = ((low >> (2 * (offs_d // D4)).to(tl.uint8)[None, :]) & 3) | \
+            (((high >> (offs_d // D8).to(tl.uint8)[None, :]) & 1) << 2)
+    else:  # byte j of a row holds channels j + k W at bits k BITS (W = D BITS / 8 bytes a row)
+        W: tl.constexpr = D * BITS // 8
+        raw = tl.load(Codes + crow[:, None] + (offs_d % W)[None, :], mask=is_q[:, None], other=0)
+        code = (raw >> (BITS * (offs_d // W)).to(tl.uint8)[None, :]) & ((1 << BITS) - 1)
+    return code.to(tl.float32)
+
+
+@triton.jit
 def _stored_rows(Codes, Meta, Win, Knew, phys, pos, chunk_row, is_q, is_w, is_new, head_c, head_m, head_w,
                  head_n, stride_cp, stride_mp, stride_wp, stride_nt,
-                 D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
-    """float32 [BLOCK, D] rows of one KV head: INT2 rows dequantized (code * scale + min per group), BF16 window
-    rows, or chunk rows, by the masks."""
-    D4: tl.constexpr = D // 4
+                 D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr = 2):
+    """float32 [BLOCK, D] rows of one KV head: quantized rows (BITS-bit codes) dequantized (code * scale + min per
+    group), BF16 window rows, or chunk rows, by the masks."""
     NG: tl.constexpr = D // G
     offs_d = tl.arange(0, D)
     slot = pos % P
-    # stride packing: byte j of a row holds channels j, j + D/4, j + D/2, j + 3D/4 at bits 0, 2, 4, 6
-    crow = phys * stride_cp + head_c + slot * D4
-    raw = tl.load(Codes + crow[:, None] + (offs_d % D4)[None, :], mask=is_q[:, None], other=0)
-    code = ((raw >> (2 * (offs_d // D4)).to(tl.uint8)[None, :]) & 3).to(tl.float32)
+    crow = phys * stride_cp + head_c + slot * (D * BITS // 8)
+    code = _codes(Codes, crow, is_q, D, BITS)
     mrow = phys * stride_mp + head_m + slot * (2 * NG)
     offs_g = tl.arange(0, NG)
     scale = tl.load(Meta + mrow[:, None] + offs_g[None, :], mask=is_q[:, None], other=0.0).to(tl.float32)
@@ -86,9 +103,10 @@ def _stored_rows(Codes, Meta, Win, Knew, phys, pos, chunk_row, is_q, is_w, is_ne
 def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn, Vn, W, PR, CS, Ko, Vo,
                         stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh, stride_bt,
                         stride_knt, stride_knh, stride_vnt, stride_vnh, stride_wgt, stride_prh, stride_ot, stride_oh,
-                        window, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
-                        BLOCK: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
-                        SLIDING: tl.constexpr):
+                        window, stride_vcp, stride_vch, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+                        SINK_PAGES: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
+                        HALF: tl.constexpr, SLIDING: tl.constexpr, K_BITS: tl.constexpr = 2,
+                        V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False):
     """Program (block of positions, sequence of the group, KV head): positions [first, hist + chunk) of the
     sequence -> scratch rows ROW0 + position - first (keys with the position-aware offset when ROPE); first is 0,
     or with SLIDING the first position the chunk's first query sees, hist - window + 1 (window_start)."""
@@ -115,7 +133,7 @@ def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn,
     h64 = h.to(tl.int64)
     k = _stored_rows(Kc, Km, Kw, Kn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_ch,
                      h64 * stride_mh, h64 * stride_wh, h64 * stride_knh, stride_cp, stride_mp, stride_wp, stride_knt,
-                     D, G, P, BLOCK)
+                     D, G, P, BLOCK, K_BITS)
     offs_d = tl.arange(0, D)
     if ROPE:
         # RoPE_p(mu_pre) @ R_K = sum over the kept pairs i of cos(p t_i) A_i + sin(p t_i) B_i (W rows: A | B),
@@ -133,9 +151,14 @@ def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn,
     out_row = (tl.load(ROW0 + tl.program_id(1)) + pos - first).to(tl.int64)
     tl.store(Ko + out_row[:, None] * stride_ot + h64 * stride_oh + offs_d[None, :], k.to(Ko.dtype.element_ty),
              mask=valid[:, None])
-    v = _stored_rows(Vc, Vm, Vw, Vn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_ch,
-                     h64 * stride_mh, h64 * stride_wh, h64 * stride_vnh, stride_cp, stride_mp, stride_wp, stride_vnt,
-                     D, G, P, BLOCK)
+    if V_ROWS:  # values at another width (or with other strides) than the keys
+        v = _stored_rows(Vc, Vm, Vw, Vn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_vch,
+                         h64 * stride_mh, h64 * stride_wh, h64 * stride_vnh, stride_vcp, stride_mp, stride_wp,
+                         stride_vnt, D, G, P, BLOCK, V_BITS)
+    else:
+        v = _stored_rows(Vc, Vm, Vw, Vn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_ch,
+                         h64 * stride_mh, h64 * stride_wh, h64 * stride_vnh, stride_cp, stride_mp, stride_wp,
+                         stride_vnt, D, G, P, BLOCK, V_BITS)
     tl.store(Vo + out_row[:, None] * stride_ot + h64 * stride_oh + offs_d[None, :], v.to(Vo.dtype.element_ty),
              mask=valid[:, None])
 
@@ -288,6 +311,7 @@ def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.T
     h, d = g.num_kv_heads, g.head_dim
     if group.rows == 0:
         return
+    k_bits, v_bits = kernel_widths(g, layer)
     L = pool.layer(layer)
     kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
     bt = batch.block_table
@@ -305,9 +329,10 @@ def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.T
         k_new, v_new, w, pr, cs, k_out, v_out,
         kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), stride_w, stride_pr,
-        k_out.stride(0), k_out.stride(1), group.window or 0,
+        k_out.stride(0), k_out.stride(1), group.window or 0, vc.stride(0), vc.stride(1),
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, BLOCK=BLOCK_ROWS, ROPE=rope is not None,
-        R=r, HALF=d // 2, SLIDING=bool(group.window),
+        R=r, HALF=d // 2, SLIDING=bool(group.window), K_BITS=k_bits, V_BITS=v_bits,
+        V_ROWS=own_value_rows(kc, vc, (k_bits, v_bits)),
         num_warps=4 if d <= 64 else 8)  # [BLOCK, D] float32 tiles: 32 values a thread
 
 

@@ -35,12 +35,14 @@ def rotate_queries(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_head
     return rotate(x.unsqueeze(-2), r).squeeze(-2)
 
 
-def _quantize_heads(x: torch.Tensor, group: int, clip_idx: torch.Tensor, rescale: float = 0.0) -> QuantizedRows:
-    """quant.quantize_rows with a per-head clip ratio given as clip index (x: [T, H, D])."""
+def _quantize_heads(x: torch.Tensor, bits: int, group: int, clip_idx: torch.Tensor,
+                    rescale: float = 0.0) -> QuantizedRows:
+    """quant.quantize_rows at ``bits`` with a per-head clip ratio given as clip index (x: [T, H, D])."""
     d = x.shape[-1]
     ratio = (clip_idx.double() / d).to(x.device)  # floor(ratio*D) == idx
     # quant.clip_rows computes floor(ratio*D) in float64: idx/D*D == idx exactly for D a power of two.
-    return quantize_rows(x.float(), 2, group, ratio.view(1, -1) if bool((clip_idx < d - 1).any()) else 1.0, rescale)
+    return quantize_rows(x.float(), bits, group, ratio.view(1, -1) if bool((clip_idx < d - 1).any()) else 1.0,
+                         rescale)
 
 
 def _meta(q: QuantizedRows) -> torch.Tensor:
@@ -59,8 +61,8 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
     RoPE_p(mu_pre) subtracted after k_mean, then the rotation; ``rope_layout``: its rope.RotaryLayout).
 
     Keys are centered and rotated in float32; a token bound for a window page is stored as BF16,
-    one bound for an INT2 page is clipped/quantized from the float32 row (quant.quantize_rows; ``rescale``:
-    its strength for keys and values).
+    one bound for an INT2 page is clipped/quantized from the float32 row (quant.quantize_rows, keys and values
+    each at the layer's width, ``pool.geometry.layer_widths``; ``rescale``: its strength for keys and values).
 
     Shapes:
         k (post-RoPE), v (rotated): [T, Hkv, D]; win_slot, int2_slot: int32 [T]; k_rotation: [Hkv | 1, D, D];
@@ -83,9 +85,10 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
     qm = int2_slot.long() >= 0
     if qm.any():
         s = int2_slot.long()[qm]
-        for x, codes, meta, idx, resc in ((kr, pool.k_codes, pool.k_meta, clip_k_idx, rescale[0]),
-                                          (vr, pool.v_codes, pool.v_meta, clip_v_idx, rescale[1])):
-            qr = _quantize_heads(x[qm], g.group_size, idx, resc)
+        k_bits, v_bits = g.layer_widths(layer)
+        for x, bits, codes, meta, idx, resc in ((kr, k_bits, pool.k_codes, pool.k_meta, clip_k_idx, rescale[0]),
+                                                (vr, v_bits, pool.v_codes, pool.v_meta, clip_v_idx, rescale[1])):
+            qr = _quantize_heads(x[qm], bits, g.group_size, idx, resc)
             codes[layer, s // p, :, s % p] = qr.codes
             meta[layer, s // p, :, s % p] = _meta(qr)
 
@@ -93,14 +96,18 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
 def migrate_reference(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
                       clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor,
                       rescale: tuple[float, float] = (0.0, 0.0)) -> None:
-    """Quantize whole window pages (all layers) into INT2 pages.  clip_*_idx: int32 [L, H]."""
+    """Quantize whole window pages (all layers, each side at its layer's width) into INT2 pages.
+    clip_*_idx: int32 [L, H]."""
     g = pool.geometry
     src, dst = src_win_pages.long(), dst_int2_pages.long()
     for layer in range(g.num_layers):
-        for win, codes, meta, idx, resc in ((pool.k_win, pool.k_codes, pool.k_meta, clip_k_idx, rescale[0]),
-                                            (pool.v_win, pool.v_codes, pool.v_meta, clip_v_idx, rescale[1])):
+        k_bits, v_bits = g.layer_widths(layer)
+        for win, bits, codes, meta, idx, resc in (
+                (pool.k_win, k_bits, pool.k_codes, pool.k_meta, clip_k_idx, rescale[0]),
+                (pool.v_win, v_bits, pool.v_codes, pool.v_meta, clip_v_idx, rescale[1])):
             rows = win[layer, src].float().transpose(1, 2)  # [M, P, H, D]
-            qr = _quantize_heads(rows.reshape(-1, g.num_kv_heads, g.head_dim), g.group_size, idx[layer], resc)
+            qr = _quantize_heads(rows.reshape(-1, g.num_kv_heads, g.head_dim), bits, g.group_size, idx[layer],
+                                 resc)
             m = rows.shape[0]
             codes[layer, dst] = qr.codes.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
             meta[layer, dst] = _meta(qr).view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
@@ -108,18 +115,20 @@ def migrate_reference(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_p
 
 # ----------------------------------------------------------------------------------------- read
 def gather_sequence(pool: PagedKVPool, layer: int, batch: PagedBatch, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized rotated K and V of sequence b in token order, float32 [T, H, D]."""
+    """Dequantized rotated K and V of sequence b in token order, float32 [T, H, D] (codes at the layer's widths)."""
     g = pool.geometry
     p, sp, ng = g.page_size, g.sink_pages, g.num_groups
+    widths = g.layer_widths(layer)
     t = int(batch.seq_lens[b])
     nq = int(batch.int2_pages[b])
     ks, vs = [], []
     for i in range(-(-t // p)):
         phys = int(batch.block_table[b, i])
         if sp <= i < sp + nq:
-            for out, codes, meta in ((ks, pool.k_codes, pool.k_meta), (vs, pool.v_codes, pool.v_meta)):
+            for out, bits, codes, meta in ((ks, widths[0], pool.k_codes, pool.k_meta),
+                                           (vs, widths[1], pool.v_codes, pool.v_meta)):
                 m = meta[layer, phys].transpose(0, 1)  # [P, H, 2NG]
-                qr = QuantizedRows(codes[layer, phys].transpose(0, 1), m[..., :ng], m[..., ng:], 2, g.group_size)
+                qr = QuantizedRows(codes[layer, phys].transpose(0, 1), m[..., :ng], m[..., ng:], bits, g.group_size)
                 out.append(dequantize_rows(qr))
         else:
             ks.append(pool.k_win[layer, phys].transpose(0, 1).float())

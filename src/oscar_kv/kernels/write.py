@@ -5,19 +5,21 @@ center and rotate K by R_K (float32), then per token and KV head either store BF
 clip + quantize + pack into an INT2 page (values arrive rotated).  ``migrate_pages``: one launch for all
 layers and all migrating requests, quantizing whole BF16 recent pages into INT2 pages.
 
-The quantizer reproduces quant.quantize_rows bit for bit: clip threshold = the floor(c*D)-th smallest |x|
-of the row (a sort), min/max in float32, min -> float16, scale = float16((max - min16) / 3),
-code = round-half-even((x - min16) / scale16) clamped to [0, 3] (scale 0 -> /1, correctly rounded division).
+The quantizer reproduces quant.quantize_rows bit for bit at 2, 3 or 4 bits (keys and values each at their layer's
+width, ``PoolGeometry.layer_widths``; a constexpr, so the INT2 kernel compiles as it did): clip threshold = the
+floor(c*D)-th smallest |x| of the row (a sort), min/max in float32, min -> float16, scale = float16((max - min16) /
+L) with L = 2^b - 1 levels, code = round-half-even((x - min16) / scale16) clamped to [0, L] (scale 0 -> /1,
+correctly rounded division), packed as quant.pack_codes does (INT3: an INT2 plane, then a plane of high bits).
 
 With a rescale strength g > 0 (quant.py: the artifact's ``rescale``) scale and minimum are then multiplied by
 1 + g (alpha - 1), alpha = <x, x> / <x, x_hat> over the unclipped group: float64 sums of exact products, so the
 order of the sums (the only difference from torch) moves alpha by ~1e-16 and its float32 rounding practically
 never.
 
-``(max - min16) / 3`` must be rounded as torch rounds it on the same device: on CUDA torch divides a tensor
-by a Python scalar as ``x * float32(1/3)`` (one multiply by the reciprocal, off by one float32 ulp for a third
-of all inputs), on the CPU it divides exactly.  That ulp flips the float16 scale in ~1 of 500K groups, so the
-kernel asks torch once per device type (``_scalar_div_is_reciprocal``).
+``(max - min16) / L`` must be rounded as torch rounds it on the same device: on CUDA torch divides a tensor
+by a Python scalar as ``x * float32(1/L)`` (one multiply by the reciprocal, off by one float32 ulp for a third
+of all inputs at L = 3), on the CPU it divides exactly.  That ulp flips the float16 scale in ~1 of 500K groups, so
+the kernel asks torch once per device type (``_scalar_div_is_reciprocal``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..quant import check_rescale
 from ..rope import RotaryLayout
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
-from .common import INTERPRET
+from .common import INTERPRET, kernel_widths, own_value_rows
 from .layout import PagedKVPool
 
 install_interpreter_shim()
@@ -77,10 +79,42 @@ def _rescaled(m, alpha):
 
 
 @triton.jit
+def _level_step(span, BITS: tl.constexpr, RECIP: tl.constexpr):
+    """span / L in float32, L = 2^BITS - 1, rounded as torch rounds it (module docstring): RECIP multiplies by
+    float32(1/L) as torch does on CUDA, else one correctly rounded division."""
+    if RECIP:
+        if BITS == 2:
+            step = span * 0.3333333432674408  # float32(1/3)
+        elif BITS == 3:
+            step = span * 0.1428571492433548  # float32(1/7)
+        else:
+            step = span * 0.06666667014360428  # float32(1/15)
+    else:
+        if BITS == 2:
+            step = tl.math.div_rn(span, 3.0)
+        elif BITS == 3:
+            step = tl.math.div_rn(span, 7.0)
+        else:
+            step = tl.math.div_rn(span, 15.0)
+    return step
+
+
+@triton.jit
+def _stride_pack(code, ROWS: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
+    """int32 codes [ROWS, D] of B bits (1, 2 or 4) -> uint8 [ROWS, D*B/8]: byte j = sum_k c[j + k*D*B/8] << kB."""
+    N: tl.constexpr = 8 // B  # codes per byte
+    W: tl.constexpr = D // N  # bytes per row
+    code = tl.reshape(code, [ROWS, N, W])
+    shift = (B * tl.arange(0, N))[None, :, None]
+    return tl.sum(code << shift, 1).to(tl.uint8)
+
+
+@triton.jit
 def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
                          D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr,
-                         RECIP3: tl.constexpr, RESCALE: tl.constexpr, strength):
-    """Clip/quantize/pack x [ROWS, D] float32 and store codes at Codes+crow and scale/min at Meta+mrow."""
+                         RECIP: tl.constexpr, RESCALE: tl.constexpr, strength, BITS: tl.constexpr = 2):
+    """Clip/quantize/pack x [ROWS, D] float32 to BITS-bit codes (2, 3 or 4) and store the codes at Codes+crow
+    (D*BITS/8 bytes a row) and scale/min at Meta+mrow.  RECIP: divide by the levels as torch does on CUDA."""
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
     exact = tl.reshape(x, [ROWS, NG, G])
@@ -91,15 +125,17 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
     hi = tl.minimum(tl.maximum(tl.max(xg, 2), -65504.0), 65504.0)
     mn16 = _f16_rne(lo)
     mnf = mn16.to(tl.float32)
-    if RECIP3:
-        sc16 = _f16_rne((hi - mnf) * 0.3333333432674408)  # float32(1/3), as torch on CUDA
-    else:
-        sc16 = _f16_rne(tl.math.div_rn(hi - mnf, 3.0))
+    sc16 = _f16_rne(_level_step(hi - mnf, BITS, RECIP))
     scf = sc16.to(tl.float32)
     safe = tl.where(scf > 0, scf, 1.0)
     y = tl.math.div_rn(xg - mnf[:, :, None], safe[:, :, None])
     y = (y + 12582912.0) - 12582912.0  # round half to even (|y| << 2^22)
-    code = tl.minimum(tl.maximum(y, 0.0), 3.0).to(tl.int32)
+    if BITS == 2:
+        code = tl.minimum(tl.maximum(y, 0.0), 3.0).to(tl.int32)
+    elif BITS == 3:
+        code = tl.minimum(tl.maximum(y, 0.0), 7.0).to(tl.int32)
+    else:
+        code = tl.minimum(tl.maximum(y, 0.0), 15.0).to(tl.int32)
     if RESCALE:
         e64 = exact.to(tl.float64)
         x_hat = code.to(tl.float64) * scf.to(tl.float64)[:, :, None] + mnf.to(tl.float64)[:, :, None]
@@ -110,11 +146,21 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
         alpha = (1.0 + (alpha - 1.0) * strength).to(tl.float32)  # float64: the float32 strength widens
         sc16 = _rescaled(scf, alpha)
         mn16 = _rescaled(mnf, alpha)
-    code = tl.reshape(code, [ROWS, 4, D4])
-    shift = (2 * tl.arange(0, 4))[None, :, None]
-    packed = tl.sum(code << shift, 1).to(tl.uint8)  # [ROWS, D4]: byte j = sum_k c[j + k*D4] << 2k
-    offs_b = tl.arange(0, D4)
-    tl.store(Codes + crow[:, None] + offs_b[None, :], packed, mask=rmask[:, None])
+    if BITS == 2:
+        code = tl.reshape(code, [ROWS, 4, D4])
+        shift = (2 * tl.arange(0, 4))[None, :, None]
+        packed = tl.sum(code << shift, 1).to(tl.uint8)  # [ROWS, D4]: byte j = sum_k c[j + k*D4] << 2k
+        offs_b = tl.arange(0, D4)
+        tl.store(Codes + crow[:, None] + offs_b[None, :], packed, mask=rmask[:, None])
+    elif BITS == 3:  # the low two bits as INT2, then the high bits at one bit a channel
+        D8: tl.constexpr = D // 8
+        low = _stride_pack(tl.reshape(code & 3, [ROWS, D]), ROWS, D, 2)
+        high = _stride_pack(tl.reshape(code >> 2, [ROWS, D]), ROWS, D, 1)
+        tl.store(Codes + crow[:, None] + tl.arange(0, D4)[None, :], low, mask=rmask[:, None])
+        tl.store(Codes + crow[:, None] + D4 + tl.arange(0, D8)[None, :], high, mask=rmask[:, None])
+    else:
+        packed = _stride_pack(tl.reshape(code, [ROWS, D]), ROWS, D, 4)
+        tl.store(Codes + crow[:, None] + tl.arange(0, D // 2)[None, :], packed, mask=rmask[:, None])
     offs_g = tl.arange(0, NG)
     tl.store(Meta + mrow[:, None] + offs_g[None, :], sc16, mask=rmask[:, None])
     tl.store(Meta + mrow[:, None] + NG + offs_g[None, :], mn16, mask=rmask[:, None])
@@ -152,15 +198,17 @@ def _centered_keys(K, MU, MUP, COS, SIN, offs_t, tmask, h, stride_kt, stride_kh,
 @triton.jit(do_not_specialize=["T"])  # the step's token count: one compile for all counts (server warm-up)
 def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T, GK, GV,
                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rh,
-                  stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh,
+                  stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh, stride_vcp, stride_vch,
                   D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr,
                   ROTATE: tl.constexpr, ROTATE_SLICED: tl.constexpr, CENTER: tl.constexpr,
-                  ROPE_CENTER: tl.constexpr, SORT: tl.constexpr, RECIP3: tl.constexpr, RESCALE_K: tl.constexpr,
-                  RESCALE_V: tl.constexpr, ROT_HALF: tl.constexpr = 0, INTERLEAVED: tl.constexpr = False):
+                  ROPE_CENTER: tl.constexpr, SORT: tl.constexpr, RECIP: tl.constexpr, RESCALE_K: tl.constexpr,
+                  RESCALE_V: tl.constexpr, ROT_HALF: tl.constexpr = 0, INTERLEAVED: tl.constexpr = False,
+                  K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // G
-    D4: tl.constexpr = D // 4
+    KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row
+    VCB: tl.constexpr = D * V_BITS // 8
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = offs_t < T
     offs_d = tl.arange(0, D)
@@ -169,7 +217,11 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw
     wmask = ws >= 0
     qmask = qs >= 0
     wrow = (ws // P) * stride_wp + h * stride_wh + (ws % P) * D
-    crow = (qs // P) * stride_cp + h * stride_ch + (qs % P) * D4
+    crow = (qs // P) * stride_cp + h * stride_ch + (qs % P) * KCB
+    if V_ROWS:  # values at another width (or in a tensor with other strides) than the keys
+        vrow = (qs // P) * stride_vcp + h * stride_vch + (qs % P) * VCB
+    else:
+        vrow = crow
     mrow = (qs // P) * stride_mp + h * stride_mh + (qs % P) * (2 * NG)
     # ---- keys: center, rotate (float32), store
     if ROTATE_SLICED:
@@ -197,37 +249,43 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw
     # Quantizing sorts every row (the clip threshold): skipped unless a token of this block goes to INT2.
     # Decode tokens never do (they enter the recent window), so decode steps pay only the rotation and stores.
     if tl.max(qs) >= 0:
-        _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT, RECIP3, RESCALE_K,
-                             GK)
-        _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, crow, mrow, D, G, BLOCK_T, SORT, RECIP3, RESCALE_V,
-                             GV)
+        _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT, RECIP, RESCALE_K,
+                             GK, K_BITS)
+        _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, vrow, mrow, D, G, BLOCK_T, SORT, RECIP, RESCALE_V,
+                             GV, V_BITS)
 
 
 @triton.jit
 def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H, GK, GV,
                     stride_wl, stride_wp, stride_wh, stride_cl, stride_cp, stride_ch,
-                    stride_ml, stride_mp, stride_mh,
+                    stride_ml, stride_mp, stride_mh, stride_vcl, stride_vcp, stride_vch,
                     D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SORT: tl.constexpr,
-                    RECIP3: tl.constexpr, RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr):
+                    RECIP: tl.constexpr, RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr,
+                    K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False):
     m = tl.program_id(0)
     h = tl.program_id(1)
     layer = tl.program_id(2).to(tl.int64)
     NG: tl.constexpr = D // G
-    D4: tl.constexpr = D // 4
+    KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row
+    VCB: tl.constexpr = D * V_BITS // 8
     src = tl.load(SRC + m).to(tl.int64)
     dst = tl.load(DST + m).to(tl.int64)
     offs_t = tl.arange(0, P)
     offs_d = tl.arange(0, D)
     rmask = offs_t < P
     wrow = layer * stride_wl + src * stride_wp + h * stride_wh + offs_t * D
-    crow = layer * stride_cl + dst * stride_cp + h * stride_ch + offs_t * D4
+    crow = layer * stride_cl + dst * stride_cp + h * stride_ch + offs_t * KCB
+    if V_ROWS:  # values at another width (or in a tensor with other strides) than the keys
+        vrow = layer * stride_vcl + dst * stride_vcp + h * stride_vch + offs_t * VCB
+    else:
+        vrow = crow
     mrow = layer * stride_ml + dst * stride_mp + h * stride_mh + offs_t * (2 * NG)
     k = tl.load(Kw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
-    _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Km, crow, mrow, D, G, P, SORT, RECIP3,
-                         RESCALE_K, GK)
+    _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Km, crow, mrow, D, G, P, SORT, RECIP,
+                         RESCALE_K, GK, K_BITS)
     v = tl.load(Vw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
-    _quantize_rows_store(v, tl.load(CV + layer * H + h), rmask, Vc, Vm, crow, mrow, D, G, P, SORT, RECIP3,
-                         RESCALE_V, GV)
+    _quantize_rows_store(v, tl.load(CV + layer * H + h), rmask, Vc, Vm, vrow, mrow, D, G, P, SORT, RECIP,
+                         RESCALE_V, GV, V_BITS)
 
 
 _RECIP_CACHE: dict[str, bool] = {}
@@ -252,7 +310,8 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
              num_warps: int | None = None, rescale: tuple[float, float] = (0.0, 0.0),
              k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              rope_layout: RotaryLayout | None = None) -> None:
-    """Store T tokens of one layer: BF16 into window pages, or clipped, quantized and packed into INT2 pages.
+    """Store T tokens of one layer: BF16 into window pages, or clipped, quantized and packed into INT2 pages (keys
+    and values each at the layer's width, ``pool.geometry.layer_widths(layer)``).
 
     Args:
         pool, layer: the pool and the layer to write.
@@ -280,6 +339,7 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
     t, h, d = k.shape
     if t == 0:
         return
+    widths = kernel_widths(g, layer)
     L = pool.layer(layer)
     kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
     if k_rotation is not None:
@@ -296,12 +356,13 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         k, v, r, mu, mu_pre, cos, sin, win_slot, int2_slot, clip_k_idx, clip_v_idx, kc, km, vc, vm, kw, vw, t,
         check_rescale(rescale[0]), check_rescale(rescale[1]),  # float32 values: the interpreter keeps float64
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh,
-        kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
+        kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), vc.stride(0), vc.stride(1),
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None, ROTATE_SLICED=sliced,
         CENTER=k_mean is not None, ROPE_CENTER=k_rope is not None, SORT=not INTERPRET,
-        RECIP3=_scalar_div_is_reciprocal(k.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
+        RECIP=_scalar_div_is_reciprocal(k.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
         ROT_HALF=(rope_layout.rotary_dim if rope_layout is not None else d) // 2,
         INTERLEAVED=rope_layout is not None and rope_layout.interleaved,
+        K_BITS=widths[0], V_BITS=widths[1], V_ROWS=own_value_rows(kc, vc, widths),
         num_warps=num_warps or warps)
 
 
@@ -309,7 +370,9 @@ def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages
                   clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, num_warps: int = TUNING.migrate_num_warps,
                   rescale: tuple[float, float] = (0.0, 0.0)) -> None:
     """Quantize full BF16 window pages into INT2 pages, every layer, one launch.  The caller then swaps the
-    block-table entries and frees the window pages.
+    block-table entries and frees the window pages.  The pool's layers are stacked, so they share one key width and
+    one value width (ValueError otherwise); the engine, whose layers may differ, migrates each layer's one-layer
+    pool (engine/attention.py).
 
     Args:
         pool: the pool.
@@ -325,13 +388,18 @@ def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages
     m = src_win_pages.numel()
     if m == 0:
         return
-    kw, kc, km = pool.k_win, pool.k_codes, pool.k_meta
+    if len(set(g.k_bits)) > 1 or len(set(g.v_bits)) > 1:
+        raise ValueError(f"one migration launch quantizes every layer at one key and one value width, not "
+                         f"{g.width_summary()}: migrate each layer's pool (PoolView.layer_pool) on its own")
+    widths = kernel_widths(g, 0)
+    kw, kc, km, vc = pool.k_win, pool.k_codes, pool.k_meta, pool.v_codes
     _migrate_kernel[(m, g.num_kv_heads, g.num_layers)](
         src_win_pages, dst_int2_pages, clip_k_idx.contiguous(), clip_v_idx.contiguous(), pool.k_win, pool.v_win,
         pool.k_codes, pool.k_meta, pool.v_codes, pool.v_meta, g.num_kv_heads,
         check_rescale(rescale[0]), check_rescale(rescale[1]),
         kw.stride(0), kw.stride(1), kw.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
-        km.stride(0), km.stride(1), km.stride(2),
+        km.stride(0), km.stride(1), km.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
         D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not INTERPRET,
-        RECIP3=_scalar_div_is_reciprocal(pool.k_win.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
+        RECIP=_scalar_div_is_reciprocal(pool.k_win.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
+        K_BITS=widths[0], V_BITS=widths[1], V_ROWS=own_value_rows(kc, vc, widths),
         num_warps=num_warps)

@@ -1,0 +1,154 @@
+"""The accuracy protocol (issue "Long-context retrieval that holds on every model"): every real model we can run,
+every candidate calibration, one table.
+
+For each model (loaded once): calibrate with the library's defaults (the `default` candidate), derive each other
+candidate's key widths from the noise that calibration measured per width (key clips refitted at each layer's width
+on the same held-back text), then score BF16, KIVI-2 and every candidate on the same prompts (`oscar-kv eval` with `--compare`): bits per element,
+KL and top-1 against BF16, NIAH and multi-key NIAH, per context length.  Writes one results.json per model (the eval
+contract) and protocol.md / protocol.json with every row.
+
+    python3 benchmarks/protocol.py --device cuda --output runs/protocol \\
+        --model smollm2-135m:4096,8192 --model qwen2.5-coder-1.5b:8192,16384,32768 --model gemma3-270m:8192,32768
+
+Candidates (``--candidates``, comma-separated): ``default`` (what ``oscar-kv calibrate`` writes), ``k2`` / ``k3`` /
+``k4`` (every layer's keys at that width), ``bX`` (widths chosen by the key noise under a budget of X bits per
+element at the model's context, no tolerance), ``nX`` (tolerance X nats^2, no budget).  The first candidate is the `oscar` row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from oscar_kv.activations import capture_samples
+from oscar_kv.allocation import allocate_key_widths
+from oscar_kv.artifacts import Rotations
+from oscar_kv.calibrate import CalibrationSettings, calibrate, fit_clip_ratios, split_probe
+from oscar_kv.corpus import load_calibration_text
+from oscar_kv.evaluate.harness import EvalConfig, run_eval
+from oscar_kv.memory import bits_per_element
+from oscar_kv.models import load_model
+
+METRICS = ("bits_per_element", "kl", "top1_agreement", "niah", "niah_multikey")
+
+
+def candidate_widths(name: str, default: Rotations, seq_len: int) -> list[int] | None:
+    """The key width per layer of a candidate name (module docstring), from the default artifact's measured noise;
+    None for the default itself."""
+    layers = default.geometry.num_layers
+    if name == "default":
+        return None
+    if name in ("k2", "k3", "k4"):
+        return [int(name[1])] * layers
+    recorded = default.manifest["calibration"]["widths"]
+    noise = {int(w): n for w, n in recorded["key_noise_by_width"].items()}
+    tolerance, budget = (None, float(name[1:])) if name[0] == "b" else (float(name[1:]), None)
+    if name[0] not in "bn":
+        raise SystemExit(f"unknown candidate {name!r}")
+    g = default.geometry
+    return allocate_key_widths(noise, default.v_bits.tolist(), tolerance, budget, seq_len, g.head_dim,
+                               default.group_size).k_bits
+
+
+def held_back_probe(model, tokenizer, settings: CalibrationSettings):
+    """The probe calibrate() holds back (the same text and length), for refitting clips."""
+    max_len = getattr(model.config, "max_position_embeddings", None) or settings.seq_len
+    texts, _ = load_calibration_text(None)
+    seq_len = min(settings.seq_len, max_len, settings.calib_tokens)
+    _, probe_ids = split_probe(tokenizer, texts, seq_len, math.ceil(settings.calib_tokens / seq_len),
+                               min(settings.probe_tokens, max_len))
+    return capture_samples(model, probe_ids)
+
+
+def with_widths(default: Rotations, k_bits: list[int], probe) -> Rotations:
+    """The default artifact with these key widths, its key clips refitted at each layer's width."""
+    rot = copy.deepcopy(default)
+    rot.set_bits(k_bits, default.v_bits)
+    fit_clip_ratios(rot, probe, progress=False, sides=("k",))
+    return rot
+
+
+def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: Path) -> list[dict]:
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(spec, device=args.device)
+    directory = out / spec
+    settings = CalibrationSettings()
+    print(f"{spec}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+    t0 = time.perf_counter()
+    default = calibrate(model, tokenizer, settings, progress=False)
+    max_len = default.manifest["calibration"]["widths"]["seq_len"]
+    probe = held_back_probe(model, tokenizer, settings) if set(candidates) - {"default"} else None
+    artifacts = {}
+    for name in candidates:
+        k_bits = candidate_widths(name, default, max_len)
+        rot = default if k_bits is None else with_widths(default, k_bits, probe)
+        rot.save(directory / f"artifact_{name}")
+        artifacts[name] = rot
+        bits = bits_per_element(max_len, rot.geometry.head_dim, rot.group_size, k_bits=rot.k_bits.tolist(),
+                                v_bits=rot.v_bits.tolist())
+        print(f"{spec} {name}: {rot.width_summary()} ({bits:.3f} bits at {max_len})", flush=True)
+    print(f"{spec}: calibrated in {time.perf_counter() - t0:.0f} s; default: "
+          f"{default.manifest['calibration']['widths']['reason']}", flush=True)
+    first, *rest = candidates
+    config = EvalConfig(methods=["bf16", "kivi-2", "oscar"], tasks=["kl", "niah", "niah_multikey"],
+                        context_lengths=contexts, niah_samples=args.niah_samples, ablations=False,
+                        compare={f"oscar-{name}": artifacts[name] for name in rest})
+    t0 = time.perf_counter()
+    results = run_eval(model, tokenizer, artifacts[first], config, directory / "eval", progress=False)
+    print(f"{spec}: evaluated in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = []
+    for method, row in results["methods"].items():
+        for ctx in map(str, contexts):
+            rows.append({"model": spec, "context": int(ctx),
+                         "method": f"oscar-{first}" if method == "oscar" else method,
+                         **{m: row.get(m, {}).get(ctx) for m in METRICS}})
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | context | method | bits | KL | top-1 | NIAH | multi-key |", "|---|---|---|---|---|---|---|---|"]
+    fmt = {"bits_per_element": "{:.3f}", "kl": "{:.4f}", "top1_agreement": "{:.3f}", "niah": "{:.2f}",
+           "niah_multikey": "{:.2f}"}
+    for r in rows:
+        cells = ["-" if r[m] is None else fmt[m].format(r[m]) for m in METRICS]
+        lines.append(f"| {r['model']} | {r['context']} | {r['method']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", action="append", required=True, metavar="NAME:CTX,CTX",
+                        help="a model and its context lengths (repeatable)")
+    parser.add_argument("--candidates", default="default,k2,k3,k4")
+    parser.add_argument("--niah-samples", type=int, default=10)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args(argv)
+    candidates = args.candidates.split(",")
+    rows = []
+    for entry in args.model:
+        spec, _, ctxs = entry.partition(":")
+        t0 = time.perf_counter()
+        try:
+            rows += run_model(spec, [int(c) for c in ctxs.split(",")], candidates, args, args.output)
+        except Exception as exc:  # one model's failure must not lose the others' rows
+            print(f"{spec} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        print(f"{spec}: {time.perf_counter() - t0:.0f} s", flush=True)
+        (args.output / "protocol.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (args.output / "protocol.md").write_text(markdown(rows))
+    sys.stdout.write(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

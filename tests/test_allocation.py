@@ -1,0 +1,69 @@
+"""The width allocation: the key logit noise it measures, and the rule that widens the noisiest layers first."""
+
+import pytest
+import torch
+
+from oscar_kv.allocation import allocate_key_widths, key_logit_noise
+from oscar_kv.memory import bits_per_element
+
+GEOMETRY = dict(seq_len=32768, head_dim=128, group_size=128)
+
+
+def test_key_logit_noise_is_the_mean_squared_logit_error_over_queries_and_keys():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 300, 16, generator=g) * torch.linspace(3, 0.1, 16)  # [Hkv, queries, D]: uneven energy
+    keys = torch.randn(2, 50, 16, generator=g)
+    stored = keys + 0.1 * torch.randn(2, 50, 16, generator=g)
+    c_q = q.transpose(1, 2) @ q / q.shape[1]
+    scale = 16 ** -0.5
+    direct = ((q @ (keys - stored).transpose(1, 2)) * scale).pow(2).mean((1, 2))
+    assert torch.allclose(key_logit_noise(keys, stored, c_q, scale), direct.double(), rtol=1e-4)
+    # an error along the queries' weakest direction costs far less than the same error along the strongest
+    weak, strong = keys.clone(), keys.clone()
+    weak[..., -1] += 1.0
+    strong[..., 0] += 1.0
+    assert (key_logit_noise(keys, weak, c_q, scale) * 100 < key_logit_noise(keys, strong, c_q, scale)).all()
+
+
+NOISE = {2: [0.5, 2.0, 0.2, 8.0], 3: [0.12, 0.5, 0.05, 2.0], 4: [0.03, 0.12, 0.01, 0.5]}
+
+
+def test_tolerance_gives_each_layer_the_fewest_bits_within_it():
+    choice = allocate_key_widths(NOISE, [2] * 4, tolerance=0.13, budget=None, **GEOMETRY)
+    # layer 3 cannot reach the tolerance: it goes to the widest width and the others still get theirs
+    assert choice.k_bits == [3, 4, 3, 4]
+    assert choice.noise == [0.12, 0.12, 0.05, 0.5]
+    assert "widest width" in choice.reason and "layer 3" in choice.reason
+    assert choice.bits_per_element == pytest.approx(bits_per_element(k_bits=[3, 4, 3, 4], v_bits=[2] * 4,
+                                                                     **GEOMETRY), abs=1e-4)
+
+
+def test_a_reachable_tolerance_stops_as_soon_as_every_layer_is_within_it():
+    choice = allocate_key_widths(NOISE, [2] * 4, tolerance=2.0, budget=None, **GEOMETRY)
+    assert choice.k_bits == [2, 2, 2, 3] and "within 2 nats^2" in choice.reason
+
+
+def test_budget_widens_the_noisiest_layer_first_and_never_overspends():
+    k2 = bits_per_element(k_bits=[2] * 4, v_bits=[2] * 4, **GEOMETRY)
+    one_step = bits_per_element(k_bits=[2, 2, 2, 3], v_bits=[2] * 4, **GEOMETRY) - k2  # each widening costs the same
+    choice = allocate_key_widths(NOISE, [2] * 4, tolerance=None, budget=k2 + 3.5 * one_step, **GEOMETRY)
+    # noisiest first: layer 3 (8.0 -> 2.0), layer 3 again (2.0 -> 0.5) ties with layer 1 (2.0): layer 1 then 3
+    assert sum(b - 2 for b in choice.k_bits) == 3 and choice.k_bits[3] >= 3
+    assert choice.bits_per_element <= k2 + 3.5 * one_step + 1e-4
+    assert "budget" in choice.reason
+    assert max(choice.noise) == pytest.approx(0.5)
+
+
+def test_budget_and_tolerance_together_stop_at_whichever_comes_first():
+    loose = allocate_key_widths(NOISE, [2] * 4, tolerance=2.0, budget=16.0, **GEOMETRY)
+    assert loose.k_bits == [2, 2, 2, 3]
+    k2 = bits_per_element(k_bits=[2] * 4, v_bits=[2] * 4, **GEOMETRY)
+    tight = allocate_key_widths(NOISE, [2] * 4, tolerance=0.01, budget=k2, **GEOMETRY)
+    assert tight.k_bits == [2] * 4 and "budget" in tight.reason
+
+
+def test_impossible_requests_are_clear_errors():
+    with pytest.raises(ValueError, match="below the narrowest allocation"):
+        allocate_key_widths(NOISE, [2] * 4, tolerance=None, budget=2.0, **GEOMETRY)
+    with pytest.raises(ValueError, match="tolerance, a bit budget or both"):
+        allocate_key_widths(NOISE, [2] * 4, tolerance=None, budget=None, **GEOMETRY)
