@@ -74,10 +74,14 @@ def test_int2_storage_holds_codes_not_a_hidden_copy(model, rotations, held_out_i
     assert s.recent_size <= layer.recent_k.shape[2] < s.recent_size + s.page_size
     assert layer.history_len + layer.sink_k.shape[2] + layer.recent_k.shape[2] == 720
     assert layer.history_len % s.page_size == 0
-    assert layer.hist_k.codes.dtype == torch.uint8 and layer.hist_k.codes.shape[-1] == 64 // 4
+    # each side's codes at the layer's own width (the calibration's key widths, values at 2 bits)
+    k_bits, v_bits = rotations.side_bits(5)
+    assert layer.hist_k.codes.dtype == torch.uint8 and layer.hist_k.codes.shape[-1] == 64 * k_bits // 8
+    assert layer.hist_v.codes.shape[-1] == 64 * v_bits // 8
     assert layer.chunk is None  # the forward's exact K/V are dropped after attention
     g = AttentionGeometry.of(model.config)
-    expected = bits_per_element(720, g.head_dim, rotations.group_size, recent_size=layer.recent_k.shape[2])
+    expected = bits_per_element(720, g.head_dim, rotations.group_size, recent_size=layer.recent_k.shape[2],
+                                k_bits=rotations.k_bits.tolist(), v_bits=rotations.v_bits.tolist())
     assert cache.footprint().bits_per_element == pytest.approx(expected, rel=1e-6)
 
 

@@ -542,8 +542,9 @@ def demo(
         typer.echo(result.text)
         typer.secho(memory_line(result), fg=typer.colors.CYAN)
     g = rot.geometry
-    typer.echo(f"\nat 128K tokens this model's INT2 cache would cost "
-               f"{bits_per_element(131072, g.head_dim, rot.group_size):.3f} bits/element (BF16: 16)")
+    bits = bits_per_element(131072, g.head_dim, rot.group_size, k_bits=rot.k_bits.tolist(), v_bits=rot.v_bits.tolist())
+    typer.echo(f"\nat 128K tokens this model's quantized cache ({rot.width_summary()}) would cost {bits:.3f} "
+               f"bits/element (BF16: 16)")
 
 
 def main():  # pragma: no cover - console entry for `python -m oscar_kv`
