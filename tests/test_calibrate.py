@@ -215,3 +215,12 @@ def test_bad_width_settings():
         CalibrationSettings(key_noise=None, kv_bits=None)
     with pytest.raises(ValueError, match="bit budget must lie"):
         CalibrationSettings(kv_bits=1.5)
+
+
+def test_a_budget_below_the_narrowest_widths_is_refused_before_any_work(model, tokenizer):
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="below the narrowest widths' 3.027 at this model's context of 8192") as info:
+        calibrate(model, tokenizer, CalibrationSettings(kv_bits=3.0, **SMALL), progress=False)
+    assert info.value.fields == ("kv_bits",) and time.perf_counter() - t0 < 5

@@ -46,6 +46,16 @@ def test_calibrate_refuses_bad_rope_pairs(tmp_path):
     assert result.exit_code == 2 and "rope_pairs" in result.output
 
 
+def test_calibrate_refuses_bad_widths_before_loading_anything(tmp_path):
+    for args, says in ((["--key-bits", "abc"], "--key-bits takes 'auto' or a whole number"),
+                       (["--key-bits", "5"], "key bits must be 'auto' or one of (2, 3, 4), got 5"),
+                       (["--key-noise", "0"], "the key noise tolerance must be > 0 nats^2"),
+                       (["--value-bits", "8"], "value-bits")):
+        result = runner.invoke(app, ["calibrate", *args, "--output-dir", str(tmp_path / "x")])
+        assert result.exit_code == 2 and says in result.output, (args, result.output)
+    assert not (tmp_path / "x").exists()
+
+
 def test_calibrate_help_states_the_rope_pairs_choice():
     """The CLI cannot import calibrate.py for --help (torch), so its text restates the constants: keep them equal."""
     from oscar_kv.calibrate import PAIRS_TOLERANCE

@@ -328,6 +328,13 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     group_size = settings.group_size or min(geometry.head_dim, 128)
     texts, source = load_calibration_text(calib_data)
     max_len = getattr(model.config, "max_position_embeddings", None) or settings.seq_len
+    if settings.key_bits == "auto" and settings.kv_bits is not None:  # refuse before the long passes, not after
+        narrowest = bits_per_element(max_len, geometry.head_dim, group_size, 2, k_bits=[min(KEY_WIDTHS)],
+                                     v_bits=[settings.value_bits])
+        if settings.kv_bits < narrowest:
+            raise ConfigError(f"a budget of {settings.kv_bits:g} bits per element is below the narrowest widths' "
+                              f"{narrowest:.3f} at this model's context of {max_len} tokens (keys at "
+                              f"{min(KEY_WIDTHS)} bits, values at {settings.value_bits})", "kv_bits")
     seq_len = min(settings.seq_len, max_len, settings.calib_tokens)
     count = math.ceil(settings.calib_tokens / seq_len)
     sequences, probe_ids = split_probe(tokenizer, texts, seq_len, count, min(settings.probe_tokens, max_len))
