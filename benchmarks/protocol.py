@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 from oscar_kv.activations import capture_samples
 from oscar_kv.allocation import allocate_key_widths
 from oscar_kv.artifacts import Rotations
-from oscar_kv.calibrate import CalibrationSettings, calibrate, fit_clip_ratios, split_probe
+from oscar_kv.calibrate import CalibrationSettings, calibrate, calibration_sequences, fit_clip_ratios
 from oscar_kv.corpus import load_calibration_text
 from oscar_kv.evaluate.harness import EvalConfig, run_eval
 from oscar_kv.memory import bits_per_element
@@ -59,11 +58,7 @@ def candidate_widths(name: str, default: Rotations, seq_len: int) -> list[int] |
 
 def held_back_probe(model, tokenizer, settings: CalibrationSettings):
     """The probe calibrate() holds back (the same text and length), for refitting clips."""
-    max_len = getattr(model.config, "max_position_embeddings", None) or settings.seq_len
-    texts, _ = load_calibration_text(None)
-    seq_len = min(settings.seq_len, max_len, settings.calib_tokens)
-    _, probe_ids = split_probe(tokenizer, texts, seq_len, math.ceil(settings.calib_tokens / seq_len),
-                               min(settings.probe_tokens, max_len))
+    _, probe_ids, _ = calibration_sequences(model, tokenizer, settings, load_calibration_text(None)[0])
     return capture_samples(model, probe_ids)
 
 

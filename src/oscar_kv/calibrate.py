@@ -301,6 +301,16 @@ def split_probe(tokenizer, texts: list[str], seq_len: int, count: int, probe_tok
     return sequences[:-held], torch.cat(sequences[-held:], 1)[:, :probe_tokens]
 
 
+def calibration_sequences(model, tokenizer, settings: CalibrationSettings, texts: list[str]):
+    """(fitting sequences, held-back probe ids, sequence length) as ``calibrate`` cuts them from ``texts``: sequences
+    capped by the model's context, the probe after them (split_probe)."""
+    max_len = getattr(model.config, "max_position_embeddings", None) or settings.seq_len
+    seq_len = min(settings.seq_len, max_len, settings.calib_tokens)
+    count = math.ceil(settings.calib_tokens / seq_len)
+    sequences, probe_ids = split_probe(tokenizer, texts, seq_len, count, min(settings.probe_tokens, max_len))
+    return sequences, probe_ids, seq_len
+
+
 def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, calib_data: list[str] | None = None,
               progress: bool = True, tp: TensorParallel = SINGLE, device: str | None = None) -> Rotations | None:
     """Fit the OSCAR rotations for ``model`` and return them (not yet saved).
@@ -335,9 +345,7 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
             raise ConfigError(f"a budget of {settings.kv_bits:g} bits per element is below the narrowest widths' "
                               f"{narrowest:.3f} at this model's context of {max_len} tokens (keys at "
                               f"{min(KEY_WIDTHS)} bits, values at {settings.value_bits})", "kv_bits")
-    seq_len = min(settings.seq_len, max_len, settings.calib_tokens)
-    count = math.ceil(settings.calib_tokens / seq_len)
-    sequences, probe_ids = split_probe(tokenizer, texts, seq_len, count, min(settings.probe_tokens, max_len))
+    sequences, probe_ids, seq_len = calibration_sequences(model, tokenizer, settings, texts)
 
     started = time.perf_counter()
     say = _PhaseReport(progress and tp.is_driver)
