@@ -8,7 +8,12 @@ KL and top-1 against BF16, NIAH and multi-key NIAH, per context length.  Writes 
 contract) and protocol.md / protocol.json with every row.
 
     python3 benchmarks/protocol.py --device cuda --output runs/protocol \\
-        --model smollm2-135m:4096,8192 --model qwen2.5-coder-1.5b:8192,16384,32768 --model gemma3-270m:8192,32768
+        --model smollm2-135m:4096,8192 --model qwen2.5-coder-1.5b:8192,16384,32768 --model gemma3-270m:8192,32768 \
+        --model qwen2.5-coder-1.5b@yarn4:65536,131072
+
+A model name with ``@yarnF`` is loaded with YaRN rope scaling by F (``models.loading.with_yarn``), calibrated and
+scored at the extended lengths.  ``--tasks`` adds ``longgen`` (greedy generation through each cache,
+``--gen-tokens``) to the default kl, niah, niah_multikey.
 
 Candidates (``--candidates``, comma-separated): ``default`` (what ``oscar-kv calibrate`` writes), ``k2`` / ``k3`` /
 ``k4`` (every layer's keys at that width), ``bX`` (widths chosen by the key noise under a budget of X bits per
@@ -35,7 +40,7 @@ from oscar_kv.evaluate.harness import EvalConfig, run_eval
 from oscar_kv.memory import bits_per_element
 from oscar_kv.models import load_model
 
-METRICS = ("bits_per_element", "kl", "top1_agreement", "niah", "niah_multikey")
+METRICS = ("bits_per_element", "kl", "top1_agreement", "niah", "niah_multikey", "gen_kl", "gen_first_divergence")
 
 
 def candidate_widths(name: str, default: Rotations, seq_len: int) -> list[int] | None:
@@ -72,7 +77,8 @@ def with_widths(default: Rotations, k_bits: list[int], probe) -> Rotations:
 
 def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: Path) -> list[dict]:
     t0 = time.perf_counter()
-    model, tokenizer = load_model(spec, device=args.device)
+    name, _, yarn = spec.partition("@yarn")
+    model, tokenizer = load_model(name, device=args.device, yarn_factor=float(yarn) if yarn else None)
     directory = out / spec
     settings = CalibrationSettings()
     print(f"{spec}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -92,7 +98,7 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     print(f"{spec}: calibrated in {time.perf_counter() - t0:.0f} s; default: "
           f"{default.manifest['calibration']['widths']['reason']}", flush=True)
     first, *rest = candidates
-    config = EvalConfig(methods=["bf16", "kivi-2", "oscar"], tasks=["kl", "niah", "niah_multikey"],
+    config = EvalConfig(methods=["bf16", "kivi-2", "oscar"], tasks=args.tasks.split(","), gen_tokens=args.gen_tokens,
                         context_lengths=contexts, niah_samples=args.niah_samples, ablations=False,
                         compare={f"oscar-{name}": artifacts[name] for name in rest})
     t0 = time.perf_counter()
@@ -111,11 +117,15 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | context | method | bits | KL | top-1 | NIAH | multi-key |", "|---|---|---|---|---|---|---|---|"]
     fmt = {"bits_per_element": "{:.3f}", "kl": "{:.4f}", "top1_agreement": "{:.3f}", "niah": "{:.2f}",
-           "niah_multikey": "{:.2f}"}
+           "niah_multikey": "{:.2f}", "gen_kl": "{:.4f}", "gen_first_divergence": "{:.0f}"}
+    heads = {"bits_per_element": "bits", "kl": "KL", "top1_agreement": "top-1", "niah": "NIAH",
+             "niah_multikey": "multi-key", "gen_kl": "gen KL", "gen_first_divergence": "gen tokens before divergence"}
+    shown = [m for m in METRICS if any(r.get(m) is not None for r in rows)]
+    lines = ["| model | context | method | " + " | ".join(heads[m] for m in shown) + " |",
+             "|---|---|---|" + "---|" * len(shown)]
     for r in rows:
-        cells = ["-" if r[m] is None else fmt[m].format(r[m]) for m in METRICS]
+        cells = ["-" if r[m] is None else fmt[m].format(r[m]) for m in shown]
         lines.append(f"| {r['model']} | {r['context']} | {r['method']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -126,6 +136,8 @@ def main(argv=None) -> None:
                         help="a model and its context lengths (repeatable)")
     parser.add_argument("--candidates", default="default,k2,k3,k4")
     parser.add_argument("--niah-samples", type=int, default=10)
+    parser.add_argument("--tasks", default="kl,niah,niah_multikey", help="eval tasks (longgen: also --gen-tokens)")
+    parser.add_argument("--gen-tokens", type=int, default=1024)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)

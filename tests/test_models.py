@@ -25,3 +25,20 @@ def test_the_embedded_model_resolves_to_a_whole_directory():
     path = resolve_model("smollm2-135m")
     assert (path / "oscar_kv_source.json").is_file() and (path / "config.json").is_file()
     assert not [p for p in (cache_home() / "models").iterdir() if ".partial-" in p.name]
+
+
+def test_yarn_extends_the_context_of_a_plain_rope_model_and_refuses_anything_else():
+    import pytest
+    from transformers import LlamaConfig
+
+    from oscar_kv.models.loading import with_yarn
+
+    config = LlamaConfig(max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 1e5})
+    with_yarn(config, 4)
+    assert config.max_position_embeddings == 32768
+    assert config.rope_parameters == {"rope_type": "yarn", "rope_theta": 1e5, "factor": 4.0,
+                                      "original_max_position_embeddings": 8192}
+    with pytest.raises(ValueError, match="plain RoPE"):
+        with_yarn(config, 2)  # already scaled
+    with pytest.raises(ValueError, match="above 1"):
+        with_yarn(LlamaConfig(), 1)

