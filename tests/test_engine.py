@@ -487,8 +487,9 @@ def test_keys_and_values_at_mixed_widths_run_the_kernels_with_the_torch_paths_to
 
 
 def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read():
-    """LLMEngine.describe's decode part where the CUDA kernel runs (here as on an H100): the layers at other widths
-    than K2V2 are named as taking Triton, beside windowed ones; when no layer is left for CUDA, Triton serves all."""
+    """LLMEngine.describe's decode part where the CUDA kernel runs (here as on an H100): it reads keys at 2-4 bits
+    and values at 2 (kernels/int2_cuda.WIDTHS); layers at other widths are named as taking Triton, beside windowed
+    ones; when no layer is left for CUDA, Triton serves all."""
     from types import SimpleNamespace
 
     from oscar_kv.kernels.decode import sliding_window_reason
@@ -503,15 +504,16 @@ def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read()
 
     describe = LLMEngine.int2_decode_description
     assert describe(engine((2, 2), (2, 2))) == "the one-launch CUDA kernel"
+    assert describe(engine((3, 4, 3), (2, 2, 2))) == "the one-launch CUDA kernel"  # calibrate's default widths
     assert describe(engine((3, 2, 4, 2), (2, 2, 4, 2))) == (
-        "the one-launch CUDA kernel on 2 layers at K2V2, the Triton kernel on the 2 layers stored at K3V2 x 1, "
-        "K4V4 x 1 (the CUDA kernel reads INT2 codes only)")
-    mixed = describe(engine((3, 2, 2), (2, 2, 2), (None, 1024, None)))
-    assert mixed == ("the one-launch CUDA kernel on 1 layer at K2V2 of full attention, the Triton kernel on the 1 "
-                     "layer stored at K3V2 x 1 (the CUDA kernel reads INT2 codes only) and the 1 layer at K2V2 with a "
+        "the one-launch CUDA kernel on 3 layers (K2V2 x 2, K3V2 x 1), the Triton kernel on the 1 layer stored at "
+        "K4V4 x 1 (the CUDA kernel reads values at 2 bits only)")
+    mixed = describe(engine((3, 2, 4), (3, 2, 2), (None, 1024, None)))
+    assert mixed == ("the one-launch CUDA kernel on 1 layer of full attention (K4V2 x 1), the Triton kernel on the 1 "
+                     "layer stored at K3V3 x 1 (the CUDA kernel reads values at 2 bits only) and the 1 layer with a "
                      "sliding window (1024 tokens: the CUDA kernel reads whole histories)")
-    assert describe(engine((3, 4), (2, 2))) == ("the Triton kernel on every layer: the 2 layers stored at K3V2 x 1, "
-                                                "K4V2 x 1 (the CUDA kernel reads INT2 codes only)")
+    assert describe(engine((3, 4), (3, 4))) == ("the Triton kernel on every layer: the 2 layers stored at K3V3 x 1, "
+                                                "K4V4 x 1 (the CUDA kernel reads values at 2 bits only)")
 
 
 def test_warm_up_runs_every_stage_and_leaves_no_trace(model, tokenizer, small_rotations):

@@ -338,28 +338,33 @@ def test_sliding_window_layers_take_the_triton_kernel(monkeypatch):
 
 
 def test_layers_at_other_widths_take_the_triton_kernel(monkeypatch):
-    """The CUDA kernel reads INT2 codes only: a layer whose keys or values are stored at 3 or 4 bits takes Triton,
-    and says why, also under OSCAR_KV_INT2_KERNEL=cuda (the model's K2V2 layers keep CUDA); a call that itself asks
-    for CUDA raises.  int2_decode decides by its layer's widths (PoolGeometry.layer_widths)."""
+    """The CUDA kernel reads keys at 2, 3 or 4 bits and values at 2 (int2_cuda.WIDTHS): a layer whose values are
+    stored at 3 or 4 bits takes Triton, and says why, also under OSCAR_KV_INT2_KERNEL=cuda (the model's other layers
+    keep CUDA); a call that itself asks for CUDA raises.  int2_decode decides by its layer's widths
+    (PoolGeometry.layer_widths)."""
     from oscar_kv.kernels import decode, int2_cuda
 
-    geom = PoolGeometry(num_layers=3, num_kv_heads=8, head_dim=128, group_size=128, k_bits=(2, 3, 2),
-                        v_bits=(2, 2, 4), layer_windows=(None, None, 1024))
-    monkeypatch.setattr(int2_cuda, "unsupported", lambda *args: None)  # as on an H100
+    geom = PoolGeometry(num_layers=4, num_kv_heads=8, head_dim=128, group_size=128, k_bits=(2, 3, 4, 2),
+                        v_bits=(2, 2, 2, 4), layer_windows=(None, None, None, 1024))
+    asked = []
+    monkeypatch.setattr(int2_cuda, "unsupported", lambda *args: asked.append(args[5]))  # None: as on an H100
     monkeypatch.setattr(decode, "INTERPRET", False)
     cuda = torch.device("cuda")
     choices = [decode.int2_kernel_choice(cuda, geom, 4, window=geom.layer_windows[i], widths=geom.layer_widths(i))
-               for i in range(3)]
-    assert choices == [("cuda", None), ("triton", decode.stored_width_reason(3, 2)),
-                       ("triton", decode.stored_width_reason(2, 4))]
-    assert "K3V2" in choices[1][1] and "INT2 codes only" in choices[1][1]
+               for i in range(4)]
+    assert choices == [("cuda", None), ("cuda", None), ("cuda", None), ("triton", decode.stored_width_reason(2, 4))]
+    assert asked[:3] == [(2, 2), (3, 2), (4, 2)]  # each layer's variant is what gets compiled (and may fail)
+    assert "K2V4" in choices[3][1] and "values at 2" in choices[3][1]
+    assert int2_cuda.width_error(3, 2) is None and "K3V3" in int2_cuda.width_error(3, 3)
     assert decode.int2_kernel_choice(cuda, geom, 4, widths=(2, 2)) == ("cuda", None)  # the default: K2V2
-    with pytest.raises(ValueError, match="cannot run this call: layer stored at K3V2"):
-        decode.int2_kernel_choice(cuda, geom, 4, backend="cuda", widths=(3, 2))
+    with pytest.raises(ValueError, match="cannot run this call: layer stored at K3V3"):
+        decode.int2_kernel_choice(cuda, geom, 4, backend="cuda", widths=(3, 3))
     monkeypatch.setenv(decode.INT2_KERNEL_ENV, "cuda")
     assert decode.int2_kernel_choice(cuda, geom, 4, widths=(2, 4))[0] == "triton"
     assert decode._use_cuda(None, cuda, geom, 4, None, widths=(2, 2))
+    assert decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 2))
     assert not decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 4))
+    assert not decode._use_cuda(None, cuda, geom, 4, None, widths=(3, 2), window=1024)
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
@@ -449,6 +454,100 @@ def test_cuda_int2_decode_adds_the_position_aware_key_offset(d, sink, live, scal
             o2 = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", cuda_split_target=target)
             assert rel_err(o2, want) < 1e-2, (gqa, target)
     assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) > 0.1  # the term matters
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
+@pytest.mark.parametrize("widths", [(2, 2), (3, 2), (4, 2)])
+@pytest.mark.parametrize("d", [128, 64])
+def test_cuda_decode_reads_3_and_4_bit_keys(d, widths):
+    """The CUDA kernel's key variants (int2_decode.cu, KBITS: the INT3 high-bit plane and the INT4 upper bytes
+    turned into the INT2 variant's MMA operands) beside INT2, head dim 128 and 64, against the float64 reference
+    and the Triton kernel: GQA 1 / 3 / 8, a 128K sequence among short ones (empty, sink-only, window-only), a
+    prefix hit with extra INT2 pages (short recent window), a history that ends mid-step, shuffled pages, split
+    counts from 1 to many, CTAs without INT2 tokens; key rows of D * bits / 8 bytes (their own page strides) and
+    INT2 value rows.  The engine's choice takes CUDA for these layers."""
+    from oscar_kv.kernels import int2_cuda
+    from oscar_kv.kernels.common import LOG2E
+    from oscar_kv.kernels.decode import int2_decode, int2_kernel_choice
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=d, group_size=d, page_size=16, sink_size=64,
+                        recent_size=256, k_bits=widths[:1], v_bits=widths[1:])
+    gen = torch.Generator().manual_seed(51 + d + widths[0])
+    seq_lens = [0, 7, 64, 64 + 256 + 3 * 16 + 5, 5003, 131072 + 77, 9000]
+    steady = [geom.int2_pages_for(n) for n in seq_lens]
+    steady[-1] = (9000 - 64 - 40) // 16  # prefix hit: more INT2 pages, a 40-odd-token recent window
+    pool, batch, rot = build_pool(geom, seq_lens, gen, int2_pages=steady)
+    assert pool.k_codes.shape[-1] == d * widths[0] // 8 and pool.v_codes.shape[-1] == d // 4
+    for gqa in (1, 3, 8):
+        assert int2_kernel_choice(torch.device(DEV), geom, gqa, widths=widths) == ("cuda", None)
+        q = torch.randn(len(seq_lens), 4 * gqa, d, generator=gen).to(DEV, torch.bfloat16)
+        want = ref.decode_reference(pool, 0, q, batch, rot, None)
+        out = torch.full_like(q, float("nan"))
+        int2_decode(q, pool, 0, batch, rot, backend="cuda", out=out)
+        assert not out.isnan().any(), gqa
+        assert out[0].abs().max() == 0  # empty sequence
+        assert rel_err(out, want) < 1e-2, gqa
+        for target in (1, 16):  # one long split per sequence, and many short ones
+            o2 = int2_decode(q, pool, 0, batch, rot, backend="cuda", cuda_split_target=target)
+            assert rel_err(o2, want) < 1e-2, (gqa, target)
+    tri = int2_decode(q, pool, 0, batch, rot, backend="triton")
+    assert rel_err(out, tri) < 3e-3
+    _, chunk = int2_cuda.split_plan(int(batch.int2_pages.max()) * 16, 1, 16, 12, 1)
+    o3 = torch.full_like(q, float("nan"))  # more CTAs than the history needs (widths read off the code rows)
+    int2_cuda.decode(q, rot, pool.layer(0), geom, batch, o3, 40, chunk, LOG2E / d ** 0.5)
+    assert rel_err(o3, want) < 1e-2
+    q = torch.randn(len(seq_lens), 8, d, generator=gen).to(DEV)
+    want = ref.decode_reference(pool, 0, q, batch, None, None)  # no rotation, float32 queries
+    assert rel_err(int2_decode(q, pool, 0, batch, None, backend="cuda"), want) < 1e-2
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
+@pytest.mark.parametrize("widths", [(3, 2), (4, 2)])
+@pytest.mark.parametrize("d,sink,live,scale", [(128, 64, 32, 20.0), (128, 48, 3, 900.0), (64, 48, 12, 300.0)])
+def test_cuda_decode_of_3_and_4_bit_keys_adds_the_position_aware_key_offset(d, sink, live, scale, widths):
+    """Per-position key centering (rope_terms) in the 3- and 4-bit key variants: 8 .. 32 visited pairs, |mu_pre| up
+    to 900, a sink that ends mid-step, window-only and long sequences, GQA 3 / 8, a page bound past the history."""
+    from oscar_kv.kernels.decode import int2_decode
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=d, group_size=d, page_size=16, sink_size=sink,
+                        recent_size=256, k_bits=widths[:1], v_bits=widths[1:])
+    gen = torch.Generator().manual_seed(61 + live + d + widths[0])
+    seq_lens = [7, sink + 100, sink + 256 + 16 * 5 + 3, 20000 + 16 * 3 + 5, 131072 + 77]
+    pool, batch, rot = build_pool(geom, seq_lens, gen)
+    rope = rope_case(4, d, max(seq_lens), gen, live=live, scale=scale)
+    for gqa in (3, 8):
+        q = torch.randn(len(seq_lens), 4 * gqa, d, generator=gen).to(DEV, torch.bfloat16)
+        want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope)
+        out = torch.full_like(q, float("nan"))
+        int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", out=out,
+                    max_int2_pages=int(batch.int2_pages.max()) + 999, max_seq_len=max(seq_lens))
+        assert not out.isnan().any()
+        assert rel_err(out, want) < 1e-2, gqa
+        o2 = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", cuda_split_target=1)
+        assert rel_err(o2, want) < 1e-2, gqa
+    tri = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="triton")
+    assert rel_err(out, tri) < 5e-3
+    assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) > 0.1  # the term matters
+
+
+def test_cuda_decode_checks_the_layer_widths_before_launching():
+    """int2_cuda.decode (runs anywhere: the checks come before the launch) reads the widths off the code rows or
+    takes the layer's: values at 3 bits are refused, and so are widths that do not match the rows."""
+    from oscar_kv.kernels import int2_cuda
+
+    for widths, error in (((3, 3), "K3V3"), ((2, 4), "K2V4")):
+        geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size=64, page_size=16, sink_size=16,
+                            recent_size=32, k_bits=widths[:1], v_bits=widths[1:])
+        pool, batch, rot = build_pool(geom, [100], torch.Generator().manual_seed(8))
+        q = torch.randn(1, 4, 64)
+        with pytest.raises(ValueError, match=error):
+            int2_cuda.decode(q, rot, pool.layer(0), geom, batch, torch.empty_like(q), 1, 128, 0.1)
+        assert error in int2_cuda.unsupported(torch.device("cuda"), geom, 2, None, torch.bfloat16, widths)
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size=64, page_size=16, sink_size=16,
+                        recent_size=32, k_bits=(3,), v_bits=(2,))
+    pool, batch, rot = build_pool(geom, [100], torch.Generator().manual_seed(9))
+    with pytest.raises(ValueError, match="not K4V2"):
+        int2_cuda.decode(q, rot, pool.layer(0), geom, batch, torch.empty_like(q), 1, 128, 0.1, widths=(4, 2))
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
@@ -566,7 +665,7 @@ def test_cuda_kernel_compile_failure_is_a_reason_not_a_crash(monkeypatch):
     """A machine whose NVRTC cannot build the CUDA kernel gets a warning and the Triton kernel under 'auto'."""
     from oscar_kv.kernels import int2_cuda
 
-    def fail(*args):
+    def fail(*args, **kwargs):
         raise RuntimeError("libnvrtc.so.13: cannot open shared object file")
 
     monkeypatch.setattr(int2_cuda, "_kernel", fail)

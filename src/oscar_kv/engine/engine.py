@@ -264,14 +264,17 @@ class LLMEngine:
 
     def int2_decode_description(self) -> str:
         """The decode kernel(s) for the start-up line: one for every layer, or where some layers have a sliding
-        window or are stored at other widths than K2V2 and the others take the CUDA kernel, which layers take
-        which (the CUDA kernel reads whole histories of INT2 codes)."""
+        window or are stored at widths the CUDA kernel does not read (kernels/int2_cuda.WIDTHS: keys at 2-4 bits,
+        values at 2) and the others take the CUDA kernel, which layers take which (the CUDA kernel reads whole
+        histories)."""
+        from ..kernels.int2_cuda import WIDTHS
+
         spec = self.pool.geometry
         windows = spec.layer_windows
         kernel, why = self.int2_decode_kernel()
         if kernel != "cuda":
             return f"the Triton kernel ({why})"
-        int2 = [i for i in range(spec.num_layers) if spec.layer_widths(i) == (2, 2)]
+        int2 = [i for i in range(spec.num_layers) if spec.layer_widths(i) in WIDTHS]  # the layers CUDA can read
         windowed = [i for i in int2 if windows[i] is not None]
         wider = [i for i in range(spec.num_layers) if i not in int2]
         if not windowed and not wider:
@@ -286,16 +289,20 @@ class LLMEngine:
             return (f"the one-launch CUDA kernel on {layers(cuda)} of full attention, the Triton kernel on the "
                     f"{layers(len(windowed))} with a sliding window ({sizes} tokens: the CUDA kernel reads whole "
                     f"histories)")
-        k_bits, v_bits = zip(*(spec.layer_widths(i) for i in wider))
-        parts = [f"the {layers(len(wider))} stored at {width_summary(k_bits, v_bits)} (the CUDA kernel reads INT2 "
-                 f"codes only)"]
+
+        def widths(ids):
+            return width_summary(*zip(*(spec.layer_widths(i) for i in ids)))
+
+        parts = [f"the {layers(len(wider))} stored at {widths(wider)} (the CUDA kernel reads values at 2 bits only)"]
         if windowed:
-            parts.append(f"the {layers(len(windowed))} at K2V2 with a sliding window ({sizes} tokens: the CUDA "
-                         f"kernel reads whole histories)")
+            parts.append(f"the {layers(len(windowed))} with a sliding window ({sizes} tokens: the CUDA kernel reads "
+                         f"whole histories)")
         if not cuda:
             return f"the Triton kernel on every layer: {' and '.join(parts)}"
         full = " of full attention" if windowed else ""
-        return f"the one-launch CUDA kernel on {layers(cuda)} at K2V2{full}, the Triton kernel on {' and '.join(parts)}"
+        on_cuda = [i for i in int2 if windows[i] is None]
+        return (f"the one-launch CUDA kernel on {layers(cuda)}{full} ({widths(on_cuda)}), the Triton kernel on "
+                f"{' and '.join(parts)}")
 
     def prefill_attention_description(self) -> str:
         """How the kernels' long prefill chunks attend over their materialized history (kernels/chunk_attention.py)."""

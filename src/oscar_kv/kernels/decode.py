@@ -30,7 +30,8 @@ INT2 kernel compiles to the same SASS as before): ``common.code_slices`` turns e
 float16 slices 1024 + c*4^k (exact up to c = 15), so the scores, values and offset corrections above are unchanged.
 INT3 reads its INT2 plane as INT2 (the PTX conversion included) and adds the high-bit plane as + 4^(k+1) where set
 (4 code steps: 4 x scale once scaled); INT4 shifts its nibbles into place with integer ops.  Values at another width
-than the keys address their own rows (V_ROWS).  The CUDA kernel reads K2V2 layers only (int2_kernel_choice).
+than the keys address their own rows (V_ROWS).  The CUDA kernel reads keys at 2, 3 or 4 bits with values at 2 (K2V2,
+K3V2, K4V2: int2_cuda.WIDTHS); other layers take this one (int2_kernel_choice).
 """
 
 from __future__ import annotations
@@ -416,8 +417,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
             an SM at once).
         window: the layer's sliding window (the query sees the last ``window`` tokens); None or 0: the whole
             sequence.  Windowed calls run the Triton kernel (int2_kernel_choice), whose history splits then
-            cover only the window's part of the INT2 history.  So do layers whose keys or values are stored at 3 or
-            4 bits (``pool.geometry.layer_widths(layer)``).
+            cover only the window's part of the INT2 history.  So do layers stored at widths the CUDA kernel does not
+            read (``pool.geometry.layer_widths(layer)`` not in int2_cuda.WIDTHS: values at 3 or 4 bits).
         out: the output, written in place; None: a new tensor.
     Shapes:
         q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D].
@@ -449,14 +450,14 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
 
         # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
         # rescale, window on a side stream, split targets")
-        per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1], d)
+        per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1], d, widths[0])
         ns, chunk = int2_cuda.split_plan(max_int2_pages * g.page_size, bsz * h, g.page_size, num_sms(q.device),
                                          per_sm)
         out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
         if rope is not None:
             rope.check(max_seq_len)
         return int2_cuda.decode(q, k_rotation, pool.layer(layer), g, batch, out, ns, chunk, sm_scale * LOG2E,
-                                rope=rope)
+                                rope=rope, widths=widths)
     history = max_int2_pages * g.page_size
     if window is not None:  # from the tile of the window's first token on (the kernel's base)
         history = min(history, window + block_n - 1)
@@ -492,29 +493,28 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
 
 
 INT2_KERNEL_ENV = "OSCAR_KV_INT2_KERNEL"  # "auto" (default) | "cuda" | "triton": which INT2 decode kernel runs
-CUDA_WIDTHS = (2, 2)  # the one-launch CUDA kernel reads INT2 keys and INT2 values only
 
 
 def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: torch.dtype = torch.bfloat16,
                        backend: str | None = None, window: int | None = None,
-                       widths: tuple[int, int] = CUDA_WIDTHS) -> tuple[str, str | None]:
+                       widths: tuple[int, int] = (2, 2)) -> tuple[str, str | None]:
     """Which kernel decode attention runs for a layer of this pool: ("cuda", None), the one-launch CUDA kernel, or
     ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
     "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
     None.  ``window``: the layer's sliding window (None or 0: none); ``widths``: the layer's (key, value) code
-    widths.  A windowed layer, or one stored at other than K2V2, takes Triton where the model's other layers
-    take CUDA, $OSCAR_KV_INT2_KERNEL=cuda included (the CUDA kernel reads whole histories of INT2 codes); only a
-    call that itself asks for "cuda" raises.  The engine reports the choice at start-up; ``int2_decode`` makes it
-    per call."""
+    widths.  A windowed layer, or one stored at widths the CUDA kernel does not read (int2_cuda.WIDTHS: keys at 2, 3
+    or 4 bits, values at 2), takes Triton where the model's other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda
+    included (the CUDA kernel reads whole histories); only a call that itself asks for "cuda" raises.  The engine
+    reports the choice at start-up; ``int2_decode`` makes it per call."""
     from . import int2_cuda
 
-    own = stored_width_reason(*widths) if tuple(widths) != CUDA_WIDTHS else (
-        sliding_window_reason(window) if window else None)
+    readable = tuple(widths) in int2_cuda.WIDTHS
+    own = stored_width_reason(*widths) if not readable else (sliding_window_reason(window) if window else None)
     if own is not None and backend == "cuda":
         raise ValueError(f"the CUDA INT2 kernel cannot run this call: {own}")
 
-    def why_not() -> str | None:
-        return int2_cuda.unsupported(device, geom, gqa, rope, dtype) or (
+    def why_not() -> str | None:  # (a layer at widths the kernel cannot read asks about its INT2 variant)
+        return int2_cuda.unsupported(device, geom, gqa, rope, dtype, tuple(widths) if readable else (2, 2)) or (
             "the Triton interpreter is on" if INTERPRET else None)
 
     kernel, why = kernel_choice(INT2_KERNEL_ENV, backend, "cuda", "triton", why_not, "the CUDA INT2 kernel")
@@ -530,13 +530,14 @@ def sliding_window_reason(window: int) -> str:
 
 
 def stored_width_reason(k_bits: int, v_bits: int) -> str:
-    """Why a layer stored at other than K2V2 decodes with the Triton kernel."""
-    return (f"layer stored at K{k_bits}V{v_bits} (keys at {k_bits} bits, values at {v_bits}): the CUDA kernel reads "
-            f"INT2 codes only")
+    """Why a layer stored at widths the CUDA kernel does not read (int2_cuda.WIDTHS) decodes with the Triton kernel."""
+    from . import int2_cuda
+
+    return int2_cuda.width_error(k_bits, v_bits) or f"K{k_bits}V{v_bits} is read by the CUDA kernel"
 
 
 def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16,
-              window: int | None = None, widths: tuple[int, int] = CUDA_WIDTHS) -> bool:
+              window: int | None = None, widths: tuple[int, int] = (2, 2)) -> bool:
     return int2_kernel_choice(device, geom, gqa, rope, dtype, backend, window, widths)[0] == "cuda"
 
 

@@ -14,8 +14,15 @@ last CTA of a (sequence, KV head) to finish merges the partials (an atomic count
 128K tokens and batch 1 the separate launches cost ~15 of ~60 us (benchmarks/NOTES.md, "decode attention as one
 CUDA launch").
 
+Keys at 3 or 4 bits (K3V2, K4V2 layers: a layer's ``PoolGeometry.layer_widths``) run variants compiled with KBITS = 3
+or 4: the same MMAs, query fragments and offset removal, the codes' bits gathered from the INT3 high-bit plane or
+the INT4 upper bytes into the same float16 1024 + c*4^s (int2_decode.cu, key_a), the key rows addressed with their
+own strides.  The INT2 variant (KBITS = 2) compiles to the same machine code as before the wider ones existed
+(benchmarks/cuda_int2_sass.py compares its SASS).  Values are read at 2 bits only; other width pairs run the
+Triton kernels (decode.int2_kernel_choice).
+
 The kernel is compiled at first use by NVRTC, through torch (``torch.cuda._compile_kernel``), once per
-device, geometry and dtype.  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
+device, geometry, key width and dtype.  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
 offset removal; the window's query as bfloat16 hi + lo parts).  Supported: head dim 64 or 128, one
 quantization group per head (G = D), at most 8 query heads per KV head, float32 / bfloat16 / float16 queries, constant key
 centering or per-position centering over at most MAX_ROPE_PAIRS pairs, full or partial rotary (the term
@@ -39,6 +46,8 @@ NUM_WARPS = 4
 TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
 HEAD_DIMS = (64, 128)
+KEY_BITS = (2, 3, 4)  # key code widths with a compiled variant (KBITS)
+WIDTHS = tuple((k, 2) for k in KEY_BITS)  # (key bits, value bits) of the layers the kernel reads
 # CTAs per SM the register budget is set for: 3 (168 registers) beat 4 (128 registers, spilling) at batch 8 and 32
 # (benchmarks/NOTES.md, "first GPU run of the kernel")
 MIN_BLOCKS = 3
@@ -51,9 +60,11 @@ MIN_BLOCKS_D64 = 4
 ROPE_MIN_BLOCKS_D64: dict[int, int] = {}
 
 
-def min_blocks(rope_pairs: int = 0, head_dim: int = 128) -> int:
-    """CTAs per SM the kernel is compiled and planned for, given the head dim and the position-aware pairs it
-    visits (0: none)."""
+def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2) -> int:
+    """CTAs per SM the kernel is compiled and planned for, given the head dim, the position-aware pairs it
+    visits (0: none) and the key width (the 3- and 4-bit variants use the INT2 variant's budgets: their sm_90
+    builds spill 0-224 bytes a thread there, benchmarks/NOTES.md, "3- and 4-bit keys in the CUDA kernel")."""
+    del kbits  # one table for every key width (see above)
     if head_dim == 64:
         return ROPE_MIN_BLOCKS_D64.get(rope_pairs, MIN_BLOCKS_D64)
     return ROPE_MIN_BLOCKS.get(rope_pairs, MIN_BLOCKS)
@@ -64,12 +75,24 @@ _MAGIC = 0x64006400  # float16 1024 in both halves (see int2_decode.cu)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def width_error(k_bits: int, v_bits: int) -> str | None:
+    """Why the kernel cannot read a layer stored at these (key, value) widths (None: it can)."""
+    if (k_bits, v_bits) in WIDTHS:
+        return None
+    return (f"layer stored at K{k_bits}V{v_bits} (keys at {k_bits} bits, values at {v_bits}): the CUDA kernel reads "
+            f"keys at {', '.join(map(str, KEY_BITS[:-1]))} or {KEY_BITS[-1]} bits and values at 2")
+
+
 def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope,
-                dtype: torch.dtype = torch.bfloat16) -> str | None:
+                dtype: torch.dtype = torch.bfloat16, widths: tuple[int, int] = (2, 2)) -> str | None:
     """Why the CUDA kernel cannot run this call (None: it can).  Called on every decode call: the shape checks
-    are plain comparisons, the device and compiler checks are cached per device and geometry."""
+    are plain comparisons, the device and compiler checks are cached per device, geometry and key width.
+    ``widths``: the layer's (key, value) code widths."""
     if device.type != "cuda":
         return "not a CUDA device"
+    why = width_error(*widths)
+    if why is not None:
+        return why
     if geom.head_dim not in HEAD_DIMS or geom.group_size != geom.head_dim:
         return f"head dim {geom.head_dim} / group {geom.group_size} (the kernel is written for D = G = 64 or 128)"
     if not 1 <= gqa <= 8:
@@ -78,11 +101,12 @@ def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope,
         return f"position-aware key centering over {rope.pairs.shape[1]} pairs (at most {MAX_ROPE_PAIRS})"
     if dtype not in _DTYPES:
         return f"{dtype} queries (float32, bfloat16 or float16)"
-    return _device_error(_index(device), geom.head_dim, geom.page_size, gqa, geom.sink_pages)
+    return _device_error(_index(device), geom.head_dim, geom.page_size, gqa, geom.sink_pages, widths[0])
 
 
 @functools.lru_cache(maxsize=None)
-def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int) -> str | None:
+def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int,
+                  kbits: int = 2) -> str | None:
     """The torch build, the GPU and one compile, once per device and geometry: a machine whose NVRTC fails gets
     the reason (and the Triton kernel), not a crash."""
     if not hasattr(torch.cuda, "_compile_kernel"):
@@ -92,9 +116,11 @@ def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, si
     if torch.cuda.get_device_capability(device_index) < (8, 0):
         return "needs compute capability >= 8.0 (mma.sync m16n8k16, movmatrix)"
     try:
-        _kernel(device_index, head_dim, page_size, gqa, sink_pages, min_blocks(0, head_dim), 1, 1)
+        _kernel(device_index, head_dim, page_size, gqa, sink_pages, min_blocks(0, head_dim, kbits), 1, 1,
+                kbits=kbits)
     except Exception as e:  # NVRTC missing or refusing the source: reported, never fatal under "auto"
-        warnings.warn(f"oscar-kv: the CUDA INT2 decode kernel did not compile ({e!r:.300}); using the Triton kernel")
+        warnings.warn(f"oscar-kv: the CUDA decode kernel for {kbits}-bit keys did not compile ({e!r:.300}); using "
+                      f"the Triton kernel")
         return f"NVRTC compilation failed: {e!r:.300}"
     return None
 
@@ -119,13 +145,13 @@ def _index(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int, min_blocks: int,
             q_kind: int, o_kind: int, stamps: bool = False, rope_pairs: int = 0, rope_rot: int = 0,
-            rope_interleaved: bool = False):
+            rope_interleaved: bool = False, kbits: int = 2):
     """``rope_rot`` / ``rope_interleaved``: the RoPE layout's rotary dim (0: the head dim) and pairing
-    (rope.RotaryLayout), which place the channels of each visited pair."""
+    (rope.RotaryLayout), which place the channels of each visited pair.  ``kbits``: the key code width."""
     defines = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=NUM_WARPS,
                    MAX_PAGES=MAX_PAGES, MIN_BLOCKS=min_blocks, Q_KIND=q_kind, O_KIND=o_kind,
                    STAMPS=int(stamps), ROPE_R=rope_pairs, ROPE_ROT=rope_rot or head_dim,
-                   ROPE_INTERLEAVED=int(rope_interleaved))
+                   ROPE_INTERLEAVED=int(rope_interleaved), KBITS=kbits)
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.read_text()
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(source, "oscar_int2_decode")
@@ -199,7 +225,7 @@ def _counters(device: torch.device, pairs: int) -> torch.Tensor:
 
 def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, torch.Tensor], geom: PoolGeometry,
            batch: PagedBatch, out: torch.Tensor, splits: int, chunk: int, qk_scale: float,
-           stamps: torch.Tensor | None = None, rope=None) -> torch.Tensor:
+           stamps: torch.Tensor | None = None, rope=None, widths: tuple[int, int] | None = None) -> torch.Tensor:
     """Decode attention over the mixed pool as one launch (``unsupported`` says which calls it takes).
 
     Args:
@@ -213,6 +239,8 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
         stamps: %globaltimer stamps per CTA (a separately compiled variant; benchmarks only).
         rope: a rope.KernelRope when keys are centered per position; its tables must cover the sequences
             (KernelRope.check, done by the caller).
+        widths: the layer's (key, value) code widths (``geom.layer_widths``), one of WIDTHS; None: read off the
+            code tensors' rows.
     Shapes:
         q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D]; stamps: int64 [B, Hkv, splits, 16].
     Returns:
@@ -225,8 +253,18 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"the CUDA decode kernel merges 1 .. {MAX_SPLITS} splits, got {splits}")
     kc, km, vc, vm, kw, vw = (layer[k] for k in ("k_codes", "k_meta", "v_codes", "v_meta", "k_win", "v_win"))
-    if kc.stride() != vc.stride() or km.stride() != vm.stride() or kw.stride() != vw.stride() or \
-            kc.stride(-1) != 1 or km.stride(-1) != 1 or kw.stride(-1) != 1 or kw.stride(-2) != d:
+    if widths is None:
+        widths = (kc.shape[-1] * 8 // d, vc.shape[-1] * 8 // d)
+    kbits, vbits = widths
+    why = width_error(kbits, vbits)
+    if why is not None:
+        raise ValueError(why)
+    if kc.shape[-1] != d * kbits // 8 or vc.shape[-1] != d * vbits // 8:
+        raise ValueError(f"code rows of {kc.shape[-1]} / {vc.shape[-1]} bytes are not K{kbits}V{vbits} at head dim {d}")
+    # K2V2 addresses both code pools with the same strides; wider keys pass their page and head strides
+    rows = kc.stride() == vc.stride() if kbits == 2 else (kc.stride(-2) == kc.shape[-1] and vc.stride(-2) == d // 4)
+    if not rows or km.stride() != vm.stride() or kw.stride() != vw.stride() or \
+            kc.stride(-1) != 1 or vc.stride(-1) != 1 or km.stride(-1) != 1 or kw.stride(-1) != 1 or kw.stride(-2) != d:
         raise ValueError("the CUDA decode kernel needs K and V pools of one contiguous layout")
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -254,17 +292,19 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     po = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float16)
     pl = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     bt = batch.block_table
-    history_bytes = bsz * h * splits * chunk * geom.quant_bytes_per_token()  # an upper bound (the last chunk)
-    kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, min_blocks(rope_r, d),
+    token_bytes = kc.shape[-1] + vc.shape[-1] + (km.shape[-1] + vm.shape[-1]) * km.element_size()  # codes, metadata
+    history_bytes = bsz * h * splits * chunk * token_bytes  # an upper bound (the last chunk)
+    kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, min_blocks(rope_r, d, kbits),
                      _DTYPES[q.dtype],
-                     _DTYPES[target.dtype], stamps is not None, rope_r, rope_rot, rope_interleaved)
+                     _DTYPES[target.dtype], stamps is not None, rope_r, rope_rot, rope_interleaved, kbits)
     kernel(grid=(splits, h, bsz), block=(NUM_WARPS * 32, 1, 1),
            args=[q, r, k_rotation is not None, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
                  target, _counters(q.device, bsz * h), float(qk_scale), q.stride(0), q.stride(1), stride_rh,
-                 kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
+                 vc.stride(0), vc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
                  po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), target.stride(0),
                  target.stride(1), chunk, _MAGIC, stamps if stamps is not None else po,
-                 int(stream_evict_first(history_bytes, _index(q.device))), mu, pairs, phases, tile])
+                 int(stream_evict_first(history_bytes, _index(q.device))), mu, pairs, phases, tile]
+           + ([] if kbits == 2 else [kc.stride(0), kc.stride(1)]))
     if target is not out:
         out.copy_(target)
     return out

@@ -1,7 +1,8 @@
 // Decode attention over the paged INT2 + BF16 pool in one launch, written for the tensor cores' mma.sync
 // fragments.  Host side, math and layout: int2_cuda.py.  Compiled at run time by NVRTC with these macros:
 //   D (head dim, 64 or 128), P (page size), GQA (query heads per KV head, <= 8), SINK_PAGES, NWARPS, MAX_PAGES,
-//   MIN_BLOCKS, Q_KIND / O_KIND (query / output dtype: 0 float32, 1 bfloat16, 2 float16).
+//   MIN_BLOCKS, Q_KIND / O_KIND (query / output dtype: 0 float32, 1 bfloat16, 2 float16), KBITS (key code width:
+//   2, 3 or 4; values are INT2 in every variant).
 //
 // One CTA = (split, KV head, sequence).  It rotates the GQA group's query itself (q @ R_K, R from L2 while its
 // first code loads are in flight), takes its share of the BF16 window (16-token sub-tiles dealt round-robin
@@ -20,11 +21,30 @@
 // | 0x6400 is the float16 1024 + c * 4^s (exact): one LOP3 per two codes.  The 4^s is folded into the query
 // slice (keys) or undone at the end (values); the 1024 offset is removed by starting the key MMA at
 // -1024 * sum(q) and by an MMA of a constant-1024 A operand with PP (values).
+// Keys at 3 or 4 bits (KBITS, one compiled variant per width; KBITS = 2 compiles to the INT2 kernel's machine code)
+// feed the same MMAs in the same k order with the same query fragments: a code c < 16 of slice s is still the
+// float16 1024 + c * 4^s, exact since c * 4^s <= 15 * 64 < 1024 keeps it in [1024, 2048) where the float16 step is
+// 1, so the 1024 offset and its removal (-1024 * sum(q)) do not change.  Only the bytes a thread loads and the
+// bits it ORs in do (key_a):
+//   INT3  a token row is the INT2 plane (D/4 bytes, read exactly as INT2) then the high-bit plane (D/8 bytes: byte
+//         j holds channel j + m D/8 in bit m).  Channel j + D4 s (j < D/4) has its high bit in byte j % (D/8), bit
+//         2s + j / (D/8): thread t (j in [KB t, KB t + KB), KB = D/16) loads the KB bytes from D/4 + KB (t & 1)
+//         and reads bit 2s + (t >> 1) of byte m for its byte m of the INT2 plane.  Shifted to bit 2s + 2 it is
+//         the + 4 * 4^s of code value 4: (x & 3 << 2s) | (h & 4 << 2s) | 0x6400, two LOP3 per two codes.
+//   INT4  byte j < D/2 holds channel j (low nibble) and j + D/2 (high nibble): slices 0 and 2 are the low and
+//         high nibbles of bytes j < D/4, already at bits 4s; slices 1 and 3 those of bytes D/4 + j, shifted up by
+//         2.  Thread t loads KB bytes from KB t and from D/4 + KB t: one LOP3 per two codes, as INT2.
+// Their key rows are D * KBITS / 8 bytes, so key pages and heads have their own strides (stride_kcp, stride_kch,
+// extra arguments of these variants); the value rows are INT2 as before.
 // BF16 window sub-tiles use the same fragments with bfloat16 MMAs (the query as hi + lo bfloat16 parts, ~16
 // bits like the float32 reference) and add into the same accumulator rows, their values times 4^s.
 // ROPE_R > 0 (keys centered per position, rope.py): every logit also gets q . RoPE_p(mu_pre) =
 // sum_j a_j cos(p t_j) + b_j sin(p t_j) over the R kept pairs j; see rope_terms.
 #define NT (NWARPS * 32)
+#ifndef KBITS
+#define KBITS 2
+#endif
+#define KROW (D * KBITS / 8)  // key code bytes of a token row
 #define D4 (D / 4)
 #define KSTEPS (D / 16)
 // A thread's share of a 16-token sub-tile: KB key code bytes of a token row (4 threads per row), VB value code
@@ -86,6 +106,7 @@ typedef u32 wval_t;
 #endif
 __device__ __forceinline__ u32 word(const uint2& x, int w) { return w ? x.y : x.x; }  // w: a constant
 __device__ __forceinline__ u32 word(u32 x, int) { return x; }
+static_assert(KBITS == 2 || KBITS == 3 || KBITS == 4, "keys at 2, 3 or 4 bits");
 static_assert(GQA >= 1 && GQA <= 8, "one n8 MMA column block holds at most 8 query heads");
 static_assert(P % 16 == 0, "pages hold whole 16-token sub-tiles");
 
@@ -94,6 +115,19 @@ static_assert(P % 16 == 0, "pages hold whole 16-token sub-tiles");
 __device__ __forceinline__ u32 code_half2(u32 x, int slice, u32 magic) {
   const u32 mask = (3u << (2 * slice)) * 0x00010001u;
   return (x & mask) | magic;
+}
+
+// A wide key's float16 pair 1024 + c * 4^s for slice s (KBITS 3 or 4; see the top of the file), both halves:
+//   INT3  x: INT2-plane bytes (codes' low bits at 2s, 2s + 1), e: high bits already at 2s + 2
+//   INT4  x: bytes j < D/4 (slice 0 nibble at bits 0-3, slice 2 at 4-7), e: bytes D/4 + j shifted up by 2 (slice 1
+//         at 2-5, slice 3 at 6-9)
+// c * 4^s < 1024 sits below the exponent bits of 0x6400, so OR-ing is adding.
+__device__ __forceinline__ u32 key_a(u32 x, u32 e, int slice, u32 magic) {
+#if KBITS == 3
+  return (x & ((3u << (2 * slice)) * 0x00010001u)) | (e & ((4u << (2 * slice)) * 0x00010001u)) | magic;
+#else
+  return ((slice & 1 ? e : x) & ((15u << (2 * slice)) * 0x00010001u)) | magic;
+#endif
 }
 
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, const float* c) {
@@ -203,6 +237,9 @@ __device__ __forceinline__ float warp_sum_rows(float x) {
 // What one thread loads for one 16-token sub-tile.
 struct SubTile {
   kcode_t k[2];  // key code bytes KB t .. KB t + KB - 1 of tokens g and g+8
+#if KBITS != 2
+  kcode_t kx[2];  // INT3: high-bit plane bytes D/4 + KB (t & 1) ..; INT4: bytes D/4 + KB t .. (tokens g, g+8)
+#endif
   u32 v[4];      // value code bytes VB g .. VB g + VB - 1 of tokens 2t, 2t+1, 2t+8, 2t+9
   u32 km[2];   // key (scale, min) float16 pair of tokens g and g+8
   u32 vm[2];   // value (scale, min) of tokens g and g+8
@@ -210,7 +247,11 @@ struct SubTile {
 
 // This thread's view of one (sequence, KV head): pointers with its own lane offsets folded in.
 struct Source {
-  const unsigned char* k;  // + g*D4 + KB t
+  const unsigned char* k;  // + g*KROW + KB t
+#if KBITS != 2
+  const unsigned char* kx;  // + g*KROW + the thread's second key bytes (SubTile.kx)
+  unsigned long long kcp;   // key page stride (code bytes)
+#endif
   const unsigned char* v;  // + 2t*D4 + VB g
   const u32* km;           // + g
   const u32* vm;
@@ -261,8 +302,16 @@ __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, in
   const unsigned long long oc = (unsigned long long)phys * src.cp + off * D4;
   const unsigned long long om = (unsigned long long)phys * src.mp + off;
   const unsigned long long pol = src.policy;
+#if KBITS == 2
   st.k[0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + oc), pol);
   st.k[1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + oc + 8 * D4), pol);
+#else
+  const unsigned long long ok = (unsigned long long)phys * src.kcp + off * KROW;
+  st.k[0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + ok), pol);
+  st.k[1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + ok + 8 * KROW), pol);
+  st.kx[0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.kx + ok), pol);
+  st.kx[1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.kx + ok + 8 * KROW), pol);
+#endif
   st.v[0] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc), pol);
   st.v[1] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + D4), pol);
   st.v[2] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + 8 * D4), pol);
@@ -445,6 +494,9 @@ struct Query {
 template <bool HALF>
 __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur, float2 rph) {
   const float kinit[4] = {-q.koff0, -q.koff1, -q.koff0, -q.koff1};
+#if KBITS != 2
+  const int par = (threadIdx.x >> 1) & 1;  // INT3: t >> 1, the bit of a high-bit plane byte that holds its channels
+#endif
   float sc[2][4];  // logits: tokens (g, g, g+8, g+8) x heads (2t, 2t+1, 2t, 2t+1)
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
@@ -460,12 +512,26 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
         const u32 x0 = word(cur[u].k[0], w), x1 = word(cur[u].k[1], w);
         const u32 r0 = hp ? x0 >> 8 : x0;
         const u32 r1 = hp ? x1 >> 8 : x1;
+#if KBITS == 2
 #pragma unroll
         for (int s = 0; s < 4; s += 2) {
           const int i = 8 * w + 4 * hp + s;  // registers i (k = 2t, 2t+1) and i + 1 (k = 2t+8, 2t+9)
           mma(c, code_half2(r0, s, q.magic), code_half2(r1, s, q.magic), code_half2(r0, s + 1, q.magic), code_half2(r1, s + 1, q.magic), q.qb[i],
               q.qb[i + 1], i == 0 ? kinit : c);
         }
+#else
+        // INT3: the high bits of bytes hp, hp + 2 (bit 2s + par) to bits 2s + 2 of the two halves; INT4: the upper
+        // bytes hp, hp + 2 shifted up by 2 (see key_a)
+        const u32 y0 = word(cur[u].kx[0], w), y1 = word(cur[u].kx[1], w);
+        const u32 e0 = KBITS == 3 ? (hp ? y0 >> (6 + par) : y0 << (2 - par)) : (hp ? y0 >> 6 : y0 << 2);
+        const u32 e1 = KBITS == 3 ? (hp ? y1 >> (6 + par) : y1 << (2 - par)) : (hp ? y1 >> 6 : y1 << 2);
+#pragma unroll
+        for (int s = 0; s < 4; s += 2) {
+          const int i = 8 * w + 4 * hp + s;
+          mma(c, key_a(r0, e0, s, q.magic), key_a(r1, e1, s, q.magic), key_a(r0, e0, s + 1, q.magic),
+              key_a(r1, e1, s + 1, q.magic), q.qb[i], q.qb[i + 1], i == 0 ? kinit : c);
+        }
+#endif
       }
     const float2 k0 = halves(cur[u].km[0]), k1 = halves(cur[u].km[1]);  // (scale, min) of tokens g, g+8
     const float ks0 = k0.x, kn0 = k0.y, ks1 = k1.x, kn1 = k1.y;
@@ -640,7 +706,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     int stride_cp, int stride_ch, int stride_mp, int stride_mh, int stride_wp, int stride_wh, int stride_bt,
     int stride_pob, int stride_poh, int stride_pos, int stride_plb, int stride_plh, int stride_ob, int stride_oh,
     int chunk, int magic, unsigned long long* __restrict__ TS, int evict_first, const float* __restrict__ RMU,
-    const int* __restrict__ PR, const float2* __restrict__ PH, const float2* __restrict__ TL) {
+    const int* __restrict__ PR, const float2* __restrict__ PH, const float2* __restrict__ TL
+#if KBITS != 2
+    , int stride_kcp, int stride_kch  // key codes' page and head strides (their rows are KROW bytes)
+#endif
+    ) {
   const int split = blockIdx.x, splits = gridDim.x;
   const int h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -743,7 +813,13 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 
   // ---- the first INT2 loads go out before the window sub-tile is computed
   Source src;
+#if KBITS == 2
   src.k = Kc + (long long)h * stride_ch + g * D4 + KB * t;
+#else
+  src.k = Kc + (long long)h * stride_kch + g * KROW + KB * t;
+  src.kx = src.k + D4 + (KBITS == 3 ? KB * (t & 1) - KB * t : 0);
+  src.kcp = (unsigned long long)stride_kcp;
+#endif
   src.v = Vc + (long long)h * stride_ch + 2 * t * D4 + VB * g;
   src.km = Km + (long long)h * (stride_mh / 2) + g;
   src.vm = Vm + (long long)h * (stride_mh / 2) + g;

@@ -1,0 +1,112 @@
+"""Compile the CUDA decode kernel (src/oscar_kv/kernels/int2_decode.cu) for sm_90 on a machine without a GPU, and
+report registers / spills per variant, or dump its SASS (to compare a variant's machine code before and after a
+change).
+
+NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel (pip download it and unzip it anywhere; no GPU, driver or CUDA
+toolkit is needed), cuobjdump from the Triton wheel.  The defines are the ones int2_cuda._kernel passes, the NVRTC
+options the ones torch.cuda._compile_kernel passes (its CUDA include paths aside: the kernel includes no header).
+
+    python benchmarks/cuda_int2_sass.py --nvrtc /tmp/nvrtc/pkg/nvidia/cu13/lib/libnvrtc.so.13 [--source FILE]
+        [--sass DIR]      # also write each variant's SASS to DIR/<variant>.sass
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+         "-D__CUDA_NO_HALF2_OPERATORS__"]
+
+
+def defines(head_dim: int, kbits: int, rope_pairs: int, min_blocks: int, gqa: int = 4, page_size: int = 16,
+            sink_pages: int = 4) -> dict:
+    """As int2_cuda._kernel (bfloat16 queries and outputs, no stamps, rotate-half RoPE over the whole head)."""
+    d = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=4, MAX_PAGES=2048,
+             MIN_BLOCKS=min_blocks, Q_KIND=1, O_KIND=1, STAMPS=0, ROPE_R=rope_pairs, ROPE_ROT=head_dim,
+             ROPE_INTERLEAVED=0)
+    if kbits is not None:
+        d["KBITS"] = kbits
+    return d
+
+
+def compile_cubin(lib, source: str, arch: str = "sm_90") -> bytes:
+    prog = ctypes.c_void_p()
+    name = b"oscar_int2_decode"
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 0, None, None) == 0
+    assert lib.nvrtcAddNameExpression(prog, name) == 0
+    opts = [f"--gpu-architecture={arch}".encode()] + [f.encode() for f in FLAGS]
+    res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    if res != 0:
+        raise RuntimeError(log.value.decode())
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(size.value)
+    assert lib.nvrtcGetCUBIN(prog, buf) == 0
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return buf.raw
+
+
+def tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def inspect(cubin: bytes) -> tuple[str, str]:
+    """(resource usage line, SASS) of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([tool("cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", res)
+    return (f"regs {m.group(1)} stack {m.group(2)} shared {m.group(3)}" if m else res.strip()), sass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nvrtc", required=True, help="path of libnvrtc.so (from the nvidia-cuda-nvrtc wheel)")
+    ap.add_argument("--source", default=str(ROOT / "src/oscar_kv/kernels/int2_decode.cu"))
+    ap.add_argument("--sass", help="a folder for each variant's SASS")
+    ap.add_argument("--kbits", type=int, nargs="*", default=[2, 3, 4],
+                    help="key widths (0: define no KBITS, for a source from before the define)")
+    ap.add_argument("--dims", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--pairs", type=int, nargs="*", default=[0, 8, 16, 32])
+    ap.add_argument("--gqa", type=int, nargs="*", default=[4])
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))
+    from oscar_kv.kernels.int2_cuda import min_blocks
+
+    for f in sorted(Path(args.nvrtc).parent.glob("libnvrtc-builtins.so.*")):  # NVRTC dlopens it by name
+        if ".alt." not in f.name:
+            ctypes.CDLL(str(f), mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(args.nvrtc)
+    text = Path(args.source).read_text()
+    if args.sass:
+        os.makedirs(args.sass, exist_ok=True)
+    for d, kb, r, gqa in itertools.product(args.dims, args.kbits, args.pairs, args.gqa):
+        mb = min_blocks(r, d)
+        src = "".join(f"#define {k} {v}\n" for k, v in defines(d, kb or None, r, mb, gqa).items()) + text
+        usage, sass = inspect(compile_cubin(lib, src))
+        tag = f"D{d}_K{kb or 'x'}_R{r}_G{gqa}"
+        print(f"{tag:18s} MIN_BLOCKS {mb}: {usage}", flush=True)
+        if args.sass:
+            Path(args.sass, tag + ".sass").write_text(sass)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
