@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from oscar_kv.bench.attention import (_bench_call, copy_bandwidth, int2_bytes, int2_case, layer_geometry,
-                                      use_head_dim)
+from oscar_kv.bench.floors import copy_bandwidth, int2_bytes
+from oscar_kv.bench.synthetic import int2_case, layer_geometry, use_head_dim
+from oscar_kv.bench.timing import _bench_call
 from oscar_kv.kernels import int2_cuda
 from oscar_kv.kernels.common import LOG2E, num_sms
 from oscar_kv.kernels.decode import int2_decode

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from oscar_kv.bench.attention import copy_bandwidth
+from oscar_kv.bench.floors import copy_bandwidth
 from oscar_kv.bench.models import ARCHS
 
 

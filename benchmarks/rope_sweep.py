@@ -2,7 +2,8 @@
 Run on the device: PYTHONPATH=src python3 benchmarks/rope_sweep.py (NOTES.md, runs R2 and R4)."""
 import torch
 
-from oscar_kv.bench.attention import _bench_call, _fill_pool, _mixed_batch, _orthogonal, _rope_mean
+from oscar_kv.bench.synthetic import _fill_pool, _mixed_batch, _orthogonal, _rope_mean
+from oscar_kv.bench.timing import _bench_call
 from oscar_kv.kernels.decode import int2_decode
 from oscar_kv.kernels.layout import PagedKVPool, PoolGeometry
 from oscar_kv.rope import KernelRope

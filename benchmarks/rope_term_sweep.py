@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_int2_sweep import SHIPPED, _source  # noqa: E402
 
-from oscar_kv.bench.attention import _bench_call, int2_case, layer_geometry, use_head_dim  # noqa: E402
+from oscar_kv.bench.synthetic import int2_case, layer_geometry, use_head_dim  # noqa: E402
+from oscar_kv.bench.timing import _bench_call  # noqa: E402
 from oscar_kv.kernels import int2_cuda  # noqa: E402
 from oscar_kv.kernels.decode import int2_decode  # noqa: E402
 from oscar_kv.rope import KernelRope, keep_pairs, random_pairs  # noqa: E402
