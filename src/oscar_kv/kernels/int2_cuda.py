@@ -62,8 +62,10 @@ ROPE_MIN_BLOCKS_D64: dict[int, int] = {}
 
 def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2) -> int:
     """CTAs per SM the kernel is compiled and planned for, given the head dim, the position-aware pairs it
-    visits (0: none) and the key width (the 3- and 4-bit variants use the INT2 variant's budgets: their sm_90
-    builds spill 0-224 bytes a thread there, benchmarks/NOTES.md, "3- and 4-bit keys in the CUDA kernel")."""
+    visits (0: none) and the key width.  The 3- and 4-bit variants use the INT2 variant's budgets: at 128K on the
+    H100, 2 CTAs per SM instead of 3 are within 4% of them at batch 1 and 8 (constant centering; their sm_90
+    builds spill 0-48 bytes a thread there, 80-224 with the RoPE term over 16 or 32 pairs; benchmarks/NOTES.md,
+    "3- and 4-bit keys in the CUDA kernel")."""
     del kbits  # one table for every key width (see above)
     if head_dim == 64:
         return ROPE_MIN_BLOCKS_D64.get(rope_pairs, MIN_BLOCKS_D64)
