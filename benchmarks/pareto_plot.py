@@ -2,8 +2,11 @@
 
     python3 benchmarks/pareto_plot.py results/protocol_*/*/protocol.json --context 32768 --output pareto.png
 
-One column per model (at ``--context``, or each model's longest length when it has no such row), three rows: KL
-against BF16 (log scale), NIAH and multi-key NIAH.  OSCAR's candidates are joined in order of bits; KIVI-2 is a
+Tables after ``--kl-only`` give bits, KL and top-1 but no retrieval (a run with fewer needle prompts than the others
+must not share their NIAH axes).  Rows of the same model, length and method from later tables replace earlier ones.
+
+One column per model (at ``--context``, or each model's longest length when it has no such row), four rows: KL
+against BF16 (log scale), top-1 agreement, NIAH and multi-key NIAH.  OSCAR's candidates are joined in order of bits; KIVI-2 is a
 separate marker and BF16's retrieval a dashed line, so a reader sees what each budget buys and where KIVI-2 sits.
 """
 
@@ -13,7 +16,9 @@ import argparse
 import json
 from pathlib import Path
 
-PANELS = (("kl", "KL vs BF16", True), ("niah", "NIAH", False), ("niah_multikey", "multi-key NIAH", False))
+PANELS = (("kl", "KL vs BF16", True), ("top1_agreement", "top-1 agreement with BF16", False), ("niah", "NIAH", False),
+          ("niah_multikey", "multi-key NIAH", False))
+RETRIEVAL = ("niah", "niah_multikey")
 
 
 def model_rows(rows: list[dict], context: int) -> dict[str, list[dict]]:
@@ -36,7 +41,7 @@ def plot(rows: list[dict], context: int, output: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = model_rows(rows, context)
-    fig, axes = plt.subplots(len(PANELS), len(models), figsize=(4.2 * len(models), 8.5), squeeze=False)
+    fig, axes = plt.subplots(len(PANELS), len(models), figsize=(4.2 * len(models), 11), squeeze=False)
     for col, (model, mine) in enumerate(sorted(models.items())):
         oscar = sorted((r for r in mine if r["method"].startswith("oscar")), key=lambda r: r["bits_per_element"])
         kivi = [r for r in mine if r["method"] == "kivi-2"]
@@ -56,6 +61,8 @@ def plot(rows: list[dict], context: int, output: Path) -> None:
             for r in bf16:
                 if r.get(metric) is not None and metric != "kl":
                     ax.axhline(r[metric], ls="--", color="gray", label="BF16")
+            if not pts:
+                ax.text(0.5, 0.5, "not measured at this length", ha="center", va="center", transform=ax.transAxes)
             if log:
                 ax.set_yscale("log")
             ax.set_xlabel("stored bits per element")
@@ -72,10 +79,18 @@ def plot(rows: list[dict], context: int, output: Path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("tables", nargs="+", type=Path, help="protocol.json files")
+    parser.add_argument("--kl-only", nargs="*", type=Path, default=[], help="tables whose retrieval is left out")
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
-    rows = [r for t in args.tables for r in json.loads(t.read_text())]
+    latest = {}
+    for t in [*args.tables, *args.kl_only]:
+        for r in json.loads(t.read_text()):
+            key = (r["model"], r["context"], r["method"])
+            if t in args.kl_only:
+                r = {**r, **{m: latest.get(key, {}).get(m) for m in RETRIEVAL}}
+            latest[key] = r
+    rows = list(latest.values())
     plot(rows, args.context, args.output)
     print(f"wrote {args.output}")
 

@@ -16,7 +16,7 @@ scored at the extended lengths.  ``--tasks`` adds ``longgen`` (greedy generation
 ``--gen-tokens``) to the default kl, niah, niah_multikey.
 
 Candidates (``--candidates``, comma-separated): ``default`` (what ``oscar-kv calibrate`` writes), ``k2`` / ``k3`` /
-``k4`` (every layer's keys at that width), ``bX`` (widths chosen by the key noise under a budget of X bits per
+``k4`` (every layer's keys at that width; ``k4v3``, ``k4v4``: values wider too), ``bX`` (widths chosen by the key noise under a budget of X bits per
 element at the model's context, no tolerance), ``nX`` (tolerance X nats^2, no budget).  The first candidate is the `oscar` row.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -43,14 +44,15 @@ from oscar_kv.models import load_model
 METRICS = ("bits_per_element", "kl", "top1_agreement", "niah", "niah_multikey", "gen_kl", "gen_first_divergence")
 
 
-def candidate_widths(name: str, default: Rotations, seq_len: int) -> list[int] | None:
-    """The key width per layer of a candidate name (module docstring), from the default artifact's measured noise;
-    None for the default itself."""
+def candidate_widths(name: str, default: Rotations, seq_len: int) -> tuple[list[int], list[int]] | None:
+    """The (key, value) widths per layer of a candidate name (module docstring), from the default artifact's
+    measured noise; None for the default itself."""
     layers = default.geometry.num_layers
     if name == "default":
         return None
-    if name in ("k2", "k3", "k4"):
-        return [int(name[1])] * layers
+    match = re.fullmatch(r"k([234])(?:v([234]))?", name)
+    if match:
+        return [int(match[1])] * layers, [int(match[2] or 2)] * layers
     recorded = default.manifest["calibration"]["widths"]
     noise = {int(w): n for w, n in recorded["key_noise_by_width"].items()}
     tolerance, budget = (None, float(name[1:])) if name[0] == "b" else (float(name[1:]), None)
@@ -58,7 +60,7 @@ def candidate_widths(name: str, default: Rotations, seq_len: int) -> list[int] |
         raise SystemExit(f"unknown candidate {name!r}")
     g = default.geometry
     return allocate_key_widths(noise, default.v_bits.tolist(), tolerance, budget, seq_len, g.head_dim,
-                               default.group_size).k_bits
+                               default.group_size).k_bits, default.v_bits.tolist()
 
 
 def held_back_probe(model, tokenizer, settings: CalibrationSettings):
@@ -67,11 +69,11 @@ def held_back_probe(model, tokenizer, settings: CalibrationSettings):
     return capture_samples(model, probe_ids)
 
 
-def with_widths(default: Rotations, k_bits: list[int], probe) -> Rotations:
-    """The default artifact with these key widths, its key clips refitted at each layer's width."""
+def with_widths(default: Rotations, k_bits: list[int], v_bits: list[int], probe) -> Rotations:
+    """The default artifact with these widths, the clips of each side refitted at each layer's width."""
     rot = copy.deepcopy(default)
-    rot.set_bits(k_bits, default.v_bits)
-    fit_clip_ratios(rot, probe, progress=False, sides=("k",))
+    rot.set_bits(k_bits, v_bits)
+    fit_clip_ratios(rot, probe, progress=False, sides=("k",) if v_bits == default.v_bits.tolist() else ("k", "v"))
     return rot
 
 
@@ -88,8 +90,8 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     probe = held_back_probe(model, tokenizer, settings) if set(candidates) - {"default"} else None
     artifacts = {}
     for name in candidates:
-        k_bits = candidate_widths(name, default, max_len)
-        rot = default if k_bits is None else with_widths(default, k_bits, probe)
+        widths = candidate_widths(name, default, max_len)
+        rot = default if widths is None else with_widths(default, *widths, probe)
         rot.save(directory / f"artifact_{name}")
         artifacts[name] = rot
         bits = bits_per_element(max_len, rot.geometry.head_dim, rot.group_size, k_bits=rot.k_bits.tolist(),

@@ -61,7 +61,7 @@ case "${1:-}" in
     ;;
   poll)
     cat "$runs/status" 2>/dev/null || true
-    for f in "$runs"/*.log; do [ -f "$f" ] && { echo "== $f"; tr '\r' '\n' < "$f" | grep -v "it/s\]\|s/it\]" | tail -4; }; done
+    for f in "$runs"/*.log; do [ -f "$f" ] && { echo "== $f"; tr '\r' '\n' < "$f" | grep -v "it/s\]\|s/it\]" | tail -4 || true; }; done
     if [ -n "${OUT:-}" ]; then
       (cd "$runs" && find . -name "*.md" -o -name "*.json" -o -name "*.log" -o -name status \
         | grep -v "artifact_" | xargs -r cp --parents -t "$OUT")

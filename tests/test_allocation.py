@@ -65,5 +65,18 @@ def test_budget_and_tolerance_together_stop_at_whichever_comes_first():
 def test_impossible_requests_are_clear_errors():
     with pytest.raises(ValueError, match="below the narrowest allocation"):
         allocate_key_widths(NOISE, [2] * 4, tolerance=None, budget=2.0, **GEOMETRY)
-    with pytest.raises(ValueError, match="tolerance, a bit budget or both"):
+    with pytest.raises(ValueError, match="tolerance, a bit budget or a step count"):
         allocate_key_widths(NOISE, [2] * 4, tolerance=None, budget=None, **GEOMETRY)
+
+
+def test_steps_walk_the_path_the_tolerance_walks():
+    """--max-kl searches the widening path by step count: step n is the tolerance's allocation after n widenings."""
+    full = allocate_key_widths(NOISE, [2] * 4, tolerance=0.0, budget=None, **GEOMETRY)
+    previous = allocate_key_widths(NOISE, [2] * 4, tolerance=None, budget=None, steps=0, **GEOMETRY)
+    assert previous.k_bits == [2] * 4
+    for n in range(1, 9):
+        step = allocate_key_widths(NOISE, [2] * 4, tolerance=None, budget=None, steps=n, **GEOMETRY)
+        assert sum(step.k_bits) == sum(previous.k_bits) + 1  # one layer, one width wider
+        assert step.bits_per_element > previous.bits_per_element
+        previous = step
+    assert previous.k_bits == full.k_bits == [4] * 4

@@ -5,8 +5,11 @@ import torch
 
 from oscar_kv.activations import NonFiniteActivations
 from oscar_kv.artifacts import Rotations
-from oscar_kv.calibrate import PAIRS_TOLERANCE, ROPE_GAIN, CalibrationSettings, calibrate, choose_centering
+from oscar_kv.allocation import WidthChoice
+from oscar_kv.calibrate import (PAIRS_TOLERANCE, ROPE_GAIN, CalibrationSettings, calibrate, choose_centering,
+                                search_kl_steps)
 from oscar_kv.corpus import read_text_file
+from oscar_kv.errors import ConfigError
 from oscar_kv.rope import kernel_pairs
 from oscar_kv.rotation import orthogonality_error
 
@@ -224,3 +227,44 @@ def test_a_budget_below_the_narrowest_widths_is_refused_before_any_work(model, t
     with pytest.raises(ValueError, match="below the narrowest widths' 3.027 at this model's context of 8192") as info:
         calibrate(model, tokenizer, CalibrationSettings(kv_bits=3.0, **SMALL), progress=False)
     assert info.value.fields == ("kv_bits",) and time.perf_counter() - t0 < 5
+
+
+def test_the_kl_search_takes_the_fewest_widenings_that_meet_the_target():
+    """search_kl_steps bisects the widening path: the step it returns meets the target, every measured step before
+    it does not, and it measures about log2 of the path, not all of it."""
+    kl_at = {n: 1.0 / (1 + n) for n in range(41)}  # falls as layers widen
+    state = {}
+
+    def allocation(n):
+        n = min(n, 40)
+        return WidthChoice([2] * 20 if n == 0 else [4] * (n // 2) + [3] * (n % 2) + [2] * (20 - n // 2 - n % 2),
+                           [0.0] * 20, 2.0 + n / 40, "")
+
+    choice, measured = search_kl_steps(allocation, lambda k_bits: state.update(n=sum(k_bits) - 40),
+                                       lambda: kl_at[state["n"]], max_kl=0.1, progress=False)
+    chosen = sum(choice.k_bits) - 40
+    assert chosen == 9 and kl_at[chosen] <= 0.1 < kl_at[chosen - 1]
+    assert all(v["kl"] > 0.1 for n, v in measured.items() if n < chosen)
+    assert len(measured) <= 7 and "the fewest widenings (9)" in choice.reason
+    _, unmet = search_kl_steps(allocation, lambda k_bits: state.update(n=sum(k_bits) - 40),
+                               lambda: kl_at[state["n"]], max_kl=1e-3, progress=False)
+    assert list(unmet) == [40]  # the widest end is measured first; when it misses, nothing else is
+
+
+def test_a_kl_target_out_of_reach_takes_the_widest_widths_and_says_so(model, tokenizer):
+    rot = calibrate(model, tokenizer, CalibrationSettings(max_kl=1e-9, kl_probe_tokens=1024, **SMALL), progress=False)
+    widths = rot.manifest["calibration"]["widths"]
+    assert set(rot.k_bits.tolist()) == {4} and widths["max_kl"] == 1e-9 and widths["tolerance"] is None
+    assert "not met" in widths["reason"]
+    (step, measured), = widths["kl_by_step"].items()
+    assert step == 2 * rot.geometry.num_layers and measured["kl"] > 1e-9
+    assert measured["bits_per_element"] == widths["bits_per_element"]
+
+
+def test_a_kl_target_refuses_what_it_cannot_do():
+    with pytest.raises(ConfigError, match="KL target must be > 0"):
+        CalibrationSettings(max_kl=0)
+    with pytest.raises(ConfigError, match="needs key bits 'auto'"):
+        CalibrationSettings(max_kl=0.05, key_bits=4)
+    with pytest.raises(ConfigError, match="at least 1024 tokens"):
+        CalibrationSettings(max_kl=0.05, kl_probe_tokens=100)

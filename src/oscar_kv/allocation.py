@@ -60,7 +60,7 @@ class WidthChoice:
 
 def allocate_key_widths(noise: dict[int, list[float]], v_bits: list[int], tolerance: float | None,
                         budget: float | None, seq_len: int, head_dim: int, group_size: int, sink_size: int = 64,
-                        recent_size: int = 256) -> WidthChoice:
+                        recent_size: int = 256, steps: int | None = None) -> WidthChoice:
     """The key width of every layer (module docstring: the noisiest layer is widened first).
 
     Args:
@@ -69,11 +69,13 @@ def allocate_key_widths(noise: dict[int, list[float]], v_bits: list[int], tolera
         tolerance: stop once every layer's noise is at most this; None: only the budget stops.
         budget: the most mean stored bits per element at ``seq_len`` tokens; None: no bound.
         seq_len, head_dim, group_size, sink_size, recent_size: what the budget's bits are counted at.
+        steps: stop after this many widenings (a point on the path the other bounds walk: ``--max-kl`` searches
+            it); None: no bound.
     Returns:
         The WidthChoice.
     """
-    if tolerance is None and budget is None:
-        raise ValueError("a key width allocation needs a noise tolerance, a bit budget or both")
+    if tolerance is None and budget is None and steps is None:
+        raise ValueError("a key width allocation needs a noise tolerance, a bit budget or a step count")
     widths = sorted(noise)
     layers = len(v_bits)
     chosen = [widths[0]] * layers
@@ -88,7 +90,11 @@ def allocate_key_widths(noise: dict[int, list[float]], v_bits: list[int], tolera
         raise ValueError(f"a budget of {budget:.3f} bits per element is below the narrowest allocation "
                          f"({cost(chosen):.3f} at {seq_len} tokens)")
     reason = "every layer at the widest width"
+    taken = 0
     while True:
+        if steps is not None and taken == steps:
+            reason = f"{steps} widening(s) of the noisiest layers"
+            break
         above = [i for i in range(layers) if tolerance is None or current(i) > tolerance]
         if not above:
             reason = f"every layer's key logit noise is within {tolerance:g} nats^2"
@@ -108,4 +114,5 @@ def allocate_key_widths(noise: dict[int, list[float]], v_bits: list[int], tolera
                       f"{current(worst):.3g} nats^2, would cost {cost(wider):.3f})")
             break
         chosen = wider
+        taken += 1
     return WidthChoice(chosen, [round(current(i), 5) for i in range(layers)], round(cost(chosen), 4), reason)

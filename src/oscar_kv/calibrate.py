@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,6 +104,10 @@ class CalibrationSettings:
     # first, while the mean stored bits per element at the model's context stay within kv_bits (None: unbounded)
     key_noise: float | None = DEFAULT_KEY_NOISE
     kv_bits: float | None = DEFAULT_KV_BITS
+    # instead of the tolerance: the fewest widenings (noisiest layer first, within kv_bits) whose KL against the
+    # unquantized model, measured on kl_probe_tokens of held-back text (None: min(context, 8192)), is at most max_kl
+    max_kl: float | None = None
+    kl_probe_tokens: int | None = None
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:
@@ -125,7 +130,13 @@ class CalibrationSettings:
             raise ConfigError(f"the key noise tolerance must be > 0 nats^2, got {self.key_noise}")
         if self.kv_bits is not None and not 2 <= self.kv_bits <= 16:
             raise ConfigError(f"the bit budget must lie in [2, 16] bits per element, got {self.kv_bits}")
-        if self.key_bits == "auto" and self.key_noise is None and self.kv_bits is None:
+        if self.max_kl is not None and not self.max_kl > 0:
+            raise ConfigError(f"the KL target must be > 0 nats, got {self.max_kl}")
+        if self.max_kl is not None and self.key_bits != "auto":
+            raise ConfigError("a KL target chooses the key widths: it needs key bits 'auto'")
+        if self.kl_probe_tokens is not None and not (type(self.kl_probe_tokens) is int and self.kl_probe_tokens >= 1024):
+            raise ConfigError(f"the KL probe needs at least 1024 tokens, got {self.kl_probe_tokens!r}")
+        if self.key_bits == "auto" and self.key_noise is None and self.kv_bits is None and self.max_kl is None:
             raise ConfigError("key bits 'auto' needs a key noise tolerance, a bit budget or both")
         if self.calib_tokens < 16 or self.seq_len < 16:
             raise ConfigError("calibration needs at least 16 tokens")
@@ -328,6 +339,8 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
         The Rotations with their manifest; None on ranks other than 0.
     """
     settings = settings or CalibrationSettings()
+    if settings.max_kl is not None and tp.size > 1:
+        raise ConfigError("a KL target is measured on the whole model: calibrate it without --tp", "max_kl")
     geometry = AttentionGeometry.of(model.config)
     fingerprint = model_fingerprint(model)  # of the whole weights, as serving checks them
     if tp.size > 1:
@@ -376,7 +389,8 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     say("rotations fitted (eigen-decompositions)")
     centering = choose_key_centering(rotations, stats, settings, probe)
     say(f"key centering: {centering['chosen']}, {centering['pairs']} RoPE pairs")
-    widths = choose_widths(rotations, stats, settings, probe, max_len, progress)
+    kl = kl_measure(model, tokenizer, texts, settings, max_len) if settings.max_kl is not None else None
+    widths = choose_widths(rotations, stats, settings, probe, max_len, progress, kl)
     say(f"widths: {rotations.width_summary()} ({widths['bits_per_element']:.3f} bits per element at {max_len} "
         f"tokens; {widths['reason']})" + (", clip ratios fitted at each width" if settings.clip == "fit" else ""))
     table = error_table(rotations, probe)
@@ -440,7 +454,7 @@ def key_noise(rot: Rotations, c_q: torch.Tensor, sample: LayerSample, layer: int
 
 
 def choose_widths(rot: Rotations, stats: Statistics, settings: CalibrationSettings, probe: list[LayerSample],
-                  seq_len: int, progress: bool = True) -> dict:
+                  seq_len: int, progress: bool = True, kl: Callable[[Rotations], float] | None = None) -> dict:
     """Set ``rot``'s key and value widths (allocation.py) and, with fitted clips, each side's clips at its width.
 
     Every candidate key width is measured with key clips fitted at that width; the values are stored at
@@ -448,12 +462,13 @@ def choose_widths(rot: Rotations, stats: Statistics, settings: CalibrationSettin
     Args:
         rot: the fitted rotations (centering settled), changed in place.
         stats: the calibration statistics (their query second moments weigh the key errors).
-        settings: the calibration's settings (key_bits, value_bits, key_noise, kv_bits, clip).
+        settings: the calibration's settings (key_bits, value_bits, key_noise, kv_bits, max_kl, clip).
         probe: one held-back LayerSample per layer.
         seq_len: the context the bit budget is counted at (the model's).
+        kl: with ``settings.max_kl``, the KL against the unquantized model of an artifact (search_kl_steps).
     Returns:
         The manifest's record: the widths, each candidate's noise per layer, the chosen noise, the bits per
-        element and the reason.
+        element and the reason (and with max_kl, every KL measured on the way).
     """
     g = rot.geometry
     layers = range(g.num_layers)
@@ -467,25 +482,116 @@ def choose_widths(rot: Rotations, stats: Statistics, settings: CalibrationSettin
             fit_clip_ratios(rot, probe, progress, sides=("k",))
         clips[width] = rot.k_clip.clone()
         noise[width] = [float(key_noise(rot, c_q[i], probe[i], i).max()) for i in layers]
-    if len(candidates) > 1:
-        choice = allocate_key_widths(noise, v_bits, settings.key_noise, settings.kv_bits, seq_len, g.head_dim,
-                                     rot.group_size)
-    else:
+    if settings.clip == "fit":  # the values' clips depend on their width alone: fitted once, whatever the keys get
+        fit_clip_ratios(rot, probe, progress, sides=("v",))
+
+    def use(k_bits: list[int]) -> None:
+        rot.set_bits(k_bits, v_bits)
+        rot.k_clip = torch.stack([clips[w][i] for i, w in enumerate(k_bits)])
+
+    def allocate(**bounds) -> WidthChoice:
+        return allocate_key_widths(noise, v_bits, budget=settings.kv_bits, seq_len=seq_len, head_dim=g.head_dim,
+                                   group_size=rot.group_size, **bounds)
+
+    measured = None
+    if len(candidates) == 1:
         k_bits = [candidates[0]] * g.num_layers
         bits = bits_per_element(seq_len, g.head_dim, rot.group_size, 2, k_bits=k_bits, v_bits=v_bits)
         choice = WidthChoice(k_bits, noise[candidates[0]], round(bits, 4), "requested")
-    rot.set_bits(choice.k_bits, v_bits)
-    rot.k_clip = torch.stack([clips[w][i] for i, w in enumerate(choice.k_bits)])
-    if settings.clip == "fit":
-        fit_clip_ratios(rot, probe, progress, sides=("v",))
-    return {"k_bits": choice.k_bits, "v_bits": v_bits, "key_noise": choice.noise,
-            "key_noise_by_width": {str(w): [round(n, 5) for n in noise[w]] for w in candidates},
-            "tolerance": settings.key_noise if len(candidates) > 1 else None,
-            "budget": settings.kv_bits if len(candidates) > 1 else None, "seq_len": seq_len,
-            "bits_per_element": choice.bits_per_element, "reason": choice.reason,
-            # what the widths cost at the lengths users compare (memory.bits_per_element: windows, scale/min counted)
-            "bits_per_element_at": {str(n): round(bits_per_element(n, g.head_dim, rot.group_size, 2, k_bits=choice.k_bits,
-                                                                   v_bits=v_bits), 4) for n in (32768, 131072)}}
+    elif settings.max_kl is not None:
+        if kl is None:
+            raise ValueError("a KL target needs the KL measure (calibrate passes it)")
+        choice, measured = search_kl_steps(lambda n: allocate(tolerance=None, steps=n), use, lambda: kl(rot),
+                                           settings.max_kl, progress)
+    else:
+        choice = allocate(tolerance=settings.key_noise)
+    use(choice.k_bits)
+    record = {"k_bits": choice.k_bits, "v_bits": v_bits, "key_noise": choice.noise,
+              "key_noise_by_width": {str(w): [round(n, 5) for n in noise[w]] for w in candidates},
+              "tolerance": settings.key_noise if len(candidates) > 1 and settings.max_kl is None else None,
+              "budget": settings.kv_bits if len(candidates) > 1 else None, "seq_len": seq_len,
+              "bits_per_element": choice.bits_per_element, "reason": choice.reason,
+              # what the widths cost at the lengths users compare (memory.bits_per_element: windows, scale/min counted)
+              "bits_per_element_at": {str(n): round(bits_per_element(n, g.head_dim, rot.group_size, 2,
+                                                                     k_bits=choice.k_bits, v_bits=v_bits), 4)
+                                      for n in (32768, 131072)}}
+    if measured is not None:
+        record["max_kl"] = settings.max_kl
+        record["kl_by_step"] = measured
+    return record
+
+
+def search_kl_steps(allocation: Callable[[int], WidthChoice], use: Callable[[list[int]], None],
+                    kl: Callable[[], float], max_kl: float, progress: bool = True):
+    """The fewest widenings along the noise order (allocation.py) whose measured KL is at most ``max_kl``.
+
+    KL falls as layers widen (each bit divides a layer's key noise by 3-4: benchmarks/NOTES.md, and the noise ranks
+    allocations as KL does), so a bisection over the step count measures ~log2(2L) artifacts, not every one.
+    Args:
+        allocation: the WidthChoice after n widenings (its bits stay within the budget: the path ends there).
+        use: sets the artifact's widths (and their clips) to a k_bits list.
+        kl: the KL of the artifact as it is set now.
+        max_kl: the target.
+    Returns:
+        (the WidthChoice, {step: {"k_bits_mean", "bits_per_element", "kl"}} for every step measured).
+    """
+    last = allocation(10 ** 6)  # as far as the budget (or the widest width) lets the path go
+    widest = sum(last.k_bits) - 2 * len(last.k_bits)  # one width wider per step, from 2 bits
+    measured: dict[int, dict] = {}
+
+    def measure(n: int) -> float:
+        choice = allocation(n)
+        use(choice.k_bits)
+        value = kl()
+        measured[n] = {"bits_per_element": choice.bits_per_element, "kl": round(value, 6)}
+        if progress:
+            print(f"  KL search: {n} widening(s), {choice.bits_per_element:.3f} bits per element: KL {value:.4f}",
+                  flush=True)
+        return value
+
+    if measure(widest) > max_kl:
+        reason = (f"the KL target {max_kl:g} is not met within the budget or the widest widths "
+                  f"(KL {measured[widest]['kl']:.4g} with {widest} widenings)")
+        return _with_reason(last, reason), measured
+    lo, hi = -1, widest  # KL(lo) > max_kl (or lo is below the path), KL(hi) <= max_kl
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if measure(mid) <= max_kl:
+            hi = mid
+        else:
+            lo = mid
+    reason = f"the fewest widenings ({hi}) whose measured KL {measured[hi]['kl']:.4g} is within {max_kl:g}"
+    return _with_reason(allocation(hi), reason), measured
+
+
+def _with_reason(choice: WidthChoice, reason: str) -> WidthChoice:
+    return dataclasses.replace(choice, reason=reason)
+
+
+def kl_measure(model, tokenizer, texts: list[str], settings: CalibrationSettings, max_len: int):
+    """The KL measure of ``--max-kl``: an artifact's mean KL(unquantized || artifact's cache) over one sequence of
+    ``settings.kl_probe_tokens`` (default min(context, 8192)) cut after the fitting text and the probe, as
+    ``oscar-kv eval``'s kl task scores it (the cache simulated in one teacher-forced forward)."""
+    from .cache import CacheSettings, unprepare_model
+    from .evaluate.schemes import standard_scheme
+    from .evaluate.tasks import kl_and_ppl, reference_hidden
+
+    length = min(settings.kl_probe_tokens or 8192, max_len)
+    after = math.ceil((settings.calib_tokens + settings.probe_tokens) / length)
+    sequences = token_sequences(tokenizer, texts, length, after + 1)
+    if len(sequences) <= after:
+        log.warning("the calibration text is too short for a KL probe after the fitting text: it overlaps it")
+    ids = sequences[-1]
+    reference = reference_hidden(model, ids)
+    geometry = AttentionGeometry.of(model.config)
+
+    def kl(rot: Rotations) -> float:
+        scheme = standard_scheme("oscar", geometry, rot, CacheSettings())
+        value = kl_and_ppl(model, scheme, ids, reference)["kl"]
+        unprepare_model(model)
+        return value
+
+    return kl
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,15 @@ def calibrate(
     kv_bits: Optional[float] = typer.Option(
         None, min=2.0, max=16.0, help="With --key-bits auto: the most mean stored bits per K/V element at the "
         "model's context (windows and scale/min counted) the widening may spend (default: no bound)."),
+    max_kl: Optional[float] = typer.Option(
+        None, min=0.0, help="With --key-bits auto, instead of --key-noise: the mean KL (nats per token) against the "
+        "unquantized model you can accept. Calibration walks the same noisiest-first widenings (within --kv-bits), "
+        "measures the KL of a few of them on --kl-probe-tokens of held-back text (a bisection: ~log2(2 x layers) "
+        "forwards) and keeps the fewest that meet it; the manifest records every KL measured. KL grows with the "
+        "context (about 1.2x from 8K to 32K on Qwen2.5-1.5B): probe at the length you serve where time allows."),
+    kl_probe_tokens: Optional[int] = typer.Option(
+        None, min=1024, help="With --max-kl: the tokens the KL is measured over (default: the model's context, at "
+        "most 8192; on a CPU each forward at 8K takes seconds to minutes by model size)."),
     key_rescale: float = typer.Option(
         0.5, min=0.0, max=1.0, help="Share of the clip's shrink of each INT2 key row along itself that its float16 scale "
         "and minimum undo (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "
@@ -164,7 +173,8 @@ def calibrate(
                                        rope_horizon=rope_horizon,
                                        center_values=center_values, probe_tokens=probe_tokens,
                                        key_bits=_width_or_auto(key_bits, "--key-bits"), value_bits=value_bits,
-                                       key_noise=key_noise, kv_bits=kv_bits, key_rescale=key_rescale,
+                                       key_noise=key_noise, kv_bits=kv_bits, max_kl=max_kl,
+                                       kl_probe_tokens=kl_probe_tokens, key_rescale=key_rescale,
                                        value_rescale=value_rescale)
     except ValueError as exc:
         _fail(user_message(exc))
