@@ -226,7 +226,8 @@ class HTTPConfig(Settings):
                         at_least=0, at_most=65535)
     api_key: str | None = setting(None, "If set, requests must send 'Authorization: Bearer <key>' "
                                         "(default: $OSCAR_KV_API_KEY, else no auth).")
-    served_model_name: str | None = setting(None, "Model name clients must send (default: --model).")
+    served_model_name: str | None = setting(None, "Model name clients must send (default: --model); several, comma "
+                                                  "separated, are each accepted and listed in /v1/models.")
     shutdown_timeout: float = setting(30.0, "On SIGTERM / SIGINT: stop admitting, give requests in flight this many "
                                             "seconds to finish, then end the rest with an error (streams get an error "
                                             "event and [DONE]). A second signal stops at once.", at_least=0)
@@ -240,7 +241,13 @@ class ServeConfig(HTTPConfig, EngineConfig, ModelConfig):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> list[str]:
+        """--served-model-name's names (comma separated), or --model."""
+        names = [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
+        return names or [self.model]
 
     @property
     def engine(self) -> EngineConfig:

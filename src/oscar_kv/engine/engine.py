@@ -32,7 +32,7 @@ from .detokenize import IncrementalText
 from .kernel_attention import PoolView, kernel_support
 from .runner import ATTENTION_KEY, ModelForward, ModelRunner, register_paged_attention
 from .scheduler import Scheduler
-from .sequence import PENDING, SamplingParams, Sequence, SeqStatus
+from .sequence import PENDING, Logprob, SamplingParams, Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,9 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    logprobs: list[Logprob] | None = None  # one per token of token_ids, when the request asked (params.logprobs)
+    # every prompt token's (the first None), on the request's first output, when it asked (params.prompt_logprobs)
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass
@@ -369,6 +372,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must lie in [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.requests:
@@ -409,6 +414,10 @@ class LLMEngine:
         pool = self.pool
         seq = Sequence(new_id, src.prompt_ids, src.params)
         seq.output_ids = list(src.output_ids)
+        seq.output_logprobs = list(src.output_logprobs)
+        if src.prompt_logprobs is not None:  # its prompt is computed: what it scored is the fork's too
+            seq.prompt_logprobs, seq.prompt_logprobs_next = list(src.prompt_logprobs), src.prompt_logprobs_next
+            seq.prompt_logprobs_sent = src.prompt_logprobs_sent
         seq.detokenizer = src.detokenizer.following(seq.output_ids)
         kinds = [pool.kind_of(i, src.int2_pages) for i in range(len(src.pages))]
         src_q = [p for p, k in zip(src.pages, kinds) if k == QUANT]
@@ -509,8 +518,12 @@ class LLMEngine:
         """Wait for a launched step's tokens and hand them to their sequences (those still running)."""
         try:
             sampled = self.runner.sampled(launched)
+            logprobs, prompt_logprobs = launched.results()
         except Exception as exc:
             return self._fail(launched.steps, exc)
+        for seq, first, entries in prompt_logprobs:  # before the tokens: a first output carries them all
+            if not seq.finished:
+                seq.prompt_logprobs[first:first + len(entries)] = entries
         outputs = []
         now = time.monotonic()
         new_tokens = 0
@@ -523,18 +536,20 @@ class LLMEngine:
             if token is None:
                 continue
             new_tokens += 1
-            outputs.append(self._append_token(st.seq, token))
+            outputs.append(self._append_token(st.seq, token, logprobs.get(st.seq)))
         self.generation_tokens += new_tokens
         self._recent.append((now, new_tokens))
         while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, logprob: Logprob | None = None) -> RequestOutput:
         if seq.pending:
             seq.output_ids[-1] = token
         else:
             seq.output_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
         reason = None
         if token in self.stop_token_ids and not seq.params.ignore_eos:
             reason = "stop"
@@ -561,8 +576,13 @@ class LLMEngine:
     def _delta(self, seq: Sequence, token_ids: list[int]) -> RequestOutput:
         delta = seq.text[seq.sent_chars:]
         seq.sent_chars = len(seq.text)
-        return RequestOutput(seq.request_id, delta, token_ids, seq.finished, seq.finish_reason,
-                             len(seq.prompt_ids), len(seq.output_ids))
+        out = RequestOutput(seq.request_id, delta, token_ids, seq.finished, seq.finish_reason,
+                            len(seq.prompt_ids), len(seq.output_ids))
+        if seq.params.logprobs is not None:  # token_ids are the newest tokens (one, or none)
+            out.logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(token_ids):]
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+        return out
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         if seq.pending:  # ended while its next token was being sampled: that token is dropped

@@ -21,9 +21,9 @@ from ..parallel import SINGLE, TensorParallel
 from .attention import KernelAttention, StepPlan, TorchAttention
 from .block_pool import WINDOW, PagePool
 from .kernel_attention import PoolView
-from .sampling import sample
+from .sampling import CHUNK_ELEMENTS, gather_logprobs, sample
 from .scheduler import Migration, ScheduledSeq
-from .sequence import Sequence
+from .sequence import Logprob, Sequence
 from .timing import NO_REGIONS
 from .uploads import upload
 
@@ -121,20 +121,65 @@ class ModelRunner:
                 if st.samples:
                     sampling.append(st.seq)
                     last.append(offset - 1)
-            if not sampling:
+            prompt = self._prompt_logprobs(steps, hidden)
+            if not sampling and prompt is None:
                 return LaunchedStep(steps, [], None, None)
-            rows = upload(np.array(last, dtype=np.int64), self.device)
-            tokens = sample(self.forward.logits(hidden[0, rows]).float(), sampling)
-            return LaunchedStep(steps, sampling, tokens, *_download(tokens))
+            tokens = logprobs = None
+            if sampling:
+                rows = upload(np.array(last, dtype=np.int64), self.device)
+                logits = self.forward.logits(hidden[0, rows]).float()
+                if any(seq.params.penalized for seq in sampling):  # an output id may be PENDING: its value is here
+                    tokens = sample(logits, sampling, last_inputs=input_ids[0].index_select(0, rows))
+                else:
+                    tokens = sample(logits, sampling)
+                logprobs = _sampled_logprobs(logits, tokens, sampling)
+            launched = LaunchedStep(steps, sampling, tokens)
+            launched.logprobs, launched.prompt = logprobs, prompt
+            launched.download()
+            return launched
+
+    def _prompt_logprobs(self, steps: list[ScheduledSeq], hidden: torch.Tensor) -> "PromptLogprobs | None":
+        """Queue the logprobs of the prompt tokens that this step's logits give, for the sequences that ask for them
+        (none: nothing runs).  The logits at position p score prompt token p + 1; the last prompt position's are the
+        sampler's.  A position is computed once, even when a preempted sequence computes it again."""
+        spans, rows, targets, offset, k = [], [], [], 0, 0
+        for st in steps:
+            seq = st.seq
+            if seq.prompt_logprobs is not None:
+                lo, hi = max(st.start, seq.prompt_logprobs_next), min(st.end, len(seq.prompt_ids) - 1)
+                if lo < hi:
+                    spans.append((seq, lo + 1, hi - lo))  # scores of prompt tokens lo + 1 .. hi
+                    rows.extend(range(offset + lo - st.start, offset + hi - st.start))
+                    targets.extend(seq.prompt_ids[lo + 1:hi + 1])
+                    k = max(k, seq.params.prompt_logprobs)
+                    seq.prompt_logprobs_next = hi
+            offset += st.num_tokens
+        if not spans:
+            return None
+        index = upload(np.array([rows, targets], dtype=np.int64), self.device)
+        values = torch.empty(len(rows), 1 + k, dtype=torch.float32, device=self.device)
+        ids = torch.empty(len(rows), k, dtype=torch.int64, device=self.device)
+        step = max(1, CHUNK_ELEMENTS // self.vocab_size)  # rows x vocab logits at a time
+        for a in range(0, len(rows), step):
+            logits = self.forward.logits(hidden[0].index_select(0, index[0, a:a + step]))
+            values[a:a + step], ids[a:a + step] = gather_logprobs(logits, index[1, a:a + step], k)
+        return PromptLogprobs(spans, values, ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
 
     def sampled(self, launched: "LaunchedStep") -> dict[Sequence, int]:
-        """Wait for a launched step; the next token of each of its sampling sequences."""
-        if not launched.sampling:
+        """Wait for a launched step; the next token of each of its sampling sequences (their logprobs and the
+        step's prompt logprobs are then in ``launched.results()``)."""
+        if launched.ready is None and not launched.sampling:
             return {}
         with self.regions.region("sampling"):
-            if launched.tokens_ready is not None:
-                launched.tokens_ready.synchronize()  # this step's work only, not the steps queued after it
-            return dict(zip(launched.sampling, launched.tokens_host.tolist()))
+            if launched.ready is not None:
+                launched.ready.synchronize()  # this step's work only, not the steps queued after it
+            if not launched.sampling:
+                return {}
+            return dict(zip(launched.sampling, launched.host["tokens"].tolist()))
 
     def _forward(self, fwd: StepAttention, input_ids: torch.Tensor) -> torch.Tensor:
         """The last hidden states [1, N, hidden] of the step (graph replay, or eager)."""
@@ -178,24 +223,93 @@ class ModelRunner:
 
 
 @dataclass(eq=False)
+class PromptLogprobs:
+    """A step's prompt logprobs on the device: row r of ``values`` / ``ids`` (gather_logprobs' layout) scores one
+    prompt token; ``spans`` (sequence, its first prompt token scored, how many) tell whose, in row order."""
+
+    spans: list[tuple[Sequence, int, int]]
+    values: torch.Tensor
+    ids: torch.Tensor
+
+
+@dataclass(eq=False)
 class LaunchedStep:
-    """A step queued on the device: its forward and the next token of each of its sampling sequences."""
+    """A step queued on the device: its forward, the next token of each of its sampling sequences, and the
+    logprobs that some of them asked for."""
 
     steps: list[ScheduledSeq]
     sampling: list[Sequence]  # the sequences it gives a token, in the tokens' order
     tokens: torch.Tensor | None  # int64 [len(sampling)], on the device (sampling.sample)
-    tokens_host: torch.Tensor | None = None  # their copy in host memory, valid once tokens_ready has passed
-    tokens_ready: torch.cuda.Event | None = None  # None: tokens_host is valid now (on the CPU)
+    # (sampling rows that asked, values, ids) of the sampled tokens (sampling.gather_logprobs), or None
+    logprobs: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+    prompt: PromptLogprobs | None = None
+    host: dict = None  # name -> the tensor's copy in host memory, valid once ``ready`` has passed
+    ready: torch.cuda.Event | None = None  # None: ``host`` is valid now (on the CPU)
+
+    def download(self) -> None:
+        """Queue the copies of the step's results to host memory, then one event after them."""
+        tensors = {"tokens": self.tokens}
+        if self.logprobs is not None:
+            tensors["lp_values"], tensors["lp_ids"] = self.logprobs[1:]
+        if self.prompt is not None:
+            tensors["plp_values"], tensors["plp_ids"] = self.prompt.values, self.prompt.ids
+        self.host, self.ready = _download_all({k: v for k, v in tensors.items() if v is not None})
+
+    def results(self) -> tuple[dict[Sequence, "Logprob"], list[tuple[Sequence, int, list["Logprob"]]]]:
+        """After ``ModelRunner.sampled``: the logprob of each sampled token that asked for one, and the prompt
+        logprobs (sequence, first prompt token scored, one per token) of the step."""
+        sampled, prompt = {}, []
+        if self.logprobs is not None:
+            entries = _logprob_entries(self.host["lp_values"], self.host["lp_ids"])
+            for (lp, ids, tops), r in zip(entries, self.logprobs[0]):
+                seq = self.sampling[r]
+                k = seq.params.logprobs
+                sampled[seq] = Logprob(lp, ids[:k], tops[:k])
+        if self.prompt is not None:
+            entries = _logprob_entries(self.host["plp_values"], self.host["plp_ids"])
+            row = 0
+            for seq, first, n in self.prompt.spans:
+                k = seq.params.prompt_logprobs
+                prompt.append((seq, first, [Logprob(lp, ids[:k], tops[:k]) for lp, ids, tops in entries[row:row + n]]))
+                row += n
+        return sampled, prompt
+
+
+def _logprob_entries(values: torch.Tensor, ids: torch.Tensor) -> list[tuple[float, tuple, tuple]]:
+    """Host rows of gather_logprobs' layout as (logprob, top ids, top logprobs)."""
+    values, ids = values.tolist(), ids.tolist()
+    return [(v[0], tuple(i), tuple(v[1:])) for v, i in zip(values, ids)]
+
+
+def _sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: list[Sequence]):
+    """(rows, values, ids) of the sampled tokens' logprobs for the rows that ask (raw logits), or None: a step where
+    no request asks computes nothing."""
+    rows = [i for i, seq in enumerate(sampling) if seq.params.logprobs is not None]
+    if not rows:
+        return None
+    k = max(sampling[i].params.logprobs for i in rows)
+    if len(rows) < len(sampling):
+        index = upload(np.array(rows, dtype=np.int64), logits.device)
+        logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
+    return (rows, *gather_logprobs(logits, tokens, k))
 
 
 def _download(tokens: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
-    """A copy of the step's tokens in host memory, and the event after it.  ``.tolist()`` on the device tensor
+    """A copy of ``tokens`` in host memory and the event after it (``_download_all`` of one tensor)."""
+    host, ready = _download_all({"tokens": tokens})
+    return host["tokens"], ready
+
+
+def _download_all(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], "torch.cuda.Event | None"]:
+    """Copies of a step's result tensors in host memory, and one event after them.  ``.tolist()`` on a device tensor
     would wait for the whole stream, i.e. also for the step queued after this one, and the GPU would idle while the
     host then schedules and plans the next step; waiting on this event waits for this step alone."""
-    if tokens.device.type != "cuda":
-        return tokens, None
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
+    if not tensors or next(iter(tensors.values())).device.type != "cuda":
+        return tensors, None
+    host = {}
+    for name, t in tensors.items():
+        host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host[name].copy_(t, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
     return host, ready

@@ -123,7 +123,8 @@ class Scheduler:
             i += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            self.pool.match_prefix(seq, self.enable_prefix_caching)
+            # a request that asks for prompt logprobs needs the logits of every prompt position: no cached prefix
+            self.pool.match_prefix(seq, self.enable_prefix_caching and not seq.wants_prompt_logits)
             n = min(seq.num_tokens - seq.num_computed, budget)
             # keep one page per running sequence for its growth, so admission does not cause thrashing
             step = self._allocate(seq, n, reserve=len(self.running))

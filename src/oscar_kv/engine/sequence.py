@@ -8,8 +8,20 @@ import itertools
 import math
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..errors import RequestError
+
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (vLLM's default --max-logprobs)
+
+
+class Logprob(NamedTuple):
+    """One token's log-probability under the model's raw distribution (log_softmax of the logits, before
+    penalties, logit bias and temperature), and the ``k`` most likely tokens at its position, most likely first."""
+
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -23,6 +35,15 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # log-probabilities (sampling.py, runner.py): None asks for none, k >= 0 for each token's own plus the top k
+    logprobs: int | None = None  # of every sampled token
+    prompt_logprobs: int | None = None  # of every prompt token after the first (the prefix cache is skipped)
+    # applied on the device before temperature / top-k / top-p, in this order: logit_bias, repetition, frequency and
+    # presence penalties (vLLM's and OpenAI's definitions; sampling.apply_penalties)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -33,10 +54,27 @@ class SamplingParams:
             raise RequestError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise RequestError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise RequestError(f"{name} must lie in [0, {MAX_LOGPROBS}], got {k}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise RequestError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise RequestError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if any(not math.isfinite(b) for _, b in self.logit_bias):
+            raise RequestError("logit_bias values must be finite numbers")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Its logits change before sampling (penalties or logit bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 class SeqStatus(enum.Enum):
@@ -75,6 +113,12 @@ class Sequence:
     sent_chars: int = 0
     arrival: int = field(default_factory=lambda: next(_arrivals))
     sample_seed: int = 0  # the seed of its sampling noise (sampling.py), in [0, 2^62)
+    output_logprobs: list[Logprob] = field(default_factory=list)  # one per output id, when params.logprobs is set
+    # prompt_logprobs[p]: of prompt token p given the tokens before it (None for p = 0 and until computed)
+    prompt_logprobs: list[Logprob | None] | None = None
+    prompt_logprobs_next: int = 0  # the first prompt position whose logits no launched step has computed yet
+    prompt_logprobs_sent: bool = False
+    prompt_mask: object = None  # bool [vocab] on the device: its prompt's tokens (sampling.py, repetition_penalty)
     _page_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self):
@@ -83,6 +127,14 @@ class Sequence:
         if not self.params.greedy:
             seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little")
             self.sample_seed = seed % (1 << 62)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Some prompt position's logits are still to be computed for its prompt logprobs: the prefix cache must not
+        skip them (scheduler.py)."""
+        return self.prompt_logprobs is not None and self.prompt_logprobs_next < len(self.prompt_ids) - 1
 
     @property
     def pending(self) -> bool:

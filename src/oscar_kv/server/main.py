@@ -112,7 +112,7 @@ def _uvicorn_server(config: ServeConfig, engine_thread):
 
     from .app import create_app
 
-    app = create_app(engine_thread, config.model_name, config.api_key, config.max_body_mb)
+    app = create_app(engine_thread, config.model_names, config.api_key, config.max_body_mb)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -176,7 +176,7 @@ def run_server(config: ServeConfig, sock: socket.socket | None = None) -> None:
             return
         engine_thread.start()
         server = _uvicorn_server(config, engine_thread)
-        log.info("serving '%s' on http://%s:%d/v1 (OpenAI API)%s", config.model_name, config.host, config.port,
+        log.info("serving '%s' on http://%s:%d/v1 (OpenAI API)%s", "', '".join(config.model_names), config.host, config.port,
                  "; API key required" if config.api_key else "")
         try:
             server.run(sockets=[sock])

@@ -1,6 +1,10 @@
 """OpenAI request models (pydantic), request parsing and the error body.  Unknown fields are refused; fields
 the engine does not implement are accepted only at their neutral value, so clients fail loudly.  Every
-refusal names the offending field (``param``), as OpenAI's API does."""
+refusal names the offending field (``param``), as OpenAI's API does.
+
+Also vLLM's extensions that clients such as lm-eval-harness use: ``repetition_penalty``, ``ignore_eos``, ``top_k``,
+``max_tokens: 0`` with ``echo`` (the prompt's logprobs only), several prompts in one completions request, and the
+tokenizer endpoints' bodies (``TokenizeRequest``, ``DetokenizeRequest``)."""
 
 from __future__ import annotations
 
@@ -11,12 +15,15 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..engine import SamplingParams
+from ..engine.sequence import MAX_LOGPROBS
 from ..errors import OscarKVError
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=-2**63, lt=2**63)]  # what torch's generators take
 # Below this a temperature is greedy: the logits divided by it would overflow to inf (and sampling to NaN).
 GREEDY_BELOW = 1e-5
+MAX_N = 128  # choices per prompt (OpenAI's limit)
+MAX_STOPS = 16  # OpenAI allows 4, vLLM any number; lm-eval adds the EOS string to a task's own stop strings
 
 
 class RequestError(OscarKVError, ValueError):
@@ -73,6 +80,12 @@ def _unsupported(cls, v, info):
     return v
 
 
+def _logprob_count(cls, v, info):
+    if v is not None and not 0 <= v <= MAX_LOGPROBS:
+        raise ValueError(f"{info.field_name} must lie in [0, {MAX_LOGPROBS}], got {v}")
+    return v
+
+
 class _Sampling(_Strict):
     model: str
     max_tokens: int | None = None
@@ -86,18 +99,42 @@ class _Sampling(_Strict):
     seed: Seed | None = None
     presence_penalty: Finite = 0.0
     frequency_penalty: Finite = 0.0
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: Finite | None = None  # extension (vLLM): > 1 discourages tokens already seen, < 1 favours
+    logit_bias: dict[str, Finite] | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension (vLLM): keep generating past the end-of-sequence token
 
     _positive = field_validator("max_tokens")(_at_least_one)
-    _neutral = field_validator("presence_penalty", "frequency_penalty", "logit_bias")(_unsupported)
 
     @field_validator("n")
     @classmethod
-    def _one(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _n(cls, v):
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"n must lie in [1, {MAX_N}], got {v}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v, info):
+        if not -2 <= v <= 2:
+            raise ValueError(f"{info.field_name} must lie in [-2, 2], got {v}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition(cls, v):
+        if v is not None and not 0 < v <= 10:
+            raise ValueError(f"repetition_penalty must lie in (0, 10], got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (as strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias} for token {key}")
         return v
 
     @field_validator("temperature")
@@ -132,8 +169,8 @@ class _Sampling(_Strict):
     @classmethod
     def _stop(cls, v):
         stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOPS} non-empty strings")
         return v
 
     def stops(self) -> tuple[str, ...]:
@@ -147,12 +184,27 @@ class _Sampling(_Strict):
     def tokens_param(self) -> str:
         return "max_tokens"
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def check(self) -> None:
+        """Rules over several fields (RequestError naming the field); pydantic has checked each field alone."""
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) for the engine: None for none, k for each token's own and the top k."""
+        return None, None
+
+    def sampling_params(self, default_max_tokens: int, index: int = 0) -> SamplingParams:
+        """The engine's parameters for choice ``index`` of a prompt (a seed gives choice i the seed + i, as vLLM
+        does for n > 1).  ``max_tokens: 0`` (echo only) runs one token, which the server drops."""
         temperature = 1.0 if self.temperature is None else self.temperature
-        return SamplingParams(max_tokens=self.wanted_tokens() or default_max_tokens,
+        wanted = self.wanted_tokens()
+        logprobs, prompt_logprobs = self.logprob_counts()
+        return SamplingParams(max_tokens=max(wanted, 1) if wanted is not None else default_max_tokens,
                               temperature=0.0 if temperature < GREEDY_BELOW else temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                              seed=self.seed, stop=self.stops(), ignore_eos=self.ignore_eos)
+                              seed=None if self.seed is None else self.seed + index, stop=self.stops(),
+                              ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                              logit_bias=tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
 
     @property
     def include_usage(self) -> bool:
@@ -168,13 +220,23 @@ class ChatCompletionRequest(_Sampling):
 
     prompt_param: ClassVar[str] = "messages"
     _positive_chat = field_validator("max_completion_tokens")(_at_least_one)
-    _neutral_chat = field_validator("logprobs", "top_logprobs")(_unsupported)
+    _top_logprobs = field_validator("top_logprobs")(_logprob_count)
+
+    def check(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs requires logprobs: true", "top_logprobs")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     def tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    def prompts(self, tokenizer) -> list[list[int]]:
+        return [self.prompt_ids(tokenizer)]
 
     def prompt_ids(self, tokenizer) -> list[int]:
         from jinja2 import TemplateError
@@ -190,30 +252,79 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] = Field(min_length=1)
+    # a string, token ids, or a batch of either (each prompt gets n choices, numbered prompt-major)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None
 
     prompt_param: ClassVar[str] = "prompt"
-    _neutral_completion = field_validator("echo", "suffix", "best_of", "logprobs")(_unsupported)
+    _neutral_completion = field_validator("suffix", "best_of")(_unsupported)
+    _logprobs = field_validator("logprobs")(_logprob_count)
+    _positive = field_validator("max_tokens")(lambda cls, v: v)  # 0 is allowed with echo (checked below)
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and isinstance(v[0], str) and len(v) != 1:
-            raise ValueError("only one prompt per request is supported")
-        return v
+    def check(self) -> None:
+        if self.max_tokens is not None and (self.max_tokens < 0 or (self.max_tokens == 0 and not self.echo)):
+            raise RequestError(f"max_tokens must be at least 1 (0 only with echo: true), got {self.max_tokens}",
+                               "max_tokens")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
+
+    def prompts(self, tokenizer) -> list[list[int]]:
+        """Each prompt's token ids (strings are tokenized as the model's tokenizer does by default)."""
+        prompt = self.prompt
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        return [list(tokenizer(p).input_ids) if isinstance(p, str) else list(p) for p in batch]
 
     def prompt_ids(self, tokenizer) -> list[int]:
-        prompt = self.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        return list(tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
+        return self.prompts(tokenizer)[0]
 
 
-def parse_request(cls: type[_Sampling], raw: bytes) -> _Sampling:
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's body): a ``prompt``, or chat ``messages`` rendered by the model's chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (their template has them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("send either prompt or messages", "prompt")
+        if self.continue_final_message and self.add_generation_prompt and self.messages is not None:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                               "continue_final_message")
+
+    def chat_text(self, tokenizer) -> str:
+        from jinja2 import TemplateError
+
+        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
+        if not getattr(tokenizer, "chat_template", None):
+            return "\n".join(m["content"] for m in messages)
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=self.add_generation_prompt,
+                                                 continue_final_message=self.continue_final_message)
+        except TemplateError as exc:
+            raise RequestError(f"the model's chat template refuses these messages: {exc}", "messages") from None
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's body)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    def check(self) -> None:
+        pass
+
+
+def parse_request(cls: type[_Strict], raw: bytes) -> _Strict:
     """The request in ``raw`` (JSON) as ``cls``, or a RequestError that says what is wrong and where."""
     try:
         data = json.loads(raw)
@@ -227,9 +338,11 @@ def parse_request(cls: type[_Sampling], raw: bytes) -> _Sampling:
         raise RequestError(f"{param or 'the body'}: the text holds a lone UTF-16 surrogate, which is not valid "
                            "Unicode", param)
     try:
-        return cls.model_validate(data)
+        body = cls.model_validate(data)
     except ValidationError as exc:
         raise RequestError(*_describe(exc)) from None
+    body.check()
+    return body
 
 
 def _lone_surrogate(data, path: tuple = ()) -> tuple | None:
