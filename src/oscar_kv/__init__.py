@@ -6,7 +6,7 @@ Python API (README.md, "Python API", has a complete example)::
     model, tokenizer = load_model("smollm2-135m")
     rotations = obtain("smollm2-135m", model)  # the shipped artifact; or Rotations.load(DIR from `oscar-kv calibrate`)
     cache = OscarCache(model, rotations)                                 # folds R_V into the model once
-    model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    model.generate(input_ids, cache=cache, max_new_tokens=64)  # transformers < 5.24: past_key_values=cache
 """
 
 import importlib

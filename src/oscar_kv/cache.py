@@ -181,7 +181,8 @@ def _cat_rows(a: QuantizedRows, b: QuantizedRows) -> QuantizedRows:
 
 
 class OscarCache(Cache):
-    """A transformers ``Cache`` for ``model.generate(..., past_key_values=OscarCache(model, rotations))``.
+    """A transformers ``Cache`` for ``model.generate(..., cache=OscarCache(model, rotations))`` (``past_key_values=``
+    before transformers 5.24; hf_compat.cache_kwargs picks the name).
 
     Constructing it prepares the model once (folds R_V / mu_V into v_proj / o_proj and selects the
     ``oscar_kv`` attention).  Without ``rotations`` the keys are stored unrotated and uncentered.

@@ -9,6 +9,7 @@ import torch
 from .artifacts import Rotations
 from .cache import CacheSettings, OscarCache
 from .errors import ConfigError
+from .hf_compat import cache_kwargs
 from .memory import KVFootprint
 
 
@@ -45,7 +46,7 @@ def generate(model, tokenizer, prompt: str, rotations: Rotations | None, setting
     torch.manual_seed(seed)
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
     started = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                          max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, top_p=None, top_k=None,
                          **sampling)
     new = out[0, ids.shape[1]:]

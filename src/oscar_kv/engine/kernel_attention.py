@@ -34,6 +34,7 @@ import torch
 
 from ..config import ATTENTION_BACKENDS
 from ..errors import ConfigError
+from ..kernels import TRITON_MISSING, triton_available
 from ..kernels.layout import PagedBatch, PagedKVPool, clip_indices
 from ..kernels.tuning import TUNING
 from .block_pool import PagePool
@@ -62,10 +63,8 @@ def kernel_support(pool: PagePool, backend: str = "auto", rope_centered: bool = 
         return "attention_backend is 'torch'"
     if backend == "auto" and pool.device.type != "cuda":
         return "no CUDA device (the torch reference runs on the CPU)"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "Triton is not installed"
+    if not triton_available():
+        return TRITON_MISSING
     if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "the kernels need CUDA or TRITON_INTERPRET=1"
     g = pool.geometry

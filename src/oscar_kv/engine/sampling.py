@@ -87,9 +87,12 @@ def _sample_rows(logits, top_k, seeds, counters, greedy, temperature, top_p, k_m
         drop = _cumsum(probs) - probs > top_p[:, None]  # keep the smallest set whose mass reaches top_p
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     if x.is_cuda:
-        from ..kernels.gumbel import gumbel_argmax
+        from ..kernels import triton_available
 
-        return gumbel_argmax(x, logits, seeds, counters, greedy)
+        if triton_available():  # else the reference runs on the GPU (the start-up log says Triton is missing)
+            from ..kernels.gumbel import gumbel_argmax
+
+            return gumbel_argmax(x, logits, seeds, counters, greedy)
     return gumbel_argmax_reference(x, logits, seeds, counters, greedy)
 
 

@@ -36,6 +36,7 @@ from transformers import DynamicCache
 
 from ..activations import attention_override
 from ..cache import OscarCache, unprepare_model
+from ..hf_compat import cache_kwargs
 from .schemes import Scheme
 from .simulate import simulated_attention_from_forms, stored_forms
 from .tasks import LOGIT_CHUNK, fold_value_tensor, prepare, stored_cache
@@ -71,7 +72,8 @@ def prefill_prompt(model, ids: torch.Tensor) -> PrefilledPrompt:
     Every layer keeps every position (a cache without the model's config has no sliding layers)."""
     unprepare_model(model)
     past = DynamicCache()
-    hidden = model.model(ids.to(model.device), past_key_values=past, use_cache=True).last_hidden_state[0, -1]
+    hidden = model.model(ids.to(model.device), **cache_kwargs(model.model, past), use_cache=True)
+    hidden = hidden.last_hidden_state[0, -1]
     return PrefilledPrompt([(layer.keys, layer.values) for layer in past.layers], int(model.lm_head(hidden).argmax()))
 
 
@@ -94,7 +96,7 @@ def greedy_continuation(model, scheme: Scheme, prompt: PrefilledPrompt, length: 
         if reference is not None and tokens[-1] != reference[len(tokens) - 1]:
             break
         step = torch.tensor([[tokens[-1]]], device=model.device)
-        h = model.model(step, past_key_values=cache).last_hidden_state[0, -1]
+        h = model.model(step, **cache_kwargs(model.model, cache)).last_hidden_state[0, -1]
         hidden.append(h)
         tokens.append(int(model.lm_head(h).argmax()))
     empty = torch.empty(0, model.config.hidden_size, device=model.device)
@@ -129,7 +131,7 @@ def teacher_forced_hidden(model, scheme: Scheme, prompt: PrefilledPrompt, tokens
         past.update(k, fold_value_tensor(v, scheme, i), i)
     ids = torch.tensor([tokens], device=model.device)
     with attention_override(model, CONTINUATION_KEY, _continuation_attention, cache, _active):
-        return model.model(ids, past_key_values=past, use_cache=True).last_hidden_state[0]
+        return model.model(ids, **cache_kwargs(model.model, past), use_cache=True).last_hidden_state[0]
 
 
 @torch.no_grad()

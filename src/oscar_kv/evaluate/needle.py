@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from ..activations import attention_override, observing
 from ..cache import OscarCacheLayer, unprepare_model
+from ..hf_compat import cache_kwargs
 from ..rotation import rotate
 from .schemes import Scheme
 from .tasks import NeedlePrompt, stored_cache
@@ -134,7 +135,7 @@ def answer_score(model, tokenizer, stored: StoredHaystack, prompt: NeedlePrompt,
     answer_ids = tokenizer(" " + prompt.answer, add_special_tokens=False).input_ids
     with attention_override(model, ANSWER_KEY, _stored_attention, stored, _active):
         ids = torch.tensor([prompt.question + answer_ids], device=device)
-        logits = model(ids, past_key_values=_stored_cache(model, stored)).logits[0].float()
+        logits = model(ids, **cache_kwargs(model, _stored_cache(model, stored))).logits[0].float()
         q = len(prompt.question)
         lp = torch.log_softmax(logits[q - 1:-1], -1)
         target = torch.tensor(answer_ids, device=device)
@@ -145,7 +146,7 @@ def answer_score(model, tokenizer, stored: StoredHaystack, prompt: NeedlePrompt,
         cache = _stored_cache(model, stored)
         ids, out = torch.tensor([prompt.question], device=device), []
         for _ in range(max_new_tokens):
-            token = int(model(ids, past_key_values=cache).logits[0, -1].argmax())
+            token = int(model(ids, **cache_kwargs(model, cache)).logits[0, -1].argmax())
             if token == tokenizer.eos_token_id:
                 break
             out.append(token)

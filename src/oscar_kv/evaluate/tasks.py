@@ -11,6 +11,7 @@ import torch
 
 from ..activations import LayerSample, causal_attention, relative_error
 from ..cache import OscarCache, prepare_model, unprepare_model
+from ..hf_compat import cache_kwargs
 from ..rotation import rotate
 from .schemes import Scheme
 from .simulate import simulated_attention_from_forms, simulating, stored_forms
@@ -173,7 +174,7 @@ def haystack_kv(model, ids: list[int]):
 
     unprepare_model(model)
     cache = DynamicCache()  # no config: a model's sliding-window layers would keep only their last window tokens
-    model(torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True)
+    model(torch.tensor([ids], device=model.device), **cache_kwargs(model, cache), use_cache=True)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -214,7 +215,7 @@ def niah_answer(model, tokenizer, scheme: Scheme, kv, question: list[int], max_n
     ids = torch.tensor([question], device=model.device)
     out = []
     for _ in range(max_new_tokens):
-        token = int(model(ids, past_key_values=cache).logits[0, -1].argmax())
+        token = int(model(ids, **cache_kwargs(model, cache)).logits[0, -1].argmax())
         if token == tokenizer.eos_token_id:
             break
         out.append(token)

@@ -17,7 +17,8 @@ most of a decode step beside the weights.  The executor runs the same arithmetic
 
 It reads the model's own modules: the fused weights are built once and the modules' weights become views of them
 (no second copy), so transformers' forward keeps working on the same model and stays the reference the executor is
-tested against (tests/test_executor.py).  On the CPU the elementwise steps run their torch references.
+tested against (tests/test_executor.py).  On the CPU, and on a GPU without Triton, the elementwise steps run their
+torch references (kernels/elementwise_reference.py), and nothing imports Triton.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def rope_tables(rotary_emb, positions: int, device, dtype) -> tuple[torch.Tensor
 class LlamaExecutor:
     """The forward of a Llama-family model over a packed step of tokens, with the engine's attention.
 
-    ``kernels``: run the elementwise steps as Triton kernels (default: on CUDA) or as their torch references."""
+    ``kernels``: run the elementwise steps as Triton kernels (default: on CUDA where Triton is installed) or as their
+    torch references; True without Triton raises ModuleNotFoundError saying how to install it."""
 
     def __init__(self, model, max_positions: int, kernels: bool | None = None):
         why = executor_support(model)
@@ -131,19 +133,34 @@ class LlamaExecutor:
         with torch.no_grad():
             self.layers = [_Layer.of(layer) for layer in inner.layers]
             self.cos, self.sin = rope_tables(inner.rotary_emb, max_positions, param.device, param.dtype)
-        if kernels is None:
-            kernels = param.device.type == "cuda"
-        from ..kernels import elementwise as ops
-        from ..kernels.gemv import linear, linear_silu_mul, small_gemm_choice
+        from ..kernels import TRITON_MISSING, require_triton, triton_available
 
-        self.gemm, self.gemm_why = small_gemm_choice(param.device) if kernels else ("cublas", "torch references")
+        why_not = None  # why the torch references run on a GPU
+        if kernels is None:
+            kernels = param.device.type == "cuda" and triton_available()
+            if param.device.type == "cuda" and not kernels:
+                why_not = TRITON_MISSING
+                log.warning("the executor runs its torch references on the GPU: %s", why_not)
+        elif kernels:
+            require_triton("the executor's kernels (kernels=True)")
         self.lm_head = model.lm_head
-        self.linear = linear if self.gemm == "triton" else F.linear
-        self.rms_norm = ops.rms_norm if kernels else ops.rms_norm_reference
-        self.silu_mul = ops.silu_mul if kernels else ops.silu_mul_reference
-        self.rope_qkv = ops.rope_qkv if kernels else ops.rope_qkv_reference
-        self.gate_up_silu = (linear_silu_mul if self.gemm == "triton"
-                             else lambda x, weight, bias: self.silu_mul(F.linear(x, weight, bias)))
+        self.linear = F.linear
+        if kernels:  # the GPU path: the Triton modules are imported only here
+            from ..kernels import elementwise as ops
+            from ..kernels.gemv import linear, linear_silu_mul, small_gemm_choice
+
+            self.gemm, self.gemm_why = small_gemm_choice(param.device)
+            self.rms_norm, self.silu_mul, self.rope_qkv = ops.rms_norm, ops.silu_mul, ops.rope_qkv
+        else:
+            from ..kernels import elementwise_reference as ops
+
+            self.gemm, self.gemm_why = "cublas", "torch references" + (f": {why_not}" if why_not else "")
+            self.rms_norm, self.silu_mul = ops.rms_norm_reference, ops.silu_mul_reference
+            self.rope_qkv = ops.rope_qkv_reference
+        if self.gemm == "triton":
+            self.linear, self.gate_up_silu = linear, linear_silu_mul
+        else:
+            self.gate_up_silu = lambda x, weight, bias: self.silu_mul(F.linear(x, weight, bias))
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
