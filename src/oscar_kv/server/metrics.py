@@ -1,6 +1,10 @@
 """Prometheus metrics (one registry per server): engine state read at scrape time, and per-request latency
 histograms observed as outputs arrive.  Names follow vLLM's where vLLM has the metric (``vllm:X`` is
-``oscar_kv_X`` here), so existing dashboards need only the prefix changed."""
+``oscar_kv_X`` here), so existing dashboards need only the prefix changed.
+
+The gauges that routers and gateways poll by name (Gateway API Inference Extension / llm-d's endpoint picker:
+queue, running batch, KV-cache use, block size) are also given under vLLM's exact names (``vllm:...``, same
+meaning), so that a router set up for vLLM replicas reads ours unchanged."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..engine import EngineThread, RequestOutput
 
 PREFIX = "oscar_kv_"
+VLLM = "vllm:"
 SUCCESS = ("stop", "length")
 FAILURE = ("abort", "error")  # abort: the client went away or cancelled; error: the engine or a shutdown ended it
 # seconds; from a GPU's milliseconds to a busy CPU's minutes
@@ -28,8 +33,8 @@ class EngineCollector:
         labels = ["model_name"]
         value = [self.model_name]
 
-        def gauge(name, doc, v):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+        def gauge(name, doc, v, prefix=PREFIX):
+            g = GaugeMetricFamily(prefix + name, doc, labels=labels)
             g.add_metric(value, v)
             return g
 
@@ -44,10 +49,16 @@ class EngineCollector:
                 c.add_metric(value + [reason], s.finished.get(reason, 0))
             return c
 
-        yield gauge("num_requests_running", "Requests in the running batch.", s.running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
-        yield gauge("kv_cache_usage_perc", "Referenced share of the KV pool's bytes (0-1).",
-                    s.pool_used_bytes / s.pool_capacity_bytes if s.pool_capacity_bytes else 0.0)
+        usage = s.pool_used_bytes / s.pool_capacity_bytes if s.pool_capacity_bytes else 0.0
+        for prefix in (PREFIX, VLLM):  # the router-facing gauges under both names (see the module's docstring)
+            yield gauge("num_requests_running", "Requests in the running batch.", s.running, prefix)
+            yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting, prefix)
+            yield gauge("kv_cache_usage_perc", "Referenced share of the KV pool's bytes (0-1).", usage, prefix)
+        page_size = self.engine.engine.pool.geometry.page_size
+        info = GaugeMetricFamily(VLLM + "cache_config_info", "The KV cache's configuration (vLLM's labels that "
+                                 "routers read); value 1.", labels=labels + ["block_size", "num_gpu_blocks"])
+        info.add_metric(value + [str(page_size), str(s.pool_capacity_tokens // page_size)], 1)
+        yield info
         yield gauge("kv_pool_used_tokens", "Token slots of referenced KV pages.", s.pool_used_tokens)
         yield gauge("kv_pool_capacity_tokens", "Token slots of the whole KV pool.", s.pool_capacity_tokens)
         yield gauge("kv_pool_used_bytes", "Bytes of referenced KV pages (codes, scale/min and BF16 windows).",

@@ -80,6 +80,19 @@ def _unsupported(cls, v, info):
     return v
 
 
+# Fields that routers add to every request they forward (vllm-router and sglang-router copy SGLang's request
+# defaults into the body): accepted at the value that changes nothing here, refused otherwise.
+ROUTER_DEFAULTS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
+                   "continue_final_message": False}
+
+
+def _router_default(cls, v, info):
+    neutral = ROUTER_DEFAULTS[info.field_name]
+    if v is not None and v != neutral:
+        raise ValueError(f"{info.field_name} is not supported (only {str(neutral).lower()})")
+    return v
+
+
 def _logprob_count(cls, v, info):
     if v is not None and not 0 <= v <= MAX_LOGPROBS:
         raise ValueError(f"{info.field_name} must lie in [0, {MAX_LOGPROBS}], got {v}")
@@ -103,6 +116,12 @@ class _Sampling(_Strict):
     logit_bias: dict[str, Finite] | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension (vLLM): keep generating past the end-of-sequence token
+    # what routers add (ROUTER_DEFAULTS): output text always skips special tokens, a stop string is always trimmed
+    no_stop_trim: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
+
+    _router = field_validator("no_stop_trim", "skip_special_tokens", "return_hidden_states")(_router_default)
 
     _positive = field_validator("max_tokens")(_at_least_one)
 
@@ -217,8 +236,14 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     parallel_tool_calls: bool | None = None
+    continue_final_message: bool | None = None  # routers add it (ROUTER_DEFAULTS)
+    # routers add these too; they steer a reasoning parser, which this server does not have: no effect
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
 
     prompt_param: ClassVar[str] = "messages"
+    _router_chat = field_validator("continue_final_message")(_router_default)
     _positive_chat = field_validator("max_completion_tokens")(_at_least_one)
     _top_logprobs = field_validator("top_logprobs")(_logprob_count)
 
