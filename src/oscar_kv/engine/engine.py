@@ -1,19 +1,21 @@
-"""The engine: scheduler + paged pool + model runner, and a background thread that drives it.
+"""The engine: scheduler + paged pool + model runner, single-threaded.
 
-``LLMEngine`` is single-threaded: ``add_request`` / ``abort_request`` / ``step``.  ``EngineThread``
-owns one and runs ``step`` in a loop, taking requests and aborts from other threads (the HTTP
-server) through queues and handing every output to the callback given with the request.
+``LLMEngine`` is built from a model, its tokenizer and a calibration artifact (sizing the pool, choosing the
+attention backend and the model forward), takes requests (``add_request`` / ``abort_request``; ``fork`` /
+``pause`` / ``resume`` for benchmarks) and runs the step loop (``step``: schedule, launch, and turn the sampled
+tokens into outputs, overlapping one step's host work with the previous step on the device).
+
+Beside it: describe.py, the start-up lines (a mixin of ``LLMEngine``); outputs.py, what it hands back
+(``RequestOutput``, ``EngineStats``, stop strings); thread.py, ``EngineThread``, which drives it for the HTTP
+server.  Those names are imported here too, where callers have always found them.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import replace
 
 import torch
 
@@ -22,61 +24,25 @@ from ..config import EngineConfig
 from ..errors import ConfigError, RequestError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
-from ..kernels.tuning import TUNING
-from ..memory import width_summary
 from ..models import layer_windows
 from ..models.llama import LlamaExecutor, executor_support
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
 from .block_pool import PagePool, plan_pool
+from .describe import GB, EngineDescription
 from .detokenize import IncrementalText
 from .kernel_attention import PoolView, kernel_support
+from .outputs import EngineStats, RequestOutput, held_back, stop_at
 from .runner import ATTENTION_KEY, ModelForward, ModelRunner, register_paged_attention
 from .scheduler import Scheduler
 from .sequence import PENDING, Logprob, SamplingParams, Sequence, SeqStatus
+from .thread import EngineThread
+
+__all__ = ["EngineConfig", "EngineStats", "EngineThread", "LLMEngine", "RequestOutput", "default_kv_cache_memory"]
 
 log = logging.getLogger(__name__)
 
-GB = 1e9
 WARM_UP_ID = "oscar-kv-warm-up"  # the throwaway request of LLMEngine.warm_up
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this many seconds
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    text: str  # new text since the last output
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None
-    logprobs: list[Logprob] | None = None  # one per token of token_ids, when the request asked (params.logprobs)
-    # every prompt token's (the first None), on the request's first output, when it asked (params.prompt_logprobs)
-    prompt_logprobs: list[Logprob | None] | None = None
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    pool_used_tokens: int
-    pool_capacity_tokens: int
-    pool_used_bytes: int
-    pool_capacity_bytes: int
-    window_pages_used: int
-    window_pages: int
-    quant_pages_used: int
-    quant_pages: int
-    cached_pages: int
-    prefix_hit_rate: float
-    prefix_hit_tokens: int
-    prefix_queried_tokens: int
-    prompt_tokens: int
-    generation_tokens: int
-    preemptions: int
-    tokens_per_second: float
-    finished: dict = field(default_factory=dict)
 
 
 def default_kv_cache_memory(device: torch.device) -> float:
@@ -95,7 +61,7 @@ def default_kv_cache_memory(device: torch.device) -> float:
     return 0.1 * available / GB
 
 
-class LLMEngine:
+class LLMEngine(EngineDescription):
     """The engine.  With ``tp`` (parallel.py) every rank builds one over the whole model: the model is folded,
     then sharded, and this rank keeps its KV heads' rotations and pool.  Rank 0 is driven as usual; the others
     call :meth:`follow` and run its steps until :meth:`shutdown`."""
@@ -203,122 +169,6 @@ class LLMEngine:
                 f"({plan.window_pages} window + {plan.quant_pages} quantized pages), not one sequence of "
                 f"max_model_len {self.max_model_len} tokens; raise kv_cache_memory or lower max_model_len",
                 "kv_cache_memory", "max_model_len")
-
-    def describe(self) -> list[str]:
-        """Start-up lines: scheme and pool capacity, compared with a BF16 cache of the same memory."""
-        spec, plan = self.pool.geometry, self.plan
-        bf16_tokens = plan.total_bytes // spec.window_page_bytes * spec.page_size
-        scheme = (f"{self.config.kv_cache_dtype} (sink {spec.sink_size}, recent {spec.recent_size}, "
-                  f"group {spec.group_size}, page {spec.page_size}, layer widths {spec.width_summary()})"
-                  if spec.quantizes else f"bf16 (page {spec.page_size})")
-        backend = (f"Triton kernels (paged decode; prefill chunks: history materialized in float16, then "
-                   f"{self.prefill_attention_description()}; short chunks through the extend kernel)"
-                   if self.kernel_status is None else f"torch reference ({self.kernel_status})")
-        if self.kernel_status is None and any(codec.k_rope_mean is not None for codec in self.codecs):
-            pairs = max(codec.rope_pairs.shape[1] for codec in self.codecs if codec.rope_pairs is not None)
-            backend += f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term"
-        if self.kernel_status is None and spec.quantizes:
-            int2 = all(spec.layer_widths(i) == (2, 2) for i in range(spec.num_layers))
-            backend += f"; {'INT2' if int2 else 'quantized'} decode: {self.int2_decode_description()}"
-        if self.runner.graphs is not None:
-            backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
-        per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "
-                    f"on each of {self.tp.size} ranks)" if self.tp.size > 1 else "")
-        if self.executor_status is None:
-            executor = self.runner.forward.executor
-            gemv = (f"; projections of <= {TUNING.gemv_max_rows} tokens: Triton GEMV" if executor.gemm == "triton"
-                    else f"; projections: cuBLAS ({executor.gemm_why})")
-            forward = f"oscar executor (fused QKV and gate/up GEMMs, fused norms and RoPE{gemv})"
-        else:
-            forward = f"transformers ({self.executor_status})"
-        lines = [f"KV cache: {scheme}", f"attention: {backend}", f"model forward: {forward}",
-                 f"KV pool{per_rank}: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
-                 f"({plan.window_bytes / GB:.3f} GB, {plan.window_pages * spec.page_size} tokens) + "
-                 f"{plan.quant_pages} quantized pages ({plan.quant_bytes / GB:.3f} GB incl. scale/min, "
-                 f"{plan.quant_pages * spec.page_size} tokens)",
-                 f"KV pool capacity: {plan.capacity_tokens} tokens; a BF16 cache in the same memory holds "
-                 f"{bf16_tokens} tokens ({plan.capacity_tokens / max(bf16_tokens, 1):.2f}x)"]
-        if spec.quantizes:
-            per_seq = spec.sequence_bytes(self.max_model_len)
-            bf16_seq = spec.as_bf16().sequence_bytes(self.max_model_len)
-            lines.append(f"one {self.max_model_len}-token sequence: {per_seq / 2**20:.1f} MiB "
-                         f"({8 * per_seq / (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.max_model_len):.2f}"
-                         f" bits/element; BF16 {bf16_seq / 2**20:.1f} MiB); the pool holds "
-                         f"{min(plan.window_pages // spec.window_pages_per_seq(), plan.total_bytes // per_seq)} such "
-                         f"sequences, a BF16 pool {plan.total_bytes // bf16_seq}")
-        return lines
-
-    def _gqa(self) -> int:
-        config = self.model.config
-        return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-
-    def int2_decode_kernel(self, window: int | None = None, widths: tuple[int, int] = (2, 2)) -> tuple[str, str | None]:
-        """("cuda", None) or ("triton", why): the kernel this engine's decode steps run (kernels/decode.py) on its
-        layers with this sliding ``window`` (None: the full-attention layers) stored at these (key, value)
-        ``widths``."""
-        from types import SimpleNamespace
-
-        from ..kernels.decode import int2_kernel_choice
-
-        codec = next((c for c in self.codecs if c.rope_pairs is not None), None)
-        rope = SimpleNamespace(pairs=codec.rope_pairs) if codec is not None else None  # only its pair count counts
-        return int2_kernel_choice(self.device, self.pool.geometry, self._gqa(), rope,
-                                  next(self.model.parameters()).dtype, window=window, widths=widths)
-
-    def int2_decode_description(self) -> str:
-        """The decode kernel(s) for the start-up line: one for every layer, or where some layers have a sliding
-        window or are stored at widths the CUDA kernel does not read (kernels/int2_cuda.WIDTHS: keys at 2-4 bits,
-        values at 2) and the others take the CUDA kernel, which layers take which (the CUDA kernel reads whole
-        histories)."""
-        from ..kernels.int2_cuda import WIDTHS
-
-        spec = self.pool.geometry
-        windows = spec.layer_windows
-        kernel, why = self.int2_decode_kernel()
-        if kernel != "cuda":
-            return f"the Triton kernel ({why})"
-        int2 = [i for i in range(spec.num_layers) if spec.layer_widths(i) in WIDTHS]  # the layers CUDA can read
-        windowed = [i for i in int2 if windows[i] is not None]
-        wider = [i for i in range(spec.num_layers) if i not in int2]
-        if not windowed and not wider:
-            return "the one-launch CUDA kernel"
-        layers = lambda k: f"{k} layer" + "s" * (k != 1)  # noqa: E731
-        sizes = ", ".join(map(str, sorted({windows[i] for i in windowed})))
-        cuda = len(int2) - len(windowed)
-        if not wider:  # only sliding windows keep layers off the CUDA kernel
-            if not cuda:
-                return (f"the Triton kernel (every layer has a sliding window of {sizes} tokens: the CUDA kernel reads "
-                        f"whole histories)")
-            return (f"the one-launch CUDA kernel on {layers(cuda)} of full attention, the Triton kernel on the "
-                    f"{layers(len(windowed))} with a sliding window ({sizes} tokens: the CUDA kernel reads whole "
-                    f"histories)")
-
-        def widths(ids):
-            return width_summary(*zip(*(spec.layer_widths(i) for i in ids)))
-
-        parts = [f"the {layers(len(wider))} stored at {widths(wider)} (the CUDA kernel reads values at 2 bits only)"]
-        if windowed:
-            parts.append(f"the {layers(len(windowed))} with a sliding window ({sizes} tokens: the CUDA kernel reads "
-                         f"whole histories)")
-        if not cuda:
-            return f"the Triton kernel on every layer: {' and '.join(parts)}"
-        full = " of full attention" if windowed else ""
-        on_cuda = [i for i in int2 if windows[i] is None]
-        return (f"the one-launch CUDA kernel on {layers(cuda)}{full} ({widths(on_cuda)}), the Triton kernel on "
-                f"{' and '.join(parts)}")
-
-    def prefill_attention_description(self) -> str:
-        """How the kernels' long prefill chunks attend over their materialized history (kernels/chunk_attention.py)."""
-        from ..kernels.chunk_attention import prefill_attention_choice
-        from ..kernels.materialized_extend import SCRATCH_DTYPE
-
-        spec = self.pool.geometry
-        kernel, why = prefill_attention_choice(self.device, SCRATCH_DTYPE, spec.num_kv_heads * self._gqa(),
-                                               spec.num_kv_heads, spec.head_dim)
-        if kernel == "split":
-            return ("attention over the history and over the chunk (causal) merged by log-sum-exp"
-                    + (" (cuDNN)" if self.device.type == "cuda" else ""))
-        return f"one flash attention call with a lower-right causal mask ({why})"
 
     def follow(self) -> None:
         """Ranks > 0 under tensor parallelism: run rank 0's steps until it shuts down."""
@@ -539,9 +389,13 @@ class LLMEngine:
             outputs.append(self._append_token(st.seq, token, logprobs.get(st.seq)))
         self.generation_tokens += new_tokens
         self._recent.append((now, new_tokens))
+        self._forget_rates(now)
+        return outputs
+
+    def _forget_rates(self, now: float) -> None:
+        """Drop the step counts older than the tokens/s window."""
         while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
-        return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: Logprob | None = None) -> RequestOutput:
         if seq.pending:
@@ -561,13 +415,11 @@ class LLMEngine:
         if reason is not None:
             text.flush()
         full = text.text
-        # a stop string not found before ends in the new text: search only from where it could start
-        start = max(0, grown_from - max((len(s) for s in seq.params.stop), default=0))
-        cut = min((i for i in (full.find(s, start) for s in seq.params.stop if s) if i >= 0), default=-1)
+        cut = stop_at(full, grown_from, seq.params.stop)
         if cut >= 0:
             full, reason = full[:cut], "stop"
         if reason is None:
-            full = full[:len(full) - _held_back(full, seq.params.stop)]
+            full = full[:len(full) - held_back(full, seq.params.stop)]
         seq.text = full
         if reason is not None:
             return self._finish(seq, reason)
@@ -599,8 +451,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         pool, plan = self.pool, self.plan
         now = time.monotonic()
-        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:  # no steps run while idle: forget here too
-            self._recent.popleft()
+        self._forget_rates(now)  # no steps run while idle: forget here too
         window = sum(n for _, n in self._recent)
         span = (now - self._recent[0][0]) if len(self._recent) > 1 else 0.0
         return EngineStats(
@@ -616,99 +467,3 @@ class LLMEngine:
             tokens_per_second=window / span if span > 0 else 0.0, finished=dict(self.finished))
 
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of ``text`` not to stream yet: a partial UTF-8 character, or a prefix of a stop string."""
-    hold = 1 if text.endswith("\ufffd") else 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return hold
-
-
-class EngineThread:
-    """Runs an ``LLMEngine`` in a daemon thread; thread-safe ``submit`` / ``abort`` / ``stats``."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._inbox: queue.Queue = queue.Queue()
-        self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="oscar-kv-engine", daemon=True)
-        self._lock = threading.Lock()
-
-    def start(self) -> "EngineThread":
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout)
-
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               callback: Callable[[RequestOutput], None]) -> None:
-        """Validate (ValueError for the client) and queue a request; outputs go to ``callback``."""
-        self.engine.validate(prompt_ids, params)
-        self._inbox.put(("add", request_id, prompt_ids, params, callback))
-        self._wake.set()
-
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
-
-    def abort_all(self, error: str) -> None:
-        """End every request submitted so far with finish reason "error" and ``error`` (graceful shutdown)."""
-        self._inbox.put(("abort_all", error))
-        self._wake.set()
-
-    def stats(self) -> EngineStats:
-        with self._lock:
-            return self.engine.stats()
-
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while not self._stop.is_set():
-            self._drain()
-            if not self.engine.has_work():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            with self._lock:
-                outputs = self.engine.step()
-            for out in outputs:
-                self._emit(out)
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            with self._lock:
-                if item[0] == "add":
-                    _, rid, prompt, params, callback = item
-                    try:
-                        self.engine.add_request(rid, prompt, params)
-                        self._callbacks[rid] = callback
-                    except ValueError as exc:
-                        callback(RequestOutput(rid, "", [], True, "error", len(prompt), 0, str(exc)))
-                elif item[0] == "abort":
-                    out = self.engine.abort_request(item[1])
-                    if out is not None:
-                        self._emit(out)
-                else:
-                    for rid in list(self.engine.requests):
-                        self._emit(self.engine.abort_request(rid, item[1]))
-
-    def _emit(self, out: RequestOutput) -> None:
-        callback = self._callbacks.get(out.request_id)
-        if out.finished:
-            self._callbacks.pop(out.request_id, None)
-        if callback is not None:
-            try:
-                callback(out)
-            except Exception:  # a closed client must not stop the engine
-                log.exception("output callback failed for %s", out.request_id)

@@ -1,0 +1,135 @@
+"""The engine's start-up description: the lines the server logs (and ``bench decode`` records) saying what an
+engine runs: its KV cache scheme, the attention kernels of prefill and decode, the model forward, and what the
+pool holds against a BF16 cache of the same memory.
+
+``EngineDescription`` is a mixin of ``LLMEngine`` (engine.py): it only reads what the engine built (``config``,
+``model``, ``device``, ``codecs``, ``pool``, ``plan``, ``runner``, ``tp``, ``max_model_len``, ``kernel_status``,
+``executor_status``) and changes nothing.
+"""
+
+from __future__ import annotations
+
+from ..kernels.tuning import TUNING
+from ..memory import width_summary
+
+GB = 1e9  # kv_cache_memory's unit (config.py), and the start-up lines'
+
+
+class EngineDescription:
+    """Describes an engine; methods of ``LLMEngine``."""
+
+    def describe(self) -> list[str]:
+        """Start-up lines: scheme and pool capacity, compared with a BF16 cache of the same memory."""
+        spec, plan = self.pool.geometry, self.plan
+        bf16_tokens = plan.total_bytes // spec.window_page_bytes * spec.page_size
+        scheme = (f"{self.config.kv_cache_dtype} (sink {spec.sink_size}, recent {spec.recent_size}, "
+                  f"group {spec.group_size}, page {spec.page_size}, layer widths {spec.width_summary()})"
+                  if spec.quantizes else f"bf16 (page {spec.page_size})")
+        backend = (f"Triton kernels (paged decode; prefill chunks: history materialized in float16, then "
+                   f"{self.prefill_attention_description()}; short chunks through the extend kernel)"
+                   if self.kernel_status is None else f"torch reference ({self.kernel_status})")
+        if self.kernel_status is None and any(codec.k_rope_mean is not None for codec in self.codecs):
+            pairs = max(codec.rope_pairs.shape[1] for codec in self.codecs if codec.rope_pairs is not None)
+            backend += f"; keys centered per position over {pairs} RoPE pairs: the kernels add that term"
+        if self.kernel_status is None and spec.quantizes:
+            int2 = all(spec.layer_widths(i) == (2, 2) for i in range(spec.num_layers))
+            backend += f"; {'INT2' if int2 else 'quantized'} decode: {self.int2_decode_description()}"
+        if self.runner.graphs is not None:
+            backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
+        per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "
+                    f"on each of {self.tp.size} ranks)" if self.tp.size > 1 else "")
+        if self.executor_status is None:
+            executor = self.runner.forward.executor
+            gemv = (f"; projections of <= {TUNING.gemv_max_rows} tokens: Triton GEMV" if executor.gemm == "triton"
+                    else f"; projections: cuBLAS ({executor.gemm_why})")
+            forward = f"oscar executor (fused QKV and gate/up GEMMs, fused norms and RoPE{gemv})"
+        else:
+            forward = f"transformers ({self.executor_status})"
+        lines = [f"KV cache: {scheme}", f"attention: {backend}", f"model forward: {forward}",
+                 f"KV pool{per_rank}: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
+                 f"({plan.window_bytes / GB:.3f} GB, {plan.window_pages * spec.page_size} tokens) + "
+                 f"{plan.quant_pages} quantized pages ({plan.quant_bytes / GB:.3f} GB incl. scale/min, "
+                 f"{plan.quant_pages * spec.page_size} tokens)",
+                 f"KV pool capacity: {plan.capacity_tokens} tokens; a BF16 cache in the same memory holds "
+                 f"{bf16_tokens} tokens ({plan.capacity_tokens / max(bf16_tokens, 1):.2f}x)"]
+        if spec.quantizes:
+            per_seq = spec.sequence_bytes(self.max_model_len)
+            bf16_seq = spec.as_bf16().sequence_bytes(self.max_model_len)
+            lines.append(f"one {self.max_model_len}-token sequence: {per_seq / 2**20:.1f} MiB "
+                         f"({8 * per_seq / (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.max_model_len):.2f}"
+                         f" bits/element; BF16 {bf16_seq / 2**20:.1f} MiB); the pool holds "
+                         f"{min(plan.window_pages // spec.window_pages_per_seq(), plan.total_bytes // per_seq)} such "
+                         f"sequences, a BF16 pool {plan.total_bytes // bf16_seq}")
+        return lines
+
+    def _gqa(self) -> int:
+        config = self.model.config
+        return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
+    def int2_decode_kernel(self, window: int | None = None, widths: tuple[int, int] = (2, 2)) -> tuple[str, str | None]:
+        """("cuda", None) or ("triton", why): the kernel this engine's decode steps run (kernels/decode.py) on its
+        layers with this sliding ``window`` (None: the full-attention layers) stored at these (key, value)
+        ``widths``."""
+        from types import SimpleNamespace
+
+        from ..kernels.decode import int2_kernel_choice
+
+        codec = next((c for c in self.codecs if c.rope_pairs is not None), None)
+        rope = SimpleNamespace(pairs=codec.rope_pairs) if codec is not None else None  # only its pair count counts
+        return int2_kernel_choice(self.device, self.pool.geometry, self._gqa(), rope,
+                                  next(self.model.parameters()).dtype, window=window, widths=widths)
+
+    def int2_decode_description(self) -> str:
+        """The decode kernel(s) for the start-up line: one for every layer, or where some layers have a sliding
+        window or are stored at widths the CUDA kernel does not read (kernels/int2_cuda.WIDTHS: keys at 2-4 bits,
+        values at 2) and the others take the CUDA kernel, which layers take which (the CUDA kernel reads whole
+        histories)."""
+        from ..kernels.int2_cuda import WIDTHS
+
+        spec = self.pool.geometry
+        windows = spec.layer_windows
+        kernel, why = self.int2_decode_kernel()
+        if kernel != "cuda":
+            return f"the Triton kernel ({why})"
+        int2 = [i for i in range(spec.num_layers) if spec.layer_widths(i) in WIDTHS]  # the layers CUDA can read
+        windowed = [i for i in int2 if windows[i] is not None]
+        wider = [i for i in range(spec.num_layers) if i not in int2]
+        if not windowed and not wider:
+            return "the one-launch CUDA kernel"
+        layers = lambda k: f"{k} layer" + "s" * (k != 1)  # noqa: E731
+        sizes = ", ".join(map(str, sorted({windows[i] for i in windowed})))
+        cuda = len(int2) - len(windowed)
+        if not wider:  # only sliding windows keep layers off the CUDA kernel
+            if not cuda:
+                return (f"the Triton kernel (every layer has a sliding window of {sizes} tokens: the CUDA kernel reads "
+                        f"whole histories)")
+            return (f"the one-launch CUDA kernel on {layers(cuda)} of full attention, the Triton kernel on the "
+                    f"{layers(len(windowed))} with a sliding window ({sizes} tokens: the CUDA kernel reads whole "
+                    f"histories)")
+
+        def widths(ids):
+            return width_summary(*zip(*(spec.layer_widths(i) for i in ids)))
+
+        parts = [f"the {layers(len(wider))} stored at {widths(wider)} (the CUDA kernel reads values at 2 bits only)"]
+        if windowed:
+            parts.append(f"the {layers(len(windowed))} with a sliding window ({sizes} tokens: the CUDA kernel reads "
+                         f"whole histories)")
+        if not cuda:
+            return f"the Triton kernel on every layer: {' and '.join(parts)}"
+        full = " of full attention" if windowed else ""
+        on_cuda = [i for i in int2 if windows[i] is None]
+        return (f"the one-launch CUDA kernel on {layers(cuda)}{full} ({widths(on_cuda)}), the Triton kernel on "
+                f"{' and '.join(parts)}")
+
+    def prefill_attention_description(self) -> str:
+        """How the kernels' long prefill chunks attend over their materialized history (kernels/chunk_attention.py)."""
+        from ..kernels.chunk_attention import prefill_attention_choice
+        from ..kernels.materialized_extend import SCRATCH_DTYPE
+
+        spec = self.pool.geometry
+        kernel, why = prefill_attention_choice(self.device, SCRATCH_DTYPE, spec.num_kv_heads * self._gqa(),
+                                               spec.num_kv_heads, spec.head_dim)
+        if kernel == "split":
+            return ("attention over the history and over the chunk (causal) merged by log-sum-exp"
+                    + (" (cuDNN)" if self.device.type == "cuda" else ""))
+        return f"one flash attention call with a lower-right causal mask ({why})"
