@@ -122,7 +122,8 @@ SERVE_FLAGS = ("--model", "-m", "--rotations", "-r", "--kv-cache-dtype", "--cali
                "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching", "--async-scheduling",
                "--no-async-scheduling", "--host", "--port",
                "--api-key", "--served-model-name", "--device", "--attention-backend", "--enforce-eager", "--tp",
-               "--tensor-parallel-size", "--shutdown-timeout", "--max-body-mb", "--log-level", "--model-impl")
+               "--tensor-parallel-size", "--shutdown-timeout", "--max-body-mb", "--log-level", "--model-impl",
+               "--nnodes", "--node-rank", "--master-addr", "--master-port")
 
 
 def test_serve_help_explains_the_flags():

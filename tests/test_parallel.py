@@ -185,6 +185,69 @@ def test_serve_tp2_answers_the_openai_client_like_one_process(llama4):
             proc.wait()
 
 
+def test_serve_tp2_over_two_nodes_on_loopback(llama4):
+    """--tp 2 over two "hosts" (--nnodes 2, one rank each, gloo on the CPU) meeting at node 0's rendezvous:
+    node 0 serves the greedy answer one process gives; a SIGTERM to node 0 stops both hosts cleanly."""
+    openai = pytest.importorskip("openai")
+    from oscar_kv.server import BackgroundServer, ServeConfig
+    from oscar_kv.server.main import free_port
+
+    common = dict(model=str(llama4), rotations=str(llama4 / "rotations"), kv_cache_memory=0.05, max_model_len=1024,
+                  log_level="warning")
+    ask = dict(model=str(llama4), prompt="The quick brown fox jumps over the lazy dog. " * 40, max_tokens=8,
+               temperature=0)
+    single = BackgroundServer(ServeConfig(port=free_port(), **common)).start()
+    try:
+        client = openai.OpenAI(base_url=single.url + "/v1", api_key="x", timeout=120, max_retries=0)
+        expected = client.completions.create(**ask).choices[0].text
+    finally:
+        single.stop()
+
+    port, rendezvous = free_port(), free_port()
+    args = ["serve", "--model", common["model"], "--rotations", common["rotations"], "--kv-cache-memory", "0.05",
+            "--max-model-len", "1024", "--port", str(port), "--tp", "2", "--log-level", "warning", "--nnodes", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(rendezvous)]
+    nodes = [subprocess.Popen([sys.executable, "-m", "oscar_kv.cli", *args, "--node-rank", str(r)], env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in (1, 0)]  # node 1 first: it waits at the rendezvous for node 0
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            for node in nodes:
+                assert node.poll() is None, node.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the two-node server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
+        assert [client.completions.create(**ask).choices[0].text for _ in range(2)] == [expected, expected]
+        nodes[1].send_signal(signal.SIGTERM)  # node 0's launcher: rank 0 shuts down and releases node 1's rank
+        for node in nodes:
+            code = node.wait(timeout=60)
+            output = node.stdout.read()
+            assert code == 0 and "Traceback" not in output, output[-3000:]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--node-rank", "1"], "--node-rank 1 needs --nnodes (the number of hosts) above 1"),
+    (["--tp", "2", "--nnodes", "2", "--master-addr", "10.0.0.1"], "--nnodes 2 needs --node-rank"),
+    (["--tp", "2", "--nnodes", "2", "--node-rank", "1"], "--nnodes 2 needs --master-addr"),
+    (["--tp", "3", "--nnodes", "2", "--node-rank", "0", "--master-addr", "h"], "--tp 3 does not split over --nnodes 2"),
+    (["--tp", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h"], "--node-rank 2 must lie in [0, 1]"),
+])
+def test_serve_refuses_inconsistent_node_flags_before_loading(flags, message):
+    proc = _cli("serve", "--port", "0", *flags, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr + proc.stdout, proc.stderr[-2000:]
+
+
 def test_bench_decode_tp2_runs_both_schemes(tmp_path):
     """`oscar-kv bench decode --tp 2` (tiny model, CPU): rank 0 measures both caches, the other rank follows."""
     proc = _cli("bench", "decode", "--arch", "tiny", "--batch-sizes", "1,2", "--decode-steps", "2", "--warmup-steps",

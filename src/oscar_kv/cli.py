@@ -79,16 +79,16 @@ def _width_or_auto(value: str, flag: str) -> int | str:
     return value if value == "auto" else _whole_number(value, flag, "'auto' or ")
 
 
-def _start_ranks(model: str, tp: int) -> None:
-    """--tp N outside torchrun: check the model splits, then run this very command as N processes (one per rank)
-    and exit with their status."""
-    from .parallel import TensorParallelError, check_model, relaunch
+def _start_ranks(model: str, tp: int, nodes=None) -> None:
+    """--tp N outside torchrun: check the model splits, then run this very command as N processes (one per rank;
+    with ``nodes``, parallel.Nodes, this host's share of them) and exit with their status."""
+    from .parallel import Nodes, TensorParallelError, check_model, relaunch
 
     try:
         check_model(model, tp)
     except (TensorParallelError, FileNotFoundError, ValueError, OSError) as exc:
         _fail(user_message(exc))
-    raise typer.Exit(relaunch(tp, sys.argv[1:]))
+    raise typer.Exit(relaunch(tp, sys.argv[1:], nodes or Nodes()))
 
 
 @app.command()
@@ -441,14 +441,23 @@ def serve(**options):
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         config = ServeConfig(**options)
-        sock = listen_socket(config) if not launched or os.environ["RANK"] == "0" else None
+        config.validate()
+        # rank 0 serves HTTP: under a launcher the process with RANK 0, else node 0 (one host: this one)
+        serves = os.environ["RANK"] == "0" if launched else not config.node_rank
+        sock = listen_socket(config) if serves else None
     except (ConfigError, ServeError) as exc:
         _fail(user_message(exc))
     _quiet_transformers()
     try:
         if config.tp > 1 and not launched:
-            sock.close()  # rank 0 of the N processes binds it again
-            _start_ranks(config.model, config.tp)
+            if sock is not None:
+                sock.close()  # rank 0 of the N processes binds it again
+            nodes = None
+            if config.nnodes > 1:
+                from .parallel import Nodes
+
+                nodes = Nodes(config.nnodes, config.node_rank, config.master_addr, config.master_port)
+            _start_ranks(config.model, config.tp, nodes)
         run_server(config, sock)
     except (ConfigError, ServeError) as exc:
         _fail(user_message(exc))

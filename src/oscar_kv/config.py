@@ -217,6 +217,39 @@ class ModelConfig(Settings):
 
 
 @dataclass
+class NodesConfig(ModelConfig):
+    """Tensor parallelism over several hosts: torch.distributed's own rendezvous (torchrun's and vLLM's names)."""
+
+    title: ClassVar[str] = "Multi-node tensor parallelism"
+    nnodes: int = setting(1, "Hosts the tp ranks span (the same command runs on each, with its own node_rank); each "
+                             "host runs tp / nnodes ranks, one per GPU. Rank 0 (on node 0) serves HTTP.", at_least=1)
+    node_rank: int | None = setting(None, "This host's index in [0, nnodes) (needed with nnodes > 1).", at_least=0)
+    master_addr: str | None = setting(None, "Address of node 0 that every host can reach (needed with nnodes > 1).")
+    master_port: int = setting(29500, "Port of the rendezvous on master_addr (node 0 listens on it).",
+                               at_least=1, at_most=65535)
+
+    def _check_together(self) -> None:
+        super()._check_together()
+        if self.nnodes == 1:
+            if self.node_rank not in (None, 0):
+                raise ConfigError(f"node_rank {self.node_rank} needs nnodes (the number of hosts) above 1",
+                                  "node_rank", "nnodes")
+            return
+        if self.node_rank is None:
+            raise ConfigError(f"nnodes {self.nnodes} needs node_rank: this host's index, 0 to {self.nnodes - 1}",
+                              "nnodes", "node_rank")
+        if self.node_rank >= self.nnodes:
+            raise ConfigError(f"node_rank {self.node_rank} must lie in [0, {self.nnodes - 1}] for nnodes "
+                              f"{self.nnodes}", "node_rank", "nnodes")
+        if self.tp % self.nnodes:
+            raise ConfigError(f"tp {self.tp} does not split over nnodes {self.nnodes}: every host runs tp / nnodes "
+                              "ranks", "tp", "nnodes")
+        if not self.master_addr:
+            raise ConfigError(f"nnodes {self.nnodes} needs master_addr: the address of node 0 that every host can "
+                              "reach", "nnodes", "master_addr")
+
+
+@dataclass
 class HTTPConfig(Settings):
     """The OpenAI-compatible server: where it listens, whom it admits, how it stops."""
 
@@ -236,7 +269,7 @@ class HTTPConfig(Settings):
 
 
 @dataclass
-class ServeConfig(HTTPConfig, EngineConfig, ModelConfig):
+class ServeConfig(HTTPConfig, EngineConfig, NodesConfig):
     """Every ``oscar-kv serve`` flag (field name = flag name with dashes): the model, the engine, the HTTP server."""
 
     @property

@@ -1,7 +1,8 @@
 """Tensor parallelism: one process per GPU, the KV heads split across them in contiguous blocks.
 
 The processes are started by ``--tp N`` itself (:func:`relaunch`, with the environment torchrun would set), or by
-torchrun.
+torchrun; over several hosts (``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``) the same command
+on each host starts that host's share, and they meet at node 0's rendezvous (torch.distributed's env:// store).
 torch.distributed carries everything: NCCL between GPUs (gloo on the CPU) for the model's all-reduces, and a
 gloo group for the small Python messages rank 0 sends the others (the step plans, see engine/runner.py).
 The model is sharded with transformers' own tensor-parallel plan (``config.base_model_tp_plan``): q/k/v and
@@ -111,8 +112,10 @@ def init(tp: int, device: str) -> TensorParallel:
         raise TensorParallelError(f"tp {tp} but {world} processes were started (WORLD_SIZE)", "tp")
     cuda = device.startswith("cuda")
     if cuda:
-        if torch.cuda.device_count() < tp:
-            raise TensorParallelError(f"tp {tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}", "tp")
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", tp))  # several hosts: this host's share of the ranks
+        if torch.cuda.device_count() < here:
+            raise TensorParallelError(f"tp {tp} needs {here} GPUs on this host; it has {torch.cuda.device_count()}",
+                                      "tp")
         torch.cuda.set_device(torch.device(local_device(device, tp)))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
@@ -192,19 +195,37 @@ def is_sharded(model) -> bool:
     return getattr(model, "oscar_tensor_parallel", 1) > 1
 
 
-def relaunch(tp: int, argv: list[str]) -> int:
-    """Run ``python -m oscar_kv.cli <argv>`` as ``tp`` processes, ranks 0..tp-1 (the environment torchrun sets),
-    and return rank 0's exit status.  SIGINT / SIGTERM go to rank 0 alone, which shuts down and releases the
-    others (a clean stop, no tracebacks); if any rank fails, the others are stopped."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp),
-                LOCAL_WORLD_SIZE=str(tp), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+@dataclass(frozen=True)
+class Nodes:
+    """Where this host's ranks sit among several hosts (torchrun's static rendezvous: every host is told the
+    number of hosts, its own index and node 0's address; ranks are numbered host by host)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None on one host: any free port
+
+
+def relaunch(tp: int, argv: list[str], nodes: Nodes = Nodes()) -> int:
+    """Run ``python -m oscar_kv.cli <argv>`` as this host's share of ``tp`` processes (all of them on one host;
+    tp / nnodes on each of several, ranks ``node_rank * tp / nnodes`` on), with the environment torchrun sets,
+    and return the exit status of this host's first rank.  SIGINT / SIGTERM go to that rank alone: on node 0 it
+    is rank 0, which shuts down and releases the others, on every host (a clean stop, no tracebacks); if any
+    rank fails, the others here are stopped."""
+    port = nodes.master_port
+    if port is None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    local = tp // nodes.nnodes
+    base = dict(os.environ, MASTER_ADDR=nodes.master_addr, MASTER_PORT=str(port), WORLD_SIZE=str(tp),
+                LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(nodes.node_rank),
+                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, "-m", "oscar_kv.cli", *argv]
+    first = nodes.node_rank * local
     # own sessions: a terminal's Ctrl-C reaches this process only, which hands it to rank 0
-    ranks = [subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
-             for r in range(tp)]
+    ranks = [subprocess.Popen(cmd, env=dict(base, RANK=str(first + r), LOCAL_RANK=str(r)), start_new_session=True)
+             for r in range(local)]
     stopping = []
 
     def forward(signum, _frame):
