@@ -354,38 +354,71 @@ def evaluate(
     rotations: Path = typer.Option(..., "--rotations", "-r", help="The OSCAR artifact to evaluate (from `oscar-kv calibrate`)."),
     output: Path = typer.Option(..., "--output", "-o", help="Directory for results.json, results.md and plots."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    methods: str = typer.Option("bf16,int4,naive-int2,quarot-int2,kivi-2,oscar", help="Comma-separated schemes."),
-    tasks: str = typer.Option("kl,ppl,niah,attn", help="Comma-separated tasks: kl, ppl, niah, niah_multikey, attn, "
-                              "longgen (--gen-tokens greedy tokens decoded through each cache after the prompt)."),
-    context_lengths: str = typer.Option("1024,2048,4096", help="Comma-separated context lengths in tokens."),
+    methods: Optional[str] = typer.Option(None, help="Comma-separated schemes. Default: bf16,int4,naive-int2,"
+                                          "quarot-int2,kivi-2,oscar; with --suite: bf16,oscar."),
+    tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks: kl, ppl, niah, niah_multikey, attn, "
+                                        "longgen (--gen-tokens greedy tokens decoded through each cache after the "
+                                        "prompt), or the suite's tasks. Default: kl,ppl,niah,attn; with --suite: all "
+                                        "of the suite's (name some of them to run only those)."),
+    suite: Optional[str] = typer.Option(None, help="'ruler': RULER's synthetic long-context tasks, generated offline "
+                                        "at each context length (niah_single_1..3, niah_multikey_1..3, "
+                                        "niah_multivalue, niah_multiquery, vt variable tracking, cwe / fwe common- "
+                                        "and frequent-words extraction; score: recall of the expected strings), "
+                                        "and longcode (complete --code-lines of a function of a standard-library "
+                                        "package after thousands of its lines; exact match and edit similarity vs "
+                                        "bf16's own output). Each prompt plus its answer budget fits the length. "
+                                        "Per-sample outputs go to suite_outputs.jsonl."),
+    context_lengths: str = typer.Option("1024,2048,4096", "--context-lengths", "--contexts",
+                                        help="Comma-separated context lengths in tokens (up to the model's context)."),
     text: Optional[Path] = typer.Option(None, help="Evaluation text (.txt/.jsonl). Default: held-out part of the shipped corpus."),
     niah_samples: int = typer.Option(20, help="Needle-in-a-haystack samples per context length."),
     kl_docs: int = typer.Option(1, help="Text windows per context length for KL/perplexity."),
+    suite_samples: int = typer.Option(5, min=1, help="--suite: prompts per task and context length."),
+    code_package: str = typer.Option("asyncio", help="longcode: the package of this interpreter's standard library "
+                                     "the prompts are cut from (results depend on the Python version)."),
+    code_lines: int = typer.Option(4, min=1, help="longcode: non-blank lines of the function the model completes."),
+    suite_max_tokens: Optional[int] = typer.Option(None, min=1, help="--suite: cap each task's answer budget "
+                                                   "(RULER's: NIAH 128, vt 30, cwe 120, fwe 50; longcode 20 a line) "
+                                                   "for a quick run; long answers then score lower."),
     gen_tokens: int = typer.Option(1024, min=2, help="longgen: greedy tokens generated after each prompt (the KL "
                                    "task's first text window), through BF16's cache and each scheme's."),
     ablations: bool = typer.Option(True, help="Also run the OSCAR ablations (fitted from the same calibration statistics)."),
     quick: bool = typer.Option(False, help="bf16/naive/quarot/oscar at 1024 tokens, 2 NIAH samples, no ablations (CI)."),
     device: str = typer.Option("cpu", help="Where the model runs: cpu or cuda (bf16 weights on cuda)."),
-    served: bool = typer.Option(False, help="Also ask the needle prompts through the serving engine (paged pool, "
-                                            "kernels, CUDA graphs): rows bf16@engine and oscar@engine."),
+    served: bool = typer.Option(False, help="Also ask the needle (and --suite) prompts through the serving engine "
+                                            "(paged pool, kernels, CUDA graphs): rows bf16@engine and oscar@engine."),
     compare: Optional[list[str]] = typer.Option(None, metavar="NAME=DIR", help="Another artifact for the same model "
                                                 "scored beside --rotations as method NAME (repeatable), e.g. two "
                                                 "calibrations' widths on the same prompts."),
 ):
     """Compare KV schemes on real text: KL and top-1 vs BF16, perplexity, NIAH, per-layer attention error, long
-    generation."""
+    generation; or run a long-context suite on your model (--suite ruler)."""
     _quiet_transformers()
     from .evaluate.harness import EvalConfig, run_eval
     from .evaluate.report import markdown_table
 
     try:
+        named = dict(text=str(text) if text else None, served=served, gen_tokens=gen_tokens,
+                     suite_samples=suite_samples, code_package=code_package, code_lines=code_lines,
+                     suite_max_tokens=suite_max_tokens)
+        if tasks is not None:
+            named["tasks"] = _csv(tasks)
+        if methods is not None:
+            named["methods"] = _csv(methods)
+        if suite is not None:
+            from .evaluate.suite import suite_tasks
+
+            outside = [t for t in named.get("tasks", []) if t not in suite_tasks(suite)]
+            if outside:
+                _fail(f"--tasks {','.join(outside)} not in suite {suite!r} ({', '.join(suite_tasks(suite))})")
+        named.setdefault("tasks", suite_tasks(suite) if suite is not None else ["kl", "ppl", "niah", "attn"])
         if quick:
-            config = EvalConfig.quick(tasks=_csv(tasks), text=str(text) if text else None, served=served,
-                                      gen_tokens=gen_tokens)
+            config = EvalConfig.quick(**{k: v for k, v in named.items() if k != "methods"})
+        elif suite is not None:
+            config = EvalConfig.suite(suite, context_lengths=_csv(context_lengths, int), **named)
         else:
-            config = EvalConfig(methods=_csv(methods), tasks=_csv(tasks), context_lengths=_csv(context_lengths, int),
-                                text=str(text) if text else None, niah_samples=niah_samples, kl_docs=kl_docs,
-                                gen_tokens=gen_tokens, ablations=ablations, served=served)
+            config = EvalConfig(context_lengths=_csv(context_lengths, int), niah_samples=niah_samples,
+                                kl_docs=kl_docs, ablations=ablations, **named)
     except ValueError as exc:
         _fail(user_message(exc))
     lm, tokenizer = _load(model, device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import platform
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,10 +25,11 @@ from .generation import score_long_generation
 from .report import write_report
 from .schemes import STANDARD, Scheme, ablation_schemes, standard_scheme
 from .served import SERVED_SCHEMES, served_answers
+from .suite import SUITE_METHODS, SUITE_TASKS, answer_all, answer_served, score_outputs, suite_samples, suite_tasks
 
 log = logging.getLogger(__name__)
 
-TASKS = ("kl", "ppl", "niah", "niah_multikey", "attn", "longgen")
+TASKS = ("kl", "ppl", "niah", "niah_multikey", "attn", "longgen") + SUITE_TASKS  # suite.py: RULER + longcode
 # longgen decodes G tokens per scheme and length through the real cache: run when named, not by default
 DEFAULT_TASKS = ("kl", "ppl", "niah", "niah_multikey", "attn")
 # Calibration reads the shipped corpus from its start; evaluation text starts far past that.
@@ -48,6 +50,10 @@ class EvalConfig:
     gen_tokens: int = 1024  # longgen: greedy tokens generated after each prompt (the first from the prefill)
     ablations: bool = True
     served: bool = False  # also ask the needle prompts through the serving engine (rows bf16@engine, oscar@engine)
+    suite_samples: int = 5  # prompts per suite task (RULER, longcode) and context length
+    code_package: str = "asyncio"  # longcode: the standard-library package the prompts are cut from
+    code_lines: int = 4  # longcode: non-blank lines the model completes
+    suite_max_tokens: int | None = None  # caps every suite task's decode budget (RULER's: 30-128 tokens)
     sink_size: int = 64
     recent_size: int = 256
     page_size: int = 16
@@ -62,6 +68,8 @@ class EvalConfig:
             self.methods = ["bf16"] + list(self.methods)
         if any(c < 64 for c in self.context_lengths):
             raise ConfigError("context lengths must be at least 64 tokens")
+        if min(self.suite_samples, self.code_lines, self.suite_max_tokens or 1) < 1:
+            raise ConfigError("suite_samples, code_lines and suite_max_tokens must be at least 1")
         if "longgen" in self.tasks and self.gen_tokens < 2:
             raise ConfigError("gen_tokens must be at least 2 (the first token comes from the prompt's prefill)",
                               "gen_tokens")
@@ -71,6 +79,13 @@ class EvalConfig:
         """The CI configuration (``--quick``): four schemes at 1024 tokens, 2 NIAH samples, no ablations."""
         base = dict(methods=["bf16", "naive-int2", "quarot-int2", "oscar"], context_lengths=[1024], niah_samples=2,
                     ablations=False)
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def suite(cls, name: str, **overrides) -> "EvalConfig":
+        """A long-context suite (``--suite``, suite.SUITES): its tasks, bf16 and oscar, no ablations."""
+        base = dict(tasks=suite_tasks(name), methods=list(SUITE_METHODS), ablations=False)
         base.update(overrides)
         return cls(**base)
 
@@ -151,7 +166,7 @@ def build_schemes(model, tokenizer, oscar: Rotations, config: EvalConfig) -> lis
             raise ConfigError(f"compared artifact name {name!r} is taken by a method")
         rot.validate(geometry)
         schemes.append(Scheme(name, rot, base, f"artifact {rot.source or name} ({rot.width_summary()})"))
-    if config.ablations:
+    if config.ablations and {"kl", "ppl", "attn"} & set(config.tasks):  # ablations are scored on these only
         stats, settings, proxy_c_s, probe = _calibration_statistics(model, tokenizer, oscar)
         schemes += ablation_schemes(stats, settings, oscar, base, proxy_c_s, probe)
     return schemes
@@ -179,8 +194,15 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
         raise ConfigError(f"context length {max(config.context_lengths)} plus gen_tokens {config.gen_tokens} "
                           f"exceeds the model's context of {limit}", "gen_tokens")
     started = time.perf_counter()
-    schemes = build_schemes(model, tokenizer, oscar, config)
     text = evaluation_text(config.text)
+    suite = [t for t in config.tasks if t in SUITE_TASKS]
+    # the suite's prompts first: a length they cannot fit fails before any scheme is built
+    prompts = {ctx: suite_samples(tokenizer, suite, ctx, config.suite_samples, config.seed, text, config.code_package,
+                                  config.code_lines, config.suite_max_tokens)
+               for ctx in config.context_lengths} if suite else {}
+    if suite:
+        (output / "suite_outputs.jsonl").write_text("")
+    schemes = build_schemes(model, tokenizer, oscar, config)
     all_ids = tokenizer(text, return_tensors="pt").input_ids
     results = {"model": getattr(model, "oscar_model_name", ""), "context_lengths": config.context_lengths,
                "methods": {s.name: {"description": s.description, "bits_per_element": {}} for s in schemes}}
@@ -189,7 +211,8 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
     bar = tqdm(total=steps, desc="evaluating", disable=not progress)
     for ctx in config.context_lengths:
         key = str(ctx)
-        docs = _documents(all_ids, ctx, config.kl_docs)
+        # text windows for the tasks that read one (the suite brings its own prompts, of any length)
+        docs = _documents(all_ids, ctx, config.kl_docs) if {"kl", "ppl", "attn", "longgen"} & set(config.tasks) else []
         t0 = time.perf_counter()
         refs = [tasks.reference_hidden(model, d) for d in docs] if {"kl", "ppl"} & set(config.tasks) else []
         samples = capture_samples(model, docs[0]) if "attn" in config.tasks else None
@@ -233,10 +256,7 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
                 for name in (n for n in SERVED_SCHEMES if n in hits):
                     answers = served_answers(model, tokenizer, oscar, name, prompts, config.page_size,
                                              config.sink_size, config.recent_size)
-                    row = results["methods"].setdefault(f"{name}@engine", {
-                        "description": f"`{name}` through the serving engine (paged pool, kernels)",
-                        "bits_per_element": {}})
-                    row["bits_per_element"][key] = results["methods"][name]["bits_per_element"][key]
+                    row = _engine_row(results, name, key)
                     row.setdefault(f"{task}_answers", {})[key] = answers
                     hits[f"{name}@engine"] = [p.answer in a for p, a in zip(prompts, answers)]
             for name, h in hits.items():
@@ -251,17 +271,42 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
                 for metric, value in measured.items():
                     results["methods"][name].setdefault(metric, {})[key] = value
             timings[f"longgen@{ctx}"] = round(time.perf_counter() - t0, 1)
+        if suite:
+            t0 = time.perf_counter()
+            outputs = answer_all(model, tokenizer, scored, prompts[ctx], config.code_lines, progress, f"suite@{ctx}")
+            if config.served:
+                outputs.update(answer_served(model, tokenizer, oscar, list(outputs), prompts[ctx], config.page_size,
+                                             config.sink_size, config.recent_size))
+            scores, records = score_outputs(prompts[ctx], outputs, config.code_lines)
+            for name, measured in scores.items():
+                row = _engine_row(results, name.removesuffix("@engine"), key) if name.endswith("@engine") \
+                    else results["methods"][name]
+                for metric, value in measured.items():
+                    row.setdefault(metric, {})[key] = value
+            with open(output / "suite_outputs.jsonl", "a") as f:
+                f.writelines(json.dumps(dict(r, context=ctx)) + "\n" for r in records)
+            timings[f"suite@{ctx}"] = round(time.perf_counter() - t0, 1)
         # a long run keeps what it measured so far (the report and plots are written at the end)
         (output / "results.json").write_text(json.dumps(dict(results, timings=timings, partial=True), indent=1) + "\n")
     bar.close()
     unprepare_model(model)
     results["config"] = {k: v for k, v in config.__dict__.items() if k != "compare"}
     results["config"]["compare"] = {name: rot.source for name, rot in config.compare.items()}
+    if "longcode" in config.tasks:  # its prompts are this interpreter's standard library
+        results["config"]["python"] = platform.python_version()
     results["seconds"] = round(time.perf_counter() - started, 1)
     results["timings"] = timings
     (output / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     write_report(results, output)
     return results
+
+
+def _engine_row(results: dict, name: str, key: str) -> dict:
+    """The results row ``NAME@engine`` (the scheme through the serving engine), made on first use."""
+    row = results["methods"].setdefault(f"{name}@engine", {
+        "description": f"`{name}` through the serving engine (paged pool, kernels)", "bits_per_element": {}})
+    row["bits_per_element"][key] = results["methods"][name]["bits_per_element"][key]
+    return row
 
 
 def _documents(all_ids: torch.Tensor, length: int, count: int) -> list[torch.Tensor]:

@@ -7,6 +7,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# the long-context suite's scores (suite.py), in a table of their own: a column per task
+SUITE_COLUMNS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+                 "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "ruler_mean",
+                 "longcode_em", "longcode_es", "longcode_es_source")
+
 COLUMNS = (("bits_per_element", "bits/elem", "{:.3f}"), ("kl", "KL vs bf16", "{:.4f}"),
            ("top1_agreement", "top-1", "{:.3f}"), ("ppl", "ppl", "{:.3f}"), ("niah", "NIAH", "{:.2f}"),
            ("niah_multikey", "multi-key NIAH", "{:.2f}"),
@@ -28,6 +33,7 @@ def markdown_table(results: dict) -> str:
             cells = [c[2].format(m[c[0]][key]) if key in m.get(c[0], {}) else "–" for c in present]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += suite_tables(results)
     gen_tokens = results.get("config", {}).get("gen_tokens")
     if gen_tokens and any("gen_kl" in m for m in results["methods"].values()):
         lines += [f"Long generation: {gen_tokens} greedy tokens decoded through each cache after the prompt. gen KL: "
@@ -38,6 +44,65 @@ def markdown_table(results: dict) -> str:
     lines += ["Methods:", ""] + [f"- `{n}`: {m.get('description', '')}" for n, m in results["methods"].items()]
     lines += ["", f"Wall time: {results.get('seconds', '?')} s."]
     return "\n".join(lines) + "\n"
+
+
+def suite_tables(results: dict) -> list[str]:
+    """The suite's section of results.md: per context length, a row per method and a column per task run."""
+    methods = results["methods"]
+    if not any(c in m for m in methods.values() for c in SUITE_COLUMNS):
+        return []
+    lines = ["## long-context suite (RULER tasks: recall of the expected strings; longcode: exact match / edit "
+             "similarity vs bf16's output, and edit similarity vs the source)", ""]
+    for ctx in results["context_lengths"]:
+        key = str(ctx)
+        present = [c for c in SUITE_COLUMNS if any(key in m.get(c, {}) for m in methods.values())]
+        if not present:
+            continue
+        lines += [f"### {ctx} tokens", "", "| method | " + " | ".join(present) + " |", "|---|" + "---|" * len(present)]
+        for name, m in methods.items():
+            if any(key in m.get(c, {}) for c in present):
+                cells = [f"{m[c][key]:.2f}" if key in m.get(c, {}) else "–" for c in present]
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _suite_plots(results: dict, output: Path, plt) -> None:
+    """One PNG per suite task (score against context length, a line per method) and all of them in one grid."""
+    ctxs = results["context_lengths"]
+    present = [c for c in SUITE_COLUMNS if any(c in m for m in results["methods"].values())]
+    if not present:
+        return
+
+    def draw(ax, metric):
+        for name, m in results["methods"].items():
+            if metric in m:
+                ax.plot(ctxs, [m[metric].get(str(c)) for c in ctxs], marker="o", label=name)
+        ax.set_title(metric, fontsize=9)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+
+    for metric in present:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax, metric)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("score")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(output / f"suite_{metric}_vs_context.png", dpi=110)
+        plt.close(fig)
+    cols = 4
+    rows = -(-len(present) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    for ax, metric in zip(axes.flat, present):
+        draw(ax, metric)
+    for ax in list(axes.flat)[len(present):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(output / "suite_vs_context.png", dpi=110)
+    plt.close(fig)
 
 
 def write_report(results: dict, output: Path) -> None:
@@ -52,6 +117,7 @@ def write_report(results: dict, output: Path) -> None:
         log.warning("matplotlib is not installed: no plots written")
         return
     ctxs = results["context_lengths"]
+    _suite_plots(results, output, plt)
     gen_tokens = results.get("config", {}).get("gen_tokens", "the")
     for metric, ylabel, fname, logy in (("kl", "mean KL vs bf16", "kl_vs_context.png", True),
                                         ("niah", "NIAH accuracy", "niah_vs_context.png", False),

@@ -54,30 +54,41 @@ def served_answers(model, tokenizer, rotations, scheme: str, prompts: list[Needl
     """Each prompt's greedy answer (up to the first 7-digit number) from an engine serving ``scheme`` ("bf16" or
     "oscar", with ``rotations``).  Raises PrefixMissed if a question's request did not reuse the haystack's
     pages before its recent window."""
+    answers = []
+    for text in served_outputs(model, tokenizer, rotations, scheme, prompts, MAX_NEW_TOKENS, page_size, sink_size,
+                               recent_size):
+        m = ANSWER.search(text)
+        answers.append(text[:m.end()] if m else text)
+    return answers
+
+
+def served_outputs(model, tokenizer, rotations, scheme: str, prompts: list[NeedlePrompt], max_tokens: int | list[int],
+                   page_size: int = 16, sink_size: int = 64, recent_size: int = 256) -> list[str]:
+    """Each prompt's greedy output text (``max_tokens`` tokens, one count or one per prompt, or up to EOS) from an
+    engine serving ``scheme``; served_answers' checks."""
     if scheme not in SERVED_SCHEMES:
         raise ConfigError(f"the engine serves {', '.join(SERVED_SCHEMES)}, not {scheme!r}")
-    longest = max(len(p.haystack) + len(p.question) for p in prompts)
-    limit = getattr(model.config, "max_position_embeddings", None) or longest + MAX_NEW_TOKENS
+    budgets = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+    longest = max(len(p.haystack) + len(p.question) + b for p, b in zip(prompts, budgets))
+    limit = getattr(model.config, "max_position_embeddings", None) or longest
     unprepare_model(model)
     cfg = EngineConfig(kv_cache_dtype=SERVED_SCHEMES[scheme], sink_size=sink_size, recent_size=recent_size,
-                       page_size=page_size, max_model_len=min(longest + MAX_NEW_TOKENS, limit), max_num_seqs=2,
+                       page_size=page_size, max_model_len=min(longest, limit), max_num_seqs=2,
                        max_num_batched_tokens=max(longest, 2048), kv_cache_memory=_pool_gb(model, longest))
     engine = LLMEngine(model, tokenizer, rotations if scheme == "oscar" else None, cfg)
-    answers = []
+    outputs = []
     try:
-        for i, p in enumerate(prompts):
+        for i, (p, budget) in enumerate(zip(prompts, budgets)):
             _run(engine, f"haystack-{i}", p.haystack, 1)
-            seq = _run(engine, f"question-{i}", p.haystack + p.question, MAX_NEW_TOKENS)
+            seq = _run(engine, f"question-{i}", p.haystack + p.question, budget)
             shareable = (len(p.haystack) - recent_size) // page_size * page_size
             if seq.prefix_hit_tokens < shareable:
                 raise PrefixMissed(f"prompt {i}: the question reused {seq.prefix_hit_tokens} of the haystack's "
                                    f"{shareable} tokens before its recent window")
-            text = tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-            m = ANSWER.search(text)
-            answers.append(text[:m.end()] if m else text)
+            outputs.append(tokenizer.decode(seq.output_ids, skip_special_tokens=True))
     finally:
         del engine
         unprepare_model(model)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return answers
+    return outputs

@@ -99,7 +99,7 @@ class NeedlePrompt:
 
 
 def needle_prompt(tokenizer, filler: str, length: int, needles: list[tuple[float, str]], question: str,
-                  answer_prefix: str, answer: str, target: int = 0) -> NeedlePrompt:
+                  answer_prefix: str, answer: str, target: int = 0, preface: str = "") -> NeedlePrompt:
     """A chat prompt of about ``length`` tokens with each needle sentence inserted at its depth.
 
     Args:
@@ -111,12 +111,15 @@ def needle_prompt(tokenizer, filler: str, length: int, needles: list[tuple[float
         answer_prefix: appended after the prompt, so that the answer starts with the digits.
         answer: the expected answer.
         target: the index of the needle the question asks about.
+        preface: an instruction before the haystack (part of the shared prefix).
     """
     sentences = re.split(r"(?<=[.!?])\s+", filler)
     budget = length - 60 - sum(len(tokenizer(n, add_special_tokens=False).input_ids) + 1 for _, n in needles)
+    if preface:
+        budget -= len(tokenizer(preface, add_special_tokens=False).input_ids)
     chosen, used = [], 0
-    for s in sentences:
-        n = len(tokenizer(s, add_special_tokens=False).input_ids) + 1
+    sizes = [len(ids) + 1 for ids in tokenizer(sentences, add_special_tokens=False).input_ids]  # one batched call
+    for s, n in zip(sentences, sizes):
         if used + n > budget:
             break
         chosen.append(s)
@@ -128,16 +131,7 @@ def needle_prompt(tokenizer, filler: str, length: int, needles: list[tuple[float
         parts += chosen[at:cut] + [needles[i][1]]
         at = max(at, cut)
     parts += chosen[at:]
-    haystack = " ".join(parts)
-    marker = "\n\n" + question
-    content = haystack + marker
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
-    else:
-        text = content + "\n"
-    text += answer_prefix  # the answer starts with the digits: fewer decode steps, same retrieval
-    split = text.index(marker)
+    text, split = chat_text(tokenizer, preface + " ".join(parts), question, answer_prefix)
     enc = tokenizer(text[:split], add_special_tokens=False, return_offsets_mapping=True)
     spans = []
     for _, sentence in needles:
@@ -147,6 +141,23 @@ def needle_prompt(tokenizer, filler: str, length: int, needles: list[tuple[float
         spans.append((toks[0], toks[-1] + 1))
     return NeedlePrompt(enc["input_ids"], tokenizer(text[split:], add_special_tokens=False).input_ids, answer,
                         spans, target)
+
+
+def chat_text(tokenizer, context: str, question: str, answer_prefix: str) -> tuple[str, int]:
+    """The prompt's text and the character where the question starts.
+
+    ``context`` then the question form the user's turn (through the chat template when the tokenizer has one);
+    ``answer_prefix`` is appended after it, so the answer starts at once (fewer decode steps, same retrieval).
+    Everything before the split is the haystack: prefilled once and shared by every scheme."""
+    marker = "\n\n" + question
+    content = context + marker
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+    else:
+        text = content + "\n"
+    text += answer_prefix
+    return text, text.rindex(marker)
 
 
 def niah_prompt(tokenizer, filler: str, length: int, depth: float, number: str) -> NeedlePrompt:
@@ -211,6 +222,15 @@ def niah_answer(model, tokenizer, scheme: Scheme, kv, question: list[int], max_n
     Returns:
         The answer's text.
     """
+    return greedy_answer(model, tokenizer, scheme, kv, question, max_new_tokens,
+                         lambda text: re.search(r"\d{7}", text) is not None)  # an answer (right or wrong) is complete
+
+
+@torch.no_grad()
+def greedy_answer(model, tokenizer, scheme: Scheme, kv, question: list[int], max_new_tokens: int,
+                  done=None) -> str:
+    """niah_answer's decode with its own stop: greedy tokens through the scheme's cache after the stored
+    haystack ``kv``, up to ``max_new_tokens``, EOS, or the first text for which ``done(text)`` is true."""
     cache = stored_cache(model, scheme, kv)
     ids = torch.tensor([question], device=model.device)
     out = []
@@ -219,7 +239,7 @@ def niah_answer(model, tokenizer, scheme: Scheme, kv, question: list[int], max_n
         if token == tokenizer.eos_token_id:
             break
         out.append(token)
-        if re.search(r"\d{7}", tokenizer.decode(out)):  # an answer (right or wrong) is complete
+        if done is not None and done(tokenizer.decode(out, skip_special_tokens=True)):
             break
         ids = torch.tensor([[token]], device=model.device)
     return tokenizer.decode(out, skip_special_tokens=True)
