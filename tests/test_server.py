@@ -76,6 +76,19 @@ def test_models_health_and_metrics(server, client):
         assert "oscar_kv_" + name in names, name
 
 
+def test_router_facing_load_and_vllm_named_gauges(server):
+    """What routers poll: /get_load and vLLM's gauge names, equal to ours (tests/test_router.py: under load)."""
+    wait_idle(server)
+    load = httpx.get(server.url + "/get_load", timeout=10).json()
+    assert load["load"] == load["num_requests_running"] + load["num_requests_waiting"] == 0
+    values = read_metrics(server.url)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert values[("vllm:" + name, ())] == metric(values, name), name
+    page = server.engine.pool.geometry.page_size
+    blocks = int(metric(values, "kv_pool_capacity_tokens")) // page
+    assert values[("vllm:cache_config_info", (("block_size", str(page)), ("num_gpu_blocks", str(blocks))))] == 1
+
+
 def test_chat_streaming_equals_non_streaming(server, client):
     msg = [{"role": "user", "content": "What is the capital of France?"}]
     full = client.chat.completions.create(model=MODEL, messages=msg, max_tokens=8, temperature=0)
