@@ -373,7 +373,8 @@ def evaluate(
     text: Optional[Path] = typer.Option(None, help="Evaluation text (.txt/.jsonl). Default: held-out part of the shipped corpus."),
     niah_samples: int = typer.Option(20, help="Needle-in-a-haystack samples per context length."),
     kl_docs: int = typer.Option(1, help="Text windows per context length for KL/perplexity."),
-    suite_samples: int = typer.Option(5, min=1, help="--suite: prompts per task and context length."),
+    suite_samples: Optional[int] = typer.Option(None, min=1, help="--suite: prompts per task and context length "
+                                                "(default 5; 1 with --quick)."),
     code_package: str = typer.Option("asyncio", help="longcode: the package of this interpreter's standard library "
                                      "the prompts are cut from (results depend on the Python version)."),
     code_lines: int = typer.Option(4, min=1, help="longcode: non-blank lines of the function the model completes."),
@@ -399,8 +400,8 @@ def evaluate(
 
     try:
         named = dict(text=str(text) if text else None, served=served, gen_tokens=gen_tokens,
-                     suite_samples=suite_samples, code_package=code_package, code_lines=code_lines,
-                     suite_max_tokens=suite_max_tokens)
+                     suite_samples=suite_samples or (1 if quick else 5), code_package=code_package,
+                     code_lines=code_lines, suite_max_tokens=suite_max_tokens)
         if tasks is not None:
             named["tasks"] = _csv(tasks)
         if methods is not None:
