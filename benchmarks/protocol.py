@@ -16,8 +16,10 @@ scored at the extended lengths.  ``--tasks`` adds ``longgen`` (greedy generation
 ``--gen-tokens``) to the default kl, niah, niah_multikey.
 
 Candidates (``--candidates``, comma-separated): ``default`` (what ``oscar-kv calibrate`` writes), ``k2`` / ``k3`` /
-``k4`` (every layer's keys at that width; ``k4v3``, ``k4v4``: values wider too), ``bX`` (widths chosen by the key noise under a budget of X bits per
-element at the model's context, no tolerance), ``nX`` (tolerance X nats^2, no budget).  The first candidate is the `oscar` row.
+``k4`` / ``k8`` (every layer's keys at that width; ``k4v3``, ``k4v4``: values wider too), ``bX`` (widths chosen by the key noise under a budget of X bits per
+element at the model's context, no tolerance), ``nX`` (tolerance X nats^2, no budget), ``mX`` (calibrated with the
+default tolerance and ``--max-kl X``: widened past the tolerance until the KL measured on held-back text is at most
+X).  The first candidate is the `oscar` row.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from dataclasses import replace
 import re
 import sys
 import time
@@ -50,9 +53,11 @@ def candidate_widths(name: str, default: Rotations, seq_len: int) -> tuple[list[
     layers = default.geometry.num_layers
     if name == "default":
         return None
-    match = re.fullmatch(r"k([234])(?:v([234]))?", name)
+    match = re.fullmatch(r"k([2348])(?:v([2348]))?", name)
     if match:
         return [int(match[1])] * layers, [int(match[2] or 2)] * layers
+    if name[0] == "m":
+        raise ValueError("mX candidates are calibrated, not derived (kl_target_artifact)")
     recorded = default.manifest["calibration"]["widths"]
     noise = {int(w): n for w, n in recorded["key_noise_by_width"].items()}
     tolerance, budget = (None, float(name[1:])) if name[0] == "b" else (float(name[1:]), None)
@@ -90,8 +95,11 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     probe = held_back_probe(model, tokenizer, settings) if set(candidates) - {"default"} else None
     artifacts = {}
     for name in candidates:
-        widths = candidate_widths(name, default, max_len)
-        rot = default if widths is None else with_widths(default, *widths, probe)
+        if name[0] == "m":  # the default's tolerance and a KL target: calibrate measures the KL itself
+            rot = calibrate(model, tokenizer, replace(settings, max_kl=float(name[1:])), progress=False)
+        else:
+            widths = candidate_widths(name, default, max_len)
+            rot = default if widths is None else with_widths(default, *widths, probe)
         rot.save(directory / f"artifact_{name}")
         artifacts[name] = rot
         bits = bits_per_element(max_len, rot.geometry.head_dim, rot.group_size, k_bits=rot.k_bits.tolist(),
@@ -101,6 +109,7 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
           f"{default.manifest['calibration']['widths']['reason']}", flush=True)
     first, *rest = candidates
     config = EvalConfig(methods=["bf16", "kivi-2", "oscar"], tasks=args.tasks.split(","), gen_tokens=args.gen_tokens,
+                        text=args.text,
                         context_lengths=contexts, niah_samples=args.niah_samples, ablations=False,
                         compare={f"oscar-{name}": artifacts[name] for name in rest})
     t0 = time.perf_counter()
@@ -140,6 +149,8 @@ def main(argv=None) -> None:
     parser.add_argument("--niah-samples", type=int, default=10)
     parser.add_argument("--tasks", default="kl,niah,niah_multikey", help="eval tasks (longgen: also --gen-tokens)")
     parser.add_argument("--gen-tokens", type=int, default=1024)
+    parser.add_argument("--text", default=None, help="evaluation text (eval --text): 'stdlib:' for contexts past the "
+                        "shipped corpus's ~43K tokens")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)

@@ -52,6 +52,38 @@ case "${1:-}" in
         longgen) wait_for qwen
           step longgen --model qwen2.5-coder-1.5b:32768 --candidates default,k2 --tasks kl,longgen \
             --gen-tokens 1024 ;;
+        # runs D2-D5 (2026-11-27, 8-bit keys and the KL target)
+        d2) wait_for gemma
+          step d2 --model gemma3-270m:8192,16384,32768 --tasks kl --candidates default,m0.02,m0.01,k8 ;;
+        d3) wait_for smol
+          step d3 --model smollm2-135m:4096,8192 --niah-samples 10 --candidates default,m0.02,m0.01 ;;
+        d4) wait_for qwen
+          step d4 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --candidates default,m0.02 ;;
+        d5) wait_for qwen
+          step d5 --model qwen2.5-coder-1.5b@yarn4:65536,131072 --niah-samples 6 --text stdlib: \
+            --candidates default ;;
+        # runs D6-D8: values allocated with the keys (value_bits auto)
+        d6) wait_for gemma
+          step d6 --model gemma3-270m:8192,16384,32768 --tasks kl --candidates default,m0.02,m0.01 ;;
+        d7) wait_for qwen
+          step d7 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --candidates default ;;
+        d9) wait_for qwen  # the RULER-style suite (issue 36's timing target), as `oscar-kv eval --suite ruler` runs it
+          python3 - > "$runs/d9.log" 2>&1 <<'PY' || echo "d9 failed: $?" >> "$runs/status"
+import json, time
+from oscar_kv.calibrate import calibrate
+from oscar_kv.evaluate.harness import EvalConfig, run_eval
+from oscar_kv.models import load_model
+model, tok = load_model("qwen2.5-coder-1.5b", device="cuda")
+rot = calibrate(model, tok, progress=False)
+t0 = time.perf_counter()
+res = run_eval(model, tok, rot, EvalConfig.suite("ruler", context_lengths=[8192, 16384, 32768], suite_samples=5),
+               "/tmp/protocol/d9", progress=False)
+print("suite seconds", round(time.perf_counter() - t0))
+print(json.dumps({m: {k: v for k, v in r.items() if k != "description"} for m, r in res["methods"].items()}))
+PY
+          echo "d9 done $(date +%T)" >> "$runs/status" ;;
+        d8) wait_for smol
+          step d8 --model smollm2-135m:4096,8192 --niah-samples 10 --candidates default ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from oscar_kv.allocation import allocate_key_widths, key_logit_noise
+from oscar_kv.allocation import allocate_key_widths, key_logit_noise, value_output_noise
 from oscar_kv.memory import bits_per_element
 
 GEOMETRY = dict(seq_len=32768, head_dim=128, group_size=128)
@@ -80,3 +80,35 @@ def test_steps_walk_the_path_the_tolerance_walks():
         assert step.bits_per_element > previous.bits_per_element
         previous = step
     assert previous.k_bits == full.k_bits == [4] * 4
+
+
+def test_value_output_noise_is_the_error_relative_to_the_values_spread():
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(2, 64, 16, generator=g) * torch.tensor([1.0, 3.0])[:, None, None]
+    error = 0.1 * torch.randn(2, 64, 16, generator=g)
+    noise = value_output_noise(values, values + error)
+    assert torch.allclose(noise, (error.pow(2).sum((1, 2)) / values.pow(2).sum((1, 2))).double(), rtol=1e-5)
+    assert noise[0] > 5 * noise[1], "the same error is a smaller share of wider values"
+
+
+VALUE_NOISE = {2: [0.6, 0.05, 0.05, 0.05], 3: [0.2, 0.01, 0.01, 0.01], 4: [0.05, 0.002, 0.002, 0.002]}
+
+
+def test_values_widen_in_one_noisiest_first_order_with_the_keys():
+    choice = allocate_key_widths(NOISE, [2] * 4, tolerance=0.55, budget=None, value_noise=VALUE_NOISE, **GEOMETRY)
+    # above 0.55: keys of layers 1 (2.0) and 3 (8.0 -> 2.0 -> 0.5) and layer 0's values (0.6); nothing else
+    assert choice.k_bits == [2, 3, 2, 4] and choice.v_bits == [3, 2, 2, 2]
+    assert choice.value_noise == [0.2, 0.05, 0.05, 0.05] and choice.steps == 4
+    assert "key and value noise is within 0.55" in choice.reason
+    assert choice.bits_per_element == pytest.approx(bits_per_element(k_bits=[2, 3, 2, 4], v_bits=[3, 2, 2, 2],
+                                                                     **GEOMETRY), abs=1e-4)
+    # step by step, the path widens whichever part is noisiest: layer 3's keys (8.0), then its keys again and
+    # layer 1's keys (2.0 each), then layer 0's values (0.6)
+    sides = []
+    for n in range(1, 5):
+        step = allocate_key_widths(NOISE, [2] * 4, tolerance=None, budget=None, steps=n, value_noise=VALUE_NOISE,
+                                   **GEOMETRY)
+        sides.append("v" if step.v_bits != [2] * 4 else "k")
+    assert sides == ["k", "k", "k", "v"]
+    fixed = allocate_key_widths(NOISE, [3] * 4, tolerance=0.55, budget=None, **GEOMETRY)
+    assert fixed.v_bits == [3] * 4 and fixed.value_noise is None, "without value noise the values stay as given"

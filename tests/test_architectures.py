@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from oscar_kv.cache import CacheSettings, OscarCache, unprepare_model
 from oscar_kv.calibrate import CalibrationSettings, calibrate
 from oscar_kv.folding import fold_values
+from oscar_kv.hf_compat import cache_kwargs
 from oscar_kv.models import AttentionGeometry, layer_windows
 
 # the engine's Triton kernels run on this CPU model under the interpreter only (conftest turns it on without CUDA)
@@ -85,7 +86,7 @@ def tiny_model(arch: str):
 def test_cache_equivalences_and_calibration(arch, tokenizer, held_out_ids):
     model = tiny_model(arch)
     ids = held_out_ids[:, :200]
-    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    ref = model(ids, **cache_kwargs(model, DynamicCache(config=model.config))).logits
 
     rot = calibrate(model, tokenizer, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128),
                     progress=False)
@@ -106,19 +107,19 @@ def test_cache_equivalences_and_calibration(arch, tokenizer, held_out_ids):
     unprepare_model(model)
 
     bf16 = OscarCache(model, None, CacheSettings("bf16", window_dtype=torch.float32))
-    out = torch.cat([model(ids[:, :150], past_key_values=bf16).logits]
-                    + [model(ids[:, i:i + 1], past_key_values=bf16).logits for i in range(150, 200)], 1)
+    out = torch.cat([model(ids[:, :150], **cache_kwargs(model, bf16)).logits]
+                    + [model(ids[:, i:i + 1], **cache_kwargs(model, bf16)).logits for i in range(150, 200)], 1)
     assert (out - ref).abs().max() < 1e-3
     unprepare_model(model)
 
     wide = OscarCache(model, rot, CacheSettings("int2", sink_size=16, recent_size=512, window_dtype=torch.float32))
-    out = torch.cat([model(ids[:, :150], past_key_values=wide).logits]
-                    + [model(ids[:, i:i + 1], past_key_values=wide).logits for i in range(150, 200)], 1)
+    out = torch.cat([model(ids[:, :150], **cache_kwargs(model, wide)).logits]
+                    + [model(ids[:, i:i + 1], **cache_kwargs(model, wide)).logits for i in range(150, 200)], 1)
     assert (out - ref).abs().max() < 1e-3, "centered, rotated storage must be exact while nothing is quantized"
     unprepare_model(model)
 
     int2 = OscarCache(model, rot, CacheSettings("int2", sink_size=16, recent_size=32))
-    model(ids, past_key_values=int2)
+    model(ids, **cache_kwargs(model, int2))
     assert int2.layers[0].history_len > 0
 
 
@@ -149,7 +150,8 @@ def test_engine_greedy_output_equals_generate(arch, tokenizer, held_out_ids):
     ids = held_out_ids[:, :150]
     settings = dict(sink_size=16, recent_size=32, page_size=16)
     cache = OscarCache(model, rot, CacheSettings("int2", **settings))
-    ref = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    ref = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=12, do_sample=False)
+    ref = ref[0, ids.shape[1]:].tolist()
     assert cache.layers[0].history_len > 0
     unprepare_model(model)
     engine = LLMEngine(model, tokenizer, rot, EngineConfig(kv_cache_dtype="int2", kv_cache_memory=0.05,
@@ -254,12 +256,12 @@ def test_past_the_window_the_cache_equals_transformers(arch, held_out_ids, monke
     windows = layer_windows(model.config)
     window = min(w for w in windows if w is not None)
     ids = held_out_ids[:, :6 * window]
-    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    ref = model(ids, **cache_kwargs(model, DynamicCache(config=model.config))).logits
     assert (full_attention_logits(model, ids) - ref)[:, window:].abs().max() > 1e-2, "the window must matter here"
 
     def run(cache, cuts=(40, 77, 100)):
-        parts = [model(ids[:, a:b], past_key_values=cache).logits for a, b in zip((0,) + cuts, cuts)]
-        return torch.cat(parts + [model(ids[:, i:i + 1], past_key_values=cache).logits
+        parts = [model(ids[:, a:b], **cache_kwargs(model, cache)).logits for a, b in zip((0,) + cuts, cuts)]
+        return torch.cat(parts + [model(ids[:, i:i + 1], **cache_kwargs(model, cache)).logits
                                   for i in range(cuts[-1], ids.shape[1])], 1)
 
     out = run(OscarCache(model, None, CacheSettings("bf16", window_dtype=torch.float32)))
@@ -274,7 +276,7 @@ def test_past_the_window_the_cache_equals_transformers(arch, held_out_ids, monke
     run(cache)
     dequantized.clear()
     start = ids.shape[1]
-    model(ids[:, -1:], past_key_values=cache)  # one decode step at position ``start``
+    model(ids[:, -1:], **cache_kwargs(model, cache))  # one decode step at position ``start``
     for layer, w in zip(cache.layers, windows):
         assert layer.history_len > 2 * window
         # the history holds positions [16, 16 + history_len); a windowed layer reads (start - w, start)
@@ -315,7 +317,7 @@ def test_past_the_window_the_engine_equals_generate(arch, tokenizer, held_out_id
         for prompt in prompts:
             cache = OscarCache(model, rot, CacheSettings(dtype, **settings))
             ids = torch.tensor([prompt])
-            want.append(model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False)
+            want.append(model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=10, do_sample=False)
                         [0, len(prompt):].tolist())
             unprepare_model(model)
         caplog.clear()

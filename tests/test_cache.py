@@ -9,6 +9,7 @@ from oscar_kv.cache import CacheSettings, OscarCache, unprepare_model
 from oscar_kv.calibrate import error_table, format_error_table
 from oscar_kv.activations import capture_samples
 from oscar_kv.folding import fold_values
+from oscar_kv.hf_compat import cache_kwargs
 from oscar_kv.memory import bits_per_element
 from oscar_kv.models import AttentionGeometry
 
@@ -17,9 +18,9 @@ FP32 = dict(window_dtype=torch.float32)
 
 def chunked_logits(model, cache, ids, prefill, step=1):
     """Prefill ``prefill`` tokens, then feed the rest ``step`` tokens at a time (decode semantics)."""
-    outs = [model(ids[:, :prefill], past_key_values=cache).logits]
+    outs = [model(ids[:, :prefill], **cache_kwargs(model, cache)).logits]
     for i in range(prefill, ids.shape[1], step):
-        outs.append(model(ids[:, i:i + step], past_key_values=cache).logits)
+        outs.append(model(ids[:, i:i + step], **cache_kwargs(model, cache)).logits)
     return torch.cat(outs, 1)
 
 
@@ -65,9 +66,9 @@ def test_folding_the_value_rotation_leaves_logits_unchanged(model, rotations, he
 def test_int2_storage_holds_codes_not_a_hidden_copy(model, rotations, held_out_ids):
     ids = held_out_ids[:, :700]
     cache = OscarCache(model, rotations)  # BF16 windows, INT2 history
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     for _ in range(20):
-        model(ids[:, :1], past_key_values=cache)
+        model(ids[:, :1], **cache_kwargs(model, cache))
     layer = cache.layers[5]
     s = cache.settings
     assert layer.sink_k.shape[2] == s.sink_size and layer.sink_k.dtype == torch.bfloat16
@@ -122,11 +123,11 @@ def test_generate_through_the_cache(model, tokenizer, rotations):
 
     ids = build_prompt(tokenizer, "What is the capital of France?")
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
-    mine = model.generate(ids, past_key_values=OscarCache(model, None, CacheSettings("bf16", **FP32)),
+    mine = model.generate(ids, **cache_kwargs(model, OscarCache(model, None, CacheSettings("bf16", **FP32))),
                           max_new_tokens=12, do_sample=False)
     assert torch.equal(plain, mine)
     unprepare_model(model)
-    out = model.generate(ids, past_key_values=OscarCache(model, rotations), max_new_tokens=12, do_sample=False)
+    out = model.generate(ids, **cache_kwargs(model, OscarCache(model, rotations)), max_new_tokens=12, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
 
 

@@ -8,7 +8,7 @@ from oscar_kv.artifacts import Rotations
 from oscar_kv.allocation import WidthChoice
 from oscar_kv.calibrate import (PAIRS_TOLERANCE, ROPE_GAIN, CalibrationSettings, calibrate, choose_centering,
                                 search_kl_steps)
-from oscar_kv.corpus import read_text_file
+from oscar_kv.corpus import STDLIB_SOURCE, read_text_file
 from oscar_kv.errors import ConfigError
 from oscar_kv.rope import kernel_pairs
 from oscar_kv.rotation import orthogonality_error
@@ -73,6 +73,13 @@ def test_bad_calibration_data(tmp_path):
     (tmp_path / "empty.txt").write_text("  \n")
     with pytest.raises(ValueError, match="empty"):
         read_text_file(tmp_path / "empty.txt")
+
+
+def test_stdlib_source_is_long_real_text(tokenizer):
+    docs = read_text_file(STDLIB_SOURCE)
+    assert read_text_file(STDLIB_SOURCE) == docs, "the same text on every call"
+    assert any("def " in d for d in docs) and sum(map(len, docs)) > 1_000_000, "enough for a 128K-token context"
+    assert len(tokenizer("\n\n".join(docs)[:400_000]).input_ids) > 80_000
 
 
 def test_too_little_text_is_a_clear_error(model, tokenizer, tmp_path):
@@ -178,16 +185,20 @@ def test_auto_widths_follow_the_key_noise_and_the_manifest_says_why(model, token
     settings = CalibrationSettings(**SMALL)
     rot = calibrate(model, tokenizer, settings, progress=False)
     w = rot.manifest["calibration"]["widths"]
-    assert w["k_bits"] == rot.k_bits.tolist() and set(w["k_bits"]) <= {2, 3, 4}
-    assert rot.v_bits.tolist() == [2] * 30 and w["tolerance"] == settings.key_noise
-    by_width = w["key_noise_by_width"]
-    for layer in range(30):
-        assert by_width["2"][layer] > by_width["3"][layer] > by_width["4"][layer], layer
-        bits = w["k_bits"][layer]
-        assert w["key_noise"][layer] == by_width[str(bits)][layer]
-        # within the tolerance or as wide as it goes, and no wider than it needs
-        assert w["key_noise"][layer] <= settings.key_noise or bits == 4, layer
-        assert bits == 2 or by_width[str(bits - 1)][layer] > settings.key_noise, layer
+    assert w["k_bits"] == rot.k_bits.tolist() and set(w["k_bits"]) <= {2, 3, 4, 8}
+    assert w["v_bits"] == rot.v_bits.tolist() and set(w["v_bits"]) <= {2, 3, 4}
+    assert w["tolerance"] == settings.key_noise
+    for side, widths, chosen in (("key", (2, 3, 4, 8), "k_bits"), ("value", (2, 3, 4), "v_bits")):
+        by_width = w[f"{side}_noise_by_width"]
+        for layer in range(30):
+            noise = [by_width[str(b)][layer] for b in widths]
+            assert noise == sorted(noise, reverse=True) and noise[0] > noise[-1], (side, layer)
+            bits = w[chosen][layer]
+            assert w[f"{side}_noise"][layer] == by_width[str(bits)][layer]
+            # within the tolerance or as wide as it goes, and no wider than it needs
+            assert w[f"{side}_noise"][layer] <= settings.key_noise or bits == widths[-1], (side, layer)
+            narrower = widths[widths.index(bits) - 1] if bits != widths[0] else None
+            assert narrower is None or by_width[str(narrower)][layer] > settings.key_noise, (side, layer)
     assert w["bits_per_element"] == pytest.approx(rot_bits(rot, 8192), abs=1e-3)
     rot.validate()
 
@@ -213,7 +224,7 @@ def test_bad_width_settings():
     with pytest.raises(ValueError, match="key bits must be 'auto' or one of"):
         CalibrationSettings(key_bits=5)
     with pytest.raises(ValueError, match="value bits"):
-        CalibrationSettings(value_bits=8)
+        CalibrationSettings(value_bits=5)
     with pytest.raises(ValueError, match="needs a key noise tolerance, a bit budget or both"):
         CalibrationSettings(key_noise=None, kv_bits=None)
     with pytest.raises(ValueError, match="bit budget must lie"):
@@ -238,33 +249,42 @@ def test_the_kl_search_takes_the_fewest_widenings_that_meet_the_target():
     def allocation(n):
         n = min(n, 40)
         return WidthChoice([2] * 20 if n == 0 else [4] * (n // 2) + [3] * (n % 2) + [2] * (20 - n // 2 - n % 2),
-                           [0.0] * 20, 2.0 + n / 40, "")
+                           [0.0] * 20, 2.0 + n / 40, "", steps=n)
 
-    choice, measured = search_kl_steps(allocation, lambda k_bits: state.update(n=sum(k_bits) - 40),
+    choice, measured = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
                                        lambda: kl_at[state["n"]], max_kl=0.1, progress=False)
     chosen = sum(choice.k_bits) - 40
     assert chosen == 9 and kl_at[chosen] <= 0.1 < kl_at[chosen - 1]
     assert all(v["kl"] > 0.1 for n, v in measured.items() if n < chosen)
     assert len(measured) <= 7 and "the fewest widenings (9)" in choice.reason
-    _, unmet = search_kl_steps(allocation, lambda k_bits: state.update(n=sum(k_bits) - 40),
+    _, unmet = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
                                lambda: kl_at[state["n"]], max_kl=1e-3, progress=False)
     assert list(unmet) == [40]  # the widest end is measured first; when it misses, nothing else is
+    # with a noise tolerance, the search starts at its point: met there, one measurement; else beyond it only
+    choice, measured = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
+                                       lambda: kl_at[state["n"]], max_kl=0.1, progress=False, start=12)
+    assert list(measured) == [12] and sum(choice.k_bits) - 40 == 12 and "tolerance's 12 widening(s)" in choice.reason
+    choice, measured = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
+                                       lambda: kl_at[state["n"]], max_kl=0.1, progress=False, start=4)
+    assert sum(choice.k_bits) - 40 == 9 and min(measured) == 4
 
 
 def test_a_kl_target_out_of_reach_takes_the_widest_widths_and_says_so(model, tokenizer):
     rot = calibrate(model, tokenizer, CalibrationSettings(max_kl=1e-9, kl_probe_tokens=1024, **SMALL), progress=False)
     widths = rot.manifest["calibration"]["widths"]
-    assert set(rot.k_bits.tolist()) == {4} and widths["max_kl"] == 1e-9 and widths["tolerance"] is None
-    assert "not met" in widths["reason"]
-    (step, measured), = widths["kl_by_step"].items()
-    assert step == 2 * rot.geometry.num_layers and measured["kl"] > 1e-9
+    assert set(rot.k_bits.tolist()) == {8} and set(rot.v_bits.tolist()) == {4}
+    assert widths["max_kl"] == 1e-9 and widths["tolerance"] == 0.3 and "not met" in widths["reason"]
+    # the tolerance's point first, then the widest end: every layer's keys three widths up (2 -> 3 -> 4 -> 8), its
+    # values two (2 -> 3 -> 4)
+    *_, (step, measured) = widths["kl_by_step"].items()
+    assert len(widths["kl_by_step"]) <= 2 and step == 5 * rot.geometry.num_layers and measured["kl"] > 1e-9
     assert measured["bits_per_element"] == widths["bits_per_element"]
 
 
 def test_a_kl_target_refuses_what_it_cannot_do():
     with pytest.raises(ConfigError, match="KL target must be > 0"):
         CalibrationSettings(max_kl=0)
-    with pytest.raises(ConfigError, match="needs key bits 'auto'"):
-        CalibrationSettings(max_kl=0.05, key_bits=4)
+    with pytest.raises(ConfigError, match="needs key or value bits 'auto'"):
+        CalibrationSettings(max_kl=0.05, key_bits=4, value_bits=2)
     with pytest.raises(ConfigError, match="at least 1024 tokens"):
         CalibrationSettings(max_kl=0.05, kl_probe_tokens=100)

@@ -48,11 +48,11 @@ def test_calibrate_refuses_bad_rope_pairs(tmp_path):
 
 def test_calibrate_refuses_bad_widths_before_loading_anything(tmp_path):
     for args, says in ((["--key-bits", "abc"], "--key-bits takes 'auto' or a whole number"),
-                       (["--key-bits", "5"], "key bits must be 'auto' or one of (2, 3, 4), got 5"),
+                       (["--key-bits", "5"], "key bits must be 'auto' or one of (2, 3, 4, 8), got 5"),
                        (["--key-noise", "0"], "the key noise tolerance must be > 0 nats^2"),
-                       (["--value-bits", "8"], "value-bits"),
+                       (["--value-bits", "9"], "value bits must be 'auto' or one of (2, 3, 4), got 9"),
                        (["--max-kl", "0"], "the KL target must be > 0"),
-                       (["--max-kl", "0.05", "--key-bits", "4"], "a KL target chooses the key widths"),
+                       (["--max-kl", "0.05", "--key-bits", "4", "--value-bits", "2"], "a KL target chooses the widths"),
                        (["--max-kl", "0.05", "--kl-probe-tokens", "100"], "kl-probe-tokens")):
         result = runner.invoke(app, ["calibrate", *args, "--output-dir", str(tmp_path / "x")])
         assert result.exit_code == 2 and says in result.output, (args, result.output)

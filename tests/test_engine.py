@@ -9,6 +9,7 @@ from oscar_kv.cache import CacheSettings, OscarCache, unprepare_model
 from oscar_kv.engine import EngineConfig, LLMEngine, SamplingParams
 from oscar_kv.engine.block_pool import PageAllocator, plan_pool
 from oscar_kv.generation import build_prompt, generate
+from oscar_kv.hf_compat import cache_kwargs
 from oscar_kv.kernels.layout import PoolGeometry
 
 GREEDY = dict(temperature=0.0)
@@ -79,10 +80,10 @@ def greedy_with_cache_chunks(model, rotations, dtype, ids, cuts, n):
     bounds = [0, *cuts, ids.shape[1]]
     with torch.no_grad():
         for a, b in zip(bounds, bounds[1:]):
-            logits = model(ids[:, a:b], past_key_values=cache).logits
+            logits = model(ids[:, a:b], **cache_kwargs(model, cache)).logits
         out = [int(logits[0, -1].argmax())]
         while len(out) < n:
-            out.append(int(model(torch.tensor([[out[-1]]]), past_key_values=cache).logits[0, -1].argmax()))
+            out.append(int(model(torch.tensor([[out[-1]]]), **cache_kwargs(model, cache)).logits[0, -1].argmax()))
     unprepare_model(model)
     return out
 

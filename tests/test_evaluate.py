@@ -14,6 +14,7 @@ from oscar_kv.evaluate.schemes import KIVI_GROUP, standard_scheme
 from oscar_kv.evaluate import simulate
 from oscar_kv.evaluate.simulate import simulated_attention_from_forms, simulated_logits, stored_forms
 from oscar_kv.evaluate.tasks import stored_cache
+from oscar_kv.hf_compat import cache_kwargs
 from oscar_kv.models import AttentionGeometry
 
 
@@ -89,9 +90,9 @@ def test_simulated_logits_match_real_decoding_on_the_model(model, rotations, hel
     ids = held_out_ids[:, :160]
     settings = CacheSettings("int2", sink_size=16, recent_size=32, page_size=8, window_dtype=torch.float32)
     cache = OscarCache(model, rotations, settings)
-    outs = [model(ids[:, :40], past_key_values=cache).logits]
+    outs = [model(ids[:, :40], **cache_kwargs(model, cache)).logits]
     for i in range(40, 160):
-        outs.append(model(ids[:, i:i + 1], past_key_values=cache).logits)
+        outs.append(model(ids[:, i:i + 1], **cache_kwargs(model, cache)).logits)
     real = torch.cat(outs, 1)
     sim = simulated_logits(model, OscarCache(model, rotations, settings), ids)
     unprepare_model(model)
@@ -151,6 +152,14 @@ def test_eval_rejects_bad_config():
         EvalConfig(tasks=["kl", "mmlu"])
     with pytest.raises(ValueError, match="at least 64"):
         EvalConfig(context_lengths=[16])
+
+
+def test_a_text_shorter_than_the_context_names_the_longer_source(model, tokenizer, rotations, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("A few hundred words of text. " * 60)
+    config = EvalConfig(methods=["bf16"], tasks=["kl"], context_lengths=[1024], text=str(short), ablations=False)
+    with pytest.raises(ValueError, match="fewer than the context length 1024; --text stdlib:"):
+        run_eval(model, tokenizer, rotations, config, tmp_path / "out", progress=False)
 
 
 def test_needles_through_the_serving_engine_agree_with_the_reference_path(model, tokenizer, rotations, tmp_path):
@@ -214,8 +223,8 @@ def test_teacher_forced_continuation_matches_stepping_the_cache(model, rotations
         scheme = standard_scheme(name, geometry, rotations, base)
         simulated, simulated_top1 = teacher_forced_scores(model, scheme, prompt, reference)
         cache = stored_cache(model, scheme, prompt.kv)
-        stepped = torch.stack([model.model(torch.tensor([[t]]), past_key_values=cache).last_hidden_state[0, -1]
-                               for t in reference.tokens[:-1]])
+        stepped = torch.stack([model.model(torch.tensor([[t]]), **cache_kwargs(model.model, cache))
+                               .last_hidden_state[0, -1] for t in reference.tokens[:-1]])
         real, real_top1 = step_scores(model, reference.hidden, stepped)
         print(f"\n{name} per-step KL, simulated / stepped:", [(round(float(a), 4), round(float(b), 4))
                                                             for a, b in zip(simulated, real)])

@@ -50,7 +50,7 @@ def small_geoms(widths=(2, 2)):
 
 
 # keys and values at their own widths (PoolGeometry.k_bits / v_bits: 3 and 4 bits beside INT2)
-WIDTHS = [(2, 2), (3, 2), (4, 2), (3, 3), (2, 4), (4, 4)]
+WIDTHS = [(2, 2), (3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2)]
 
 
 @pytest.mark.parametrize("widths", WIDTHS)

@@ -60,7 +60,7 @@ CASES = [(64, 64, 16), (128, 32, 32), (256, 256, 16)] + ([(128, 128, 16), (128, 
 MODES = ["prerotated", "signed-perm", "bf16-input", "rescaled"]
 # keys and values at their own widths (PoolGeometry.k_bits / v_bits): each pair at head dim 64 and 128, the modes
 # taking turns (INT2 runs every case and mode above)
-WIDTHS = [(3, 2), (4, 2), (3, 3), (2, 4), (4, 4)]
+WIDTHS = [(3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2), (8, 4)]
 WIDTH_CASES = [(d, 32, 16, MODES[(i + j) % len(MODES)], w) for i, w in enumerate(WIDTHS)
                for j, d in enumerate((64, 128))]
 

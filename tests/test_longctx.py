@@ -13,6 +13,7 @@ from oscar_kv.calibrate import split_probe
 from oscar_kv.corpus import DEFAULT_CORPUS
 from oscar_kv.evaluate import needle, tasks
 from oscar_kv.evaluate.schemes import standard_scheme
+from oscar_kv.hf_compat import cache_kwargs
 from oscar_kv.models import AttentionGeometry
 
 FILLER = DEFAULT_CORPUS.read_text()[300_000:310_000]
@@ -47,11 +48,11 @@ def test_stored_haystack_answers_as_the_cache_does(model, tokenizer, rotations):
         cache = tasks.stored_cache(model, scheme, kv)
         assert cache.layers[0].history_len > 300
         ids = torch.tensor([prompt.question])
-        real = model(ids, past_key_values=cache).logits[0].float()
+        real = model(ids, **cache_kwargs(model, cache)).logits[0].float()
         stored = needle.stored_haystack(model, scheme, kv, len(prompt.question))
         assert stored.history == (scheme.settings.sink_size, scheme.settings.sink_size + cache.layers[0].history_len)
         with needle.attention_override(model, needle.ANSWER_KEY, needle._stored_attention, stored, needle._active):
-            mine = model(ids, past_key_values=needle._stored_cache(model, stored)).logits[0].float()
+            mine = model(ids, **cache_kwargs(model, needle._stored_cache(model, stored))).logits[0].float()
         assert torch.allclose(real, mine, atol=2e-3, rtol=1e-3), (real - mine).abs().max()
     unprepare_model(model)
 
@@ -152,8 +153,8 @@ def test_generate_cache_migrates_to_int2_on_cuda(smol, rotations):
     try:
         cache = OscarCache(lm, rotations, CacheSettings("int2", sink_size=16, recent_size=32, page_size=16))
         ids = torch.randint(0, 1000, (1, 120), device="cuda")
-        out = lm(ids, past_key_values=cache).logits
-        out = lm(ids[:, :1], past_key_values=cache).logits
+        out = lm(ids, **cache_kwargs(lm, cache)).logits
+        out = lm(ids[:, :1], **cache_kwargs(lm, cache)).logits
         assert cache.layers[0].history_len > 0 and torch.isfinite(out).all()
     finally:
         unprepare_model(lm)

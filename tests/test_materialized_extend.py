@@ -30,7 +30,7 @@ def geometry(d, g, p, heads=2, sink=None, recent=64, widths=(2, 2)):
 
 
 # keys and values at their own widths beside INT2 (PoolGeometry.k_bits / v_bits)
-WIDTHS = [(3, 2), (4, 2), (3, 3), (2, 4), (4, 4)]
+WIDTHS = [(3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2)]
 
 
 def hit_case(geom, gen, gqa, hist=None, chunk=None):

@@ -1,4 +1,4 @@
-"""How many bits each layer's keys are stored at: calibration's width allocation.
+"""How many bits each layer's keys and values are stored at: calibration's width allocation.
 
 Why keys, and why this measure.  A far key whose logit carries an error of variance s^2 (in nats^2, over the queries
 that read it) inflates the softmax mass of N such keys by e^{s^2/2} on average, while the margin by which the key a
@@ -10,14 +10,23 @@ The quantity to bound is therefore each KV head's key *logit noise*
 
 with C_Q the second moment of the (post-RoPE) queries of the head's GQA group, which calibration already has.  It is
 a property of the model's queries and keys at a width, measured on held-back text, not a constant chosen on one
-model.  Every width {2, 3, 4} is measured with clips fitted at that width (an INT2 clip shrinks what a 4-bit code
+model.  Every width {2, 3, 4, 8} is measured with clips fitted at that width (an INT2 clip shrinks what a 4-bit code
 would keep).
 
-The rule: every layer starts at the narrowest width; of the layers above ``tolerance`` (nats^2) that can still be
-widened, the one whose worst KV head is noisiest is widened first, until none is left or the next widening would take
-the mean stored bits per element past ``budget`` (at the model's context, windows and metadata counted:
-memory.bits_per_element).  Widening the worst first keeps the largest noise as small as the budget allows (a single retrieval head
-that drowns its needle fails the answer).
+Values, in the same units.  A key whose logit is off by d moves the attention output by p d (v - o) (p its
+attention weight, o the output, about the mean value); a value off by e moves it by p e.  So a value error whose
+squared size is u^2 = |e|^2 / |v - mean v|^2 of the values' spread moves the output as much as a key logit error of
+variance u^2 nats^2: the *value output noise* (``value_output_noise``), measured per width {2, 3, 4} with value clips
+fitted at that width.  It has no long-context amplification (a value error does not raise a far token's weight), so
+at a tolerance that bounds the keys the values usually stay at 2 bits; where KL says more is needed (``--max-kl``)
+the widening goes on through keys and values in one order.  On Gemma 3 270M, after its keys were at 8 bits, values
+at 2 bits were 85% of the KL left (K8V2 0.021, K8V4 0.0035 at 8K: benchmarks/NOTES.md, runs D1-D2).
+
+The rule: every part (a layer's keys, or its values) starts at the narrowest width; of the parts above
+``tolerance`` (nats^2) that can still be widened, the one whose worst KV head is noisiest is widened first, until
+none is left or the next widening would take the mean stored bits per element past ``budget`` (at the model's
+context, windows and metadata counted: memory.bits_per_element).  Widening the worst first keeps the largest noise as
+small as the budget allows (a single retrieval head that drowns its needle fails the answer).
 """
 
 from __future__ import annotations
@@ -28,7 +37,11 @@ import torch
 
 from .memory import bits_per_element
 
-KEY_WIDTHS = (2, 3, 4)
+# 8 bits: the few layers whose keys are still noisy at 4 (Gemma 3 270M's global layers: 0.36-0.44 nats^2 at 4 bits,
+# ~0.002 at 8; benchmarks/NOTES.md, run D1)
+KEY_WIDTHS = (2, 3, 4, 8)
+# values: 2-4 bits (4 bits kept every value's accuracy that 8 did on Gemma 3 270M: run D1)
+VALUE_WIDTHS = (2, 3, 4)
 
 
 def key_logit_noise(keys: torch.Tensor, stored: torch.Tensor, c_q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -48,71 +61,106 @@ def key_logit_noise(keys: torch.Tensor, stored: torch.Tensor, c_q: torch.Tensor,
     return scale ** 2 * torch.einsum("htd,hde,hte->h", e, c_q.double(), e) / e.shape[1]
 
 
+def value_output_noise(values: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """Per KV head, the stored values' squared error relative to their spread (module docstring: a value error of
+    this relative size moves the attention output as much as a key logit error of this variance, in nats^2).
+
+    Args:
+        values: the exact values, centered, in any orthonormal basis shared with ``stored``.
+        stored: the values as the cache stores them (dequantized).
+    Shapes:
+        values, stored: [Hkv, T, D].
+    Returns:
+        float64 [Hkv].
+    """
+    e = (values - stored).double()
+    return e.pow(2).sum((1, 2)) / values.double().pow(2).sum((1, 2)).clamp_min(1e-30)
+
+
 @dataclass
 class WidthChoice:
-    """What ``allocate_key_widths`` chose and why (recorded in the manifest)."""
+    """What ``allocate_widths`` chose and why (recorded in the manifest)."""
 
     k_bits: list[int]
-    noise: list[float]  # the chosen width's logit noise per layer (worst KV head), nats^2
+    noise: list[float]  # the chosen key width's logit noise per layer (worst KV head), nats^2
     bits_per_element: float  # mean stored bits per element at the budget's context
     reason: str
+    steps: int = 0  # widenings taken (one side of one layer one width up its candidates each)
+    v_bits: list[int] | None = None  # the values' widths (None: as given, not allocated)
+    value_noise: list[float] | None = None  # the chosen value width's output noise per layer (worst KV head)
 
 
 def allocate_key_widths(noise: dict[int, list[float]], v_bits: list[int], tolerance: float | None,
                         budget: float | None, seq_len: int, head_dim: int, group_size: int, sink_size: int = 64,
-                        recent_size: int = 256, steps: int | None = None) -> WidthChoice:
-    """The key width of every layer (module docstring: the noisiest layer is widened first).
+                        recent_size: int = 256, steps: int | None = None,
+                        value_noise: dict[int, list[float]] | None = None) -> WidthChoice:
+    """The key (and, with ``value_noise``, value) width of every layer (module docstring: the noisiest part is
+    widened first).
 
     Args:
-        noise: per candidate width, every layer's logit noise at it (worst KV head), nats^2.
-        v_bits: the values' widths per layer (they count against the budget).
-        tolerance: stop once every layer's noise is at most this; None: only the budget stops.
+        noise: per candidate key width, every layer's key logit noise at it (worst KV head), nats^2.
+        v_bits: the values' widths per layer when they are not allocated (they count against the budget).
+        tolerance: stop once every part's noise is at most this; None: only the budget stops.
         budget: the most mean stored bits per element at ``seq_len`` tokens; None: no bound.
         seq_len, head_dim, group_size, sink_size, recent_size: what the budget's bits are counted at.
         steps: stop after this many widenings (a point on the path the other bounds walk: ``--max-kl`` searches
             it); None: no bound.
+        value_noise: per candidate value width, every layer's value output noise at it: values start at the
+            narrowest and widen by the same rule as keys, in one order with them; None: values stay at ``v_bits``.
     Returns:
         The WidthChoice.
     """
     if tolerance is None and budget is None and steps is None:
-        raise ValueError("a key width allocation needs a noise tolerance, a bit budget or a step count")
-    widths = sorted(noise)
+        raise ValueError("a width allocation needs a noise tolerance, a bit budget or a step count")
     layers = len(v_bits)
-    chosen = [widths[0]] * layers
+    sides = {"k": noise} if value_noise is None else {"k": noise, "v": value_noise}
+    widths = {side: sorted(table) for side, table in sides.items()}
+    chosen = {side: [widths[side][0]] * layers for side in sides}
+    if value_noise is None:
+        chosen["v"] = list(v_bits)
 
-    def cost(k_bits):
-        return bits_per_element(seq_len, head_dim, group_size, 2, sink_size, recent_size, k_bits=k_bits, v_bits=v_bits)
+    def cost(k_bits, v):
+        return bits_per_element(seq_len, head_dim, group_size, 2, sink_size, recent_size, k_bits=k_bits, v_bits=v)
 
-    def current(i):
-        return noise[chosen[i]][i]
+    def current(part):
+        side, i = part
+        return sides[side][chosen[side][i]][i]
 
-    if budget is not None and cost(chosen) > budget + 1e-9:
+    def name(part):
+        return f"layer {part[1]}'s {'keys' if part[0] == 'k' else 'values'}"
+
+    if budget is not None and cost(chosen["k"], chosen["v"]) > budget + 1e-9:
         raise ValueError(f"a budget of {budget:.3f} bits per element is below the narrowest allocation "
-                         f"({cost(chosen):.3f} at {seq_len} tokens)")
+                         f"({cost(chosen['k'], chosen['v']):.3f} at {seq_len} tokens)")
+    parts = [(side, i) for side in sides for i in range(layers)]
     reason = "every layer at the widest width"
     taken = 0
     while True:
         if steps is not None and taken == steps:
             reason = f"{steps} widening(s) of the noisiest layers"
             break
-        above = [i for i in range(layers) if tolerance is None or current(i) > tolerance]
+        above = [p for p in parts if tolerance is None or current(p) > tolerance]
         if not above:
-            reason = f"every layer's key logit noise is within {tolerance:g} nats^2"
+            reason = f"every layer's {'key logit' if value_noise is None else 'key and value'} noise is within " \
+                     f"{tolerance:g} nats^2"
             break
-        widenable = [i for i in above if chosen[i] != widths[-1]]
+        widenable = [p for p in above if chosen[p[0]][p[1]] != widths[p[0]][-1]]
         if not widenable:
             worst = max(above, key=current)
-            reason = (f"{len(above)} layer(s) at the widest width ({widths[-1]} bits) above the tolerance, the worst "
-                      f"layer {worst} with noise {current(worst):.3g} nats^2" if tolerance is not None
+            reason = (f"{len(above)} part(s) at the widest width above the tolerance, the worst {name(worst)} with "
+                      f"noise {current(worst):.3g} nats^2" if tolerance is not None
                       else "every layer at the widest width")
             break
         worst = max(widenable, key=current)
-        wider = chosen.copy()
-        wider[worst] = widths[widths.index(chosen[worst]) + 1]
-        if budget is not None and cost(wider) > budget + 1e-9:
-            reason = (f"the budget of {budget:g} bits per element is spent (widening layer {worst}, noise "
-                      f"{current(worst):.3g} nats^2, would cost {cost(wider):.3f})")
+        side, i = worst
+        wider = {s: list(c) for s, c in chosen.items()}
+        wider[side][i] = widths[side][widths[side].index(chosen[side][i]) + 1]
+        if budget is not None and cost(wider["k"], wider["v"]) > budget + 1e-9:
+            reason = (f"the budget of {budget:g} bits per element is spent (widening {name(worst)}, noise "
+                      f"{current(worst):.3g} nats^2, would cost {cost(wider['k'], wider['v']):.3f})")
             break
         chosen = wider
         taken += 1
-    return WidthChoice(chosen, [round(current(i), 5) for i in range(layers)], round(cost(chosen), 4), reason)
+    return WidthChoice(chosen["k"], [round(current(("k", i)), 5) for i in range(layers)],
+                       round(cost(chosen["k"], chosen["v"]), 4), reason, taken, chosen["v"],
+                       None if value_noise is None else [round(current(("v", i)), 5) for i in range(layers)])

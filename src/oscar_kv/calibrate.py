@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 
 from .activations import (LayerSample, capture_samples, clip_candidate_errors, observing, quantized_attention_error,
                           run_layers)
-from .allocation import KEY_WIDTHS, WidthChoice, allocate_key_widths, key_logit_noise
+from .allocation import (KEY_WIDTHS, VALUE_WIDTHS, WidthChoice, allocate_key_widths, key_logit_noise,
+                         value_output_noise)
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
 from .corpus import CorpusError, load_calibration_text
 from .errors import ConfigError
@@ -99,7 +100,8 @@ class CalibrationSettings:
     value_rescale: float = 0.0
     # keys' widths: "auto" lets the allocation (allocation.py) choose per layer from KEY_WIDTHS, or one width for all
     key_bits: int | str = "auto"
-    value_bits: int = 2
+    # values' widths: "auto" allocates them with the keys (allocation.py: the value output noise, in the keys' units)
+    value_bits: int | str = "auto"
     # "auto" widens the layers whose key logit noise (nats^2 on the held-back text) is above key_noise, noisiest
     # first, while the mean stored bits per element at the model's context stay within kv_bits (None: unbounded)
     key_noise: float | None = DEFAULT_KEY_NOISE
@@ -124,16 +126,16 @@ class CalibrationSettings:
         check_rescale(self.value_rescale)
         if self.key_bits != "auto" and self.key_bits not in KEY_WIDTHS:
             raise ConfigError(f"key bits must be 'auto' or one of {KEY_WIDTHS}, got {self.key_bits!r}")
-        if self.value_bits not in KEY_WIDTHS:
-            raise ConfigError(f"value bits must be one of {KEY_WIDTHS}, got {self.value_bits!r}")
+        if self.value_bits != "auto" and self.value_bits not in VALUE_WIDTHS:
+            raise ConfigError(f"value bits must be 'auto' or one of {VALUE_WIDTHS}, got {self.value_bits!r}")
         if self.key_noise is not None and not self.key_noise > 0:
             raise ConfigError(f"the key noise tolerance must be > 0 nats^2, got {self.key_noise}")
         if self.kv_bits is not None and not 2 <= self.kv_bits <= 16:
             raise ConfigError(f"the bit budget must lie in [2, 16] bits per element, got {self.kv_bits}")
         if self.max_kl is not None and not self.max_kl > 0:
             raise ConfigError(f"the KL target must be > 0 nats, got {self.max_kl}")
-        if self.max_kl is not None and self.key_bits != "auto":
-            raise ConfigError("a KL target chooses the key widths: it needs key bits 'auto'")
+        if self.max_kl is not None and self.key_bits != "auto" and self.value_bits != "auto":
+            raise ConfigError("a KL target chooses the widths: it needs key or value bits 'auto'")
         if self.kl_probe_tokens is not None and not (type(self.kl_probe_tokens) is int and self.kl_probe_tokens >= 1024):
             raise ConfigError(f"the KL probe needs at least 1024 tokens, got {self.kl_probe_tokens!r}")
         if self.key_bits == "auto" and self.key_noise is None and self.kv_bits is None and self.max_kl is None:
@@ -352,12 +354,13 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     texts, source = load_calibration_text(calib_data)
     max_len = getattr(model.config, "max_position_embeddings", None) or settings.seq_len
     if settings.key_bits == "auto" and settings.kv_bits is not None:  # refuse before the long passes, not after
+        v_least = min(VALUE_WIDTHS) if settings.value_bits == "auto" else settings.value_bits
         narrowest = bits_per_element(max_len, geometry.head_dim, group_size, 2, k_bits=[min(KEY_WIDTHS)],
-                                     v_bits=[settings.value_bits])
+                                     v_bits=[v_least])
         if settings.kv_bits < narrowest:
             raise ConfigError(f"a budget of {settings.kv_bits:g} bits per element is below the narrowest widths' "
                               f"{narrowest:.3f} at this model's context of {max_len} tokens (keys at "
-                              f"{min(KEY_WIDTHS)} bits, values at {settings.value_bits})", "kv_bits")
+                              f"{min(KEY_WIDTHS)} bits, values at {v_least})", "kv_bits")
     sequences, probe_ids, seq_len = calibration_sequences(model, tokenizer, settings, texts)
 
     started = time.perf_counter()
@@ -453,12 +456,24 @@ def key_noise(rot: Rotations, c_q: torch.Tensor, sample: LayerSample, layer: int
     return key_logit_noise(keys, stored, c_rot, sample.scale)
 
 
+def value_noise(rot: Rotations, sample: LayerSample, layer: int) -> torch.Tensor:
+    """float64 [Hkv]: the value output noise (allocation.value_output_noise) of ``layer``'s values past the sink on
+    the probe, centered and rotated as the cache stores them, at the artifact's value width with its value clips."""
+    hkv = rot.geometry.num_kv_heads
+    r = rot.v_rotation[layer].float()
+    r = r.expand(hkv, *r.shape[1:]) if r.shape[0] == 1 else r
+    values = rotate(sample.v - rot.v_mean[layer][:, None, :].float(), r)[:, PROBE_SINK:]
+    stored = fake_quantize(values, int(rot.v_bits[layer]), rot.group_size, rot.v_clip[layer][:, None].float(),
+                           rot.v_rescale)
+    return value_output_noise(values, stored)
+
+
 def choose_widths(rot: Rotations, stats: Statistics, settings: CalibrationSettings, probe: list[LayerSample],
                   seq_len: int, progress: bool = True, kl: Callable[[Rotations], float] | None = None) -> dict:
     """Set ``rot``'s key and value widths (allocation.py) and, with fitted clips, each side's clips at its width.
 
-    Every candidate key width is measured with key clips fitted at that width; the values are stored at
-    ``settings.value_bits``.
+    Every candidate width of each side (keys: KEY_WIDTHS, values: VALUE_WIDTHS, or the one width asked for) is
+    measured with that side's clips fitted at that width.
     Args:
         rot: the fitted rotations (centering settled), changed in place.
         stats: the calibration statistics (their query second moments weigh the key errors).
@@ -474,46 +489,60 @@ def choose_widths(rot: Rotations, stats: Statistics, settings: CalibrationSettin
     layers = range(g.num_layers)
     c_q = stats.qq / stats.rows[:, None, None, None]
     candidates = KEY_WIDTHS if settings.key_bits == "auto" else (settings.key_bits,)
-    v_bits = [settings.value_bits] * g.num_layers
-    clips, noise = {}, {}
+    v_candidates = VALUE_WIDTHS if settings.value_bits == "auto" else (settings.value_bits,)
+    clips, noise, v_clips, v_noise = {}, {}, {}, {}
+    # each side's clips and noise depend on its own width alone (the other side is not quantized in its measure)
     for width in candidates:
-        rot.set_bits(width, v_bits)
+        rot.set_bits(width, v_candidates[0])
         if settings.clip == "fit":
             fit_clip_ratios(rot, probe, progress, sides=("k",))
         clips[width] = rot.k_clip.clone()
         noise[width] = [float(key_noise(rot, c_q[i], probe[i], i).max()) for i in layers]
-    if settings.clip == "fit":  # the values' clips depend on their width alone: fitted once, whatever the keys get
-        fit_clip_ratios(rot, probe, progress, sides=("v",))
+    for width in v_candidates:
+        rot.set_bits(candidates[0], width)
+        if settings.clip == "fit":
+            fit_clip_ratios(rot, probe, progress, sides=("v",))
+        v_clips[width] = rot.v_clip.clone()
+        v_noise[width] = [float(value_noise(rot, probe[i], i).max()) for i in layers]
 
-    def use(k_bits: list[int]) -> None:
+    def use(k_bits: list[int], v_bits: list[int]) -> None:
         rot.set_bits(k_bits, v_bits)
         rot.k_clip = torch.stack([clips[w][i] for i, w in enumerate(k_bits)])
+        rot.v_clip = torch.stack([v_clips[w][i] for i, w in enumerate(v_bits)])
 
     def allocate(**bounds) -> WidthChoice:
-        return allocate_key_widths(noise, v_bits, budget=settings.kv_bits, seq_len=seq_len, head_dim=g.head_dim,
-                                   group_size=rot.group_size, **bounds)
+        return allocate_key_widths(noise, [v_candidates[0]] * g.num_layers, budget=settings.kv_bits,
+                                   seq_len=seq_len, head_dim=g.head_dim, group_size=rot.group_size,
+                                   value_noise=v_noise if len(v_candidates) > 1 else None, **bounds)
 
     measured = None
-    if len(candidates) == 1:
-        k_bits = [candidates[0]] * g.num_layers
+    if len(candidates) == 1 and len(v_candidates) == 1:
+        k_bits, v_bits = [candidates[0]] * g.num_layers, [v_candidates[0]] * g.num_layers
         bits = bits_per_element(seq_len, g.head_dim, rot.group_size, 2, k_bits=k_bits, v_bits=v_bits)
-        choice = WidthChoice(k_bits, noise[candidates[0]], round(bits, 4), "requested")
+        choice = WidthChoice(k_bits, noise[candidates[0]], round(bits, 4), "requested", 0, v_bits,
+                             v_noise[v_candidates[0]])
     elif settings.max_kl is not None:
         if kl is None:
             raise ValueError("a KL target needs the KL measure (calibrate passes it)")
-        choice, measured = search_kl_steps(lambda n: allocate(tolerance=None, steps=n), use, lambda: kl(rot),
-                                           settings.max_kl, progress)
+        # the tolerance's widenings are the first steps of the same path: with both, the search starts there
+        start = allocate(tolerance=settings.key_noise).steps if settings.key_noise is not None else 0
+        choice, measured = search_kl_steps(lambda n: allocate(tolerance=None, steps=n),
+                                           lambda c: use(c.k_bits, c.v_bits), lambda: kl(rot),
+                                           settings.max_kl, progress, start)
     else:
         choice = allocate(tolerance=settings.key_noise)
-    use(choice.k_bits)
-    record = {"k_bits": choice.k_bits, "v_bits": v_bits, "key_noise": choice.noise,
+    use(choice.k_bits, choice.v_bits)
+    allocated = len(candidates) > 1 or len(v_candidates) > 1
+    record = {"k_bits": choice.k_bits, "v_bits": choice.v_bits, "key_noise": choice.noise,
               "key_noise_by_width": {str(w): [round(n, 5) for n in noise[w]] for w in candidates},
-              "tolerance": settings.key_noise if len(candidates) > 1 and settings.max_kl is None else None,
-              "budget": settings.kv_bits if len(candidates) > 1 else None, "seq_len": seq_len,
+              "value_noise": [round(v_noise[w][i], 5) for i, w in enumerate(choice.v_bits)],
+              "value_noise_by_width": {str(w): [round(n, 5) for n in v_noise[w]] for w in v_candidates},
+              "tolerance": settings.key_noise if allocated else None,
+              "budget": settings.kv_bits if allocated else None, "seq_len": seq_len,
               "bits_per_element": choice.bits_per_element, "reason": choice.reason,
               # what the widths cost at the lengths users compare (memory.bits_per_element: windows, scale/min counted)
               "bits_per_element_at": {str(n): round(bits_per_element(n, g.head_dim, rot.group_size, 2,
-                                                                     k_bits=choice.k_bits, v_bits=v_bits), 4)
+                                                                     k_bits=choice.k_bits, v_bits=choice.v_bits), 4)
                                       for n in (32768, 131072)}}
     if measured is not None:
         record["max_kl"] = settings.max_kl
@@ -521,27 +550,29 @@ def choose_widths(rot: Rotations, stats: Statistics, settings: CalibrationSettin
     return record
 
 
-def search_kl_steps(allocation: Callable[[int], WidthChoice], use: Callable[[list[int]], None],
-                    kl: Callable[[], float], max_kl: float, progress: bool = True):
-    """The fewest widenings along the noise order (allocation.py) whose measured KL is at most ``max_kl``.
+def search_kl_steps(allocation: Callable[[int], WidthChoice], use: Callable[[WidthChoice], None],
+                    kl: Callable[[], float], max_kl: float, progress: bool = True, start: int = 0):
+    """The fewest widenings along the noise order (allocation.py), at least ``start``, whose measured KL is at most
+    ``max_kl``.
 
     KL falls as layers widen (each bit divides a layer's key noise by 3-4: benchmarks/NOTES.md, and the noise ranks
     allocations as KL does), so a bisection over the step count measures ~log2(2L) artifacts, not every one.
     Args:
         allocation: the WidthChoice after n widenings (its bits stay within the budget: the path ends there).
-        use: sets the artifact's widths (and their clips) to a k_bits list.
+        use: sets the artifact's widths (and their clips) to a WidthChoice's.
         kl: the KL of the artifact as it is set now.
         max_kl: the target.
     Returns:
         (the WidthChoice, {step: {"k_bits_mean", "bits_per_element", "kl"}} for every step measured).
     """
     last = allocation(10 ** 6)  # as far as the budget (or the widest width) lets the path go
-    widest = sum(last.k_bits) - 2 * len(last.k_bits)  # one width wider per step, from 2 bits
+    widest = last.steps
+    start = min(start, widest)
     measured: dict[int, dict] = {}
 
     def measure(n: int) -> float:
         choice = allocation(n)
-        use(choice.k_bits)
+        use(choice)
         value = kl()
         measured[n] = {"bits_per_element": choice.bits_per_element, "kl": round(value, 6)}
         if progress:
@@ -549,11 +580,15 @@ def search_kl_steps(allocation: Callable[[int], WidthChoice], use: Callable[[lis
                   flush=True)
         return value
 
+    if start and measure(start) <= max_kl:  # the usual case with a tolerance: one measurement
+        reason = (f"the key noise tolerance's {start} widening(s) meet the KL target: measured KL "
+                  f"{measured[start]['kl']:.4g} <= {max_kl:g}")
+        return _with_reason(allocation(start), reason), measured
     if measure(widest) > max_kl:
         reason = (f"the KL target {max_kl:g} is not met within the budget or the widest widths "
                   f"(KL {measured[widest]['kl']:.4g} with {widest} widenings)")
         return _with_reason(last, reason), measured
-    lo, hi = -1, widest  # KL(lo) > max_kl (or lo is below the path), KL(hi) <= max_kl
+    lo, hi = start - 1 if start else -1, widest  # KL(lo) > max_kl (or lo is below the path), KL(hi) <= max_kl
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if measure(mid) <= max_kl:

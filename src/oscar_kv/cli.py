@@ -123,12 +123,16 @@ def calibrate(
     probe_tokens: int = typer.Option(512, help="Held-back tokens (after the calibration text) on which clip ratios "
                                      "and key centering are chosen; capped by the model's context."),
     key_bits: str = typer.Option(
-        "auto", metavar="auto|2|3|4", help="Bits per stored key. 'auto' measures each layer's key logit noise (the "
-        "variance of a query's logit error over far keys, nats^2, on held-back text, clips fitted per width) at 2, 3 "
-        "and 4 bits, and widens the noisiest layers first until every layer is within --key-noise or --kv-bits is "
+        "auto", metavar="auto|2|3|4|8", help="Bits per stored key. 'auto' measures each layer's key logit noise (the "
+        "variance of a query's logit error over far keys, nats^2, on held-back text, clips fitted per width) at 2, 3, "
+        "4 and 8 bits, and widens the noisiest layers first until every layer is within --key-noise or --kv-bits is "
         "spent. Long-context retrieval fails on key noise first (a noisy far key outbids the needle). The manifest's "
         "calibration.widths records every layer's noise per width and the reason for the choice."),
-    value_bits: int = typer.Option(2, min=2, max=4, help="Bits per stored value (every layer)."),
+    value_bits: str = typer.Option(
+        "auto", metavar="auto|2|3|4", help="Bits per stored value. 'auto' measures each layer's value output noise "
+        "(the values' squared error relative to their spread at 2, 3 and 4 bits, value clips fitted per width: a "
+        "value error of that size moves the attention output as much as a key logit error of that many nats^2) and "
+        "widens values in one noisiest-first order with the keys (within --key-noise, --kv-bits, --max-kl)."),
     key_noise: Optional[float] = typer.Option(
         0.3, min=0.0, help="With --key-bits auto: the key logit noise (nats^2) every layer is widened "
         "to (0.3 kept BF16's needle retrieval on SmolLM2 and Qwen2.5 at 3.0 bits per element: README, accuracy)."),
@@ -136,10 +140,10 @@ def calibrate(
         None, min=2.0, max=16.0, help="With --key-bits auto: the most mean stored bits per K/V element at the "
         "model's context (windows and scale/min counted) the widening may spend (default: no bound)."),
     max_kl: Optional[float] = typer.Option(
-        None, min=0.0, help="With --key-bits auto, instead of --key-noise: the mean KL (nats per token) against the "
-        "unquantized model you can accept. Calibration walks the same noisiest-first widenings (within --kv-bits), "
-        "measures the KL of a few of them on --kl-probe-tokens of held-back text (a bisection: ~log2(2 x layers) "
-        "forwards) and keeps the fewest that meet it; the manifest records every KL measured. KL grows with the "
+        None, min=0.0, help="With --key-bits auto, beside --key-noise: the mean KL (nats per token) against the "
+        "unquantized model you can accept. Calibration measures the KL of the tolerance's widths on --kl-probe-tokens "
+        "of held-back text; where it is above the target, it walks the same noisiest-first widenings further (within "
+        "--kv-bits; a bisection: ~log2(3 x layers) forwards) and keeps the fewest that meet it. The manifest records every KL measured. KL grows with the "
         "context (about 1.2x from 8K to 32K on Qwen2.5-1.5B): probe at the length you serve where time allows."),
     kl_probe_tokens: Optional[int] = typer.Option(
         None, min=1024, help="With --max-kl: the tokens the KL is measured over (default: the model's context, at "
@@ -172,7 +176,8 @@ def calibrate(
                                        v_clip=v_clip, key_centering=key_centering.value, rope_pairs=rope_pairs,
                                        rope_horizon=rope_horizon,
                                        center_values=center_values, probe_tokens=probe_tokens,
-                                       key_bits=_width_or_auto(key_bits, "--key-bits"), value_bits=value_bits,
+                                       key_bits=_width_or_auto(key_bits, "--key-bits"),
+                                       value_bits=_width_or_auto(value_bits, "--value-bits"),
                                        key_noise=key_noise, kv_bits=kv_bits, max_kl=max_kl,
                                        kl_probe_tokens=kl_probe_tokens, key_rescale=key_rescale,
                                        value_rescale=value_rescale)
@@ -209,12 +214,18 @@ def _width_map(widths: dict) -> str:
     """The manifest's width record as a per-layer bit map with each candidate width's key logit noise."""
     by_width = widths["key_noise_by_width"]
     at = ", ".join(f"{b:.3f} at {n}" for n, b in widths.get("bits_per_element_at", {}).items())
+    v_by_width = widths.get("value_noise_by_width", {})  # absent in artifacts from before values were allocated
     lines = [f"\nwidths: {widths['bits_per_element']:.3f} bits per element at {widths['seq_len']} tokens ({at}); "
              f"{widths['reason']}",
-             "layer  K  V  key logit noise (nats^2) at " + ", ".join(f"{w} bits" for w in by_width) + "  chosen"]
+             "layer  K  V  key logit noise (nats^2) at " + ", ".join(f"{w} bits" for w in by_width)
+             + (" | value output noise at " + ", ".join(f"{w} bits" for w in v_by_width) if v_by_width else "")
+             + "  chosen"]
+    widest = max(map(int, by_width))
     for i, (k, v) in enumerate(zip(widths["k_bits"], widths["v_bits"])):
         noise = "  ".join(f"{by_width[w][i]:8.4f}" for w in by_width)
-        lines.append(f"{i:5d}  {k}  {v}  {noise}  {'#' * k}{'.' * (4 - k)} {widths['key_noise'][i]:.4f}")
+        if v_by_width:
+            noise += "  |" + "  ".join(f"{v_by_width[w][i]:8.4f}" for w in v_by_width)
+        lines.append(f"{i:5d}  {k}  {v}  {noise}  {'#' * k}{'.' * (widest - k)} {widths['key_noise'][i]:.4f}")
     return "\n".join(lines)
 
 
@@ -370,7 +381,9 @@ def evaluate(
                                         "Per-sample outputs go to suite_outputs.jsonl."),
     context_lengths: str = typer.Option("1024,2048,4096", "--context-lengths", "--contexts",
                                         help="Comma-separated context lengths in tokens (up to the model's context)."),
-    text: Optional[Path] = typer.Option(None, help="Evaluation text (.txt/.jsonl). Default: held-out part of the shipped corpus."),
+    text: Optional[Path] = typer.Option(None, help="Evaluation text (.txt/.jsonl), or 'stdlib:' for the "
+                                         "running Python's standard library source (~1M tokens: 64K-128K contexts). "
+                                         "Default: held-out part of the shipped corpus (~43K tokens)."),
     niah_samples: int = typer.Option(20, help="Needle-in-a-haystack samples per context length."),
     kl_docs: int = typer.Option(1, help="Text windows per context length for KL/perplexity."),
     suite_samples: Optional[int] = typer.Option(None, min=1, help="--suite: prompts per task and context length "

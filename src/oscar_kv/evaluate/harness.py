@@ -16,7 +16,7 @@ from ..activations import capture_samples, observing, run_layers
 from ..artifacts import Rotations
 from ..cache import CacheSettings, unprepare_model
 from ..calibrate import CalibrationSettings, Statistics, split_probe
-from ..corpus import DEFAULT_CORPUS, CorpusError, load_calibration_text, read_text_file
+from ..corpus import DEFAULT_CORPUS, STDLIB_SOURCE, CorpusError, load_calibration_text, read_text_file
 from ..errors import ConfigError
 from ..models import AttentionGeometry
 from ..rope import DEFAULT_PAIRS, RopeUnsupported, layer_rope_tables
@@ -312,7 +312,8 @@ def _engine_row(results: dict, name: str, key: str) -> dict:
 def _documents(all_ids: torch.Tensor, length: int, count: int) -> list[torch.Tensor]:
     total = all_ids.shape[1]
     if total < length:
-        raise CorpusError(f"the evaluation text has {total} tokens, fewer than the context length {length}")
+        raise CorpusError(f"the evaluation text has {total} tokens, fewer than the context length {length}; "
+                          f"--text {STDLIB_SOURCE} evaluates on the standard library's source (~1M tokens)")
     stride = max((total - length) // max(count, 1), 1)
     return [all_ids[:, i * stride:i * stride + length] for i in range(count) if i * stride + length <= total]
 

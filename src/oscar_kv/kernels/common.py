@@ -62,12 +62,14 @@ def code_slices(ptrs, mask, ch, BITS: tl.constexpr, D: tl.constexpr, USE_ASM: tl
 
     ``ptrs`` and ``mask`` address the rows' first D/4 bytes in the orientation the caller wants ([D/4, N] or
     [N, D/4]); ``ch`` (broadcastable to ptrs) is each element's channel within its slice, i.e. its byte's index in
-    the row.  1024 + c * 4^k is exact in float16 for c * 4^k < 1024: c <= 15 at k <= 3.
+    the row.  1024 + c * 4^k is exact in float16 for c <= 255 at k <= 3 (c * 4^k is a multiple of 4^k below 2^14,
+    where float16's spacing is at most 4^k).
       INT2: one byte per four channels; unpack4 (PTX on the GPU).
       INT3: the INT2 plane as INT2, plus the high-bit plane at byte D/4 + j % (D/8), bit 2k + j // (D/8) for channel
             j of slice k (quant.py: byte j' holds channel j' + m D/8 in bit m): + 4^(k+1) where set.
       INT4: bytes j and D/4 + j hold channels j, D/4 + j in their low nibbles and D/2 + j, 3D/4 + j in their high
             nibbles; nibble c goes to c * 4^k by a shift (0, 2, 0, 2 after the high nibble's built-in 16).
+      INT8: byte k D/4 + j holds channel j of slice k; shifted by 2k.
     """
     if BITS == 2:
         c0, c1, c2, c3 = unpack4(tl.load(ptrs, mask=mask, other=0), USE_ASM)
@@ -81,7 +83,7 @@ def code_slices(ptrs, mask, ch, BITS: tl.constexpr, D: tl.constexpr, USE_ASM: tl
         c1 = (c1 + ((hi & 4) << 2).to(tl.float16)).to(tl.float16)
         c2 = (c2 + ((hi & 16) << 2).to(tl.float16)).to(tl.float16)
         c3 = (c3 + ((hi & 64) << 2).to(tl.float16)).to(tl.float16)
-    else:
+    elif BITS == 4:
         D4: tl.constexpr = D // 4
         lo = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
         up = tl.load(ptrs + D4, mask=mask, other=0).to(tl.int32)
@@ -89,6 +91,12 @@ def code_slices(ptrs, mask, ch, BITS: tl.constexpr, D: tl.constexpr, USE_ASM: tl
         c1 = (((up & 15) << 2).to(tl.float16) + 1024.0).to(tl.float16)
         c2 = ((lo & 240).to(tl.float16) + 1024.0).to(tl.float16)
         c3 = (((up & 240) << 2).to(tl.float16) + 1024.0).to(tl.float16)
+    else:  # INT8: byte k D/4 + j holds channel j of slice k
+        D4: tl.constexpr = D // 4
+        c0 = (tl.load(ptrs, mask=mask, other=0).to(tl.int32).to(tl.float16) + 1024.0).to(tl.float16)
+        c1 = ((tl.load(ptrs + D4, mask=mask, other=0).to(tl.int32) << 2).to(tl.float16) + 1024.0).to(tl.float16)
+        c2 = ((tl.load(ptrs + 2 * D4, mask=mask, other=0).to(tl.int32) << 4).to(tl.float16) + 1024.0).to(tl.float16)
+        c3 = ((tl.load(ptrs + 3 * D4, mask=mask, other=0).to(tl.int32) << 6).to(tl.float16) + 1024.0).to(tl.float16)
     return c0, c1, c2, c3
 
 

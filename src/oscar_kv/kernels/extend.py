@@ -19,7 +19,7 @@ and decode's merge kernel combines the partial outputs by their log-sum-exp.
 Per program, one online softmax (base 2, float32) over, in this order:
   1. the INT2 history, read as in decode.py (codes -> float16 1024 + c*4^k with the 4^k folded into the
      query slice, per-token scale/min applied in float32; no dequantized tile is ever built; keys and values at
-     the layer's widths, 2, 3 or 4 bits, through common.code_slices), except that
+     the layer's widths, 2, 3, 4 or 8 bits, through common.code_slices), except that
      the values' 1024 offset is removed from the MMA accumulator tile by tile, not once at the end (a
      program may read 100K+ tokens: see _int2_history).  Its four per-slice accumulators are folded and
      concatenated into the [BLOCK_M, D] accumulator afterwards, so they are not live during the rest;

@@ -14,7 +14,7 @@ be a multiple of P), in two pools:
 
 * **INT2 pool** for history pages, codes and 16-bit metadata in separate tensors::
 
-      k_codes, v_codes  uint8   [L, NQ, H, P, D*b/8]  b-bit codes (b = 2, 3 or 4, keys and values each
+      k_codes, v_codes  uint8   [L, NQ, H, P, D*b/8]  b-bit codes (b = 2, 3, 4 or 8, keys and values each
                                                       at their own width), stride-packed as in quant.py
                                                       (INT2: byte j holds channels j, j+D/4, j+D/2, j+3D/4)
       k_meta,  v_meta   float16 [L, NQ, H, P, 2*NG]   NG = D/G groups; [..., :NG] = scale,
@@ -66,10 +66,9 @@ from ..memory import width_summary
 
 # A geometry that names no bits per layer is an INT2 cache.
 KERNEL_BITS = 2
-# The code widths the Triton kernels read and write, keys and values each (the CUDA decode kernel reads INT2 only:
-# decode.int2_kernel_choice).  INT8 has no kernel: kernel_error names such layers, and an engine with one runs the
-# torch reference.
-KERNEL_WIDTHS = (2, 3, 4)
+# The code widths the Triton kernels read and write, keys and values each (the CUDA decode kernel reads keys at 2-4
+# bits and values at 2: decode.int2_kernel_choice).  kernel_error names layers at any other width.
+KERNEL_WIDTHS = (2, 3, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,7 @@ class PoolGeometry:
         if self.quantizes and any(b not in KERNEL_WIDTHS for b in self.k_bits + self.v_bits):
             widths = "/".join(f"K{k}V{v}" for k, v in sorted(set(zip(self.k_bits, self.v_bits)))
                               if k not in KERNEL_WIDTHS or v not in KERNEL_WIDTHS)
-            return f"the artifact stores layers at {widths} (the kernels read 2, 3 and 4-bit codes)"
+            return f"the artifact stores layers at {widths} (the kernels read 2, 3, 4 and 8-bit codes)"
         if d % 4 or d % g or g < d // 4:
             return f"group size {g} must divide head dim {d} and be >= D/4 = {d // 4}"
         if d & (d - 1) or d < 32:

@@ -3,7 +3,7 @@ Specification: reference.extend_reference (the same semantics as extend.int2_ext
 
 Per sequence and layer, one Triton pass writes the sequence's keys and values of positions [0, n) into a
 contiguous float16 scratch in the rotated space: positions before the chunk as stored (INT2 pages dequantized,
-keys and values each at the layer's width of 2, 3 or 4 bits; sink / recent BF16 pages copied), then the chunk's
+keys and values each at the layer's width of 2, 3, 4 or 8 bits; sink / recent BF16 pages copied), then the chunk's
 own keys and values exactly as given; keys get the position-aware offset RoPE_p(mu_pre) @ R_K added back
 (rope.py), as codec.LayerCodec.restore_offsets does.  Then the rotated queries attend over [history | chunk]
 (chunk_attention.py: cuDNN over the history and the chunk, merged by log-sum-exp, or one flash call with a
@@ -60,7 +60,7 @@ SCRATCH_DTYPE = torch.float16
 # ------------------------------------------------------------------------------------------ kernel
 @triton.jit
 def _codes(Codes, crow, is_q, D: tl.constexpr, BITS: tl.constexpr):
-    """float32 [BLOCK, D] codes of the rows at Codes + crow (quant.py's stride packing at BITS = 2, 3 or 4)."""
+    """float32 [BLOCK, D] codes of the rows at Codes + crow (quant.py's stride packing at BITS = 2, 3, 4 or 8)."""
     offs_d = tl.arange(0, D)
     if BITS == 3:  # an INT2 plane (D/4 bytes), then the high bits: byte D/4 + j holds channel j + m D/8 in bit m
         D4: tl.constexpr = D // 4

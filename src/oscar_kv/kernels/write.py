@@ -5,7 +5,7 @@ center and rotate K by R_K (float32), then per token and KV head either store BF
 clip + quantize + pack into an INT2 page (values arrive rotated).  ``migrate_pages``: one launch for all
 layers and all migrating requests, quantizing whole BF16 recent pages into INT2 pages.
 
-The quantizer reproduces quant.quantize_rows bit for bit at 2, 3 or 4 bits (keys and values each at their layer's
+The quantizer reproduces quant.quantize_rows bit for bit at 2, 3, 4 or 8 bits (keys and values each at their layer's
 width, ``PoolGeometry.layer_widths``; a constexpr, so the INT2 kernel compiles as it did): clip threshold = the
 floor(c*D)-th smallest |x| of the row (a sort), min/max in float32, min -> float16, scale = float16((max - min16) /
 L) with L = 2^b - 1 levels, code = round-half-even((x - min16) / scale16) clamped to [0, L] (scale 0 -> /1,
@@ -87,15 +87,19 @@ def _level_step(span, BITS: tl.constexpr, RECIP: tl.constexpr):
             step = span * 0.3333333432674408  # float32(1/3)
         elif BITS == 3:
             step = span * 0.1428571492433548  # float32(1/7)
-        else:
+        elif BITS == 4:
             step = span * 0.06666667014360428  # float32(1/15)
+        else:
+            step = span * 0.003921568859368563  # float32(1/255)
     else:
         if BITS == 2:
             step = tl.math.div_rn(span, 3.0)
         elif BITS == 3:
             step = tl.math.div_rn(span, 7.0)
-        else:
+        elif BITS == 4:
             step = tl.math.div_rn(span, 15.0)
+        else:
+            step = tl.math.div_rn(span, 255.0)
     return step
 
 
@@ -113,7 +117,7 @@ def _stride_pack(code, ROWS: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
 def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
                          D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr,
                          RECIP: tl.constexpr, RESCALE: tl.constexpr, strength, BITS: tl.constexpr = 2):
-    """Clip/quantize/pack x [ROWS, D] float32 to BITS-bit codes (2, 3 or 4) and store the codes at Codes+crow
+    """Clip/quantize/pack x [ROWS, D] float32 to BITS-bit codes (2, 3, 4 or 8) and store the codes at Codes+crow
     (D*BITS/8 bytes a row) and scale/min at Meta+mrow.  RECIP: divide by the levels as torch does on CUDA."""
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
@@ -134,8 +138,10 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
         code = tl.minimum(tl.maximum(y, 0.0), 3.0).to(tl.int32)
     elif BITS == 3:
         code = tl.minimum(tl.maximum(y, 0.0), 7.0).to(tl.int32)
-    else:
+    elif BITS == 4:
         code = tl.minimum(tl.maximum(y, 0.0), 15.0).to(tl.int32)
+    else:
+        code = tl.minimum(tl.maximum(y, 0.0), 255.0).to(tl.int32)
     if RESCALE:
         e64 = exact.to(tl.float64)
         x_hat = code.to(tl.float64) * scf.to(tl.float64)[:, :, None] + mnf.to(tl.float64)[:, :, None]
@@ -158,9 +164,12 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
         high = _stride_pack(tl.reshape(code >> 2, [ROWS, D]), ROWS, D, 1)
         tl.store(Codes + crow[:, None] + tl.arange(0, D4)[None, :], low, mask=rmask[:, None])
         tl.store(Codes + crow[:, None] + D4 + tl.arange(0, D8)[None, :], high, mask=rmask[:, None])
-    else:
+    elif BITS == 4:
         packed = _stride_pack(tl.reshape(code, [ROWS, D]), ROWS, D, 4)
         tl.store(Codes + crow[:, None] + tl.arange(0, D // 2)[None, :], packed, mask=rmask[:, None])
+    else:  # INT8: byte j holds channel j
+        code = tl.reshape(code, [ROWS, D]).to(tl.uint8)
+        tl.store(Codes + crow[:, None] + tl.arange(0, D)[None, :], code, mask=rmask[:, None])
     offs_g = tl.arange(0, NG)
     tl.store(Meta + mrow[:, None] + offs_g[None, :], sc16, mask=rmask[:, None])
     tl.store(Meta + mrow[:, None] + NG + offs_g[None, :], mn16, mask=rmask[:, None])
