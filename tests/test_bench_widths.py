@@ -47,7 +47,7 @@ def test_attention_parses_the_width_options(argv, want):
     (["--kv-bits", "3", "--key-bits", "4"], "not both"),
     (["--rotations", "/some/artifact", "--key-bits", "4"], "carries its own per-layer widths"),
     (["--rotations", "/some/artifact", "--kv-bits", "3"], "carries its own per-layer widths"),
-    (["--key-bits", "8"], "invalid choice"),  # no kernel reads 8-bit codes: nothing to time
+    (["--key-bits", "5"], "invalid choice"),  # no kernel reads 5-bit codes: nothing to time
 ])
 @pytest.mark.parametrize("main", [attention.main, decode.main])
 def test_contradicting_width_options_are_refused(main, argv, words, capsys):
@@ -96,7 +96,9 @@ def test_kv_bits_edges_of_the_rule():
     assert set(low) == {2, 3} and bits(low, [2] * 36) <= 2.5
     values3 = kv_bits_allocation(3.3, value_bits=3, **QWEN)  # the values' width counts against the budget
     assert set(values3) == {3, 4} and bits(values3, [3] * 36) <= 3.3
-    for x in (2.0, 3.5):
+    high = kv_bits_allocation(4.5, **QWEN)  # past every key at 4: some at 8 (the widest kernel width)
+    assert set(high) == {4, 8} and bits(high, [2] * 36) <= 4.5
+    for x in (2.0, bits([8] * 36, [2] * 36) + 0.1):
         with pytest.raises(ValueError, match="outside"):
             kv_bits_allocation(x, **QWEN)
     assert spread(0, 4) == [False] * 4 and spread(4, 4) == [True] * 4 and sum(spread(7, 36)) == 7
@@ -114,7 +116,7 @@ def test_synthetic_artifact_takes_the_widths_asked_for():
     art, record = attention.prepare_artifact("synthetic", 8, None, 131072)  # the default: INT2, as older results
     assert record["label"] == "K2 / V2" and record["rule"] == "the artifact's k_bits / v_bits"
     with pytest.raises(SystemExit, match="outside"):
-        attention.prepare_artifact("synthetic", 8, widths(kv_bits=4.0), 131072)
+        attention.prepare_artifact("synthetic", 8, widths(kv_bits=6.0), 131072)
 
 
 def test_widths_label_and_pairs():
