@@ -52,7 +52,7 @@ def rotations(smol, tmp_path_factory):
     from oscar_kv.calibrate import CalibrationSettings, calibrate
 
     lm, tok = smol
-    rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=2048, probe_tokens=1024), progress=False)
+    rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=2048, probe_tokens=1024, max_kl=None), progress=False)
     unprepare_model(lm)
     directory = tmp_path_factory.mktemp("artifact")
     rot.save(directory)

@@ -13,16 +13,23 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def artifact_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "rot"
+    # the default KL check on a short probe (the default probe, 8K tokens, takes minutes on a 2-core CPU)
     result = runner.invoke(app, ["calibrate", "--model", "smollm2-135m", "--calib-tokens", "512", "--seq-len", "256",
-                                 "--output-dir", str(out)])
+                                 "--kl-probe-tokens", "1024", "--output-dir", str(out)])
     assert result.exit_code == 0, result.output
     assert "calibrated on 512 tokens" in result.output
     return out
 
 
 def test_calibrate_writes_an_artifact(artifact_dir):
+    import json
+
     assert (artifact_dir / "rotations.safetensors").is_file() and (artifact_dir / "manifest.json").is_file()
     assert "oscar" in (artifact_dir / "validation.txt").read_text()
+    # the default checks the tolerance's widths against the KL target, and records every KL it measured
+    widths = json.loads((artifact_dir / "manifest.json").read_text())["calibration"]["widths"]
+    assert widths["max_kl"] == 0.01 and widths["kl_by_step"]
+    assert all(v["kl"] > 0 for v in widths["kl_by_step"].values())
 
 
 def test_inspect_prints_geometry_and_validation(artifact_dir):
@@ -51,8 +58,8 @@ def test_calibrate_refuses_bad_widths_before_loading_anything(tmp_path):
                        (["--key-bits", "5"], "key bits must be 'auto' or one of (2, 3, 4, 8), got 5"),
                        (["--key-noise", "0"], "the key noise tolerance must be > 0 nats^2"),
                        (["--value-bits", "9"], "value bits must be 'auto' or one of (2, 3, 4), got 9"),
-                       (["--max-kl", "0"], "the KL target must be > 0"),
-                       (["--max-kl", "0.05", "--key-bits", "4", "--value-bits", "2"], "a KL target chooses the widths"),
+                       (["--max-kl", "-1"], "--max-kl"),
+                       (["--max-kl", "0.05", "--key-bits", "4", "--value-bits", "2"], "--max-kl chooses widths"),
                        (["--max-kl", "0.05", "--kl-probe-tokens", "100"], "kl-probe-tokens")):
         result = runner.invoke(app, ["calibrate", *args, "--output-dir", str(tmp_path / "x")])
         assert result.exit_code == 2 and says in result.output, (args, result.output)

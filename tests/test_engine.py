@@ -23,7 +23,8 @@ def small_rotations(smol):
     from oscar_kv.calibrate import CalibrationSettings, calibrate
 
     lm, tok = smol
-    rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128), progress=False)
+    rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None),
+                    progress=False)
     unprepare_model(lm)
     return rot
 
@@ -35,7 +36,7 @@ def constant_rotations(smol):
 
     lm, tok = smol
     rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128,
-                                                 key_centering="constant"), progress=False)
+                                                 key_centering="constant", max_kl=None), progress=False)
     unprepare_model(lm)
     return rot
 

@@ -140,11 +140,13 @@ def calibrate(
         None, min=2.0, max=16.0, help="With --key-bits auto: the most mean stored bits per K/V element at the "
         "model's context (windows and scale/min counted) the widening may spend (default: no bound)."),
     max_kl: Optional[float] = typer.Option(
-        None, min=0.0, help="With --key-bits auto, beside --key-noise: the mean KL (nats per token) against the "
-        "unquantized model you can accept. Calibration measures the KL of the tolerance's widths on --kl-probe-tokens "
-        "of held-back text; where it is above the target, it walks the same noisiest-first widenings further (within "
-        "--kv-bits; a bisection: ~log2(3 x layers) forwards) and keeps the fewest that meet it. The manifest records every KL measured. KL grows with the "
-        "context (about 1.2x from 8K to 32K on Qwen2.5-1.5B): probe at the length you serve where time allows."),
+        None, min=0.0, show_default="0.01", help="Beside --key-noise: the mean KL (nats per token) against the "
+        "unquantized model the widths must also meet. Calibration measures the KL of the tolerance's widths on "
+        "--kl-probe-tokens of held-back text; where it is above the target, it walks the same noisiest-first widenings "
+        "of keys and values further (within --kv-bits; a bisection: ~log2(5 x layers) forwards) and keeps the fewest "
+        "that meet it. The manifest records every KL measured. 0 turns the check off (the tolerance alone). KL grows "
+        "with the context (1.2-1.6x from 8K to 32K): probe at the length you serve where time allows. Not under --tp "
+        "(the probe runs the whole model in one process)."),
     kl_probe_tokens: Optional[int] = typer.Option(
         None, min=1024, help="With --max-kl: the tokens the KL is measured over (default: the model's context, at "
         "most 8192; on a CPU each forward at 8K takes seconds to minutes by model size)."),
@@ -178,11 +180,15 @@ def calibrate(
                                        center_values=center_values, probe_tokens=probe_tokens,
                                        key_bits=_width_or_auto(key_bits, "--key-bits"),
                                        value_bits=_width_or_auto(value_bits, "--value-bits"),
-                                       key_noise=key_noise, kv_bits=kv_bits, max_kl=max_kl,
+                                       key_noise=key_noise, kv_bits=kv_bits,
                                        kl_probe_tokens=kl_probe_tokens, key_rescale=key_rescale,
-                                       value_rescale=value_rescale)
+                                       value_rescale=value_rescale,
+                                       # not given: the library's default; 0: no KL check
+                                       **({} if max_kl is None else {"max_kl": max_kl or None}))
     except ValueError as exc:
         _fail(user_message(exc))
+    if max_kl and settings.key_bits != "auto" and settings.value_bits != "auto":
+        _fail("--max-kl chooses widths: it needs --key-bits auto or --value-bits auto")
     if tp > 1 and not parallel.launched():
         _start_ranks(model, tp)
     try:
