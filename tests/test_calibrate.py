@@ -227,7 +227,7 @@ def test_bad_width_settings():
     with pytest.raises(ValueError, match="value bits"):
         CalibrationSettings(value_bits=5)
     with pytest.raises(ValueError, match="needs a key noise tolerance, a bit budget or both"):
-        CalibrationSettings(key_noise=None, kv_bits=None)
+        CalibrationSettings(key_noise=None, kv_bits=None, max_kl=None)
     with pytest.raises(ValueError, match="bit budget must lie"):
         CalibrationSettings(kv_bits=1.5)
 
