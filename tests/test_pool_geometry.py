@@ -112,7 +112,7 @@ def test_settings_no_pool_can_use():
     (dict(head_dim=96, group_size=96), "head dim must be a power of two >= 32, got 96"),
     (dict(group_size=8), "group size 8 must divide head dim 64 and be >= D/4 = 16"),
     (dict(page_size=8), "page size must be 16, 32 or 64, got 8"),
-    (dict(k_bits=(2,) * 29 + (8,)), "the kernels read 2, 3 and 4-bit codes"),
+    (dict(k_bits=(2,) * 29 + (5,)), "the kernels read 2, 3, 4 and 8-bit codes"),
     (dict(window_dtype=torch.float16), "the kernels read BF16 windows"),
 ])
 def test_kernel_error_says_why(changes, why):
