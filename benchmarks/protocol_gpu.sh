@@ -82,6 +82,23 @@ print("suite seconds", round(time.perf_counter() - t0))
 print(json.dumps({m: {k: v for k, v in r.items() if k != "description"} for m, r in res["methods"].items()}))
 PY
           echo "d9 done $(date +%T)" >> "$runs/status" ;;
+        d11) wait_for qwen  # the suite through the serving engine alone (eval --suite ruler --engine-only), timed
+          python3 - > "$runs/d11.log" 2>&1 <<'PY' || echo "d11 failed: $?" >> "$runs/status"
+import json, time
+from oscar_kv.calibrate import calibrate
+from oscar_kv.evaluate.harness import EvalConfig, run_eval
+from oscar_kv.models import load_model
+model, tok = load_model("qwen2.5-coder-1.5b", device="cuda")
+t0 = time.perf_counter()
+rot = calibrate(model, tok, progress=False)
+print("calibration seconds", round(time.perf_counter() - t0), rot.width_summary(), flush=True)
+t0 = time.perf_counter()
+res = run_eval(model, tok, rot, EvalConfig.suite("ruler", context_lengths=[8192, 16384, 32768], suite_samples=5,
+                                                 engine_only=True), "/tmp/protocol/d11", progress=False)
+print("suite seconds", round(time.perf_counter() - t0))
+print(json.dumps({m: {k: v for k, v in r.items() if k != "description"} for m, r in res["methods"].items()}))
+PY
+          echo "d11 done $(date +%T)" >> "$runs/status" ;;
         d8) wait_for smol
           step d8 --model smollm2-135m:4096,8192 --niah-samples 10 --candidates default ;;
         smol) wait_for smol

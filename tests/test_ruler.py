@@ -217,3 +217,30 @@ def test_suite_through_the_serving_engine(model, tokenizer, tmp_path, one_torch_
     print("\nserved suite:", {n: {t: v["1024"] for t, v in row.items() if isinstance(v, dict)} for n, row in m.items()})
     assert m["bf16@engine"]["niah_single_1"]["1024"] == m["bf16"]["niah_single_1"]["1024"] == 1.0
     assert "oscar@engine" in (tmp_path / "results.md").read_text()
+
+
+def test_suite_through_the_engine_alone(model, tokenizer, tmp_path, one_torch_thread):
+    """`--suite ... --engine-only`: only the engine answers (the suite at GPU speed); the results hold the engine's
+    rows alone, and its BF16 still finds the passkey."""
+    from oscar_kv.artifacts import Rotations
+    from oscar_kv.evaluate.harness import run_eval
+
+    rotations = Rotations.load(SHIPPED_DIR / "smollm2-135m")
+    config = EvalConfig.suite("ruler", tasks=["niah_single_1"], context_lengths=[1024], suite_samples=1,
+                              suite_max_tokens=10, engine_only=True)
+    assert config.served
+    results = run_eval(model, tokenizer, rotations, config, tmp_path, progress=False)
+    m = results["methods"]
+    assert set(m) == {"bf16@engine", "oscar@engine"}
+    assert m["bf16@engine"]["niah_single_1"]["1024"] == 1.0
+    records = [json.loads(line) for line in (tmp_path / "suite_outputs.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in records} == {"bf16@engine", "oscar@engine"}
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (dict(tasks=["kl", "niah"]), "kl need the reference path"),
+    (dict(tasks=["niah"], methods=["bf16", "naive-int2"]), "not naive-int2"),
+])
+def test_engine_only_refuses_what_the_engine_cannot_answer(overrides, named):
+    with pytest.raises(ConfigError, match=named):
+        EvalConfig(engine_only=True, **overrides)

@@ -8,6 +8,7 @@ attention output, exactly as the model's attention computes them, then delegates
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,7 @@ def observing(model, observer):
 
 @dataclass
 class LayerSample:
-    """Activations of one sequence at one layer (batch 1), float32 on the CPU."""
+    """Activations of one sequence at one layer (batch 1), float32 (captured to the CPU; ``to`` moves them)."""
 
     q: torch.Tensor  # [Hq, T, D]
     k: torch.Tensor  # [Hkv, T, D]
@@ -75,15 +76,26 @@ class LayerSample:
     def scale(self) -> float:
         return self.q.shape[-1] ** -0.5 if self.scaling is None else self.scaling
 
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def to(self, device) -> LayerSample:
+        """This sample with its activations and RoPE tables on ``device`` (calibration scores its probe where the
+        model runs: the clip and width choices are most of a calibration's time on a host CPU)."""
+        rope = None if self.rope is None else tuple(t.to(device) for t in self.rope)
+        return dataclasses.replace(self, q=self.q.to(device), k=self.k.to(device), v=self.v.to(device), rope=rope)
+
     def key_offset(self, k_mean: torch.Tensor, k_rope_mean: torch.Tensor | None = None) -> torch.Tensor:
-        """What centering subtracts from each key: [Hkv, 1, D] (constant) or [Hkv, T, D] (position-aware)."""
-        offset = k_mean[:, None, :].float()
+        """What centering subtracts from each key: [Hkv, 1, D] (constant) or [Hkv, T, D] (position-aware), on the
+        sample's device."""
+        offset = k_mean[:, None, :].float().to(self.device)
         if k_rope_mean is not None and k_rope_mean.abs().max() > 0:
             from .rope import RopeUnsupported, key_offsets
 
             if self.rope is None:
                 raise RopeUnsupported("position-aware centering needs the model's RoPE tables")
-            offset = offset + key_offsets(k_rope_mean, *self.rope, self.rope_layout)
+            offset = offset + key_offsets(k_rope_mean.to(self.device), *self.rope, self.rope_layout)
         return offset
 
 
@@ -142,17 +154,23 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((approx - exact).norm() / exact.norm().clamp_min(1e-12))
 
 
+def _on(sample: LayerSample, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The artifact's tensors (rotations, means, clips: on the CPU) where the sample's activations are."""
+    return tuple(t.to(sample.device) for t in tensors)
+
+
 def _per_head(r: torch.Tensor, heads: int) -> torch.Tensor:
     return r.expand(heads, *r.shape[1:]) if r.shape[0] == 1 else r
 
 
-def _served_windows(t: int, nq: int, sink_size: int, recent_size: int, window: int | None = None):
+def _served_windows(t: int, nq: int, sink_size: int, recent_size: int, window: int | None = None,
+                    device: torch.device | None = None):
     """For the last ``nq`` of ``t`` positions: (sink end, end of the keys any scored query sees quantized,
     unseen [nq, T], quantized [nq, T]): key j is INT2 for the query at p iff sink <= j and p - j >= recent_size;
     unseen: later keys, and with a sliding ``window`` the keys at or before p - window."""
     s = min(sink_size, t)
-    pos = torch.arange(t - nq, t)[:, None]
-    key = torch.arange(t)[None, :]
+    pos = torch.arange(t - nq, t, device=device)[:, None]
+    key = torch.arange(t, device=device)[None, :]
     unseen = key > pos
     if window is not None:
         unseen = unseen | (key <= pos - window)
@@ -193,13 +211,15 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     hq, hkv = sample.q.shape[0], sample.k.shape[0]
     t = sample.k.shape[1]
     nq = t if queries is None else min(queries, t)
+    k_rotation, v_rotation, k_mean, v_mean, k_clip, v_clip = _on(sample, k_rotation, v_rotation, k_mean, v_mean,
+                                                                k_clip, v_clip)
     rk, rv = _per_head(k_rotation.float(), hkv), _per_head(v_rotation.float(), hkv)
     offset = k_mean[:, None] if k_mean.dim() == 2 else k_mean
     k_rot = rotate(sample.k - offset, rk)
     v_rot = rotate(sample.v - v_mean[:, None], rv)
     q = sample.q[:, t - nq:]
     q_rot = rotate(q.reshape(hkv, (hq // hkv) * nq, q.shape[-1]), rk).reshape_as(q)
-    s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size, sample.window)
+    s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size, sample.window, sample.device)
     k_q, v_q = k_rot.clone(), v_rot.clone()
     if quantize_keys:
         k_q[:, s:last] = fake_quantize(k_rot[:, s:last], bits, group_size, k_clip[:, None].float(), rescale[0])
@@ -207,7 +227,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
         v_q[:, s:last] = fake_quantize(v_rot[:, s:last], bits if value_bits is None else value_bits, group_size,
                                        v_clip[:, None].float(), rescale[1])
     full_offset = rotate(offset.expand_as(sample.k), rk)
-    head_of = torch.arange(hq) // (hq // hkv)
+    head_of = torch.arange(hq, device=sample.device) // (hq // hkv)
     scale = sample.scale
 
     exact = torch.softmax(torch.einsum("hqd,hkd->hqk", q, sample.k[head_of]).mul(scale)
@@ -250,6 +270,7 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
     hq, hkv = sample.q.shape[0], sample.k.shape[0]
     g, t = hq // hkv, sample.k.shape[1]
     nq = t if queries is None else min(queries, t)
+    k_rotation, v_rotation, k_offset, v_mean = _on(sample, k_rotation, v_rotation, k_offset, v_mean)
     rk = _per_head(k_rotation.float(), hkv)[head]
     rv = _per_head(v_rotation.float(), hkv)[head]
     off = (k_offset[:, None] if k_offset.dim() == 2 else k_offset)[head].expand(t, -1)
@@ -257,7 +278,7 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
     v_rot = (sample.v[head] - v_mean[head]) @ rv
     q_rot = sample.q[head * g:(head + 1) * g, t - nq:] @ rk  # [g, nq, D]
     off_rot = off @ rk
-    s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size, sample.window)
+    s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size, sample.window, sample.device)
     scale = sample.scale
     z_exact = (q_rot @ (k_rot + off_rot).T * scale).masked_fill(future, float("-inf"))  # [g, nq, T]
     p_exact = torch.softmax(z_exact, -1)
@@ -268,7 +289,7 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
         return torch.cat([clip_candidate_errors(sample, head, k_rotation, v_rotation, k_offset, v_mean, which,
                                                 candidates[i:i + step], bits, group_size, sink_size, recent_size,
                                                 queries, rescale) for i in range(0, len(candidates), step)])
-    c = candidates.reshape(-1, 1).float()
+    c = candidates.reshape(-1, 1).float().to(sample.device)
 
     def clipped(x):  # [C, n, D]: x clipped at each candidate's quantile of |x| per row (one sort for all)
         sorted_abs = x.abs().sort(-1).values
@@ -286,4 +307,4 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
         body = fake_quantize(clipped(v_rot[s:last]), bits, group_size, rescale=rescale, exact=v_rot[s:last])
         p_q = p_exact[..., s:last] * quantized[:, s:last]
         out = exact + torch.einsum("gqn,cnd->cgqd", p_q, body) - p_q @ v_rot[s:last]
-    return ((out - exact) ** 2).sum((1, 2, 3))
+    return ((out - exact) ** 2).sum((1, 2, 3)).cpu()

@@ -407,6 +407,9 @@ def evaluate(
     device: str = typer.Option("cpu", help="Where the model runs: cpu or cuda (bf16 weights on cuda)."),
     served: bool = typer.Option(False, help="Also ask the needle (and --suite) prompts through the serving engine "
                                             "(paged pool, kernels, CUDA graphs): rows bf16@engine and oscar@engine."),
+    engine_only: bool = typer.Option(False, "--engine-only", help="Ask the needle and --suite prompts through the "
+                                     "serving engine alone (rows NAME@engine; implies --served): the reference path "
+                                     "decodes one token per forward, the engine in CUDA graphs. Needs a GPU to be fast."),
     compare: Optional[list[str]] = typer.Option(None, metavar="NAME=DIR", help="Another artifact for the same model "
                                                 "scored beside --rotations as method NAME (repeatable), e.g. two "
                                                 "calibrations' widths on the same prompts."),
@@ -418,7 +421,7 @@ def evaluate(
     from .evaluate.report import markdown_table
 
     try:
-        named = dict(text=str(text) if text else None, served=served, gen_tokens=gen_tokens,
+        named = dict(text=str(text) if text else None, served=served, engine_only=engine_only, gen_tokens=gen_tokens,
                      suite_samples=suite_samples or (1 if quick else 5), code_package=code_package,
                      code_lines=code_lines, suite_max_tokens=suite_max_tokens)
         if tasks is not None:

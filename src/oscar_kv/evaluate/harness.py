@@ -30,6 +30,7 @@ from .suite import SUITE_METHODS, SUITE_TASKS, answer_all, answer_served, score_
 log = logging.getLogger(__name__)
 
 TASKS = ("kl", "ppl", "niah", "niah_multikey", "attn", "longgen") + SUITE_TASKS  # suite.py: RULER + longcode
+ENGINE_TASKS = ("niah", "niah_multikey") + SUITE_TASKS  # the tasks the serving engine can answer (engine_only)
 # longgen decodes G tokens per scheme and length through the real cache: run when named, not by default
 DEFAULT_TASKS = ("kl", "ppl", "niah", "niah_multikey", "attn")
 # Calibration reads the shipped corpus from its start; evaluation text starts far past that.
@@ -50,6 +51,9 @@ class EvalConfig:
     gen_tokens: int = 1024  # longgen: greedy tokens generated after each prompt (the first from the prefill)
     ablations: bool = True
     served: bool = False  # also ask the needle prompts through the serving engine (rows bf16@engine, oscar@engine)
+    # only the serving engine answers (the needle and suite tasks; rows NAME@engine): the reference path decodes one
+    # token per forward through the model's own layers, the engine in CUDA graphs (a suite at 8K-32K in minutes)
+    engine_only: bool = False
     suite_samples: int = 5  # prompts per suite task (RULER, longcode) and context length
     code_package: str = "asyncio"  # longcode: the standard-library package the prompts are cut from
     code_lines: int = 4  # longcode: non-blank lines the model completes
@@ -70,6 +74,16 @@ class EvalConfig:
             raise ConfigError("context lengths must be at least 64 tokens")
         if min(self.suite_samples, self.code_lines, self.suite_max_tokens or 1) < 1:
             raise ConfigError("suite_samples, code_lines and suite_max_tokens must be at least 1")
+        if self.engine_only:
+            self.served = True
+            scored_elsewhere = [t for t in self.tasks if t not in ENGINE_TASKS]
+            if scored_elsewhere:
+                raise ConfigError(f"the serving engine answers {', '.join(ENGINE_TASKS[:2])} and the suite's tasks; "
+                                  f"{', '.join(scored_elsewhere)} need the reference path (drop engine_only)", "tasks")
+            unserved = [m for m in self.methods if m not in SERVED_SCHEMES] + list(self.compare)
+            if unserved:
+                raise ConfigError(f"the serving engine serves {', '.join(SERVED_SCHEMES)}, not "
+                                  f"{', '.join(unserved)} (drop engine_only or those methods)", "methods")
         if "longgen" in self.tasks and self.gen_tokens < 2:
             raise ConfigError("gen_tokens must be at least 2 (the first token comes from the prompt's prefill)",
                               "gen_tokens")
@@ -246,14 +260,16 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
             t0 = time.perf_counter()
             hits = {s.name: [] for s in scored}
             prompts = list(_needle_prompts(tokenizer, text, ctx, config, multikey=task == "niah_multikey"))
-            for prompt in prompts:
+            for prompt in prompts if not config.engine_only else []:
                 kv = tasks.haystack_kv(model, prompt.haystack)
                 for scheme in scored:
                     hits[scheme.name].append(prompt.answer in tasks.niah_answer(model, tokenizer, scheme, kv,
                                                                                  prompt.question))
                 del kv
+            if config.engine_only:
+                hits = {}
             if config.served:
-                for name in (n for n in SERVED_SCHEMES if n in hits):
+                for name in (s.name for s in scored if s.name in SERVED_SCHEMES):
                     answers = served_answers(model, tokenizer, oscar, name, prompts, config.page_size,
                                              config.sink_size, config.recent_size)
                     row = _engine_row(results, name, key)
@@ -273,10 +289,11 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
             timings[f"longgen@{ctx}"] = round(time.perf_counter() - t0, 1)
         if suite:
             t0 = time.perf_counter()
-            outputs = answer_all(model, tokenizer, scored, prompts[ctx], config.code_lines, progress, f"suite@{ctx}")
+            outputs = {} if config.engine_only else answer_all(model, tokenizer, scored, prompts[ctx], config.code_lines,
+                                                               progress, f"suite@{ctx}")
             if config.served:
-                outputs.update(answer_served(model, tokenizer, oscar, list(outputs), prompts[ctx], config.page_size,
-                                             config.sink_size, config.recent_size))
+                outputs.update(answer_served(model, tokenizer, oscar, [s.name for s in scored], prompts[ctx],
+                                             config.page_size, config.sink_size, config.recent_size))
             scores, records = score_outputs(prompts[ctx], outputs, config.code_lines)
             for name, measured in scores.items():
                 row = _engine_row(results, name.removesuffix("@engine"), key) if name.endswith("@engine") \
@@ -290,6 +307,8 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
         (output / "results.json").write_text(json.dumps(dict(results, timings=timings, partial=True), indent=1) + "\n")
     bar.close()
     unprepare_model(model)
+    if config.engine_only:  # the reference rows hold only their bits per element: the engine's rows are the results
+        results["methods"] = {name: row for name, row in results["methods"].items() if name.endswith("@engine")}
     results["config"] = {k: v for k, v in config.__dict__.items() if k != "compare"}
     results["config"]["compare"] = {name: rot.source for name, rot in config.compare.items()}
     if "longcode" in config.tasks:  # its prompts are this interpreter's standard library
