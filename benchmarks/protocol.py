@@ -38,11 +38,13 @@ import torch
 from oscar_kv.activations import capture_samples
 from oscar_kv.allocation import allocate_key_widths
 from oscar_kv.artifacts import Rotations
-from oscar_kv.calibrate import CalibrationSettings, calibrate, calibration_sequences, fit_clip_ratios
+from oscar_kv.calibrate import calibrate, calibration_sequences
+from oscar_kv.calibration_settings import CalibrationSettings
 from oscar_kv.corpus import load_calibration_text
 from oscar_kv.evaluate.harness import EvalConfig, run_eval
 from oscar_kv.memory import bits_per_element
 from oscar_kv.models import load_model
+from oscar_kv.probe import fit_clip_ratios
 
 METRICS = ("bits_per_element", "kl", "top1_agreement", "niah", "niah_multikey", "gen_kl", "gen_first_divergence")
 

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from protocol import held_back_probe, with_widths  # noqa: E402
 
-from oscar_kv.calibrate import CalibrationSettings, calibrate  # noqa: E402
+from oscar_kv.calibrate import calibrate  # noqa: E402
+from oscar_kv.calibration_settings import CalibrationSettings  # noqa: E402
 from oscar_kv.evaluate.harness import EvalConfig, run_eval  # noqa: E402
 from oscar_kv.models import layer_windows, load_model  # noqa: E402
 

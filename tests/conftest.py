@@ -49,7 +49,8 @@ def rotations(smol, tmp_path_factory):
     """OSCAR rotations calibrated on 2048 tokens of the shipped corpus, saved and reloaded."""
     from oscar_kv.artifacts import Rotations
     from oscar_kv.cache import unprepare_model
-    from oscar_kv.calibrate import CalibrationSettings, calibrate
+    from oscar_kv.calibrate import calibrate
+    from oscar_kv.calibration_settings import CalibrationSettings
 
     lm, tok = smol
     rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=2048, probe_tokens=1024, max_kl=None), progress=False)

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from oscar_kv.cache import CacheSettings, OscarCache, unprepare_model
-from oscar_kv.calibrate import CalibrationSettings, calibrate
+from oscar_kv.calibrate import calibrate
+from oscar_kv.calibration_settings import CalibrationSettings
 from oscar_kv.folding import fold_values
 from oscar_kv.hf_compat import cache_kwargs
 from oscar_kv.models import AttentionGeometry, layer_windows

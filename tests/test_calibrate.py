@@ -6,12 +6,13 @@ import torch
 from oscar_kv.activations import NonFiniteActivations
 from oscar_kv.artifacts import Rotations
 from oscar_kv.allocation import WidthChoice
-from oscar_kv.calibrate import (PAIRS_TOLERANCE, ROPE_GAIN, CalibrationSettings, calibrate, choose_centering,
-                                search_kl_steps)
+from oscar_kv.calibrate import PAIRS_TOLERANCE, ROPE_GAIN, calibrate, choose_centering
+from oscar_kv.calibration_settings import CalibrationSettings
 from oscar_kv.corpus import STDLIB_SOURCE, read_text_file
 from oscar_kv.errors import ConfigError
 from oscar_kv.rope import kernel_pairs
 from oscar_kv.rotation import orthogonality_error
+from oscar_kv.width_choice import search_kl_steps
 
 # no KL check unless a test asks (its default probe is an 8K-token forward: minutes on a 2-core CPU)
 SMALL = dict(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None)

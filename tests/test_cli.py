@@ -220,7 +220,7 @@ def test_calibrate_help_defaults_are_the_library_defaults():
     """The CLI spells its defaults out for --help; they must be CalibrationSettings' (what the README measures)."""
     import inspect
 
-    from oscar_kv.calibrate import CalibrationSettings
+    from oscar_kv.calibration_settings import CalibrationSettings
     from oscar_kv.cli import calibrate
 
     params = inspect.signature(calibrate).parameters

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one tor
 
 @pytest.fixture(scope="module")
 def small_rotations(smol):
-    from oscar_kv.calibrate import CalibrationSettings, calibrate
+    from oscar_kv.calibrate import calibrate
+    from oscar_kv.calibration_settings import CalibrationSettings
 
     lm, tok = smol
     rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None),
@@ -32,7 +33,8 @@ def small_rotations(smol):
 @pytest.fixture(scope="module")
 def constant_rotations(smol):
     """Keys centered by one constant mean: what the Triton kernels compute (no per-position offset yet)."""
-    from oscar_kv.calibrate import CalibrationSettings, calibrate
+    from oscar_kv.calibrate import calibrate
+    from oscar_kv.calibration_settings import CalibrationSettings
 
     lm, tok = smol
     rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128,

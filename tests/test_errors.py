@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from oscar_kv.artifacts import ArtifactError
-from oscar_kv.calibrate import CalibrationSettings
+from oscar_kv.calibration_settings import CalibrationSettings
 from oscar_kv.corpus import CorpusError, read_text_file
 from oscar_kv.errors import (ConfigError, ModelNotFound, NonFiniteActivations, OscarKVError, RequestError,
                              user_message)

@@ -38,12 +38,28 @@ def _cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def _wait_until_healthy(url: str, procs: list[subprocess.Popen], what: str) -> None:
+    """Poll ``url``/health until it answers 200; fail with a process's output if one of ``procs`` (started with
+    stdout piped) exits first, or when ``what`` has not started within TIMEOUT."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        for proc in procs:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, f"{what} did not start"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def llama4(tmp_path_factory, tokenizer):
     """A random-weight Llama with 8 query / 4 KV heads (SmolLM2's tokenizer), saved, and its calibrated artifact."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from oscar_kv.calibrate import CalibrationSettings, calibrate
+    from oscar_kv.calibrate import calibrate
+    from oscar_kv.calibration_settings import CalibrationSettings
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -159,15 +175,7 @@ def test_serve_tp2_answers_the_openai_client_like_one_process(llama4):
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the --tp 2 server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        _wait_until_healthy(url, [proc], "the --tp 2 server")
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
         answers = [client.completions.create(**ask).choices[0].text for _ in range(2)]  # the second: a prefix hit
         assert expected and answers == [expected, expected]
@@ -212,16 +220,7 @@ def test_serve_tp2_over_two_nodes_on_loopback(llama4):
              for r in (1, 0)]  # node 1 first: it waits at the rendezvous for node 0
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            for node in nodes:
-                assert node.poll() is None, node.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the two-node server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        _wait_until_healthy(url, nodes, "the two-node server")
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
         assert [client.completions.create(**ask).choices[0].text for _ in range(2)] == [expected, expected]
         nodes[1].send_signal(signal.SIGTERM)  # node 0's launcher: rank 0 shuts down and releases node 1's rank

@@ -6,7 +6,8 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from oscar_kv.activations import capture_samples
-from oscar_kv.calibrate import CalibrationSettings, Statistics, calibrate
+from oscar_kv.calibrate import Statistics, calibrate
+from oscar_kv.calibration_settings import CalibrationSettings
 from oscar_kv.models import AttentionGeometry
 from oscar_kv.rope import RopeTable, apply_rope, keep_pairs, kernel_pairs, key_offsets, mean_phase, remove_rope
 

@@ -18,7 +18,7 @@ import types
 _EXPORTS = {
     "ArtifactError": "artifacts", "Rotations": "artifacts", "obtain": "provision",
     "CacheSettings": "cache", "OscarCache": "cache", "prepare_model": "cache", "unprepare_model": "cache",
-    "CalibrationSettings": "calibrate", "calibrate": "calibrate",
+    "CalibrationSettings": "calibration_settings", "calibrate": "calibrate",
     "CacheConfig": "config", "EngineConfig": "config", "ServeConfig": "config", "ConfigError": "errors",
     "bits_per_element": "memory",
     "AttentionGeometry": "models", "load_model": "models",

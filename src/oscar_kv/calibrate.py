@@ -12,8 +12,9 @@ activations:
   C_S  = mean O O^T over the group's attention outputs       -> value rotation; O = S V, so
          O^T O = V^T S^T S V exactly (centered by mu_V when values are centered)
   mu_V = mean value                                          -> value centering
-Then R = U . P_br . H_G per head (or per layer, covariances averaged over heads), optional
-clip-ratio fitting on a held-back sequence, and a validation table of per-layer attention error.
+Then R = U . P_br . H_G per head (or per layer, covariances averaged over heads), each layer's key and value
+widths with clip ratios fitted at them on a held-back sequence (width_choice.py; probe.py scores that sequence),
+and a validation table of per-layer attention error.  The settings are calibration_settings.py's.
 """
 
 from __future__ import annotations
@@ -23,132 +24,35 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .activations import (LayerSample, capture_samples, clip_candidate_errors, observing, quantized_attention_error,
-                          run_layers)
-from .allocation import (KEY_WIDTHS, VALUE_WIDTHS, WidthChoice, allocate_key_widths, key_logit_noise,
-                         value_output_noise)
+from .activations import LayerSample, capture_samples, observing, run_layers
+from .allocation import KEY_WIDTHS, VALUE_WIDTHS
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
+from .calibration_settings import CalibrationSettings
 from .corpus import CorpusError, load_calibration_text
 from .errors import ConfigError
 from .models import AttentionGeometry
 from .parallel import SINGLE, TensorParallel, shard_model
 from .memory import bits_per_element
-from .quant import check_rescale, fake_quantize
+from .probe import layer_error
 from .rope import (DEFAULT_PAIRS, RopeTable, RopeUnsupported, keep_pairs, layer_rope_tables, mean_phase, pair_counts,
                    remove_rope, rotate_half, rotated_only)
-from .rotation import compose, rotate
+from .rotation import compose
+from .width_choice import choose_widths, kl_measure
 
 log = logging.getLogger(__name__)
 
-CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80)
-SCOPES = ("per-head", "per-layer")
-KEY_CENTERINGS = ("auto", "rope", "constant", "off")
 ROPE_GAIN = 0.05  # "auto" picks position-aware centering when it cuts the probe's attention error by 5%
 # "auto" keeps the fewest pairs within this share of the lowest probe error.  Qwen2.5 (pairs scored over 32K):
 # 8 pairs 6% above 32's on the probe, KL at 32K 0.030 vs 0.026 and at 8K equal, decode attention ~1.1x instead
 # of 1.5-1.95x constant centering's; a key bias spread over every pair measures several times 32's error with 8
 # and keeps 32 (benchmarks/NOTES.md, "pairs scored over the model's context")
 PAIRS_TOLERANCE = 0.10
-# How the held-back probe is scored: every position, every key past the sink INT2.  Scoring it as served
-# instead (4096 tokens, recent window exact, the last 256 queries) chose harsher key clips on Qwen2.5 that shrank
-# the needle's logit more (-1.5 -> -1.7 nats at the retrieval heads) and did not retrieve better
-# (benchmarks/NOTES.md, "Long context"); the attention-output error favours clipping that retrieval pays for.
-PROBE_QUERIES = None
-PROBE_SINK, PROBE_RECENT = 64, 0
-# The key logit noise (nats^2, allocation.py) every layer is widened to, and the most mean stored bits per element at
-# the model's context the widening may spend.  0.3 on the protocol (benchmarks/NOTES.md, "Issue 34: keys get the bits
-# they need"): SmolLM2 and Qwen2.5-Coder-1.5B keep BF16's NIAH and multi-key NIAH within one prompt of ten at 4K-32K,
-# KL 0.007-0.009, at 3.0 bits per element (Qwen2.5, 32K); 0.1 (nearly every layer at 4 bits) gains one multi-key
-# prompt at 16K for 0.34 more bits; every layer at 3 bits loses a needle on SmolLM2 at 4K
-DEFAULT_KEY_NOISE = 0.3
-# The KL against the unquantized model that the tolerance's widths must also meet, measured at min(context, 8K) on
-# held-back text, else widened further (keys and values in one order).  0.01 at that probe held KL <= 0.016 and top-1
-# >= 0.936 to 32K on Gemma 3 270M (the tolerance alone: KL 0.055, top-1 0.88), and is already met by the tolerance's
-# widths on Qwen2.5-Coder-1.5B and SmolLM2-135M (KL 0.007-0.009): benchmarks/NOTES.md, runs D6, D10.
-DEFAULT_MAX_KL = 0.01
-DEFAULT_KV_BITS: float | None = None
-
-
-@dataclass
-class CalibrationSettings:
-    """What ``oscar-kv calibrate`` takes (each field's comment says what it does); a bad value raises ConfigError."""
-
-    calib_tokens: int = 8192
-    seq_len: int = 1024
-    group_size: int | None = None
-    rotation_scope: str = "per-head"
-    composition: str = "oscar"
-    key_centering: str = "auto"  # rope | constant | off, or auto: rope where it measurably helps
-    # channel pairs per KV head that rope centering keeps (kernel cost), or "auto": the fewest of
-    # rope.PAIR_COUNTS whose probe error is within PAIRS_TOLERANCE of the lowest (choose_centering)
-    rope_pairs: int | str = "auto"
-    # positions over which the kept pairs are scored (rope_pair_mask); None: the model's max_position_embeddings
-    rope_horizon: int | None = None
-    center_values: bool = True
-    # "fit" picks per layer/head from CLIP_CANDIDATES (SmolLM2 KL 0.0196 -> 0.0164: docs/measurements.md); "fixed"
-    # uses k_clip/v_clip
-    clip: str = "fit"
-    k_clip: float = DEFAULT_K_CLIP
-    v_clip: float = DEFAULT_V_CLIP
-    probe_tokens: int = 512
-    # clipped keys lose the logit of the query aligned with them (the needle); the rescale gives this share of it
-    # back (quant.py).  0.5 beat both 0 and 1 on KL and single-needle retrieval (benchmarks/NOTES.md, "rescaled key
-    # rows against the needle's shrink")
-    key_rescale: float = 0.5
-    value_rescale: float = 0.0
-    # keys' widths: "auto" lets the allocation (allocation.py) choose per layer from KEY_WIDTHS, or one width for all
-    key_bits: int | str = "auto"
-    # values' widths: "auto" allocates them with the keys (allocation.py: the value output noise, in the keys' units)
-    value_bits: int | str = "auto"
-    # "auto" widens the layers whose key logit noise (nats^2 on the held-back text) is above key_noise, noisiest
-    # first, while the mean stored bits per element at the model's context stay within kv_bits (None: unbounded)
-    key_noise: float | None = DEFAULT_KEY_NOISE
-    kv_bits: float | None = DEFAULT_KV_BITS
-    # beside the tolerance: the fewest widenings past its point (noisiest part first, within kv_bits) whose KL against
-    # the unquantized model, measured on kl_probe_tokens of held-back text (None: min(context, 8192)), is at most
-    # max_kl (None: no KL check; ignored where both sides' widths are fixed)
-    max_kl: float | None = DEFAULT_MAX_KL
-    kl_probe_tokens: int | None = None
-
-    def __post_init__(self):
-        if self.key_centering not in KEY_CENTERINGS:
-            raise ConfigError(f"key centering must be one of {KEY_CENTERINGS}")
-        if self.rotation_scope not in SCOPES:
-            raise ConfigError(f"rotation scope must be one of {SCOPES}")
-        if self.clip not in ("fixed", "fit"):
-            raise ConfigError("clip must be 'fixed' or 'fit'")
-        if self.rope_pairs != "auto" and (type(self.rope_pairs) is not int or self.rope_pairs < 1):
-            raise ConfigError(f"rope_pairs must be 'auto' or a whole number >= 1, got {self.rope_pairs!r}")
-        if self.rope_horizon is not None and (type(self.rope_horizon) is not int or self.rope_horizon < 1):
-            raise ConfigError(f"rope_horizon must be a whole number >= 1, got {self.rope_horizon!r}")
-        check_rescale(self.key_rescale)
-        check_rescale(self.value_rescale)
-        if self.key_bits != "auto" and self.key_bits not in KEY_WIDTHS:
-            raise ConfigError(f"key bits must be 'auto' or one of {KEY_WIDTHS}, got {self.key_bits!r}")
-        if self.value_bits != "auto" and self.value_bits not in VALUE_WIDTHS:
-            raise ConfigError(f"value bits must be 'auto' or one of {VALUE_WIDTHS}, got {self.value_bits!r}")
-        if self.key_noise is not None and not self.key_noise > 0:
-            raise ConfigError(f"the key noise tolerance must be > 0 nats^2, got {self.key_noise}")
-        if self.kv_bits is not None and not 2 <= self.kv_bits <= 16:
-            raise ConfigError(f"the bit budget must lie in [2, 16] bits per element, got {self.kv_bits}")
-        if self.max_kl is not None and not self.max_kl > 0:
-            raise ConfigError(f"the KL target must be > 0 nats, got {self.max_kl}")
-        if self.kl_probe_tokens is not None and not (type(self.kl_probe_tokens) is int and self.kl_probe_tokens >= 1024):
-            raise ConfigError(f"the KL probe needs at least 1024 tokens, got {self.kl_probe_tokens!r}")
-        if self.key_bits == "auto" and self.key_noise is None and self.kv_bits is None and self.max_kl is None:
-            raise ConfigError("key bits 'auto' needs a key noise tolerance, a bit budget or both")
-        if self.calib_tokens < 16 or self.seq_len < 16:
-            raise ConfigError("calibration needs at least 16 tokens")
-        for c in (self.k_clip, self.v_clip):
-            if not 0 < c <= 1:
-                raise ConfigError("clip ratios must lie in (0, 1]")
 
 
 class Statistics:
@@ -261,12 +165,16 @@ class Statistics:
         top = score.topk(count, -1).indices
         return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)
 
+    def query_moments(self) -> torch.Tensor:
+        """C_Q, float64 [L, Hkv, D, D]: the mean q q^T over each KV head's query group (weighs key errors)."""
+        return self.qq / self.rows[:, None, None, None]
+
     def moments(self, key_centering: str, center_values: bool, rope_pairs: int | None = None):
         """(C_Q, C_S, mu_K, mu_V, mu_pre) per layer and KV head, float64: C_Q, C_S [L, Hkv, D, D] (C_S about
         mu_V), the means [L, Hkv, D].  Arguments as ``key_means``; ``center_values``: False makes mu_V zero."""
         rows = self.rows[:, None, None, None]
         toks = self.tokens[:, None, None]
-        c_q = self.qq / rows
+        c_q = self.query_moments()
         mu_k, mu_pre = self.key_means(key_centering, rope_pairs)
         mu_v = self.v_sum / toks if center_values else torch.zeros_like(self.v_sum)
         mean_o = self.o_sum / self.rows[:, None, None]
@@ -326,6 +234,17 @@ def calibration_sequences(model, tokenizer, settings: CalibrationSettings, texts
     count = math.ceil(settings.calib_tokens / seq_len)
     sequences, probe_ids = split_probe(tokenizer, texts, seq_len, count, min(settings.probe_tokens, max_len))
     return sequences, probe_ids, seq_len
+
+
+def kl_probe(tokenizer, texts: list[str], settings: CalibrationSettings, max_len: int) -> torch.Tensor:
+    """The held-back text ``--max-kl`` measures on (width_choice.kl_measure), int64 [1, length]: one sequence of
+    ``settings.kl_probe_tokens`` (default min(context, 8192)) cut after the fitting text and the probe."""
+    length = min(settings.kl_probe_tokens or 8192, max_len)
+    after = math.ceil((settings.calib_tokens + settings.probe_tokens) / length)
+    sequences = token_sequences(tokenizer, texts, length, after + 1)
+    if len(sequences) <= after:
+        log.warning("the calibration text is too short for a KL probe after the fitting text: it overlaps it")
+    return sequences[-1]
 
 
 def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, calib_data: list[str] | None = None,
@@ -401,8 +320,9 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     centering = choose_key_centering(rotations, stats, settings, probe)
     say(f"key centering: {centering['chosen']}, {centering['pairs']} RoPE pairs")
     allocated = settings.key_bits == "auto" or settings.value_bits == "auto"  # else the KL target has no choice
-    kl = kl_measure(model, tokenizer, texts, settings, max_len) if settings.max_kl is not None and allocated else None
-    widths = choose_widths(rotations, stats, settings, probe, max_len, progress, kl)
+    kl = (kl_measure(model, kl_probe(tokenizer, texts, settings, max_len))
+          if settings.max_kl is not None and allocated else None)
+    widths = choose_widths(rotations, stats.query_moments(), settings, probe, max_len, progress, kl)
     say(f"widths: {rotations.width_summary()} ({widths['bits_per_element']:.3f} bits per element at {max_len} "
         f"tokens; {widths['reason']})" + (", clip ratios fitted at each width" if settings.clip == "fit" else ""))
     table = error_table(rotations, probe)
@@ -449,193 +369,6 @@ def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: 
                      torch.full((g.num_layers,), 2, dtype=torch.int32), g, group_size, k_rope_mean=mu_pre.float(),
                      k_rescale=settings.key_rescale, v_rescale=settings.value_rescale,
                      rope_layout=stats.rope.layout if stats.rope is not None else None)
-
-
-def key_noise(rot: Rotations, c_q: torch.Tensor, sample: LayerSample, layer: int) -> torch.Tensor:
-    """float64 [Hkv]: the key logit noise (allocation.key_logit_noise) of ``layer``'s keys past the sink on the
-    probe, stored at the artifact's key width with its key clips and rescale.  ``c_q``: the layer's query second
-    moments [Hkv, D, D] in the model's space."""
-    hkv = rot.geometry.num_kv_heads
-    r = rot.k_rotation[layer].float()
-    r = r.expand(hkv, *r.shape[1:]) if r.shape[0] == 1 else r
-    keys = rotate(sample.k - sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer]), r)[:, PROBE_SINK:]
-    stored = fake_quantize(keys, int(rot.k_bits[layer]), rot.group_size, rot.k_clip[layer][:, None].float(),
-                           rot.k_rescale)
-    c_rot = r.double().transpose(-1, -2) @ c_q.double() @ r.double()
-    return key_logit_noise(keys, stored, c_rot, sample.scale)
-
-
-def value_noise(rot: Rotations, sample: LayerSample, layer: int) -> torch.Tensor:
-    """float64 [Hkv]: the value output noise (allocation.value_output_noise) of ``layer``'s values past the sink on
-    the probe, centered and rotated as the cache stores them, at the artifact's value width with its value clips."""
-    hkv = rot.geometry.num_kv_heads
-    r = rot.v_rotation[layer].float()
-    r = r.expand(hkv, *r.shape[1:]) if r.shape[0] == 1 else r
-    values = rotate(sample.v - rot.v_mean[layer][:, None, :].float(), r)[:, PROBE_SINK:]
-    stored = fake_quantize(values, int(rot.v_bits[layer]), rot.group_size, rot.v_clip[layer][:, None].float(),
-                           rot.v_rescale)
-    return value_output_noise(values, stored)
-
-
-def choose_widths(rot: Rotations, stats: Statistics, settings: CalibrationSettings, probe: list[LayerSample],
-                  seq_len: int, progress: bool = True, kl: Callable[[Rotations], float] | None = None) -> dict:
-    """Set ``rot``'s key and value widths (allocation.py) and, with fitted clips, each side's clips at its width.
-
-    Every candidate width of each side (keys: KEY_WIDTHS, values: VALUE_WIDTHS, or the one width asked for) is
-    measured with that side's clips fitted at that width.
-    Args:
-        rot: the fitted rotations (centering settled), changed in place.
-        stats: the calibration statistics (their query second moments weigh the key errors).
-        settings: the calibration's settings (key_bits, value_bits, key_noise, kv_bits, max_kl, clip).
-        probe: one held-back LayerSample per layer.
-        seq_len: the context the bit budget is counted at (the model's).
-        kl: with ``settings.max_kl``, the KL against the unquantized model of an artifact (search_kl_steps).
-    Returns:
-        The manifest's record: the widths, each candidate's noise per layer, the chosen noise, the bits per
-        element and the reason (and with max_kl, every KL measured on the way).
-    """
-    g = rot.geometry
-    layers = range(g.num_layers)
-    c_q = stats.qq / stats.rows[:, None, None, None]
-    candidates = KEY_WIDTHS if settings.key_bits == "auto" else (settings.key_bits,)
-    v_candidates = VALUE_WIDTHS if settings.value_bits == "auto" else (settings.value_bits,)
-    clips, noise, v_clips, v_noise = {}, {}, {}, {}
-    # each side's clips and noise depend on its own width alone (the other side is not quantized in its measure)
-    for width in candidates:
-        rot.set_bits(width, v_candidates[0])
-        if settings.clip == "fit":
-            fit_clip_ratios(rot, probe, progress, sides=("k",))
-        clips[width] = rot.k_clip.clone()
-        noise[width] = [float(key_noise(rot, c_q[i], probe[i], i).max()) for i in layers]
-    for width in v_candidates:
-        rot.set_bits(candidates[0], width)
-        if settings.clip == "fit":
-            fit_clip_ratios(rot, probe, progress, sides=("v",))
-        v_clips[width] = rot.v_clip.clone()
-        v_noise[width] = [float(value_noise(rot, probe[i], i).max()) for i in layers]
-
-    def use(k_bits: list[int], v_bits: list[int]) -> None:
-        rot.set_bits(k_bits, v_bits)
-        rot.k_clip = torch.stack([clips[w][i] for i, w in enumerate(k_bits)])
-        rot.v_clip = torch.stack([v_clips[w][i] for i, w in enumerate(v_bits)])
-
-    def allocate(**bounds) -> WidthChoice:
-        return allocate_key_widths(noise, [v_candidates[0]] * g.num_layers, budget=settings.kv_bits,
-                                   seq_len=seq_len, head_dim=g.head_dim, group_size=rot.group_size,
-                                   value_noise=v_noise if len(v_candidates) > 1 else None, **bounds)
-
-    measured = None
-    if len(candidates) == 1 and len(v_candidates) == 1:
-        k_bits, v_bits = [candidates[0]] * g.num_layers, [v_candidates[0]] * g.num_layers
-        bits = bits_per_element(seq_len, g.head_dim, rot.group_size, 2, k_bits=k_bits, v_bits=v_bits)
-        choice = WidthChoice(k_bits, noise[candidates[0]], round(bits, 4), "requested", 0, v_bits,
-                             v_noise[v_candidates[0]])
-    elif settings.max_kl is not None:
-        if kl is None:
-            raise ValueError("a KL target needs the KL measure (calibrate passes it)")
-        # the tolerance's widenings are the first steps of the same path: with both, the search starts there
-        start = allocate(tolerance=settings.key_noise).steps if settings.key_noise is not None else 0
-        choice, measured = search_kl_steps(lambda n: allocate(tolerance=None, steps=n),
-                                           lambda c: use(c.k_bits, c.v_bits), lambda: kl(rot),
-                                           settings.max_kl, progress, start)
-    else:
-        choice = allocate(tolerance=settings.key_noise)
-    use(choice.k_bits, choice.v_bits)
-    allocated = len(candidates) > 1 or len(v_candidates) > 1
-    record = {"k_bits": choice.k_bits, "v_bits": choice.v_bits, "key_noise": choice.noise,
-              "key_noise_by_width": {str(w): [round(n, 5) for n in noise[w]] for w in candidates},
-              "value_noise": [round(v_noise[w][i], 5) for i, w in enumerate(choice.v_bits)],
-              "value_noise_by_width": {str(w): [round(n, 5) for n in v_noise[w]] for w in v_candidates},
-              "tolerance": settings.key_noise if allocated else None,
-              "budget": settings.kv_bits if allocated else None, "seq_len": seq_len,
-              "bits_per_element": choice.bits_per_element, "reason": choice.reason,
-              # what the widths cost at the lengths users compare (memory.bits_per_element: windows, scale/min counted)
-              "bits_per_element_at": {str(n): round(bits_per_element(n, g.head_dim, rot.group_size, 2,
-                                                                     k_bits=choice.k_bits, v_bits=choice.v_bits), 4)
-                                      for n in (32768, 131072)}}
-    if measured is not None:
-        record["max_kl"] = settings.max_kl
-        record["kl_by_step"] = measured
-    return record
-
-
-def search_kl_steps(allocation: Callable[[int], WidthChoice], use: Callable[[WidthChoice], None],
-                    kl: Callable[[], float], max_kl: float, progress: bool = True, start: int = 0):
-    """The fewest widenings along the noise order (allocation.py), at least ``start``, whose measured KL is at most
-    ``max_kl``.
-
-    KL falls as layers widen (each bit divides a layer's key noise by 3-4: benchmarks/NOTES.md, and the noise ranks
-    allocations as KL does), so a bisection over the step count measures ~log2(2L) artifacts, not every one.
-    Args:
-        allocation: the WidthChoice after n widenings (its bits stay within the budget: the path ends there).
-        use: sets the artifact's widths (and their clips) to a WidthChoice's.
-        kl: the KL of the artifact as it is set now.
-        max_kl: the target.
-    Returns:
-        (the WidthChoice, {step: {"k_bits_mean", "bits_per_element", "kl"}} for every step measured).
-    """
-    last = allocation(10 ** 6)  # as far as the budget (or the widest width) lets the path go
-    widest = last.steps
-    start = min(start, widest)
-    measured: dict[int, dict] = {}
-
-    def measure(n: int) -> float:
-        choice = allocation(n)
-        use(choice)
-        value = kl()
-        measured[n] = {"bits_per_element": choice.bits_per_element, "kl": round(value, 6)}
-        if progress:
-            print(f"  KL search: {n} widening(s), {choice.bits_per_element:.3f} bits per element: KL {value:.4f}",
-                  flush=True)
-        return value
-
-    if start and measure(start) <= max_kl:  # the usual case with a tolerance: one measurement
-        reason = (f"the key noise tolerance's {start} widening(s) meet the KL target: measured KL "
-                  f"{measured[start]['kl']:.4g} <= {max_kl:g}")
-        return _with_reason(allocation(start), reason), measured
-    if measure(widest) > max_kl:
-        reason = (f"the KL target {max_kl:g} is not met within the budget or the widest widths "
-                  f"(KL {measured[widest]['kl']:.4g} with {widest} widenings)")
-        return _with_reason(last, reason), measured
-    lo, hi = start - 1 if start else -1, widest  # KL(lo) > max_kl (or lo is below the path), KL(hi) <= max_kl
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if measure(mid) <= max_kl:
-            hi = mid
-        else:
-            lo = mid
-    reason = f"the fewest widenings ({hi}) whose measured KL {measured[hi]['kl']:.4g} is within {max_kl:g}"
-    return _with_reason(allocation(hi), reason), measured
-
-
-def _with_reason(choice: WidthChoice, reason: str) -> WidthChoice:
-    return dataclasses.replace(choice, reason=reason)
-
-
-def kl_measure(model, tokenizer, texts: list[str], settings: CalibrationSettings, max_len: int):
-    """The KL measure of ``--max-kl``: an artifact's mean KL(unquantized || artifact's cache) over one sequence of
-    ``settings.kl_probe_tokens`` (default min(context, 8192)) cut after the fitting text and the probe, as
-    ``oscar-kv eval``'s kl task scores it (the cache simulated in one teacher-forced forward)."""
-    from .cache import CacheSettings, unprepare_model
-    from .evaluate.schemes import standard_scheme
-    from .evaluate.tasks import kl_and_ppl, reference_hidden
-
-    length = min(settings.kl_probe_tokens or 8192, max_len)
-    after = math.ceil((settings.calib_tokens + settings.probe_tokens) / length)
-    sequences = token_sequences(tokenizer, texts, length, after + 1)
-    if len(sequences) <= after:
-        log.warning("the calibration text is too short for a KL probe after the fitting text: it overlaps it")
-    ids = sequences[-1]
-    reference = reference_hidden(model, ids)
-    geometry = AttentionGeometry.of(model.config)
-
-    def kl(rot: Rotations) -> float:
-        scheme = standard_scheme("oscar", geometry, rot, CacheSettings())
-        value = kl_and_ppl(model, scheme, ids, reference)["kl"]
-        unprepare_model(model)
-        return value
-
-    return kl
 
 
 @dataclass(frozen=True)
@@ -717,7 +450,7 @@ def choose_key_centering(rot: Rotations, stats: Statistics, settings: Calibratio
 
     def probe_error(means: tuple[torch.Tensor, torch.Tensor]) -> float:
         candidate = dataclasses.replace(rot, k_mean=means[0].float(), k_rope_mean=means[1].float())
-        return sum(_layer_error(candidate, probe[i], i) for i in layers) / len(layers)
+        return sum(layer_error(candidate, probe[i], i) for i in layers) / len(layers)
 
     rope_means = {p: stats.key_means("rope", p) for p in counts}
     rope_errors = {p: probe_error(m) for p, m in rope_means.items()}
@@ -733,44 +466,6 @@ def choose_key_centering(rot: Rotations, stats: Statistics, settings: Calibratio
             "reason": choice.reason}
 
 
-def _layer_error(rot: Rotations, sample: LayerSample, layer: int, k_clip=None, v_clip=None, **kwargs) -> float:
-    """The probe's attention error of ``layer`` with each side stored at the artifact's width (16: at 2, as the
-    validation table compares schemes at INT2)."""
-    k_bits, v_bits = (b if b < 16 else 2 for b in rot.side_bits(layer))
-    return quantized_attention_error(
-        sample, rot.k_rotation[layer], rot.v_rotation[layer],
-        sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer]), rot.v_mean[layer],
-        rot.k_clip[layer] if k_clip is None else k_clip, rot.v_clip[layer] if v_clip is None else v_clip,
-        bits=k_bits, value_bits=v_bits, group_size=rot.group_size, sink_size=PROBE_SINK, recent_size=PROBE_RECENT,
-        queries=PROBE_QUERIES, rescale=(rot.k_rescale, rot.v_rescale), **kwargs)
-
-
-def fit_clip_ratios(rot: Rotations, probe: list[LayerSample], progress: bool = True,
-                    sides: tuple[str, ...] = ("k", "v")) -> None:
-    """Set ``rot``'s k_clip / v_clip in place: per layer (and KV head when rotations are per head), the ratio of
-    CLIP_CANDIDATES that minimizes the attention output error on the held-back ``probe`` (one LayerSample per
-    layer) with that side stored at its width (k_bits / v_bits; a layer at 16 bits keeps its clips), keys and
-    values separately.  ``sides``: which of "k" and "v" to fit."""
-    hkv = rot.geometry.num_kv_heads
-    per_head = rot.scope == "per-head"
-    candidates = torch.tensor(CLIP_CANDIDATES)
-    for layer in tqdm(range(rot.geometry.num_layers), desc="fitting clip ratios", disable=not progress):
-        sample = probe[layer]
-        offset = sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer])
-        for which, bits in zip(("k", "v"), rot.side_bits(layer)):
-            if which not in sides or bits == 16:
-                continue
-            errors = torch.stack([clip_candidate_errors(
-                sample, h, rot.k_rotation[layer], rot.v_rotation[layer], offset, rot.v_mean[layer], which,
-                candidates, bits, rot.group_size, PROBE_SINK, PROBE_RECENT, PROBE_QUERIES,
-                getattr(rot, f"{which}_rescale")) for h in range(hkv)])
-            clips = getattr(rot, f"{which}_clip")
-            if per_head:
-                clips[layer] = candidates[errors.argmin(-1)]
-            else:  # one clip for the layer's heads
-                clips[layer, :] = candidates[errors.sum(0).argmin()]
-
-
 def error_table(rot: Rotations, probe: list[LayerSample]) -> dict[str, list[float]]:
     """Per-layer relative attention error at INT2 for identity, Hadamard-only and this artifact."""
     g = rot.geometry
@@ -779,7 +474,7 @@ def error_table(rot: Rotations, probe: list[LayerSample]) -> dict[str, list[floa
         "hadamard": Rotations.data_free(g, "hadamard", rot.group_size, DEFAULT_K_CLIP, DEFAULT_V_CLIP),
         "oscar": rot,
     }
-    return {name: [round(_layer_error(r, probe[i], i), 5) for i in range(g.num_layers)]
+    return {name: [round(layer_error(r, probe[i], i), 5) for i in range(g.num_layers)]
             for name, r in baselines.items()}
 
 

@@ -166,8 +166,9 @@ def calibrate(
     _quiet_transformers()
     from . import parallel
     from .artifacts import ArtifactError
-    from .calibrate import CalibrationSettings, format_error_table, write_summary
     from .calibrate import calibrate as run_calibration
+    from .calibrate import format_error_table, write_summary
+    from .calibration_settings import CalibrationSettings
     from .models import default_dtype
 
     try:

@@ -14,11 +14,13 @@ import torch
 
 from ..artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations
 from ..cache import CacheSettings
-from ..calibrate import CalibrationSettings, Statistics, fit_clip_ratios, fit_rotations
+from ..calibrate import Statistics, fit_rotations
+from ..calibration_settings import CalibrationSettings
 from ..errors import ConfigError
 from ..rotation import compose
 from ..memory import bits_per_element
 from ..models import AttentionGeometry
+from ..probe import fit_clip_ratios
 
 STANDARD = ("bf16", "int4", "naive-int2", "quarot-int2", "kivi-2", "oscar")
 # OSCAR with KIVI-2's 128 BF16 tokens (64 sink + 64 recent): fewer bits than kivi-2 at every length
@@ -91,7 +93,7 @@ def with_value_covariance(oscar: Rotations, c_s: torch.Tensor) -> Rotations:
 
 
 def with_fitted_clips(oscar: Rotations, probe) -> Rotations:
-    """A copy of ``oscar`` with clip ratios fitted on ``probe`` (calibrate.fit_clip_ratios)."""
+    """A copy of ``oscar`` with clip ratios fitted on ``probe`` (probe.fit_clip_ratios)."""
     rot = copy.deepcopy(oscar)
     fit_clip_ratios(rot, probe, progress=False)
     return rot

@@ -1,0 +1,106 @@
+"""What ``oscar-kv calibrate`` takes: CalibrationSettings and its defaults.
+
+A module of its own so that the calibration's steps (width_choice.py) can read the settings without importing
+calibrate.py, which runs those steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .allocation import KEY_WIDTHS, VALUE_WIDTHS
+from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP
+from .errors import ConfigError
+from .quant import check_rescale
+
+SCOPES = ("per-head", "per-layer")
+KEY_CENTERINGS = ("auto", "rope", "constant", "off")
+# The key logit noise (nats^2, allocation.py) every layer is widened to, and the most mean stored bits per element at
+# the model's context the widening may spend.  0.3 on the protocol (benchmarks/NOTES.md, "Issue 34: keys get the bits
+# they need"): SmolLM2 and Qwen2.5-Coder-1.5B keep BF16's NIAH and multi-key NIAH within one prompt of ten at 4K-32K,
+# KL 0.007-0.009, at 3.0 bits per element (Qwen2.5, 32K); 0.1 (nearly every layer at 4 bits) gains one multi-key
+# prompt at 16K for 0.34 more bits; every layer at 3 bits loses a needle on SmolLM2 at 4K
+DEFAULT_KEY_NOISE = 0.3
+# The KL against the unquantized model that the tolerance's widths must also meet, measured at min(context, 8K) on
+# held-back text, else widened further (keys and values in one order).  0.01 at that probe held KL <= 0.016 and top-1
+# >= 0.936 to 32K on Gemma 3 270M (the tolerance alone: KL 0.055, top-1 0.88), and is already met by the tolerance's
+# widths on Qwen2.5-Coder-1.5B and SmolLM2-135M (KL 0.007-0.009): benchmarks/NOTES.md, runs D6, D10.
+DEFAULT_MAX_KL = 0.01
+DEFAULT_KV_BITS: float | None = None
+
+
+@dataclass
+class CalibrationSettings:
+    """What ``oscar-kv calibrate`` takes (each field's comment says what it does); a bad value raises ConfigError."""
+
+    calib_tokens: int = 8192
+    seq_len: int = 1024
+    group_size: int | None = None
+    rotation_scope: str = "per-head"
+    composition: str = "oscar"
+    key_centering: str = "auto"  # rope | constant | off, or auto: rope where it measurably helps
+    # channel pairs per KV head that rope centering keeps (kernel cost), or "auto": the fewest of
+    # rope.PAIR_COUNTS whose probe error is within PAIRS_TOLERANCE of the lowest (calibrate.choose_centering)
+    rope_pairs: int | str = "auto"
+    # positions over which the kept pairs are scored (calibrate.Statistics.rope_pair_mask); None: the model's
+    # max_position_embeddings
+    rope_horizon: int | None = None
+    center_values: bool = True
+    # "fit" picks per layer/head from probe.CLIP_CANDIDATES (SmolLM2 KL 0.0196 -> 0.0164: docs/measurements.md);
+    # "fixed" uses k_clip/v_clip
+    clip: str = "fit"
+    k_clip: float = DEFAULT_K_CLIP
+    v_clip: float = DEFAULT_V_CLIP
+    probe_tokens: int = 512
+    # clipped keys lose the logit of the query aligned with them (the needle); the rescale gives this share of it
+    # back (quant.py).  0.5 beat both 0 and 1 on KL and single-needle retrieval (benchmarks/NOTES.md, "rescaled key
+    # rows against the needle's shrink")
+    key_rescale: float = 0.5
+    value_rescale: float = 0.0
+    # keys' widths: "auto" lets the allocation (allocation.py) choose per layer from KEY_WIDTHS, or one width for all
+    key_bits: int | str = "auto"
+    # values' widths: "auto" allocates them with the keys (allocation.py: the value output noise, in the keys' units)
+    value_bits: int | str = "auto"
+    # "auto" widens the layers whose key logit noise (nats^2 on the held-back text) is above key_noise, noisiest
+    # first, while the mean stored bits per element at the model's context stay within kv_bits (None: unbounded)
+    key_noise: float | None = DEFAULT_KEY_NOISE
+    kv_bits: float | None = DEFAULT_KV_BITS
+    # beside the tolerance: the fewest widenings past its point (noisiest part first, within kv_bits) whose KL against
+    # the unquantized model, measured on kl_probe_tokens of held-back text (None: min(context, 8192)), is at most
+    # max_kl (None: no KL check; ignored where both sides' widths are fixed)
+    max_kl: float | None = DEFAULT_MAX_KL
+    kl_probe_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.key_centering not in KEY_CENTERINGS:
+            raise ConfigError(f"key centering must be one of {KEY_CENTERINGS}")
+        if self.rotation_scope not in SCOPES:
+            raise ConfigError(f"rotation scope must be one of {SCOPES}")
+        if self.clip not in ("fixed", "fit"):
+            raise ConfigError("clip must be 'fixed' or 'fit'")
+        if self.rope_pairs != "auto" and (type(self.rope_pairs) is not int or self.rope_pairs < 1):
+            raise ConfigError(f"rope_pairs must be 'auto' or a whole number >= 1, got {self.rope_pairs!r}")
+        if self.rope_horizon is not None and (type(self.rope_horizon) is not int or self.rope_horizon < 1):
+            raise ConfigError(f"rope_horizon must be a whole number >= 1, got {self.rope_horizon!r}")
+        check_rescale(self.key_rescale)
+        check_rescale(self.value_rescale)
+        if self.key_bits != "auto" and self.key_bits not in KEY_WIDTHS:
+            raise ConfigError(f"key bits must be 'auto' or one of {KEY_WIDTHS}, got {self.key_bits!r}")
+        if self.value_bits != "auto" and self.value_bits not in VALUE_WIDTHS:
+            raise ConfigError(f"value bits must be 'auto' or one of {VALUE_WIDTHS}, got {self.value_bits!r}")
+        if self.key_noise is not None and not self.key_noise > 0:
+            raise ConfigError(f"the key noise tolerance must be > 0 nats^2, got {self.key_noise}")
+        if self.kv_bits is not None and not 2 <= self.kv_bits <= 16:
+            raise ConfigError(f"the bit budget must lie in [2, 16] bits per element, got {self.kv_bits}")
+        if self.max_kl is not None and not self.max_kl > 0:
+            raise ConfigError(f"the KL target must be > 0 nats, got {self.max_kl}")
+        if self.kl_probe_tokens is not None and not (type(self.kl_probe_tokens) is int and self.kl_probe_tokens >= 1024):
+            raise ConfigError(f"the KL probe needs at least 1024 tokens, got {self.kl_probe_tokens!r}")
+        if self.key_bits == "auto" and self.key_noise is None and self.kv_bits is None and self.max_kl is None:
+            raise ConfigError("key bits 'auto' needs a key noise tolerance, a bit budget or both")
+        if self.calib_tokens < 16 or self.seq_len < 16:
+            raise ConfigError("calibration needs at least 16 tokens")
+        for c in (self.k_clip, self.v_clip):
+            if not 0 < c <= 1:
+                raise ConfigError("clip ratios must lie in (0, 1]")
+

@@ -1,0 +1,204 @@
+"""Choosing each layer's key and value widths (allocation.py's noise order, optionally checked against a KL target),
+with each side's clips fitted at its width: the width step of calibrate.py, which runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from .activations import LayerSample
+from .allocation import (KEY_WIDTHS, VALUE_WIDTHS, WidthChoice, allocate_key_widths, key_logit_noise,
+                         value_output_noise)
+from .artifacts import Rotations
+from .calibration_settings import CalibrationSettings
+from .memory import bits_per_element
+from .models import AttentionGeometry
+from .probe import PROBE_SINK, fit_clip_ratios
+from .quant import fake_quantize
+from .rotation import rotate
+
+
+def _per_head(rotation: torch.Tensor, heads: int) -> torch.Tensor:
+    """A layer's rotation [1 or Hkv, D, D] (per layer or per head) as float32 [Hkv, D, D], one per KV head."""
+    r = rotation.float()
+    return r.expand(heads, *r.shape[1:]) if r.shape[0] == 1 else r
+
+
+def key_noise(rot: Rotations, c_q: torch.Tensor, sample: LayerSample, layer: int) -> torch.Tensor:
+    """float64 [Hkv]: the key logit noise (allocation.key_logit_noise) of ``layer``'s keys past the sink on the
+    probe, stored at the artifact's key width with its key clips and rescale.  ``c_q``: the layer's query second
+    moments [Hkv, D, D] in the model's space."""
+    r = _per_head(rot.k_rotation[layer], rot.geometry.num_kv_heads)
+    keys = rotate(sample.k - sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer]), r)[:, PROBE_SINK:]
+    stored = fake_quantize(keys, int(rot.k_bits[layer]), rot.group_size, rot.k_clip[layer][:, None].float(),
+                           rot.k_rescale)
+    c_rot = r.double().transpose(-1, -2) @ c_q.double() @ r.double()
+    return key_logit_noise(keys, stored, c_rot, sample.scale)
+
+
+def value_noise(rot: Rotations, sample: LayerSample, layer: int) -> torch.Tensor:
+    """float64 [Hkv]: the value output noise (allocation.value_output_noise) of ``layer``'s values past the sink on
+    the probe, centered and rotated as the cache stores them, at the artifact's value width with its value clips."""
+    r = _per_head(rot.v_rotation[layer], rot.geometry.num_kv_heads)
+    values = rotate(sample.v - rot.v_mean[layer][:, None, :].float(), r)[:, PROBE_SINK:]
+    stored = fake_quantize(values, int(rot.v_bits[layer]), rot.group_size, rot.v_clip[layer][:, None].float(),
+                           rot.v_rescale)
+    return value_output_noise(values, stored)
+
+
+def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettings, probe: list[LayerSample],
+                  seq_len: int, progress: bool = True, kl: Callable[[Rotations], float] | None = None) -> dict:
+    """Set ``rot``'s key and value widths (allocation.py) and, with fitted clips, each side's clips at its width.
+
+    Every candidate width of each side (keys: KEY_WIDTHS, values: VALUE_WIDTHS, or the one width asked for) is
+    measured with that side's clips fitted at that width.
+    Args:
+        rot: the fitted rotations (centering settled), changed in place.
+        c_q: the query second moments per layer and KV head, float64 [L, Hkv, D, D] (Statistics.query_moments):
+            they weigh the key errors.
+        settings: the calibration's settings (key_bits, value_bits, key_noise, kv_bits, max_kl, clip).
+        probe: one held-back LayerSample per layer.
+        seq_len: the context the bit budget is counted at (the model's).
+        kl: with ``settings.max_kl``, the KL against the unquantized model of an artifact (search_kl_steps).
+    Returns:
+        The manifest's record: the widths, each candidate's noise per layer, the chosen noise, the bits per
+        element and the reason (and with max_kl, every KL measured on the way).
+    """
+    g = rot.geometry
+    layers = range(g.num_layers)
+    candidates = KEY_WIDTHS if settings.key_bits == "auto" else (settings.key_bits,)
+    v_candidates = VALUE_WIDTHS if settings.value_bits == "auto" else (settings.value_bits,)
+    clips, noise, v_clips, v_noise = {}, {}, {}, {}
+    # each side's clips and noise depend on its own width alone (the other side is not quantized in its measure)
+    for width in candidates:
+        rot.set_bits(width, v_candidates[0])
+        if settings.clip == "fit":
+            fit_clip_ratios(rot, probe, progress, sides=("k",))
+        clips[width] = rot.k_clip.clone()
+        noise[width] = [float(key_noise(rot, c_q[i], probe[i], i).max()) for i in layers]
+    for width in v_candidates:
+        rot.set_bits(candidates[0], width)
+        if settings.clip == "fit":
+            fit_clip_ratios(rot, probe, progress, sides=("v",))
+        v_clips[width] = rot.v_clip.clone()
+        v_noise[width] = [float(value_noise(rot, probe[i], i).max()) for i in layers]
+
+    def use(k_bits: list[int], v_bits: list[int]) -> None:
+        rot.set_bits(k_bits, v_bits)
+        rot.k_clip = torch.stack([clips[w][i] for i, w in enumerate(k_bits)])
+        rot.v_clip = torch.stack([v_clips[w][i] for i, w in enumerate(v_bits)])
+
+    def allocate(**bounds) -> WidthChoice:
+        return allocate_key_widths(noise, [v_candidates[0]] * g.num_layers, budget=settings.kv_bits,
+                                   seq_len=seq_len, head_dim=g.head_dim, group_size=rot.group_size,
+                                   value_noise=v_noise if len(v_candidates) > 1 else None, **bounds)
+
+    measured = None
+    if len(candidates) == 1 and len(v_candidates) == 1:
+        k_bits, v_bits = [candidates[0]] * g.num_layers, [v_candidates[0]] * g.num_layers
+        bits = bits_per_element(seq_len, g.head_dim, rot.group_size, 2, k_bits=k_bits, v_bits=v_bits)
+        choice = WidthChoice(k_bits, noise[candidates[0]], round(bits, 4), "requested", 0, v_bits,
+                             v_noise[v_candidates[0]])
+    elif settings.max_kl is not None:
+        if kl is None:
+            raise ValueError("a KL target needs the KL measure (calibrate passes it)")
+        # the tolerance's widenings are the first steps of the same path: with both, the search starts there
+        start = allocate(tolerance=settings.key_noise).steps if settings.key_noise is not None else 0
+        choice, measured = search_kl_steps(lambda n: allocate(tolerance=None, steps=n),
+                                           lambda c: use(c.k_bits, c.v_bits), lambda: kl(rot),
+                                           settings.max_kl, progress, start)
+    else:
+        choice = allocate(tolerance=settings.key_noise)
+    use(choice.k_bits, choice.v_bits)
+    allocated = len(candidates) > 1 or len(v_candidates) > 1
+    record = {"k_bits": choice.k_bits, "v_bits": choice.v_bits, "key_noise": choice.noise,
+              "key_noise_by_width": {str(w): [round(n, 5) for n in noise[w]] for w in candidates},
+              "value_noise": [round(v_noise[w][i], 5) for i, w in enumerate(choice.v_bits)],
+              "value_noise_by_width": {str(w): [round(n, 5) for n in v_noise[w]] for w in v_candidates},
+              "tolerance": settings.key_noise if allocated else None,
+              "budget": settings.kv_bits if allocated else None, "seq_len": seq_len,
+              "bits_per_element": choice.bits_per_element, "reason": choice.reason,
+              # what the widths cost at the lengths users compare (memory.bits_per_element: windows, scale/min counted)
+              "bits_per_element_at": {str(n): round(bits_per_element(n, g.head_dim, rot.group_size, 2,
+                                                                     k_bits=choice.k_bits, v_bits=choice.v_bits), 4)
+                                      for n in (32768, 131072)}}
+    if measured is not None:
+        record["max_kl"] = settings.max_kl
+        record["kl_by_step"] = measured
+    return record
+
+
+def search_kl_steps(allocation: Callable[[int], WidthChoice], use: Callable[[WidthChoice], None],
+                    kl: Callable[[], float], max_kl: float, progress: bool = True, start: int = 0):
+    """The fewest widenings along the noise order (allocation.py), at least ``start``, whose measured KL is at most
+    ``max_kl``.
+
+    KL falls as layers widen (each bit divides a layer's key noise by 3-4: benchmarks/NOTES.md, and the noise ranks
+    allocations as KL does), so a bisection over the step count measures ~log2(2L) artifacts, not every one.
+    Args:
+        allocation: the WidthChoice after n widenings (its bits stay within the budget: the path ends there).
+        use: sets the artifact's widths (and their clips) to a WidthChoice's.
+        kl: the KL of the artifact as it is set now.
+        max_kl: the target.
+    Returns:
+        (the WidthChoice, {step: {"k_bits_mean", "bits_per_element", "kl"}} for every step measured).
+    """
+    last = allocation(10 ** 6)  # as far as the budget (or the widest width) lets the path go
+    widest = last.steps
+    start = min(start, widest)
+    measured: dict[int, dict] = {}
+
+    def measure(n: int) -> float:
+        choice = allocation(n)
+        use(choice)
+        value = kl()
+        measured[n] = {"bits_per_element": choice.bits_per_element, "kl": round(value, 6)}
+        if progress:
+            print(f"  KL search: {n} widening(s), {choice.bits_per_element:.3f} bits per element: KL {value:.4f}",
+                  flush=True)
+        return value
+
+    if start and measure(start) <= max_kl:  # the usual case with a tolerance: one measurement
+        reason = (f"the key noise tolerance's {start} widening(s) meet the KL target: measured KL "
+                  f"{measured[start]['kl']:.4g} <= {max_kl:g}")
+        return _with_reason(allocation(start), reason), measured
+    if measure(widest) > max_kl:
+        reason = (f"the KL target {max_kl:g} is not met within the budget or the widest widths "
+                  f"(KL {measured[widest]['kl']:.4g} with {widest} widenings)")
+        return _with_reason(last, reason), measured
+    lo, hi = start - 1 if start else -1, widest  # KL(lo) > max_kl (or lo is below the path), KL(hi) <= max_kl
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if measure(mid) <= max_kl:
+            hi = mid
+        else:
+            lo = mid
+    reason = f"the fewest widenings ({hi}) whose measured KL {measured[hi]['kl']:.4g} is within {max_kl:g}"
+    return _with_reason(allocation(hi), reason), measured
+
+
+def _with_reason(choice: WidthChoice, reason: str) -> WidthChoice:
+    return dataclasses.replace(choice, reason=reason)
+
+
+def kl_measure(model, ids: torch.Tensor) -> Callable[[Rotations], float]:
+    """The KL measure of ``--max-kl``: an artifact's mean KL(unquantized || artifact's cache) over ``ids`` (int64
+    [1, T]: calibrate.kl_probe's held-back sequence), as ``oscar-kv eval``'s kl task scores it (the cache simulated
+    in one teacher-forced forward)."""
+    from .cache import CacheSettings, unprepare_model
+    from .evaluate.schemes import standard_scheme
+    from .evaluate.tasks import kl_and_ppl, reference_hidden
+
+    reference = reference_hidden(model, ids)
+    geometry = AttentionGeometry.of(model.config)
+
+    def kl(rot: Rotations) -> float:
+        scheme = standard_scheme("oscar", geometry, rot, CacheSettings())
+        value = kl_and_ppl(model, scheme, ids, reference)["kl"]
+        unprepare_model(model)
+        return value
+
+    return kl
