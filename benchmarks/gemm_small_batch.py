@@ -3,7 +3,7 @@ cuBLASLt (torch.backends.cuda.preferred_blas_library), with and without a bias.
 
     python3 benchmarks/gemm_small_batch.py [--arch qwen3-8b] [--batches 1,8,16]
 
-Shapes are the executor's (models/llama.py): q|k|v, o_proj, gate|up, down, lm_head.  Times are medians of CUDA
+Shapes are the executor's (models/decoder.py): q|k|v, o_proj, gate|up, down, lm_head.  Times are medians of CUDA
 graph replays of 20 back-to-back calls on distinct weight copies (so the L2 cache holds none of them).
 """
 

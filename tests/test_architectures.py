@@ -58,10 +58,11 @@ WINDOWED = {
 }
 
 
-def tiny_model(arch: str):
+def tiny_model(arch: str, **config):
+    """A small random model of ``arch`` (ARCHS or WINDOWED), ``config`` overriding its settings."""
     kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
-    kw.update(ARCHS.get(arch) or WINDOWED[arch])
+    kw.update(ARCHS.get(arch) or WINDOWED[arch], **config)
     config = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -214,7 +215,7 @@ def test_gemma3_keys_turn_with_each_layer_types_rope():
     the configured head dim; the executor refuses it by name."""
     import sys
 
-    from oscar_kv.models.llama import executor_support
+    from oscar_kv.models.executor import executor_support
     from oscar_kv.rope import layer_rope_tables
 
     model = tiny_model("gemma3")

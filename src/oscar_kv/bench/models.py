@@ -38,8 +38,8 @@ ARCHS = {
                           head_dim=128, max_position_embeddings=131072,
                           rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
                           tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
-    # fused qkv_proj and gate_up_proj (transformers' forward runs it, not our executor); the 128K model's LongRoPE
-    # factors are left out (default RoPE): they do not change the cost of a step
+    # fused qkv_proj and gate_up_proj; the 128K model's LongRoPE factors are left out (default RoPE, which our
+    # executor runs; LongRoPE runs transformers' forward): they do not change the cost of a step
     "phi-3-medium": dict(cls="Phi3Config", vocab_size=32064, hidden_size=5120, intermediate_size=17920,
                          num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
                          max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

@@ -1,10 +1,11 @@
-"""The executor's fused elementwise steps (models/llama.py) in Triton; their torch references, which the CPU runs,
+"""The executor's fused elementwise steps (models/decoder.py) in Triton; their torch references, which the CPU runs,
 are in elementwise_reference.py (no Triton there) and imported here too.
 
 * ``rms_norm``: optional residual add, then RMSNorm: one launch instead of transformers' five or six.
 * ``silu_mul``: SiLU(gate) * up from the fused gate|up projection.
 * ``rope_qkv``: split the fused q|k|v projection into heads, RMS-normalize q and k per head (Qwen3), apply RoPE
-  to both and copy v out: one launch per layer.
+  to both (on the first rotary_dim channels of a head, in rotate-half or interleaved pairs) and copy v out: one
+  launch per layer.
 
 The references reproduce transformers' arithmetic step by step, including where it rounds to the model dtype
 (Llama's ``RMSNorm.forward``, ``apply_rotary_pos_emb``, ``LlamaMLP``), so that our executor on the CPU matches the
@@ -95,44 +96,66 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rope_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, k_ptr, v_ptr, qkv_stride, eps,
-                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+                     INTERLEAVED: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): query heads, then HKV key heads, then HKV value heads
-    offs = tl.arange(0, HALF)
+    offs = tl.arange(0, HALF)  # pair j of the head's D/2: channels (lo_j, hi_j)
     mask = offs < D // 2
+    if ROT == D and not INTERLEAVED:  # rotate-half over the whole head: the halves, contiguous loads
+        lo_ch = offs
+        hi_ch = offs + D // 2
+    else:  # RoPE's pairs first; past them the pass-through channels [ROT, D) as pairs, unturned
+        turned = offs < ROT // 2
+        if INTERLEAVED:
+            lo_ch = tl.where(turned, 2 * offs, offs + ROT // 2)
+            hi_ch = tl.where(turned, 2 * offs + 1, offs + D // 2)
+        else:
+            lo_ch = tl.where(turned, offs, offs + ROT // 2)
+            hi_ch = tl.where(turned, offs + ROT // 2, offs + D // 2)
     dt = q_ptr.dtype.element_ty
     src = qkv_ptr + t * qkv_stride + h * D
-    lo = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    hi = tl.load(src + D // 2 + offs, mask=mask, other=0.0).to(tl.float32)
+    lo = tl.load(src + lo_ch, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(src + hi_ch, mask=mask, other=0.0).to(tl.float32)
     if h >= HQ + HKV:
         dst = v_ptr + (t * HKV + h - HQ - HKV) * D
-        tl.store(dst + offs, lo.to(dt), mask=mask)
-        tl.store(dst + D // 2 + offs, hi.to(dt), mask=mask)
+        tl.store(dst + lo_ch, lo.to(dt), mask=mask)
+        tl.store(dst + hi_ch, hi.to(dt), mask=mask)
     else:
         if NORM:
             inv = tl.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / D + eps)
             w = norm_ptr + (h >= HQ).to(tl.int32) * D  # q_norm's row for query heads, k_norm's for key heads
-            lo = _round(tl.load(w + offs, mask=mask, other=0.0).to(tl.float32) * _round(lo * inv, dt), dt)
-            hi = _round(tl.load(w + D // 2 + offs, mask=mask, other=0.0).to(tl.float32) * _round(hi * inv, dt), dt)
+            lo = _round(tl.load(w + lo_ch, mask=mask, other=0.0).to(tl.float32) * _round(lo * inv, dt), dt)
+            hi = _round(tl.load(w + hi_ch, mask=mask, other=0.0).to(tl.float32) * _round(hi * inv, dt), dt)
+        # the tables' row: ROT channels, the pair's angle at j (rotate-half also at j + ROT/2, interleaved: the
+        # first half turns both channels, as GLM's apply_rotary_pos_emb reads it)
         pos = tl.load(pos_ptr + t)
-        c_lo = tl.load(cos_ptr + pos * D + offs, mask=mask, other=0.0).to(tl.float32)
-        c_hi = tl.load(cos_ptr + pos * D + D // 2 + offs, mask=mask, other=0.0).to(tl.float32)
-        s_lo = tl.load(sin_ptr + pos * D + offs, mask=mask, other=0.0).to(tl.float32)
-        s_hi = tl.load(sin_ptr + pos * D + D // 2 + offs, mask=mask, other=0.0).to(tl.float32)
+        row_mask = mask & (offs < ROT // 2)
+        c_lo = tl.load(cos_ptr + pos * ROT + offs, mask=row_mask, other=1.0).to(tl.float32)
+        s_lo = tl.load(sin_ptr + pos * ROT + offs, mask=row_mask, other=0.0).to(tl.float32)
+        if INTERLEAVED:
+            c_hi = c_lo
+            s_hi = s_lo
+        else:
+            c_hi = tl.load(cos_ptr + pos * ROT + ROT // 2 + offs, mask=row_mask, other=1.0).to(tl.float32)
+            s_hi = tl.load(sin_ptr + pos * ROT + ROT // 2 + offs, mask=row_mask, other=0.0).to(tl.float32)
         # x * cos + rotate_half(x) * sin with each product and the sum rounded, as transformers computes it
-        out_lo = _round(_round(lo * c_lo, dt) - _round(hi * s_lo, dt), dt).to(dt)
-        out_hi = _round(_round(hi * c_hi, dt) + _round(lo * s_hi, dt), dt).to(dt)
+        out_lo = _round(_round(lo * c_lo, dt) - _round(hi * s_lo, dt), dt)
+        out_hi = _round(_round(hi * c_hi, dt) + _round(lo * s_hi, dt), dt)
+        if ROT < D:  # pass-through channels keep their (normed) values
+            out_lo = tl.where(offs < ROT // 2, out_lo, lo)
+            out_hi = tl.where(offs < ROT // 2, out_hi, hi)
         if h < HQ:
             dst = q_ptr + (t * HQ + h) * D
         else:
             dst = k_ptr + (t * HKV + h - HQ) * D
-        tl.store(dst + offs, out_lo, mask=mask)
-        tl.store(dst + D // 2 + offs, out_hi, mask=mask)
+        tl.store(dst + lo_ch, out_lo.to(dt), mask=mask)
+        tl.store(dst + hi_ch, out_hi.to(dt), mask=mask)
 
 
 def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              heads: tuple[int, int], head_dim: int, qk_norm: torch.Tensor | None = None,
-             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             eps: float = 1e-6, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rope_qkv_reference`` in one launch (qkv with unit column stride; cos / sin contiguous)."""
     hq, hkv = heads
     n = qkv.shape[0]
@@ -142,6 +165,6 @@ def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     if n:
         _rope_qkv_kernel[(n, hq + 2 * hkv)](
             qkv, positions, cos, sin, qk_norm if qk_norm is not None else cos, q, k, v, qkv.stride(0), eps,
-            HQ=hq, HKV=hkv, D=head_dim, HALF=triton.next_power_of_2(head_dim // 2), NORM=qk_norm is not None,
-            num_warps=1 if head_dim <= 128 else 2)
+            HQ=hq, HKV=hkv, D=head_dim, HALF=triton.next_power_of_2(head_dim // 2), ROT=cos.shape[-1],
+            INTERLEAVED=interleaved, NORM=qk_norm is not None, num_warps=1 if head_dim <= 128 else 2)
     return q, k, v

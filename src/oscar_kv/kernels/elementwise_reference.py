@@ -28,16 +28,29 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE on the first rotary_dim = cos.shape[-1] channels of x, as transformers applies it (the others pass
+    through): rotate-half pairs (j, j + rotary_dim/2) (Llama's ``apply_rotary_pos_emb``, Phi-3's), or interleaved
+    pairs (2j, 2j + 1) turned by the first half of the tables (GLM-4's)."""
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    if interleaved:
+        cos, sin = (t[..., :rotary_dim // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+        turned = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        half = rotary_dim // 2
+        turned = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + turned * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
 def rope_qkv_reference(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        heads: tuple[int, int], head_dim: int, qk_norm: torch.Tensor | None = None,
-                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Args: qkv [N, (Hq + 2 Hkv) D] (the fused projection), positions [N] int64, cos / sin [max positions, D] in
-    the model dtype (rotary tables), heads (Hq, Hkv), qk_norm [2, D] (Qwen3's q_norm | k_norm weights) or None.
+                       eps: float = 1e-6, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Args: qkv [N, (Hq + 2 Hkv) D] (the fused projection), positions [N] int64, cos / sin [max positions,
+    rotary_dim] in the model dtype (the rotary module's tables; RoPE turns the first rotary_dim <= D channels of each
+    head), heads (Hq, Hkv), qk_norm [2, D] (the per-head q_norm | k_norm weights) or None, interleaved: RoPE pairs
+    (2j, 2j + 1) instead of (j, j + rotary_dim/2).
     Returns: q [N, Hq, D], k [N, Hkv, D] after the norm and RoPE, v [N, Hkv, D] (contiguous)."""
     hq, hkv = heads
     n = qkv.shape[0]
@@ -47,4 +60,4 @@ def rope_qkv_reference(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
         q = rms_norm_reference(q, qk_norm[0], eps)[0]
         k = rms_norm_reference(k, qk_norm[1], eps)[0]
     c, s = cos[positions][:, None], sin[positions][:, None]
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v.contiguous()
+    return _rope(q, c, s, interleaved), _rope(k, c, s, interleaved), v.contiguous()
