@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from test_architectures import _greedy_tokens, tiny_model
 
-from oscar_kv.models import AttentionGeometry, layer_windows
+from oscar_kv.models import layer_windows
 from oscar_kv.models.executor import EXECUTORS, executor_support, make_executor
 from oscar_kv.models.llama import LlamaExecutor
 
 # tiny random models of each family (test_architectures.ARCHS), with their variants
-EXECUTED = ["llama", "qwen2", "qwen3", "mistral", "phi3", "phi3-partial-rotary"]
+EXECUTED = ["llama", "qwen2", "qwen3", "mistral", "phi3", "phi3-partial-rotary", "glm4"]
 NOT_EXECUTED = {"qwen3_moe": "model type 'qwen3_moe'", "mixtral": "model type 'mixtral'"}
 
 triton_device = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -118,21 +118,23 @@ def test_executor_logits_equal_transformers(arch, held_out_ids):
             assert parts[0].data_ptr() == fused.weight.data_ptr()
 
 
-@pytest.mark.parametrize("arch", ["phi3", "phi3-partial-rotary"])
+@pytest.mark.parametrize("arch", ["phi3", "glm4"])
 @torch.no_grad()
 def test_the_engine_serves_the_family_through_the_executor(arch, tokenizer, held_out_ids):
     """The engine with our executor gives the greedy tokens of the engine with transformers' forward, two requests
-    together over an INT2 pool: folding a value mean reaches the executor's projections (a new bias on a
-    checkpoint's fused qkv_proj included)."""
-    from oscar_kv.artifacts import Rotations
+    together over an INT2 pool, with a calibrated artifact: the folded value mean reaches the executor's
+    projections (a new bias on Phi-3's fused qkv_proj), and the keys the executor hands the cache are centered per
+    position in the model's RoPE layout (GLM-4: interleaved pairs on half of each head)."""
     from oscar_kv.cache import unprepare_model
+    from oscar_kv.calibrate import CalibrationSettings, calibrate
     from oscar_kv.engine import EngineConfig, LLMEngine
 
     model = _model(arch)
     model.generation_config.eos_token_id = None
-    geometry = AttentionGeometry.of(model.config)
-    rot = Rotations.data_free(geometry, "hadamard", geometry.head_dim)
-    rot.v_mean = torch.randn(rot.v_mean.shape, generator=torch.Generator().manual_seed(2))
+    rot = calibrate(model, tokenizer, CalibrationSettings(calib_tokens=256, seq_len=128, probe_tokens=64, max_kl=None,
+                                                          key_centering="rope"), progress=False)
+    unprepare_model(model)
+    assert rot.k_rope_mean is not None and rot.v_mean.abs().max() > 0
     prompts = [held_out_ids[0, :70].tolist(), held_out_ids[0, 300:340].tolist()]
     tokens = {}
     for impl in ("transformers", "oscar"):
@@ -146,7 +148,7 @@ def test_the_engine_serves_the_family_through_the_executor(arch, tokenizer, held
 
 
 @triton_device
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3-partial-rotary"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3-partial-rotary", "glm4"])
 @torch.no_grad()
 def test_executor_kernels_equal_references_in_bf16(arch, held_out_ids):
     """The whole forward in bf16 with the Triton kernels against the same forward with the torch references, and

@@ -54,7 +54,7 @@ ARCHS = {
                             rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
                             tie_word_embeddings=True, bos_token_id=2, eos_token_id=1),
     # partial rotary (RoPE on the first half of each head, interleaved pairs), 2 KV heads for 32 query heads (GQA
-    # 16: past the CUDA INT2 kernel's 8), fused QKV bias; transformers' forward runs it
+    # 16: past the CUDA INT2 kernel's 8), fused QKV bias, sandwich norms
     "glm-4-9b": dict(cls="Glm4Config", vocab_size=151552, hidden_size=4096, intermediate_size=13696,
                      num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
                      partial_rotary_factor=0.5, attention_bias=True, max_position_embeddings=131072,
