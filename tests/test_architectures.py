@@ -212,16 +212,14 @@ def test_layer_windows_of_each_config_style():
 def test_gemma3_keys_turn_with_each_layer_types_rope():
     """Gemma 3's sliding and full layers use different RoPE (rotary_emb(x, positions, layer_type)): position-aware
     centering takes each layer's table (shared by the layers of its type), each the model's own; its geometry reads
-    the configured head dim; the executor refuses it by name."""
+    the configured head dim."""
     import sys
 
-    from oscar_kv.models.executor import executor_support
     from oscar_kv.rope import layer_rope_tables
 
     model = tiny_model("gemma3")
     config = model.config
     assert AttentionGeometry.of(config).head_dim == 32 != config.hidden_size // config.num_attention_heads
-    assert "gemma3_text" in executor_support(model)
     tables = layer_rope_tables(model, 32)
     assert tables[0] is tables[2] and tables[0] is not tables[1]
     assert [t.layer_type for t in tables] == config.layer_types

@@ -5,6 +5,7 @@ references (Triton's interpreter on the CPU, the GPU where there is one).
 
 import itertools
 import os
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from oscar_kv.models.executor import EXECUTORS, executor_support, make_executor
 from oscar_kv.models.llama import LlamaExecutor
 
 # tiny random models of each family (test_architectures.ARCHS), with their variants
-EXECUTED = ["llama", "qwen2", "qwen3", "mistral", "phi3", "phi3-partial-rotary", "glm4"]
+EXECUTED = ["llama", "qwen2", "qwen3", "mistral", "phi3", "phi3-partial-rotary", "glm4", "gemma3", "gemma3-key-bias"]
 NOT_EXECUTED = {"qwen3_moe": "model type 'qwen3_moe'", "mixtral": "model type 'mixtral'"}
 
 triton_device = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -89,14 +90,24 @@ def test_family_models_are_supported_and_others_say_why():
 
 
 def test_variants_the_executor_cannot_run_say_why():
-    """Phi-3's LongRoPE (the 128K checkpoints) changes its tables with the sequence length; the start-up line names
-    it, and make_executor refuses it."""
+    """Phi-3's LongRoPE (the 128K checkpoints) changes its tables with the sequence length, Gemma's logit softcapping
+    and bidirectional attention are outside the executor's forward, and so is an activation it does not fuse: the
+    start-up line names each, and make_executor refuses them."""
     longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
                 "original_max_position_embeddings": 512}
-    model = tiny_model("phi3", rope_parameters=longrope)
-    assert executor_support(model) == "RoPE type 'longrope' (the executor keeps fixed position tables)"
-    with pytest.raises(ValueError, match="cannot run this model: RoPE type 'longrope'"):
-        make_executor(model, 64)
+    refused = [
+        ("phi3", {"rope_parameters": longrope}, "RoPE type 'longrope' (the executor keeps fixed position tables)"),
+        ("gemma3", {"final_logit_softcapping": 30.0}, "final logit softcapping"),
+        ("gemma3", {"attn_logit_softcapping": 50.0}, "attn logit softcapping"),
+        ("gemma3", {"use_bidirectional_attention": True}, "bidirectional attention"),
+        ("gemma3", {"hidden_activation": "gelu"}, "activation 'gelu'"),
+        ("qwen2", {"hidden_act": "relu"}, "activation 'relu'"),
+    ]
+    for arch, config, why in refused:
+        model = tiny_model(arch, **config)
+        assert why in executor_support(model), (arch, config)
+        with pytest.raises(ValueError, match=re.escape(f"cannot run this model: {why}")):
+            make_executor(model, 64)
 
 
 @pytest.mark.parametrize("arch", EXECUTED)
@@ -118,13 +129,14 @@ def test_executor_logits_equal_transformers(arch, held_out_ids):
             assert parts[0].data_ptr() == fused.weight.data_ptr()
 
 
-@pytest.mark.parametrize("arch", ["phi3", "glm4"])
+@pytest.mark.parametrize("arch", ["phi3", "glm4", "gemma3"])
 @torch.no_grad()
 def test_the_engine_serves_the_family_through_the_executor(arch, tokenizer, held_out_ids):
     """The engine with our executor gives the greedy tokens of the engine with transformers' forward, two requests
     together over an INT2 pool, with a calibrated artifact: the folded value mean reaches the executor's
     projections (a new bias on Phi-3's fused qkv_proj), and the keys the executor hands the cache are centered per
-    position in the model's RoPE layout (GLM-4: interleaved pairs on half of each head)."""
+    position in the model's RoPE layout (GLM-4: interleaved pairs on half of each head; Gemma 3: each layer with its
+    type's RoPE, its sliding layers read past their window)."""
     from oscar_kv.cache import unprepare_model
     from oscar_kv.calibrate import CalibrationSettings, calibrate
     from oscar_kv.engine import EngineConfig, LLMEngine
@@ -135,7 +147,7 @@ def test_the_engine_serves_the_family_through_the_executor(arch, tokenizer, held
                                                           key_centering="rope"), progress=False)
     unprepare_model(model)
     assert rot.k_rope_mean is not None and rot.v_mean.abs().max() > 0
-    prompts = [held_out_ids[0, :70].tolist(), held_out_ids[0, 300:340].tolist()]
+    prompts = [held_out_ids[0, :100].tolist(), held_out_ids[0, 300:340].tolist()]
     tokens = {}
     for impl in ("transformers", "oscar"):
         engine = LLMEngine(model, tokenizer, rot, EngineConfig(
@@ -148,7 +160,7 @@ def test_the_engine_serves_the_family_through_the_executor(arch, tokenizer, held
 
 
 @triton_device
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3-partial-rotary", "glm4"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3-partial-rotary", "glm4", "gemma3"])
 @torch.no_grad()
 def test_executor_kernels_equal_references_in_bf16(arch, held_out_ids):
     """The whole forward in bf16 with the Triton kernels against the same forward with the torch references, and
@@ -174,37 +186,67 @@ def _bf16_close(got: torch.Tensor, ref: torch.Tensor) -> None:
         assert (diff > 0).float().mean() < 0.05
 
 
+@torch.no_grad()
+def test_references_round_as_transformers_modules():
+    """In bf16 the references are transformers' own modules to the bit: Llama's and Gemma 3's RMSNorm (which round
+    at different points) and the gate activations of their MLPs."""
+    from transformers.activations import ACT2FN
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from oscar_kv.kernels import elementwise_reference as refs
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 96, generator=g) * 3).to(torch.bfloat16)
+    for module, unit_offset in ((LlamaRMSNorm(96, eps=1e-5), False), (Gemma3RMSNorm(96, eps=1e-5), True)):
+        module.weight.copy_(torch.randn(96, generator=g))
+        module.to(torch.bfloat16)
+        assert torch.equal(refs.rms_norm_reference(x, module.weight, 1e-5, unit_offset=unit_offset)[0], module(x))
+    gate, up = ((torch.randn(6, 300, generator=g) * scale).to(torch.bfloat16) for scale in (4, 1))
+    for activation in refs.GLU_ACTIVATIONS:
+        assert torch.equal(refs.glu_reference(torch.cat([gate, up], -1), activation), ACT2FN[activation](gate) * up)
+
+
 @triton_device
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_kernel(dtype):
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_kernel(dtype, unit_offset):
     from oscar_kv.kernels.elementwise import rms_norm, rms_norm_reference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(1)
     x, res = (torch.randn(5, 96, generator=g).to(device, dtype) * 3 for _ in range(2))
-    w = (torch.rand(96, generator=g) + 0.5).to(device, dtype)
+    w = (torch.rand(96, generator=g) + 0.5 - float(unit_offset)).to(device, dtype)
     for residual in (None, res):
-        out, new_res = rms_norm(x, w, 1e-6, residual)
-        ref, ref_res = rms_norm_reference(x, w, 1e-6, residual)
+        out, new_res = rms_norm(x, w, 1e-6, residual, unit_offset)
+        ref, ref_res = rms_norm_reference(x, w, 1e-6, residual, unit_offset)
         assert torch.equal(new_res, ref_res)
         _bf16_close(out, ref)
 
 
 @triton_device
-def test_silu_mul_kernel():
-    from oscar_kv.kernels.elementwise import silu_mul, silu_mul_reference
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_glu_kernel(activation):
+    from oscar_kv.kernels.elementwise import glu, glu_reference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gu = (torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(2)) * 4).to(device, torch.bfloat16)
-    _bf16_close(silu_mul(gu), silu_mul_reference(gu))
+    got, ref = glu(gu, activation), glu_reference(gu, activation)
+    gate, up = gu.float().chunk(2, dim=-1)
+    kept = gate > (-2 if activation == "gelu_pytorch_tanh" else -torch.inf)
+    _bf16_close(got[kept], ref[kept])
+    # below, torch's GELU cancels in 1 + tanh u (kernels/elementwise.gate_activation): about 2^-24 |gate| apart too
+    got, ref = got.float(), ref.float()
+    assert ((got - ref).abs() <= ref.abs() * 2 ** -7 + 2 ** -23 * (gate * up).abs() + 1e-6)[~kept].all()
 
 
 @triton_device
 @pytest.mark.parametrize("head_dim,norm,rotary_dim,interleaved", [
-    (64, False, 64, False), (128, True, 128, False), (96, True, 96, False),
+    (64, False, 64, False), (128, True, 128, False), (96, True, 96, False), (256, "gemma", 256, False),
     (64, False, 32, False), (96, True, 48, False),  # partial rotary (Phi-4-mini)
     (128, True, 64, True), (64, False, 64, True)])  # interleaved pairs (GLM-4: half the head)
 def test_rope_qkv_kernel(head_dim, norm, rotary_dim, interleaved):
+    """norm: Qwen3's q/k norms, or Gemma's (x (1 + weight))."""
     from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
@@ -221,8 +263,9 @@ def test_rope_qkv_kernel(head_dim, norm, rotary_dim, interleaved):
     qkv = (torch.randn(7, 8 * head_dim, generator=g) * 2).to(device, torch.bfloat16)
     positions = torch.tensor([0, 1, 5, 700, 2000, 4095, 3], device=device)
     qk_norm = (torch.rand(2, head_dim, generator=g) + 0.5).to(device, torch.bfloat16) if norm else None
-    got = rope_qkv(qkv, positions, cos, sin, (4, 2), head_dim, qk_norm, interleaved=interleaved)
-    ref = rope_qkv_reference(qkv, positions, cos, sin, (4, 2), head_dim, qk_norm, interleaved=interleaved)
+    flags = {"interleaved": interleaved, "unit_offset": norm == "gemma"}
+    got = rope_qkv(qkv, positions, cos, sin, (4, 2), head_dim, qk_norm, **flags)
+    ref = rope_qkv_reference(qkv, positions, cos, sin, (4, 2), head_dim, qk_norm, **flags)
     for a, b in zip(got, ref):
         assert a.shape == b.shape
         if norm:

@@ -46,8 +46,8 @@ ARCHS = {
                          rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000,
                          sliding_window=None),
     # Gemma-3-12B's sizes (48 layers, hidden 3840, 16 query and 8 KV heads of head dim 256, MLP 15360, vocabulary
-    # 262208, global RoPE base 1e6) on a Llama decoder: Gemma's KV geometry, not Gemma (the engine does not run its
-    # sliding-window layers, QK-norm, GeGLU or extra norms).  Every layer attends globally here.
+    # 262208, global RoPE base 1e6) on a Llama decoder: Gemma's KV geometry, not Gemma's layers (no sliding-window
+    # layers, QK-norm, GeGLU or extra norms).  Every layer attends globally here.
     "gemma3-12b-attn": dict(cls="LlamaConfig", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
                             num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
                             max_position_embeddings=131072,

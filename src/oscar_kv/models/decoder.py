@@ -7,16 +7,23 @@ most of a decode step beside the weights.  The executor runs the same arithmetic
     residual add + RMSNorm   one launch (kernels/elementwise.rms_norm)
     q | k | v                one GEMM over the fused weight (+ bias: Qwen2, GLM-4, or values folded with a mean);
                              at <= 16 tokens every projection runs kernels/gemv.py's GEMV instead of cuBLAS
-    q/k norm + RoPE + split  one launch (a per-head q_norm / k_norm included: Qwen3; RoPE on the first rotary_dim
-                             channels of a head, in rotate-half or interleaved pairs: Phi-3, GLM-4)
+    q/k norm + RoPE + split  one launch (a per-head q_norm / k_norm included: Qwen3, Gemma 3; RoPE on the first
+                             rotary_dim channels of a head, in rotate-half or interleaved pairs: Phi-3, GLM-4; each
+                             layer with its layer type's RoPE: Gemma 3)
     attention                the engine's (runner.StepAttention.attend: OSCAR write + paged kernels)
     o_proj                   one GEMM
     RMSNorm                  one launch, only where the layer norms its sublayers' outputs too (sandwich norms)
     residual add + RMSNorm   one launch
     gate | up                one GEMM over the fused weight
-    act(gate) * up           one launch (at <= 16 tokens: inside the gate | up GEMV)
+    act(gate) * up           one launch (SiLU, or GELU's tanh approximation: Gemma 3; at <= 16 tokens inside the
+                             gate | up GEMV)
     down_proj                one GEMM
     RMSNorm                  one launch, sandwich norms only
+
+Every RMSNorm is the family's: Llama's weight times the rounded normed x, or Gemma's x (1 + weight) rounded once.
+The embedding is the model's own module (Gemma's scales it by sqrt(hidden)), the softmax scale each attention
+module's own (Gemma's from query_pre_attn_scalar), and sliding-window layers are the engine's attention's to
+apply (it reads each layer's window from the config: models.layer_windows).
 
 One class runs every family: a family (llama.py, phi3.py, ...) says which of its modules hold a layer's tensors
 (``read_layer``) and which of its variants the executor runs (``family_support``); executor.py picks the family by
@@ -29,11 +36,14 @@ references (kernels/elementwise_reference.py), and nothing imports Triton.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ..kernels.elementwise_reference import GLU_ACTIVATIONS
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +129,8 @@ class DecoderExecutor:
     MODEL_TYPES: tuple[str, ...] = ()
     PARTIAL_ROTARY = False  # the family's RoPE may turn only the first rotary_dim channels of a head
     INTERLEAVED = False  # RoPE turns channel pairs (2j, 2j + 1) (GLM), not (j, j + rotary_dim / 2)
+    UNIT_OFFSET = False  # Gemma's RMSNorm, x (1 + weight) (kernels/elementwise_reference.rms_norm_reference)
+    ACTIVATION_KEY = "hidden_act"  # the config field naming the MLP's gate activation
 
     @classmethod
     def support(cls, model) -> str | None:
@@ -128,8 +140,8 @@ class DecoderExecutor:
         cfg = model.config
         if cfg.model_type not in cls.MODEL_TYPES:
             return f"model type {cfg.model_type!r} is not one {cls.__name__} runs ({', '.join(cls.MODEL_TYPES)})"
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            return f"activation {cfg.hidden_act!r} (the executor fuses SiLU)"
+        if cls.activation(cfg) not in GLU_ACTIVATIONS:
+            return f"activation {cls.activation(cfg)!r} (the executor fuses {' and '.join(GLU_ACTIVATIONS)})"
         if is_sharded(model):
             return "tensor-parallel ranks run transformers' forward (its row-parallel all-reduces)"
         rotary_emb = getattr(model.model, "rotary_emb", None)
@@ -142,6 +154,10 @@ class DecoderExecutor:
             if rotary_dim != _head_dim(cfg) and not cls.PARTIAL_ROTARY:
                 return "partial rotary embeddings"
         return cls.family_support(model)
+
+    @classmethod
+    def activation(cls, cfg) -> str:
+        return getattr(cfg, cls.ACTIVATION_KEY, None) or "silu"
 
     @classmethod
     def family_support(cls, model) -> str | None:
@@ -180,22 +196,26 @@ class DecoderExecutor:
             require_triton("the executor's kernels (kernels=True)")
         self.lm_head = model.lm_head
         self.linear = F.linear
+        activation = self.activation(cfg)
         if kernels:  # the GPU path: the Triton modules are imported only here
             from ..kernels import elementwise as ops
-            from ..kernels.gemv import linear, linear_silu_mul, small_gemm_choice
+            from ..kernels.gemv import linear, linear_glu, small_gemm_choice
 
             self.gemm, self.gemm_why = small_gemm_choice(param.device)
-            self.rms_norm, self.silu_mul, self.rope_qkv = ops.rms_norm, ops.silu_mul, ops.rope_qkv
+            rms_norm, glu, rope_qkv = ops.rms_norm, ops.glu, ops.rope_qkv
         else:
             from ..kernels import elementwise_reference as ops
 
             self.gemm, self.gemm_why = "cublas", "torch references" + (f": {why_not}" if why_not else "")
-            self.rms_norm, self.silu_mul = ops.rms_norm_reference, ops.silu_mul_reference
-            self.rope_qkv = ops.rope_qkv_reference
+            rms_norm, glu, rope_qkv = ops.rms_norm_reference, ops.glu_reference, ops.rope_qkv_reference
+        # the family's variants bound once: forward calls every step the same way
+        self.rms_norm = functools.partial(rms_norm, unit_offset=self.UNIT_OFFSET)
+        self.rope_qkv = functools.partial(rope_qkv, interleaved=self.INTERLEAVED, unit_offset=self.UNIT_OFFSET)
         if self.gemm == "triton":
-            self.linear, self.gate_up_silu = linear, linear_silu_mul
+            self.linear = linear
+            self.gate_up_act = functools.partial(linear_glu, activation=activation)
         else:
-            self.gate_up_silu = lambda x, weight, bias: self.silu_mul(F.linear(x, weight, bias))
+            self.gate_up_act = lambda x, weight, bias: glu(F.linear(x, weight, bias), activation)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
@@ -208,14 +228,14 @@ class DecoderExecutor:
         for i, (layer, (cos, sin)) in enumerate(zip(self.layers, self.ropes)):
             x, residual = self.rms_norm(h, layer.input_norm, self.eps, residual)
             q, k, v = self.rope_qkv(self.linear(x, layer.qkv.weight, layer.qkv.bias), positions, cos, sin,
-                                    self.heads, self.head_dim, layer.qk_norm, self.eps, self.INTERLEAVED)
+                                    self.heads, self.head_dim, layer.qk_norm, self.eps)
             out, _ = attention.attend(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                       layer.scaling)
             h = self.linear(out.reshape(n, -1), layer.o_proj.weight, layer.o_proj.bias)
             if layer.post_attn_norm is not None:
                 h = self.rms_norm(h, layer.post_attn_norm, self.eps)[0]
             x, residual = self.rms_norm(h, layer.pre_mlp_norm, self.eps, residual)
-            h = self.linear(self.gate_up_silu(x, layer.gate_up.weight, layer.gate_up.bias), layer.down.weight,
+            h = self.linear(self.gate_up_act(x, layer.gate_up.weight, layer.gate_up.bias), layer.down.weight,
                             layer.down.bias)
             if layer.post_mlp_norm is not None:
                 h = self.rms_norm(h, layer.post_mlp_norm, self.eps)[0]

@@ -1,15 +1,17 @@
-"""Which executor runs a model: the family of its model type (llama.py, phi3.py, glm4.py), each running
+"""Which executor runs a model: the family of its model type (llama.py, phi3.py, glm4.py, gemma3.py), each running
 models/decoder.py's forward.  The engine asks here (``executor_support`` at start-up, then ``make_executor``)."""
 
 from __future__ import annotations
 
 from .decoder import DecoderExecutor
+from .gemma3 import Gemma3Executor
 from .glm4 import Glm4Executor
 from .llama import LlamaExecutor
 from .phi3 import Phi3Executor
 
 EXECUTORS: dict[str, type[DecoderExecutor]] = {
-    model_type: cls for cls in (LlamaExecutor, Phi3Executor, Glm4Executor) for model_type in cls.MODEL_TYPES}
+    model_type: cls for cls in (LlamaExecutor, Phi3Executor, Glm4Executor, Gemma3Executor)
+    for model_type in cls.MODEL_TYPES}
 
 
 def executor_support(model) -> str | None:
