@@ -3,7 +3,7 @@ cuBLASLt (torch.backends.cuda.preferred_blas_library), with and without a bias.
 
     python3 benchmarks/gemm_small_batch.py [--arch qwen3-8b] [--batches 1,8,16]
 
-Shapes are the executor's (models/llama.py): q|k|v, o_proj, gate|up, down, lm_head.  Times are medians of CUDA
+Shapes are the executor's (models/decoder.py): q|k|v, o_proj, gate|up, down, lm_head.  Times are medians of CUDA
 graph replays of 20 back-to-back calls on distinct weight copies (so the L2 cache holds none of them).
 """
 
@@ -91,26 +91,26 @@ def triton_sweep(args, bw: float) -> None:
         return [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in itertools.product(*grid)
                 if bn * bk <= (8192 if m == 1 else 16384)]
 
-    from oscar_kv.kernels.elementwise import silu_mul
+    from oscar_kv.kernels.elementwise import glu
 
     def cublas_silu(x, w, b):
-        return silu_mul(torch.nn.functional.linear(x, w, b))
+        return glu(torch.nn.functional.linear(x, w, b))
 
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; ms per call (% of copy bandwidth); gate_up+silu: cuBLAS then the "
-          "silu_mul kernel, against the GEMV with SiLU * up in its epilogue")
+          "glu kernel, against the GEMV with SiLU * up in its epilogue")
     rows = [(name, n, k, False) for name, (n, k) in shapes(args.arch).items() if name != "lm_head"]  # lm_head: 94%
     rows.append(("gate_up+silu", *shapes(args.arch)["gate_up"], True))
-    for name, n, k, glu in rows:
+    for name, n, k, gated in rows:
         floor = 2 * n * k / bw * 1e3
         for m in (int(x) for x in args.batches.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-            ref = cublas_silu(x, w, None).float() if glu else torch.nn.functional.linear(x, w).float()
-            cublas = time_linear(n, k, m, False, cublas_silu if glu else torch.nn.functional.linear)
+            ref = cublas_silu(x, w, None).float() if gated else torch.nn.functional.linear(x, w).float()
+            cublas = time_linear(n, k, m, False, cublas_silu if gated else torch.nn.functional.linear)
             results = []
             for s in settings_for(m):
-                if glu:
-                    s = dict(s, silu_mul=True)
+                if gated:
+                    s = dict(s, glu="silu")
                 try:
                     err = (small_linear(x, w, **s).float() - ref).abs().max().item()
                     if err > 1e-2 * ref.abs().max().item():
@@ -121,7 +121,7 @@ def triton_sweep(args, bw: float) -> None:
                     print(f"  {name} m={m} {s}: {type(exc).__name__}")
             results.sort(key=lambda r: r[0])
             best, worst = results[0], results[-1]
-            default = time_linear(n, k, m, False, functools.partial(small_linear, silu_mul=glu))
+            default = time_linear(n, k, m, False, functools.partial(small_linear, glu="silu" if gated else None))
             print(f"{name:>12} {f'{n}x{k}':>14} m={m:<3} cublas {cublas:.4f} ({100 * floor / cublas:3.0f}%)  "
                   f"triton default {default:.4f} ({100 * floor / default:3.0f}%)  best {best[0]:.4f} "
                   f"({100 * floor / best[0]:3.0f}%) {best[1]}  worst {worst[0]:.4f}  "

@@ -60,8 +60,9 @@ def test_small_gemm_choice():
 
 @pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gate_up_gemv_applies_silu_mul(m, bias):
-    from oscar_kv.kernels.elementwise import silu_mul_reference
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_gate_up_gemv_applies_the_gate_activation(m, bias, activation):
+    from oscar_kv.kernels.elementwise import glu_reference
 
     g = torch.Generator().manual_seed(7 * m + bias)
     f, k = 83, 200
@@ -69,7 +70,7 @@ def test_gate_up_gemv_applies_silu_mul(m, bias):
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     w = (torch.randn(2 * f, k, generator=g) * 0.1).to(DEVICE, dtype)
     b = torch.randn(2 * f, generator=g).to(DEVICE, dtype) if bias else None
-    got = small_linear(x, w, b, silu_mul=True).float()
-    ref = silu_mul_reference(torch.nn.functional.linear(x, w, b)).float()
+    got = small_linear(x, w, b, glu=activation).float()
+    ref = glu_reference(torch.nn.functional.linear(x, w, b), activation).float()
     assert got.shape == (m, f)
     assert (got - ref).abs().max() <= (3e-2 if dtype == torch.bfloat16 else 1e-4) * ref.abs().max()

@@ -179,9 +179,9 @@ class EngineConfig(SchedulerConfig, CacheConfig):
         "auto", "Paged attention: 'triton' (kernels: decode + extend), 'torch' (reference), or 'auto' (Triton on "
         "CUDA, torch on CPU).")
     model_impl: ModelImpl = setting(
-        "auto", "Model forward: 'oscar' (our executor for Llama, Mistral, Qwen2 and Qwen3: fused QKV and gate/up "
-        "GEMMs, fused norms and RoPE), 'transformers' (the model's own modules), or 'auto' (oscar where it runs the "
-        "model, else transformers; the start-up log says which and why).")
+        "auto", "Model forward: 'oscar' (our executor for Llama, Mistral, Qwen2, Qwen3, Phi-3, GLM-4 and Gemma 3: "
+        "fused QKV and gate/up GEMMs, fused norms and RoPE), 'transformers' (the model's own modules), or 'auto' "
+        "(oscar where it runs the model, else transformers; the start-up log says which and why).")
     enforce_eager: bool = setting(False, "Run decode steps eagerly (no CUDA graphs; they are used with the Triton "
                                          "kernels on CUDA otherwise).")
 

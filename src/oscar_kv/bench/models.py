@@ -38,23 +38,23 @@ ARCHS = {
                           head_dim=128, max_position_embeddings=131072,
                           rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
                           tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
-    # fused qkv_proj and gate_up_proj (transformers' forward runs it, not our executor); the 128K model's LongRoPE
-    # factors are left out (default RoPE): they do not change the cost of a step
+    # fused qkv_proj and gate_up_proj; the 128K model's LongRoPE factors are left out (default RoPE, which our
+    # executor runs; LongRoPE runs transformers' forward): they do not change the cost of a step
     "phi-3-medium": dict(cls="Phi3Config", vocab_size=32064, hidden_size=5120, intermediate_size=17920,
                          num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
                          max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                          rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000,
                          sliding_window=None),
     # Gemma-3-12B's sizes (48 layers, hidden 3840, 16 query and 8 KV heads of head dim 256, MLP 15360, vocabulary
-    # 262208, global RoPE base 1e6) on a Llama decoder: Gemma's KV geometry, not Gemma (the engine does not run its
-    # sliding-window layers, QK-norm, GeGLU or extra norms).  Every layer attends globally here.
+    # 262208, global RoPE base 1e6) on a Llama decoder: Gemma's KV geometry, not Gemma's layers (no sliding-window
+    # layers, QK-norm, GeGLU or extra norms).  Every layer attends globally here.
     "gemma3-12b-attn": dict(cls="LlamaConfig", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
                             num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
                             max_position_embeddings=131072,
                             rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
                             tie_word_embeddings=True, bos_token_id=2, eos_token_id=1),
     # partial rotary (RoPE on the first half of each head, interleaved pairs), 2 KV heads for 32 query heads (GQA
-    # 16: past the CUDA INT2 kernel's 8), fused QKV bias; transformers' forward runs it
+    # 16: past the CUDA INT2 kernel's 8), fused QKV bias, sandwich norms
     "glm-4-9b": dict(cls="Glm4Config", vocab_size=151552, hidden_size=4096, intermediate_size=13696,
                      num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
                      partial_rotary_factor=0.5, attention_bias=True, max_position_embeddings=131072,

@@ -25,7 +25,7 @@ from ..errors import ConfigError, RequestError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
 from ..models import layer_windows
-from ..models.llama import LlamaExecutor, executor_support
+from ..models.executor import executor_support, make_executor
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
 from .block_pool import PagePool, plan_pool
 from .describe import GB, EngineDescription
@@ -159,7 +159,7 @@ class LLMEngine(EngineDescription):
                 raise ConfigError(f"model_impl oscar: the executor cannot run this model: {why}", "model_impl")
             log.info("model forward: transformers (%s)", why)
             return why, ModelForward(model)
-        return None, ModelForward(model, LlamaExecutor(model, self.max_model_len + 1))
+        return None, ModelForward(model, make_executor(model, self.max_model_len + 1))
 
     def _check_plan(self, memory: float) -> None:
         plan = self.plan

@@ -60,7 +60,7 @@ class StepAttention:
 
 
 class ModelForward:
-    """The model's forward over a step: our executor (models/llama.py) or transformers' modules, whose attention
+    """The model's forward over a step: our executor (models/decoder.py) or transformers' modules, whose attention
     calls reach ``paged_attention`` through the model's forward kwargs."""
 
     def __init__(self, model, executor=None):

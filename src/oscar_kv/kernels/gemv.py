@@ -14,7 +14,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import elementwise
 from ._compat import install_interpreter_shim
+from .elementwise import GLU_ACTIVATIONS, gate_activation
 from .tuning import TUNING, kernel_choice
 
 install_interpreter_shim()
@@ -25,9 +27,10 @@ ENV = "OSCAR_KV_SMALL_GEMM"  # auto | triton | cublas
 @triton.jit
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT: tl.constexpr, GLU: tl.constexpr):
+                 DOT: tl.constexpr, GLU: tl.constexpr, GELU: tl.constexpr):
     """Y[:, n] = X W[n]^T (+ B[n]) for the program's BLOCK_N rows n < N; with GLU, W holds gate rows [0, N) then
-    up rows [N, 2N) and Y[:, n] = SiLU(gate) * up, each rounded to Y's dtype where transformers' MLP rounds."""
+    up rows [N, 2N) and Y[:, n] = act(gate) * up (SiLU, or with GELU GELU's tanh approximation), each rounded to Y's
+    dtype where transformers' MLP rounds."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -71,33 +74,36 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     out = acc.to(Y.dtype.element_ty)
     if GLU:
         gate = out.to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty)
+        act = gate_activation(gate, GELU).to(Y.dtype.element_ty)
         out = (act.to(tl.float32) * acc_up.to(Y.dtype.element_ty).to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + rm[None, :] * stride_ym + rn[:, None], out, mask=n_ok[:, None] & m_ok[None, :])
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
                  block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 silu_mul: bool = False) -> torch.Tensor:
+                 glu: str | None = None) -> torch.Tensor:
     """x [M, K] (M <= TUNING.gemv_max_rows), weight [N, K] row-major, bias [N] or None -> [M, N] in x's dtype.
-    ``silu_mul``: weight is gate | up ([2F, K]) and the result SiLU(gate) * up, [M, F].  Tiles default to
-    ``TUNING``'s for one token or for several."""
+    ``glu``: a gate activation (GLU_ACTIVATIONS): weight is gate | up ([2F, K]) and the result act(gate) * up,
+    [M, F].  Tiles default to ``TUNING``'s for one token or for several."""
     m, k = x.shape
-    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    if glu is not None and glu not in GLU_ACTIVATIONS:
+        raise ValueError(f"gate activation {glu!r} is not one of {GLU_ACTIVATIONS}")
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
     if not 0 < m <= TUNING.gemv_max_rows or weight.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"small_linear takes 1..{TUNING.gemv_max_rows} unit-stride rows over a row-major weight")
     one = m == 1
     t = TUNING
     # gate and up tiles side by side: half the rows (one token: registers) or half the K per step (tl.dot's
     # pipeline stages in shared memory) keep them at the plain GEMV's
-    block_n = block_n or (t.gemv_one_block_n // (2 if silu_mul else 1) if one else t.gemv_block_n)
-    block_k = block_k or (t.gemv_one_block_k if one else t.gemv_block_k // (2 if silu_mul else 1))
+    block_n = block_n or (t.gemv_one_block_n // (2 if glu else 1) if one else t.gemv_block_n)
+    block_k = block_k or (t.gemv_one_block_k if one else t.gemv_block_k // (2 if glu else 1))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=1 if one else 16, BLOCK_N=block_n, BLOCK_K=block_k, DOT=not one,
-        GLU=silu_mul, num_warps=num_warps or (t.gemv_one_num_warps if one else t.gemv_num_warps),
+        GLU=glu is not None, GELU=glu == "gelu_pytorch_tanh",
+        num_warps=num_warps or (t.gemv_one_num_warps if one else t.gemv_num_warps),
         num_stages=num_stages or (t.gemv_one_num_stages if one else t.gemv_num_stages))
     return y
 
@@ -112,14 +118,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return small_linear(x, weight, bias) if _small(x, weight) else F.linear(x, weight, bias)
 
 
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """SiLU(gate) * up of the gate | up projection ([2F, K] weight): one GEMV for small x, else F.linear then
-    elementwise.silu_mul."""
+def linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up of the gate | up projection ([2F, K] weight): one GEMV for small x, else F.linear then
+    elementwise.glu."""
     if _small(x, weight):
-        return small_linear(x, weight, bias, silu_mul=True)
-    from .elementwise import silu_mul
-
-    return silu_mul(F.linear(x, weight, bias))
+        return small_linear(x, weight, bias, glu=activation)
+    return elementwise.glu(F.linear(x, weight, bias), activation)
 
 
 def small_gemm_choice(device: torch.device, backend: str | None = None) -> tuple[str, str | None]:

@@ -1,4 +1,5 @@
-"""Models: loading (HF directory, .gguf, hub id, embedded default) and our own executor for the Llama family."""
+"""Models: loading (HF directory, .gguf, hub id, embedded default) and our own executor (decoder.py, a module per
+family; executor.py picks one by model type)."""
 
 from .loading import (DEFAULT_MODEL, EMBEDDED_MODELS, AttentionGeometry, default_dtype, layer_windows,
                       load_model, projection_rows, publish_dir, resolve_model)
