@@ -315,6 +315,9 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
                                      v=tp.gather_heads(s.v, 0)) for s in probe]
         if not tp.is_driver:
             return None
+    # the probe's scores (the centering choice, the clips at every width, the noise, the validation table) run where
+    # the model does: on the host CPU they were most of a GPU calibration's time (benchmarks/NOTES.md, runs D7-D9)
+    probe = [s.to(model.device) for s in probe]
     rotations = fit_rotations(stats, settings, group_size)
     say("rotations fitted (eigen-decompositions)")
     centering = choose_key_centering(rotations, stats, settings, probe)
