@@ -19,6 +19,8 @@ before a group-sized Hadamard is what makes the placement act on eigen-direction
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 ORTHOGONALITY_TOLERANCE = 1e-4
@@ -83,8 +85,22 @@ def eigh_descending(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (eigenvalues float64 [..., D], eigenvectors float64 [..., D, D] as columns, in the same order).
     """
     cov = cov.to(torch.float64)
-    lam, vecs = torch.linalg.eigh((cov + cov.transpose(-1, -2)) / 2)
+    with _one_thread():
+        lam, vecs = torch.linalg.eigh((cov + cov.transpose(-1, -2)) / 2)
     return lam.flip(-1), vecs.flip(-1)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread within the block.  A head's D x D eigendecomposition is milliseconds of work that
+    LAPACK's threads only contend over: on a 16-core host running three calibrations one 128 x 128 eigh took 2.8 s
+    with 16 threads and 5 ms with one, most of a calibration's time (benchmarks/NOTES.md, run D11)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 COMPOSITIONS = ("oscar", "u_h", "u", "hadamard", "identity")
