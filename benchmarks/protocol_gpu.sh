@@ -50,7 +50,7 @@ case "${1:-}" in
         yarn) wait_for qwen
           step yarn --model qwen2.5-coder-1.5b@yarn4:65536,131072 --candidates default,k2 --niah-samples 10 ;;
         longgen) wait_for qwen
-          step longgen --model qwen2.5-coder-1.5b:32768 --candidates default,k2 --tasks kl,longgen \
+          step longgen --model qwen2.5-coder-1.5b:31744 --candidates default,k2 --tasks kl,longgen \
             --gen-tokens 1024 ;;
         # runs D2-D5 (2026-11-27, 8-bit keys and the KL target)
         d2) wait_for gemma
