@@ -80,12 +80,26 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("tables", nargs="+", type=Path, help="protocol.json files")
     parser.add_argument("--kl-only", nargs="*", type=Path, default=[], help="tables whose retrieval is left out")
+    parser.add_argument("--relabel", action="append", default=[], metavar="TABLE:METHOD=NEW",
+                        help="rename a method in one table (NEW empty: leave its rows out), e.g. to name what a run's "
+                             "'oscar-default' was on that day")
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
+    renames = {}
+    for spec in args.relabel:
+        table, _, change = spec.rpartition(":")
+        old, sep, new = change.partition("=")
+        if not table or not sep:
+            parser.error(f"--relabel takes TABLE:METHOD=NEW, got {spec!r}")
+        renames[(Path(table), old)] = new
     latest = {}
     for t in [*args.tables, *args.kl_only]:
         for r in json.loads(t.read_text()):
+            method = renames.get((t, r["method"]), r["method"])
+            if not method:
+                continue
+            r = {**r, "method": method}
             key = (r["model"], r["context"], r["method"])
             if t in args.kl_only:
                 r = {**r, **{m: latest.get(key, {}).get(m) for m in RETRIEVAL}}
