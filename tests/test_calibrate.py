@@ -227,8 +227,10 @@ def test_bad_width_settings():
         CalibrationSettings(key_bits=5)
     with pytest.raises(ValueError, match="value bits"):
         CalibrationSettings(value_bits=5)
-    with pytest.raises(ValueError, match="needs a key noise tolerance, a bit budget or both"):
+    with pytest.raises(ValueError, match="needs a key noise tolerance, a bit budget or a KL target"):
         CalibrationSettings(key_noise=None, kv_bits=None, max_kl=None)
+    # the KL target alone: the fewest widenings from every part at its narrowest that meet it
+    assert CalibrationSettings(key_noise=None, max_kl=0.05).key_noise is None
     with pytest.raises(ValueError, match="bit budget must lie"):
         CalibrationSettings(kv_bits=1.5)
 

@@ -97,7 +97,7 @@ class CalibrationSettings:
         if self.kl_probe_tokens is not None and not (type(self.kl_probe_tokens) is int and self.kl_probe_tokens >= 1024):
             raise ConfigError(f"the KL probe needs at least 1024 tokens, got {self.kl_probe_tokens!r}")
         if self.key_bits == "auto" and self.key_noise is None and self.kv_bits is None and self.max_kl is None:
-            raise ConfigError("key bits 'auto' needs a key noise tolerance, a bit budget or both")
+            raise ConfigError("key bits 'auto' needs a key noise tolerance, a bit budget or a KL target")
         if self.calib_tokens < 16 or self.seq_len < 16:
             raise ConfigError("calibration needs at least 16 tokens")
         for c in (self.k_clip, self.v_clip):

@@ -135,7 +135,9 @@ def calibrate(
         "widens values in one noisiest-first order with the keys (within --key-noise, --kv-bits, --max-kl)."),
     key_noise: Optional[float] = typer.Option(
         0.3, min=0.0, help="With --key-bits auto: the key logit noise (nats^2) every layer is widened "
-        "to (0.3 kept BF16's needle retrieval on SmolLM2 and Qwen2.5 at 3.0 bits per element: README, accuracy)."),
+        "to (0.3 kept BF16's needle retrieval on SmolLM2 and Qwen2.5 at 3.0 bits per element: README, accuracy). "
+        "0 turns the tolerance off: with --max-kl the widths are then the fewest widenings from every part at its "
+        "narrowest whose KL meets the target (the fewest bits for that accuracy), with --kv-bits the budget's."),
     kv_bits: Optional[float] = typer.Option(
         None, min=2.0, max=16.0, help="With --key-bits auto: the most mean stored bits per K/V element at the "
         "model's context (windows and scale/min counted) the widening may spend (default: no bound)."),
@@ -181,7 +183,7 @@ def calibrate(
                                        center_values=center_values, probe_tokens=probe_tokens,
                                        key_bits=_width_or_auto(key_bits, "--key-bits"),
                                        value_bits=_width_or_auto(value_bits, "--value-bits"),
-                                       key_noise=key_noise, kv_bits=kv_bits,
+                                       key_noise=key_noise or None, kv_bits=kv_bits,
                                        kl_probe_tokens=kl_probe_tokens, key_rescale=key_rescale,
                                        value_rescale=value_rescale,
                                        # not given: the library's default; 0: no KL check
