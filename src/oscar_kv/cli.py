@@ -1,4 +1,7 @@
-"""Command line: ``oscar-kv calibrate | inspect | generate | eval | serve | bench | fetch | import-reference | demo``."""
+"""Command line: ``oscar-kv calibrate | inspect | generate | eval | serve | bench | fetch | import-reference | demo``.
+
+The commands and their options; what several of them do alike (fail with a message, load a model or an artifact,
+parse a list) is in cli_common."""
 
 from __future__ import annotations
 
@@ -16,13 +19,12 @@ import typer
 
 from .config import (KV_CACHE_DTYPES, CacheConfig, ServeConfig, choices, declaring_level, setting_help,
                      split_optional, type_hints)
+from .cli_common import (MODEL_HELP, _csv, _fail, _load, _load_rotations, _quiet_transformers, _start_ranks,
+                         _whole_number, _width_or_auto)
 from .errors import ConfigError, flag, user_message
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="2-bit KV caches with attention-aware rotations (OSCAR). Calibrate once, then generate or serve.")
-
-MODEL_HELP = ("HF model directory, .gguf file, hub id (when online), 'smollm2-135m' (embedded default), "
-              "or a model fetched with `oscar-kv fetch` (e.g. 'qwen2.5-coder-1.5b').")
 
 
 class Scope(str, Enum):
@@ -43,52 +45,6 @@ class KeyCentering(str, Enum):
 
 
 KVDtype = Enum("KVDtype", {name: name for name in KV_CACHE_DTYPES}, type=str)  # what the generate() cache stores
-
-
-def _fail(message: str, code: int = 2):
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
-
-
-def _quiet_transformers():
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-
-
-def _load(model: str, device: str, dtype=None):
-    from .models import load_model
-
-    try:
-        return load_model(model, device=device, dtype=dtype)
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        _fail(user_message(exc))
-
-
-def _whole_number(value: str, flag: str, alternatives: str = "") -> int:
-    try:
-        return int(value)
-    except ValueError:
-        _fail(f"{flag} takes {alternatives}a whole number, not {value!r}")
-
-
-def _width_or_auto(value: str, flag: str) -> int | str:
-    return value if value == "auto" else _whole_number(value, flag, "'auto' or ")
-
-
-def _start_ranks(model: str, tp: int, nodes=None) -> None:
-    """--tp N outside torchrun: check the model splits, then run this very command as N processes (one per rank;
-    with ``nodes``, parallel.Nodes, this host's share of them) and exit with their status."""
-    from .parallel import Nodes, TensorParallelError, check_model, relaunch
-
-    try:
-        check_model(model, tp)
-    except (TensorParallelError, FileNotFoundError, ValueError, OSError) as exc:
-        _fail(user_message(exc))
-    raise typer.Exit(relaunch(tp, sys.argv[1:], nodes or Nodes()))
 
 
 @app.command()
@@ -288,22 +244,6 @@ def inspect(directory: Path = typer.Argument(..., help="A rotation artifact dire
         typer.echo(format_error_table(validation["attention_relative_error"]))
 
 
-def _load_rotations(rotations: Optional[Path], lm, kv_cache_dtype: str, model: str = ""):
-    """--rotations DIR, or the artifact shipped or cached for --model (provision.obtain); None for bf16 without one."""
-    from .artifacts import ArtifactError
-    from .provision import ArtifactMissing, obtain
-
-    if rotations is None and kv_cache_dtype == "bf16":
-        return None
-    try:
-        return obtain(model, lm, directory=rotations)
-    except ArtifactMissing:
-        _fail(f"--kv-cache-dtype {kv_cache_dtype} needs --rotations DIR; create one with "
-              "`oscar-kv calibrate --model MODEL --output-dir DIR`")
-    except ArtifactError as exc:
-        _fail(user_message(exc))
-
-
 @app.command()
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="The user message (chat template applied when the model has one)."),
@@ -360,13 +300,6 @@ def import_reference(
     except ArtifactError as exc:
         _fail(user_message(exc))
     typer.echo(f"wrote {output_dir}")
-
-
-def _csv(value: str, cast=str) -> list:
-    try:
-        return [cast(v.strip()) for v in value.split(",") if v.strip()]
-    except ValueError:
-        _fail(f"cannot parse {value!r} as a comma-separated list")
 
 
 @app.command("eval")
