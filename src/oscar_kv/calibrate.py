@@ -40,7 +40,7 @@ from .models import AttentionGeometry
 from .parallel import SINGLE, TensorParallel, shard_model
 from .memory import bits_per_element
 from .probe import layer_error
-from .rope import (DEFAULT_PAIRS, RopeTable, RopeUnsupported, keep_pairs, layer_rope_tables, mean_phase, pair_counts,
+from .rope import (RopeTable, RopeUnsupported, keep_pairs, layer_rope_tables, mean_phase, pair_counts,
                    remove_rope, rotate_half, rotated_only)
 from .rotation import compose
 from .width_choice import choose_widths, kl_measure
