@@ -159,7 +159,10 @@ def _on(sample: LayerSample, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]
     return tuple(t.to(sample.device) for t in tensors)
 
 
-def _per_head(r: torch.Tensor, heads: int) -> torch.Tensor:
+def per_head(rotation: torch.Tensor, heads: int, device: torch.device | None = None) -> torch.Tensor:
+    """A layer's rotation [1 or Hkv, D, D] (per layer or per head) as float32 [Hkv, D, D] on ``device``, one per KV
+    head."""
+    r = rotation.float().to(device)
     return r.expand(heads, *r.shape[1:]) if r.shape[0] == 1 else r
 
 
@@ -211,9 +214,8 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     hq, hkv = sample.q.shape[0], sample.k.shape[0]
     t = sample.k.shape[1]
     nq = t if queries is None else min(queries, t)
-    k_rotation, v_rotation, k_mean, v_mean, k_clip, v_clip = _on(sample, k_rotation, v_rotation, k_mean, v_mean,
-                                                                k_clip, v_clip)
-    rk, rv = _per_head(k_rotation.float(), hkv), _per_head(v_rotation.float(), hkv)
+    k_mean, v_mean, k_clip, v_clip = _on(sample, k_mean, v_mean, k_clip, v_clip)
+    rk, rv = per_head(k_rotation, hkv, sample.device), per_head(v_rotation, hkv, sample.device)
     offset = k_mean[:, None] if k_mean.dim() == 2 else k_mean
     k_rot = rotate(sample.k - offset, rk)
     v_rot = rotate(sample.v - v_mean[:, None], rv)
@@ -270,9 +272,9 @@ def clip_candidate_errors(sample: LayerSample, head: int, k_rotation, v_rotation
     hq, hkv = sample.q.shape[0], sample.k.shape[0]
     g, t = hq // hkv, sample.k.shape[1]
     nq = t if queries is None else min(queries, t)
-    k_rotation, v_rotation, k_offset, v_mean = _on(sample, k_rotation, v_rotation, k_offset, v_mean)
-    rk = _per_head(k_rotation.float(), hkv)[head]
-    rv = _per_head(v_rotation.float(), hkv)[head]
+    k_offset, v_mean = _on(sample, k_offset, v_mean)
+    rk = per_head(k_rotation, hkv, sample.device)[head]
+    rv = per_head(v_rotation, hkv, sample.device)[head]
     off = (k_offset[:, None] if k_offset.dim() == 2 else k_offset)[head].expand(t, -1)
     k_rot = (sample.k[head] - off) @ rk  # [T, D]
     v_rot = (sample.v[head] - v_mean[head]) @ rv

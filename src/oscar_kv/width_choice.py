@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from .activations import LayerSample
+from .activations import LayerSample, per_head
 from .allocation import (KEY_WIDTHS, VALUE_WIDTHS, WidthChoice, allocate_key_widths, key_logit_noise,
                          value_output_noise)
 from .artifacts import Rotations
@@ -21,18 +21,11 @@ from .quant import fake_quantize
 from .rotation import rotate
 
 
-def _per_head(rotation: torch.Tensor, heads: int, device: torch.device) -> torch.Tensor:
-    """A layer's rotation [1 or Hkv, D, D] (per layer or per head) as float32 [Hkv, D, D] on ``device`` (the
-    probe's), one per KV head."""
-    r = rotation.float().to(device)
-    return r.expand(heads, *r.shape[1:]) if r.shape[0] == 1 else r
-
-
 def key_noise(rot: Rotations, c_q: torch.Tensor, sample: LayerSample, layer: int) -> torch.Tensor:
     """float64 [Hkv]: the key logit noise (allocation.key_logit_noise) of ``layer``'s keys past the sink on the
     probe, stored at the artifact's key width with its key clips and rescale.  ``c_q``: the layer's query second
     moments [Hkv, D, D] in the model's space."""
-    r = _per_head(rot.k_rotation[layer], rot.geometry.num_kv_heads, sample.device)
+    r = per_head(rot.k_rotation[layer], rot.geometry.num_kv_heads, sample.device)
     keys = rotate(sample.k - sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer]), r)[:, PROBE_SINK:]
     stored = fake_quantize(keys, int(rot.k_bits[layer]), rot.group_size,
                            rot.k_clip[layer][:, None].float().to(sample.device), rot.k_rescale)
@@ -43,7 +36,7 @@ def key_noise(rot: Rotations, c_q: torch.Tensor, sample: LayerSample, layer: int
 def value_noise(rot: Rotations, sample: LayerSample, layer: int) -> torch.Tensor:
     """float64 [Hkv]: the value output noise (allocation.value_output_noise) of ``layer``'s values past the sink on
     the probe, centered and rotated as the cache stores them, at the artifact's value width with its value clips."""
-    r = _per_head(rot.v_rotation[layer], rot.geometry.num_kv_heads, sample.device)
+    r = per_head(rot.v_rotation[layer], rot.geometry.num_kv_heads, sample.device)
     values = rotate(sample.v - rot.v_mean[layer][:, None, :].float().to(sample.device), r)[:, PROBE_SINK:]
     stored = fake_quantize(values, int(rot.v_bits[layer]), rot.group_size,
                            rot.v_clip[layer][:, None].float().to(sample.device), rot.v_rescale)

@@ -259,16 +259,15 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
             if task not in config.tasks:
                 continue
             t0 = time.perf_counter()
-            hits = {s.name: [] for s in scored}
+            reference = [] if config.engine_only else scored  # the schemes the reference path answers for
+            hits = {s.name: [] for s in reference}
             prompts = list(_needle_prompts(tokenizer, text, ctx, config, multikey=task == "niah_multikey"))
-            for prompt in prompts if not config.engine_only else []:
+            for prompt in prompts if reference else []:
                 kv = tasks.haystack_kv(model, prompt.haystack)
-                for scheme in scored:
+                for scheme in reference:
                     hits[scheme.name].append(prompt.answer in tasks.niah_answer(model, tokenizer, scheme, kv,
                                                                                  prompt.question))
                 del kv
-            if config.engine_only:
-                hits = {}
             if config.served:
                 for name in (s.name for s in scored if s.name in SERVED_SCHEMES):
                     answers = served_answers(model, tokenizer, oscar, name, prompts, config.page_size,
