@@ -1,7 +1,7 @@
-"""The CUDA decode kernel's key variants (K2V2, K3V2, K4V2) against the Triton kernel at the same widths, 128K tokens,
+"""The CUDA decode kernel's key variants (K2V2, K3V2, K4V2, K8V2) against the Triton kernel at the same widths, 128K tokens,
 Qwen3-8B attention geometry (8 KV heads, GQA 4, D = 128), constant centering, random codes.  GPU only.
 
-    python3 benchmarks/cuda_widths_sweep.py [--contexts 131072] [--batch-sizes 1,8] [--min-blocks 3,2]
+    python3 benchmarks/cuda_widths_sweep.py [--contexts 131072] [--batch-sizes 1,8] [--min-blocks 3,2] [--widths 2,8]
 
 Per (width, batch): microseconds per call (10 calls in a CUDA graph, median of 20 replays; no L2 flush: the history is
 >= 1.5 L2s at 128K), the history bytes over the time (GB/s), for the CUDA kernel at each CTAs-per-SM budget (--min-blocks: the

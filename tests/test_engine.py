@@ -491,16 +491,14 @@ def test_keys_and_values_at_mixed_widths_run_the_kernels_with_the_torch_paths_to
 
 
 def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read():
-    """LLMEngine.describe's decode part where the CUDA kernel runs (here as on an H100): it reads keys at 2-4 bits
-    and values at 2 (kernels/int2_cuda.WIDTHS); layers at other widths are named as taking Triton, beside windowed
-    ones; when no layer is left for CUDA, Triton serves all."""
+    """LLMEngine.describe's decode part where the CUDA kernel runs (here as on an H100): it reads keys at 2, 3, 4 or
+    8 bits and values at 2 (kernels/int2_cuda.WIDTHS), windowed or not; layers at other widths are named as taking
+    Triton; when no layer is left for CUDA, Triton serves all."""
     from types import SimpleNamespace
 
-    from oscar_kv.kernels.decode import sliding_window_reason
-
     def engine(k_bits, v_bits, windows=None):
-        def choice(window=None, widths=(2, 2)):
-            return ("triton", sliding_window_reason(window)) if window else ("cuda", None)
+        def choice(widths=(2, 2)):
+            return "cuda", None
 
         geom = PoolGeometry(num_layers=len(k_bits), num_kv_heads=2, k_bits=k_bits, v_bits=v_bits,
                             layer_windows=windows)
@@ -512,10 +510,10 @@ def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read()
     assert describe(engine((3, 2, 4, 2), (2, 2, 4, 2))) == (
         "the one-launch CUDA kernel on 3 layers (K2V2 x 2, K3V2 x 1), the Triton kernel on the 1 layer stored at "
         "K4V4 x 1 (the CUDA kernel reads values at 2 bits only)")
+    assert describe(engine((3, 8, 4), (2, 2, 2))) == "the one-launch CUDA kernel"  # 8-bit keys (a noisy layer)
     mixed = describe(engine((3, 2, 4), (3, 2, 2), (None, 1024, None)))
-    assert mixed == ("the one-launch CUDA kernel on 1 layer of full attention (K4V2 x 1), the Triton kernel on the 1 "
-                     "layer stored at K3V3 x 1 (the CUDA kernel reads values at 2 bits only) and the 1 layer with a "
-                     "sliding window (1024 tokens: the CUDA kernel reads whole histories)")
+    assert mixed == ("the one-launch CUDA kernel on 2 layers (K2V2 x 1, K4V2 x 1), the Triton kernel on the 1 "
+                     "layer stored at K3V3 x 1 (the CUDA kernel reads values at 2 bits only)")
     assert describe(engine((3, 4), (3, 4))) == ("the Triton kernel on every layer: the 2 layers stored at K3V3 x 1, "
                                                 "K4V4 x 1 (the CUDA kernel reads values at 2 bits only)")
 

@@ -86,25 +86,19 @@ def test_each_layer_attends_with_its_own_window():
     assert kinds == {DecodeStep, ExtendStep} and paths == {"flash", "kernel"}
 
 
-def test_the_start_up_line_says_which_layers_take_which_decode_kernel():
-    """LLMEngine.describe's INT2 decode part: where the full layers take the CUDA kernel, the windowed ones are named
-    as taking Triton; where the full layers take Triton anyway, one reason covers every layer."""
+def test_the_start_up_line_says_which_decode_kernel_the_windowed_layers_take():
+    """LLMEngine.describe's INT2 decode part: windowed layers take the CUDA kernel as the full ones do (its SLIDING
+    variant); where the full layers take Triton anyway, one reason covers every layer."""
     from oscar_kv.engine.engine import LLMEngine
-    from oscar_kv.kernels.decode import sliding_window_reason
 
     def engine(windows, full_kernel):
-        def choice(window=None):
-            if full_kernel != "cuda":
-                return full_kernel, "not a CUDA device"
-            return ("triton", sliding_window_reason(window)) if window else ("cuda", None)
+        def choice(widths=(2, 2)):
+            return (full_kernel, "not a CUDA device") if full_kernel != "cuda" else ("cuda", None)
 
         geom = PoolGeometry(num_layers=len(windows), num_kv_heads=2, layer_windows=windows)
         return SimpleNamespace(pool=SimpleNamespace(geometry=geom), int2_decode_kernel=choice)
 
     describe = LLMEngine.int2_decode_description
     assert describe(engine((None, None), "cuda")) == "the one-launch CUDA kernel"
-    mixed = describe(engine((1024, 1024, None, 1024), "cuda"))
-    assert mixed.startswith("the one-launch CUDA kernel on 1 layer of full attention, the Triton kernel on the 3 "
-                            "layers with a sliding window (1024 tokens")
-    assert "every layer has a sliding window of 512, 4096 tokens" in describe(engine((512, 4096), "cuda"))
+    assert describe(engine((1024, 1024, None, 1024), "cuda")) == "the one-launch CUDA kernel"
     assert describe(engine((1024, None), "triton")) == "the Triton kernel (not a CUDA device)"

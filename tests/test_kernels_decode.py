@@ -248,9 +248,9 @@ WINDOW_GEOM = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size
 @pytest.mark.parametrize("window", [20, 48, 1 << 20])
 def test_int2_decode_sliding_window(window):
     """A sliding-window layer: the query (position T - 1) sees positions > T - 1 - window, across the sink / INT2 /
-    recent boundaries; automatic and forced history splits (splits past the window's part of the history write
-    empty partials); on a GPU the geometry is one the CUDA kernel takes, so this checks that windowed calls go to
-    Triton.  A window longer than every sequence is the full attention."""
+    recent boundaries; the kernel the call picks (on a GPU the CUDA one: this geometry is one it takes) and Triton with
+    forced history splits (splits past the window's part of the history write empty partials).  A window longer
+    than every sequence is the full attention."""
     from oscar_kv.kernels.decode import int2_decode
 
     gen = torch.Generator().manual_seed(60)
@@ -261,9 +261,9 @@ def test_int2_decode_sliding_window(window):
         assert rel_err(full, want) > 0.1  # the window matters
     else:
         assert torch.equal(full, want)
-    for splits in (None, 3):
+    for backend, splits in (("auto", None), ("triton", 3)):
         out = torch.full_like(q, float("nan"))
-        int2_decode(q, pool, 0, batch, rot, window=window, num_splits=splits, out=out)
+        int2_decode(q, pool, 0, batch, rot, window=window, num_splits=splits, out=out, backend=backend)
         assert not out.isnan().any()
         assert out[0].abs().max() == 0  # empty sequence
         assert rel_err(out, want) < 1e-2, splits
@@ -314,47 +314,100 @@ def test_bf16_decode_sliding_window():
     assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) < 1e-6  # the long window: full
 
 
-def test_sliding_window_layers_take_the_triton_kernel(monkeypatch):
-    """Per layer: where the CUDA kernel runs, a windowed layer still takes Triton, and says why, also under
-    OSCAR_KV_INT2_KERNEL=cuda (the model's full layers keep CUDA); a call that itself asks for CUDA raises."""
-    from oscar_kv.kernels import decode, int2_cuda
+@pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
+@pytest.mark.parametrize("d,page_size,widths", [(128, 16, (2, 2)), (128, 32, (3, 2)), (64, 16, (8, 2)),
+                                                (128, 16, (8, 2))])
+def test_cuda_decode_sliding_window(d, page_size, widths):
+    """The CUDA kernel's sliding-window variant (int2_decode.cu, SLIDING) against the float64 reference and Triton:
+    windows of 1 token to longer than every sequence, their first token in the sink, the INT2 history (32K and 128K
+    sequences: the splits cover only the window's pages) or the recent window, a prefix hit with a short recent
+    window, GQA 4 and 16 (two query groups), one split per sequence and many; the engine's choice takes CUDA for
+    windowed layers."""
+    from oscar_kv.kernels.decode import int2_decode, int2_kernel_choice
 
-    geom = PoolGeometry(num_layers=2, num_kv_heads=8, head_dim=128, group_size=128, layer_windows=(1024, None))
-    monkeypatch.setattr(int2_cuda, "unsupported", lambda *args: None)  # as on an H100
-    monkeypatch.setattr(decode, "INTERPRET", False)
-    cuda = torch.device("cuda")
-    assert decode.int2_kernel_choice(cuda, geom, 4) == ("cuda", None)
-    kernel, why = decode.int2_kernel_choice(cuda, geom, 4, window=geom.layer_windows[0])
-    assert kernel == "triton" and why == decode.sliding_window_reason(1024) and "window 1024" in why
-    assert decode.int2_kernel_choice(cuda, geom, 4, window=geom.layer_windows[1]) == ("cuda", None)
-    assert not decode._use_cuda("auto", cuda, geom, 4, None, window=1024)
-    with pytest.raises(ValueError, match="cannot run this call: sliding-window layer"):
-        decode.int2_kernel_choice(cuda, geom, 4, backend="cuda", window=1024)
-    monkeypatch.setenv(decode.INT2_KERNEL_ENV, "cuda")
-    assert decode.int2_kernel_choice(cuda, geom, 4) == ("cuda", None)
-    assert decode.int2_kernel_choice(cuda, geom, 4, window=1024) == ("triton", decode.sliding_window_reason(1024))
-    monkeypatch.setenv(decode.INT2_KERNEL_ENV, "triton")
-    assert decode.int2_kernel_choice(cuda, geom, 4, window=1024)[0] == "triton"
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=d, group_size=d, page_size=page_size, sink_size=64,
+                        recent_size=256, k_bits=widths[:1], v_bits=widths[1:], layer_windows=(1024,))
+    gen = torch.Generator().manual_seed(71 + d + page_size + widths[0])
+    seq_lens = [0, 7, 64 + 256 + 3 * page_size + 5, 5003, 32768 + 77, 131072 + 77, 9000]
+    steady = [geom.int2_pages_for(n) for n in seq_lens]
+    steady[-1] = (9000 - 64 - 40) // page_size  # prefix hit: more INT2 pages, a 40-odd-token recent window
+    pool, batch, rot = build_pool(geom, seq_lens, gen, int2_pages=steady)
+    for gqa in (4, 16):
+        assert int2_kernel_choice(torch.device(DEV), geom, gqa, widths=widths) == ("cuda", None)
+        q = torch.randn(len(seq_lens), 2 * gqa, d, generator=gen).to(DEV, torch.bfloat16)
+        for window in (1, 20, 300, 1000, 4096 + 7, 1 << 20):
+            want = ref.decode_reference(pool, 0, q, batch, rot, None, window=window)
+            out = torch.full_like(q, float("nan"))
+            int2_decode(q, pool, 0, batch, rot, backend="cuda", window=window, out=out)
+            assert not out.isnan().any(), (gqa, window)
+            assert out[0].abs().max() == 0  # empty sequence
+            assert rel_err(out, want) < 1e-2, (gqa, window)
+            for b in range(1, len(seq_lens)):
+                assert rel_err(out[b], want[b]) < 1e-2, (gqa, window, b)
+            for target in (1, 16):
+                o2 = int2_decode(q, pool, 0, batch, rot, backend="cuda", window=window, cuda_split_target=target)
+                assert rel_err(o2, want) < 1e-2, (gqa, window, target)
+            tri = int2_decode(q, pool, 0, batch, rot, backend="triton", window=window)
+            assert rel_err(out, tri) < 5e-3, (gqa, window)  # two approximations of the reference
+        assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) < 1e-6  # the long window: full
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
+@pytest.mark.parametrize("d,rotary", [(128, None), (128, "interleaved"), (64, "partial")])
+def test_cuda_decode_sliding_window_with_the_position_aware_key_offset(d, rotary):
+    """Windows with keys centered per position in the CUDA kernel: the term is added at each kept token's position,
+    the masked ones drop out; GQA 16 (GLM-4's, interleaved partial RoPE) beside GQA 4."""
+    from oscar_kv.kernels.decode import int2_decode
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=d, group_size=d, page_size=16, sink_size=64,
+                        recent_size=256)
+    gen = torch.Generator().manual_seed(81 + d)
+    seq_lens = [7, 64 + 100, 64 + 256 + 16 * 5 + 3, 20000 + 16 * 3 + 5, 131072 + 77]
+    pool, batch, rot = build_pool(geom, seq_lens, gen)
+    rotary_dim = {None: None, "partial": 3 * d // 4, "interleaved": d // 2}[rotary]
+    rope = rope_case(2, d, max(seq_lens), gen, live=16, scale=300.0, rotary_dim=rotary_dim,
+                     interleaved=rotary == "interleaved")
+    for gqa in (4, 16):
+        q = torch.randn(len(seq_lens), 2 * gqa, d, generator=gen).to(DEV, torch.bfloat16)
+        for window in (45, 1000, 8192 + 3):
+            want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope, window=window)
+            out = torch.full_like(q, float("nan"))
+            int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", window=window, out=out,
+                        max_int2_pages=int(batch.int2_pages.max()) + 999, max_seq_len=max(seq_lens))
+            assert not out.isnan().any()
+            assert rel_err(out, want) < 1e-2, (gqa, window)
+            o2 = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", window=window, cuda_split_target=16)
+            assert rel_err(o2, want) < 1e-2, (gqa, window)
+
+
+def test_query_groups_split_large_gqa_into_equal_groups_of_at_most_8():
+    """int2_cuda.query_groups (host side): GLM-4's 16 query heads per KV head run as 2 CTAs of 8; 12 as 2 of 6; a
+    prime above 8 as groups of 1; up to 8 as one."""
+    from oscar_kv.kernels import int2_cuda
+
+    assert [int2_cuda.query_groups(g) for g in (1, 3, 8, 9, 10, 12, 16, 24, 11)] == [1, 1, 1, 3, 2, 2, 2, 3, 11]
+    for gqa in range(1, int2_cuda.MAX_GQA + 1):
+        groups = int2_cuda.query_groups(gqa)
+        assert gqa % groups == 0 and gqa // groups <= int2_cuda.MAX_GQA_PER_CTA
 
 
 def test_layers_at_other_widths_take_the_triton_kernel(monkeypatch):
-    """The CUDA kernel reads keys at 2, 3 or 4 bits and values at 2 (int2_cuda.WIDTHS): a layer whose values are
+    """The CUDA kernel reads keys at 2, 3, 4 or 8 bits and values at 2 (int2_cuda.WIDTHS): a layer whose values are
     stored at 3 or 4 bits takes Triton, and says why, also under OSCAR_KV_INT2_KERNEL=cuda (the model's other layers
     keep CUDA); a call that itself asks for CUDA raises.  int2_decode decides by its layer's widths
     (PoolGeometry.layer_widths)."""
     from oscar_kv.kernels import decode, int2_cuda
 
-    geom = PoolGeometry(num_layers=4, num_kv_heads=8, head_dim=128, group_size=128, k_bits=(2, 3, 4, 2),
-                        v_bits=(2, 2, 2, 4), layer_windows=(None, None, None, 1024))
+    geom = PoolGeometry(num_layers=5, num_kv_heads=8, head_dim=128, group_size=128, k_bits=(2, 3, 4, 8, 2),
+                        v_bits=(2, 2, 2, 2, 4), layer_windows=(None, None, None, 1024, 1024))
     asked = []
     monkeypatch.setattr(int2_cuda, "unsupported", lambda *args: asked.append(args[5]))  # None: as on an H100
     monkeypatch.setattr(decode, "INTERPRET", False)
     cuda = torch.device("cuda")
-    choices = [decode.int2_kernel_choice(cuda, geom, 4, window=geom.layer_windows[i], widths=geom.layer_widths(i))
-               for i in range(4)]
-    assert choices == [("cuda", None), ("cuda", None), ("cuda", None), ("triton", decode.stored_width_reason(2, 4))]
-    assert asked[:3] == [(2, 2), (3, 2), (4, 2)]  # each layer's variant is what gets compiled (and may fail)
-    assert "K2V4" in choices[3][1] and "values at 2" in choices[3][1]
+    choices = [decode.int2_kernel_choice(cuda, geom, 4, widths=geom.layer_widths(i)) for i in range(5)]
+    assert choices == [("cuda", None)] * 4 + [("triton", decode.stored_width_reason(2, 4))]
+    assert asked[:4] == [(2, 2), (3, 2), (4, 2), (8, 2)]  # each layer's variant is what gets compiled (and may fail)
+    assert "K2V4" in choices[4][1] and "values at 2" in choices[4][1]
     assert int2_cuda.width_error(3, 2) is None and "K3V3" in int2_cuda.width_error(3, 3)
     assert decode.int2_kernel_choice(cuda, geom, 4, widths=(2, 2)) == ("cuda", None)  # the default: K2V2
     with pytest.raises(ValueError, match="cannot run this call: layer stored at K3V3"):
@@ -364,14 +417,13 @@ def test_layers_at_other_widths_take_the_triton_kernel(monkeypatch):
     assert decode._use_cuda(None, cuda, geom, 4, None, widths=(2, 2))
     assert decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 2))
     assert not decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 4))
-    assert not decode._use_cuda(None, cuda, geom, 4, None, widths=(3, 2), window=1024)
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
 @pytest.mark.parametrize("d,page_size", [(128, 16), (128, 32), (64, 16), (64, 32)])
 def test_cuda_int2_decode_matches_reference_and_triton(d, page_size):
     """The one-launch CUDA decode (int2_cuda.py: rotation, window, history, merge), head dim 128 and 64, against the float64 reference
-    and the all-Triton path: GQA 1 / 3 / 4 / 8, a 128K sequence among short ones (empty, sink-only, window-only),
+    and the all-Triton path: GQA 1 / 3 / 4 / 8 / 12 / 16 (two query groups above 8), a 128K sequence among short ones (empty, sink-only, window-only),
     a prefix hit with extra INT2 pages (short recent window), histories that end mid-step (16-token tails),
     shuffled pages, NaN-poisoned output, per-head / shared / no rotation, float32 / bfloat16 / float16 queries,
     split counts from 1 to many per sequence, CTAs without INT2 tokens, and repeated calls (the merge counters
@@ -387,7 +439,7 @@ def test_cuda_int2_decode_matches_reference_and_triton(d, page_size):
     steady = [geom.int2_pages_for(n) for n in seq_lens]
     steady[-1] = (9000 - 64 - 40) // page_size  # prefix hit: more INT2 pages, a 40-odd-token recent window
     pool, batch, rot = build_pool(geom, seq_lens, gen, int2_pages=steady)
-    for gqa in (1, 3, 4, 8):
+    for gqa in (1, 3, 4, 8, 12, 16):  # above 8: query groups of 6 and 8
         q = torch.randn(len(seq_lens), 4 * gqa, d, generator=gen).to(DEV, torch.bfloat16)
         want = ref.decode_reference(pool, 0, q, batch, rot, None)
         out = torch.full_like(q, float("nan"))
@@ -457,11 +509,11 @@ def test_cuda_int2_decode_adds_the_position_aware_key_offset(d, sink, live, scal
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
-@pytest.mark.parametrize("widths", [(2, 2), (3, 2), (4, 2)])
+@pytest.mark.parametrize("widths", [(2, 2), (3, 2), (4, 2), (8, 2)])
 @pytest.mark.parametrize("d", [128, 64])
 def test_cuda_decode_reads_3_and_4_bit_keys(d, widths):
-    """The CUDA kernel's key variants (int2_decode.cu, KBITS: the INT3 high-bit plane and the INT4 upper bytes
-    turned into the INT2 variant's MMA operands) beside INT2, head dim 128 and 64, against the float64 reference
+    """The CUDA kernel's key variants (int2_decode.cu, KBITS: the INT3 high-bit plane, the INT4 upper bytes and the
+    INT8 bytes turned into the INT2 variant's MMA operands) beside INT2, head dim 128 and 64, against the float64 reference
     and the Triton kernel: GQA 1 / 3 / 8, a 128K sequence among short ones (empty, sink-only, window-only), a
     prefix hit with extra INT2 pages (short recent window), a history that ends mid-step, shuffled pages, split
     counts from 1 to many, CTAs without INT2 tokens; key rows of D * bits / 8 bytes (their own page strides) and
@@ -502,7 +554,7 @@ def test_cuda_decode_reads_3_and_4_bit_keys(d, widths):
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
-@pytest.mark.parametrize("widths", [(3, 2), (4, 2)])
+@pytest.mark.parametrize("widths", [(3, 2), (4, 2), (8, 2)])
 @pytest.mark.parametrize("d,sink,live,scale", [(128, 64, 32, 20.0), (128, 48, 3, 900.0), (64, 48, 12, 300.0)])
 def test_cuda_decode_of_3_and_4_bit_keys_adds_the_position_aware_key_offset(d, sink, live, scale, widths):
     """Per-position key centering (rope_terms) in the 3- and 4-bit key variants: 8 .. 32 visited pairs, |mu_pre| up

@@ -66,10 +66,9 @@ class EngineDescription:
         config = self.model.config
         return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
-    def int2_decode_kernel(self, window: int | None = None, widths: tuple[int, int] = (2, 2)) -> tuple[str, str | None]:
+    def int2_decode_kernel(self, widths: tuple[int, int] = (2, 2)) -> tuple[str, str | None]:
         """("cuda", None) or ("triton", why): the kernel this engine's decode steps run (kernels/decode.py) on its
-        layers with this sliding ``window`` (None: the full-attention layers) stored at these (key, value)
-        ``widths``."""
+        layers stored at these (key, value) ``widths`` (full and sliding-window layers alike)."""
         from types import SimpleNamespace
 
         from ..kernels.decode import int2_kernel_choice
@@ -77,49 +76,31 @@ class EngineDescription:
         codec = next((c for c in self.codecs if c.rope_pairs is not None), None)
         rope = SimpleNamespace(pairs=codec.rope_pairs) if codec is not None else None  # only its pair count counts
         return int2_kernel_choice(self.device, self.pool.geometry, self._gqa(), rope,
-                                  next(self.model.parameters()).dtype, window=window, widths=widths)
+                                  next(self.model.parameters()).dtype, widths=widths)
 
     def int2_decode_description(self) -> str:
-        """The decode kernel(s) for the start-up line: one for every layer, or where some layers have a sliding
-        window or are stored at widths the CUDA kernel does not read (kernels/int2_cuda.WIDTHS: keys at 2-4 bits,
-        values at 2) and the others take the CUDA kernel, which layers take which (the CUDA kernel reads whole
-        histories)."""
+        """The decode kernel(s) for the start-up line: one for every layer, or where some layers are stored at widths
+        the CUDA kernel does not read (kernels/int2_cuda.WIDTHS: keys at 2, 3, 4 or 8 bits, values at 2) and the
+        others take the CUDA kernel, which layers take which."""
         from ..kernels.int2_cuda import WIDTHS
 
         spec = self.pool.geometry
-        windows = spec.layer_windows
         kernel, why = self.int2_decode_kernel()
         if kernel != "cuda":
             return f"the Triton kernel ({why})"
-        int2 = [i for i in range(spec.num_layers) if spec.layer_widths(i) in WIDTHS]  # the layers CUDA can read
-        windowed = [i for i in int2 if windows[i] is not None]
-        wider = [i for i in range(spec.num_layers) if i not in int2]
-        if not windowed and not wider:
+        on_cuda = [i for i in range(spec.num_layers) if spec.layer_widths(i) in WIDTHS]
+        wider = [i for i in range(spec.num_layers) if i not in on_cuda]
+        if not wider:
             return "the one-launch CUDA kernel"
         layers = lambda k: f"{k} layer" + "s" * (k != 1)  # noqa: E731
-        sizes = ", ".join(map(str, sorted({windows[i] for i in windowed})))
-        cuda = len(int2) - len(windowed)
-        if not wider:  # only sliding windows keep layers off the CUDA kernel
-            if not cuda:
-                return (f"the Triton kernel (every layer has a sliding window of {sizes} tokens: the CUDA kernel reads "
-                        f"whole histories)")
-            return (f"the one-launch CUDA kernel on {layers(cuda)} of full attention, the Triton kernel on the "
-                    f"{layers(len(windowed))} with a sliding window ({sizes} tokens: the CUDA kernel reads whole "
-                    f"histories)")
 
         def widths(ids):
             return width_summary(*zip(*(spec.layer_widths(i) for i in ids)))
 
-        parts = [f"the {layers(len(wider))} stored at {widths(wider)} (the CUDA kernel reads values at 2 bits only)"]
-        if windowed:
-            parts.append(f"the {layers(len(windowed))} with a sliding window ({sizes} tokens: the CUDA kernel reads "
-                         f"whole histories)")
-        if not cuda:
-            return f"the Triton kernel on every layer: {' and '.join(parts)}"
-        full = " of full attention" if windowed else ""
-        on_cuda = [i for i in int2 if windows[i] is None]
-        return (f"the one-launch CUDA kernel on {layers(cuda)}{full} ({widths(on_cuda)}), the Triton kernel on "
-                f"{' and '.join(parts)}")
+        wide = f"the {layers(len(wider))} stored at {widths(wider)} (the CUDA kernel reads values at 2 bits only)"
+        if not on_cuda:
+            return f"the Triton kernel on every layer: {wide}"
+        return f"the one-launch CUDA kernel on {layers(len(on_cuda))} ({widths(on_cuda)}), the Triton kernel on {wide}"
 
     def prefill_attention_description(self) -> str:
         """How the kernels' long prefill chunks attend over their materialized history (kernels/chunk_attention.py)."""

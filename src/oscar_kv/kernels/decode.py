@@ -13,7 +13,7 @@ and splits 1.. share the INT2 history evenly.  The INT2 path takes the query alr
 Sliding-window layers (``window``; SLIDING, a constexpr, so full layers compile as before): the query sees tokens
 >= lo = T - window.  The history splits cover only [lo, T) from the tile holding lo (a 1024-token window at 32K
 tokens: a split or a few, not dozens), the window split starts at lo's page, and rows below lo are masked and
-never loaded.  The CUDA kernel does not take a window (int2_kernel_choice).
+never loaded.  The CUDA kernel does the same (int2_cuda.py, SLIDING).
 
 INT2 arithmetic (no dequantized tile is ever built):
   keys    q.k_hat = scale * (q.c) + min * sum(q)                 (per group of G channels)
@@ -30,8 +30,8 @@ INT2 kernel compiles to the same SASS as before): ``common.code_slices`` turns e
 float16 slices 1024 + c*4^k (exact up to c = 15), so the scores, values and offset corrections above are unchanged.
 INT3 reads its INT2 plane as INT2 (the PTX conversion included) and adds the high-bit plane as + 4^(k+1) where set
 (4 code steps: 4 x scale once scaled); INT4 shifts its nibbles into place with integer ops.  Values at another width
-than the keys address their own rows (V_ROWS).  The CUDA kernel reads keys at 2, 3 or 4 bits with values at 2 (K2V2,
-K3V2, K4V2: int2_cuda.WIDTHS); other layers take this one (int2_kernel_choice).
+than the keys address their own rows (V_ROWS).  The CUDA kernel reads keys at 2, 3, 4 or 8 bits with values at 2 (K2V2,
+K3V2, K4V2, K8V2: int2_cuda.WIDTHS); other layers take this one (int2_kernel_choice).
 """
 
 from __future__ import annotations
@@ -416,9 +416,9 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         cuda_split_target: CUDA CTAs per SM (default int2_cuda.min_blocks(pairs, head dim), the CTAs that fit on
             an SM at once).
         window: the layer's sliding window (the query sees the last ``window`` tokens); None or 0: the whole
-            sequence.  Windowed calls run the Triton kernel (int2_kernel_choice), whose history splits then
-            cover only the window's part of the INT2 history.  So do layers stored at widths the CUDA kernel does not
-            read (``pool.geometry.layer_widths(layer)`` not in int2_cuda.WIDTHS: values at 3 or 4 bits).
+            sequence.  The history splits then cover only the window's part of the INT2 history.  Layers stored at
+            widths the CUDA kernel does not read (``pool.geometry.layer_widths(layer)`` not in int2_cuda.WIDTHS:
+            values at 3 or 4 bits) run the Triton kernel.
         out: the output, written in place; None: a new tensor.
     Shapes:
         q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D].
@@ -445,19 +445,22 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     if split_target is None:
         split_target = TUNING.decode_split_target_small if bsz * h <= 8 else TUNING.decode_split_target
     window = window or None
-    if _use_cuda(backend, q.device, g, gqa, rope, q.dtype, window, widths):
+    if _use_cuda(backend, q.device, g, gqa, rope, q.dtype, widths):
         from . import int2_cuda
 
         # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
         # rescale, window on a side stream, split targets")
         per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1], d, widths[0])
-        ns, chunk = int2_cuda.split_plan(max_int2_pages * g.page_size, bsz * h, g.page_size, num_sms(q.device),
-                                         per_sm)
+        history = max_int2_pages * g.page_size
+        if window is not None:  # from the page of the window's first token on (the kernel's start)
+            history = min(history, window + g.page_size)
+        ns, chunk = int2_cuda.split_plan(history, bsz * h * int2_cuda.query_groups(gqa), g.page_size,
+                                         num_sms(q.device), per_sm)
         out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
         if rope is not None:
             rope.check(max_seq_len)
         return int2_cuda.decode(q, k_rotation, pool.layer(layer), g, batch, out, ns, chunk, sm_scale * LOG2E,
-                                rope=rope, widths=widths)
+                                rope=rope, widths=widths, window=window)
     history = max_int2_pages * g.page_size
     if window is not None:  # from the tile of the window's first token on (the kernel's base)
         history = min(history, window + block_n - 1)
@@ -496,20 +499,18 @@ INT2_KERNEL_ENV = "OSCAR_KV_INT2_KERNEL"  # "auto" (default) | "cuda" | "triton"
 
 
 def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: torch.dtype = torch.bfloat16,
-                       backend: str | None = None, window: int | None = None,
-                       widths: tuple[int, int] = (2, 2)) -> tuple[str, str | None]:
+                       backend: str | None = None, widths: tuple[int, int] = (2, 2)) -> tuple[str, str | None]:
     """Which kernel decode attention runs for a layer of this pool: ("cuda", None), the one-launch CUDA kernel, or
     ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
     "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
-    None.  ``window``: the layer's sliding window (None or 0: none); ``widths``: the layer's (key, value) code
-    widths.  A windowed layer, or one stored at widths the CUDA kernel does not read (int2_cuda.WIDTHS: keys at 2, 3
-    or 4 bits, values at 2), takes Triton where the model's other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda
-    included (the CUDA kernel reads whole histories); only a call that itself asks for "cuda" raises.  The engine
-    reports the choice at start-up; ``int2_decode`` makes it per call."""
+    None.  ``widths``: the layer's (key, value) code widths (both kernels take sliding windows).  A layer stored at widths the CUDA kernel does not read (int2_cuda.WIDTHS: keys at 2, 3,
+    4 or 8 bits, values at 2) takes Triton where the model's other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda
+    included; only a call that itself asks for "cuda" raises.  The engine reports the choice at start-up;
+    ``int2_decode`` makes it per call."""
     from . import int2_cuda
 
     readable = tuple(widths) in int2_cuda.WIDTHS
-    own = stored_width_reason(*widths) if not readable else (sliding_window_reason(window) if window else None)
+    own = stored_width_reason(*widths) if not readable else None
     if own is not None and backend == "cuda":
         raise ValueError(f"the CUDA INT2 kernel cannot run this call: {own}")
 
@@ -523,12 +524,6 @@ def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: t
     return kernel, why
 
 
-def sliding_window_reason(window: int) -> str:
-    """Why a sliding-window layer decodes with the Triton kernel."""
-    return (f"sliding-window layer (window {window}): the CUDA kernel attends to the whole sequence, the Triton "
-            f"kernel reads only the window")
-
-
 def stored_width_reason(k_bits: int, v_bits: int) -> str:
     """Why a layer stored at widths the CUDA kernel does not read (int2_cuda.WIDTHS) decodes with the Triton kernel."""
     from . import int2_cuda
@@ -537,8 +532,8 @@ def stored_width_reason(k_bits: int, v_bits: int) -> str:
 
 
 def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16,
-              window: int | None = None, widths: tuple[int, int] = (2, 2)) -> bool:
-    return int2_kernel_choice(device, geom, gqa, rope, dtype, backend, window, widths)[0] == "cuda"
+              widths: tuple[int, int] = (2, 2)) -> bool:
+    return int2_kernel_choice(device, geom, gqa, rope, dtype, backend, widths)[0] == "cuda"
 
 
 def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block_table: torch.Tensor,

@@ -14,17 +14,23 @@ last CTA of a (sequence, KV head) to finish merges the partials (an atomic count
 128K tokens and batch 1 the separate launches cost ~15 of ~60 us (benchmarks/NOTES.md, "decode attention as one
 CUDA launch").
 
-Keys at 3 or 4 bits (K3V2, K4V2 layers: a layer's ``PoolGeometry.layer_widths``) run variants compiled with KBITS = 3
-or 4: the same MMAs, query fragments and offset removal, the codes' bits gathered from the INT3 high-bit plane or
-the INT4 upper bytes into the same float16 1024 + c*4^s (int2_decode.cu, key_a), the key rows addressed with their
-own strides.  The INT2 variant (KBITS = 2) compiles to the same machine code as before the wider ones existed
+Keys at 3, 4 or 8 bits (K3V2, K4V2, K8V2 layers: a layer's ``PoolGeometry.layer_widths``) run variants compiled with
+KBITS = 3, 4 or 8: the same MMAs, query fragments and offset removal, the codes' bits gathered from the INT3 high-bit
+plane or the INT4 upper bytes into the same float16 1024 + c*4^s (int2_decode.cu, key_a), or an INT8 byte put under
+the float16 exponent of 1024 (key_byte_pair), the key rows addressed with their own strides.  The INT2 variant (KBITS = 2) compiles to the same machine code as before the wider ones existed
 (benchmarks/cuda_int2_sass.py compares its SASS).  Values are read at 2 bits only; other width pairs run the
 Triton kernels (decode.int2_kernel_choice).
+
+More than 8 query heads per KV head (GLM-4: 16) run as query groups of at most 8: ``query_groups`` CTAs per (split,
+KV head), each with its share of the heads, reading the same codes (the second read from L2).  Sliding-window
+layers (``window``) compile with SLIDING: the history splits cover the window only, the sink and recent sub-tiles
+below it are skipped and the tokens below it masked.
 
 The kernel is compiled at first use by NVRTC, through torch (``torch.cuda._compile_kernel``), once per
 device, geometry, key width and dtype.  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
 offset removal; the window's query as bfloat16 hi + lo parts).  Supported: head dim 64 or 128, one
-quantization group per head (G = D), at most 8 query heads per KV head, float32 / bfloat16 / float16 queries, constant key
+quantization group per head (G = D), up to MAX_GQA query heads per KV head, full or sliding-window layers,
+float32 / bfloat16 / float16 queries, constant key
 centering or per-position centering over at most MAX_ROPE_PAIRS pairs, full or partial rotary (the term
 q . RoPE_p(mu_pre) as one more small MMA per 16 keys; int2_decode.cu, rope_terms; the layout places each pair's
 two channels, pair_lo / pair_hi).  Anything else runs the Triton kernels.
@@ -46,7 +52,9 @@ NUM_WARPS = 4
 TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
 HEAD_DIMS = (64, 128)
-KEY_BITS = (2, 3, 4)  # key code widths with a compiled variant (KBITS)
+KEY_BITS = (2, 3, 4, 8)  # key code widths with a compiled variant (KBITS)
+MAX_GQA_PER_CTA = 8  # query heads one CTA takes: one n8 MMA column block
+MAX_GQA = 64
 WIDTHS = tuple((k, 2) for k in KEY_BITS)  # (key bits, value bits) of the layers the kernel reads
 # CTAs per SM the register budget is set for: 3 (168 registers) beat 4 (128 registers, spilling) at batch 8 and 32
 # (benchmarks/NOTES.md, "first GPU run of the kernel")
@@ -65,8 +73,10 @@ def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2) -> int:
     visits (0: none) and the key width.  The 3- and 4-bit variants use the INT2 variant's budgets: at 128K on the
     H100, 2 CTAs per SM instead of 3 are within 4% of them at batch 1 and 8 (constant centering; their sm_90
     builds spill 0-48 bytes a thread there, 80-224 with the RoPE term over 16 or 32 pairs; benchmarks/NOTES.md,
-    "3- and 4-bit keys in the CUDA kernel")."""
-    del kbits  # one table for every key width (see above)
+    "3- and 4-bit keys in the CUDA kernel").  The 8-bit variant at head dim 128 holds four times INT2's key bytes in
+    flight: at 3 CTAs per SM it spills 188 bytes a thread, at 2 none (216 registers)."""
+    if kbits == 8 and head_dim == 128:
+        return 2
     if head_dim == 64:
         return ROPE_MIN_BLOCKS_D64.get(rope_pairs, MIN_BLOCKS_D64)
     return ROPE_MIN_BLOCKS.get(rope_pairs, MIN_BLOCKS)
@@ -85,6 +95,15 @@ def width_error(k_bits: int, v_bits: int) -> str | None:
             f"keys at {', '.join(map(str, KEY_BITS[:-1]))} or {KEY_BITS[-1]} bits and values at 2")
 
 
+def query_groups(gqa: int) -> int:
+    """CTAs that share a KV head's ``gqa`` query heads: the fewest that divide them into groups of at most
+    MAX_GQA_PER_CTA (16 -> 2 of 8, 12 -> 2 of 6, 11 -> 11 of 1)."""
+    groups = -(-gqa // MAX_GQA_PER_CTA)
+    while gqa % groups:
+        groups += 1
+    return groups
+
+
 def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope,
                 dtype: torch.dtype = torch.bfloat16, widths: tuple[int, int] = (2, 2)) -> str | None:
     """Why the CUDA kernel cannot run this call (None: it can).  Called on every decode call: the shape checks
@@ -97,20 +116,21 @@ def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope,
         return why
     if geom.head_dim not in HEAD_DIMS or geom.group_size != geom.head_dim:
         return f"head dim {geom.head_dim} / group {geom.group_size} (the kernel is written for D = G = 64 or 128)"
-    if not 1 <= gqa <= 8:
-        return f"{gqa} query heads per KV head (at most 8)"
+    if not 1 <= gqa <= MAX_GQA:
+        return f"{gqa} query heads per KV head (at most {MAX_GQA})"
     if rope is not None and rope.pairs.shape[1] > MAX_ROPE_PAIRS:
         return f"position-aware key centering over {rope.pairs.shape[1]} pairs (at most {MAX_ROPE_PAIRS})"
     if dtype not in _DTYPES:
         return f"{dtype} queries (float32, bfloat16 or float16)"
-    return _device_error(_index(device), geom.head_dim, geom.page_size, gqa, geom.sink_pages, widths[0])
+    return _device_error(_index(device), geom.head_dim, geom.page_size, gqa // query_groups(gqa), geom.sink_pages,
+                         widths[0])
 
 
 @functools.lru_cache(maxsize=None)
 def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int,
                   kbits: int = 2) -> str | None:
-    """The torch build, the GPU and one compile, once per device and geometry: a machine whose NVRTC fails gets
-    the reason (and the Triton kernel), not a crash."""
+    """The torch build, the GPU and one compile, once per device and geometry (``gqa``: query heads per CTA): a
+    machine whose NVRTC fails gets the reason (and the Triton kernel), not a crash."""
     if not hasattr(torch.cuda, "_compile_kernel"):
         return f"torch {torch.__version__} has no torch.cuda._compile_kernel"
     if torch.version.hip:
@@ -147,13 +167,14 @@ def _index(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int, min_blocks: int,
             q_kind: int, o_kind: int, stamps: bool = False, rope_pairs: int = 0, rope_rot: int = 0,
-            rope_interleaved: bool = False, kbits: int = 2):
-    """``rope_rot`` / ``rope_interleaved``: the RoPE layout's rotary dim (0: the head dim) and pairing
-    (rope.RotaryLayout), which place the channels of each visited pair.  ``kbits``: the key code width."""
+            rope_interleaved: bool = False, kbits: int = 2, qgroups: int = 1, sliding: bool = False):
+    """``gqa``: query heads per CTA; ``qgroups``: CTAs per KV head.  ``rope_rot`` / ``rope_interleaved``: the RoPE
+    layout's rotary dim (0: the head dim) and pairing (rope.RotaryLayout), which place the channels of each visited
+    pair.  ``kbits``: the key code width.  ``sliding``: the variant for sliding-window layers."""
     defines = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=NUM_WARPS,
                    MAX_PAGES=MAX_PAGES, MIN_BLOCKS=min_blocks, Q_KIND=q_kind, O_KIND=o_kind,
                    STAMPS=int(stamps), ROPE_R=rope_pairs, ROPE_ROT=rope_rot or head_dim,
-                   ROPE_INTERLEAVED=int(rope_interleaved), KBITS=kbits)
+                   ROPE_INTERLEAVED=int(rope_interleaved), KBITS=kbits, QGROUPS=qgroups, SLIDING=int(sliding))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.read_text()
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(source, "oscar_int2_decode")
@@ -213,7 +234,7 @@ _RETIRED: list[torch.Tensor] = []  # outgrown counter buffers stay alive: captur
 
 
 def _counters(device: torch.device, pairs: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), per device and stream (two streams must not share
+    """Zeroed int32 counters, one per (sequence, KV head, query group), per device and stream (two streams must not share
     them); the kernel leaves them at zero.  Grown by doubling, never freed."""
     key = (_index(device), torch.cuda.current_stream(device).cuda_stream)
     buf = _COUNTERS.get(key)
@@ -227,7 +248,8 @@ def _counters(device: torch.device, pairs: int) -> torch.Tensor:
 
 def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, torch.Tensor], geom: PoolGeometry,
            batch: PagedBatch, out: torch.Tensor, splits: int, chunk: int, qk_scale: float,
-           stamps: torch.Tensor | None = None, rope=None, widths: tuple[int, int] | None = None) -> torch.Tensor:
+           stamps: torch.Tensor | None = None, rope=None, widths: tuple[int, int] | None = None,
+           window: int | None = None) -> torch.Tensor:
     """Decode attention over the mixed pool as one launch (``unsupported`` says which calls it takes).
 
     Args:
@@ -236,15 +258,17 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
         layer: one layer of the pool (``PagedKVPool.layer``).
         geom, batch: the pool's geometry and the sequences' block tables and lengths.
         out: the output, written in place (any of the three dtypes).
-        splits, chunk: CTAs per (sequence, KV head) and INT2 tokens each (split_plan).
+        splits, chunk: CTAs per (sequence, KV head, query group) and INT2 tokens each (split_plan; with a window,
+            planned over the window's part of the history, at most window + P tokens).
         qk_scale: sm_scale * log2(e).
         stamps: %globaltimer stamps per CTA (a separately compiled variant; benchmarks only).
         rope: a rope.KernelRope when keys are centered per position; its tables must cover the sequences
             (KernelRope.check, done by the caller).
         widths: the layer's (key, value) code widths (``geom.layer_widths``), one of WIDTHS; None: read off the
             code tensors' rows.
+        window: the layer's sliding window (the query sees the last ``window`` tokens); None or 0: none.
     Shapes:
-        q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D]; stamps: int64 [B, Hkv, splits, 16].
+        q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D]; stamps: int64 [B, Hkv x query_groups, splits, 16].
     Returns:
         ``out``.
     """
@@ -252,6 +276,9 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     h = geom.num_kv_heads
     if bsz == 0:
         return out
+    qgroups = query_groups(hq // h)
+    if window is not None and window < 0:
+        raise ValueError(f"a sliding window must be >= 1 token, got {window}")
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"the CUDA decode kernel merges 1 .. {MAX_SPLITS} splits, got {splits}")
     kc, km, vc, vm, kw, vw = (layer[k] for k in ("k_codes", "k_meta", "v_codes", "v_meta", "k_win", "v_win"))
@@ -295,17 +322,17 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     pl = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     bt = batch.block_table
     token_bytes = kc.shape[-1] + vc.shape[-1] + (km.shape[-1] + vm.shape[-1]) * km.element_size()  # codes, metadata
-    history_bytes = bsz * h * splits * chunk * token_bytes  # an upper bound (the last chunk)
-    kernel = _kernel(_index(q.device), d, geom.page_size, hq // h, geom.sink_pages, min_blocks(rope_r, d, kbits),
-                     _DTYPES[q.dtype],
-                     _DTYPES[target.dtype], stamps is not None, rope_r, rope_rot, rope_interleaved, kbits)
-    kernel(grid=(splits, h, bsz), block=(NUM_WARPS * 32, 1, 1),
+    history_bytes = bsz * h * splits * chunk * token_bytes  # an upper bound (the last chunk), read once from DRAM
+    kernel = _kernel(_index(q.device), d, geom.page_size, hq // h // qgroups, geom.sink_pages,
+                     min_blocks(rope_r, d, kbits), _DTYPES[q.dtype], _DTYPES[target.dtype], stamps is not None, rope_r,
+                     rope_rot, rope_interleaved, kbits, qgroups, bool(window))
+    kernel(grid=(splits, h * qgroups, bsz), block=(NUM_WARPS * 32, 1, 1),
            args=[q, r, k_rotation is not None, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
-                 target, _counters(q.device, bsz * h), float(qk_scale), q.stride(0), q.stride(1), stride_rh,
+                 target, _counters(q.device, bsz * h * qgroups), float(qk_scale), q.stride(0), q.stride(1), stride_rh,
                  vc.stride(0), vc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
                  po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), target.stride(0),
                  target.stride(1), chunk, _MAGIC, stamps if stamps is not None else po,
-                 int(stream_evict_first(history_bytes, _index(q.device))), mu, pairs, phases, tile]
+                 int(stream_evict_first(history_bytes, _index(q.device))), mu, pairs, phases, tile, int(window or 0)]
            + ([] if kbits == 2 else [kc.stride(0), kc.stride(1)]))
     if target is not out:
         out.copy_(target)

@@ -1,10 +1,11 @@
 // Decode attention over the paged INT2 + BF16 pool in one launch, written for the tensor cores' mma.sync
 // fragments.  Host side, math and layout: int2_cuda.py.  Compiled at run time by NVRTC with these macros:
-//   D (head dim, 64 or 128), P (page size), GQA (query heads per KV head, <= 8), SINK_PAGES, NWARPS, MAX_PAGES,
+//   D (head dim, 64 or 128), P (page size), GQA (query heads per CTA, <= 8), SINK_PAGES, NWARPS, MAX_PAGES,
 //   MIN_BLOCKS, Q_KIND / O_KIND (query / output dtype: 0 float32, 1 bfloat16, 2 float16), KBITS (key code width:
-//   2, 3 or 4; values are INT2 in every variant).
+//   2, 3, 4 or 8; values are INT2 in every variant), QGROUPS (CTAs that share a KV head's query heads, GQA each),
+//   SLIDING (1: the layer attends to its last ``window`` tokens only).
 //
-// One CTA = (split, KV head, sequence).  It rotates the GQA group's query itself (q @ R_K, R from L2 while its
+// One CTA = (split, KV head x query group, sequence).  It rotates the GQA group's query itself (q @ R_K, R from L2 while its
 // first code loads are in flight), takes its share of the BF16 window (16-token sub-tiles dealt round-robin
 // over the sequence's CTAs and warps), then its chunk of the INT2 history: warps take 32-token steps in turn
 // (two 16-token sub-tiles) and keep their own online softmax, the CTA combines them and writes one partial per
@@ -34,8 +35,17 @@
 //   INT4  byte j < D/2 holds channel j (low nibble) and j + D/2 (high nibble): slices 0 and 2 are the low and
 //         high nibbles of bytes j < D/4, already at bits 4s; slices 1 and 3 those of bytes D/4 + j, shifted up by
 //         2.  Thread t loads KB bytes from KB t and from D/4 + KB t: one LOP3 per two codes, as INT2.
+//   INT8  byte j holds channel j.  Thread t loads KB bytes from KB t + D/4 s for each slice s, and a PRMT puts two
+//         of them under the 0x64 exponent byte: the float16 1024 + c exactly (c <= 255), so the query slices are
+//         not divided by 4^s.
 // Their key rows are D * KBITS / 8 bytes, so key pages and heads have their own strides (stride_kcp, stride_kch,
 // extra arguments of these variants); the value rows are INT2 as before.
+// GQA above 8 (GLM-4: 16) does not fit one n8 MMA column block: QGROUPS CTAs share the KV head, each with GQA of
+// its query heads.  They read the same codes at about the same time, so the second read mostly hits L2.
+// SLIDING: the query (position T - 1) sees tokens >= lo = T - window.  The history splits start at lo's page, the
+// sink is skipped once lo passes it, recent sub-tiles wholly below lo are skipped, and the tokens below lo in the
+// sub-tiles that remain are masked (their logits -inf; a warp that has seen only masked tokens keeps m = -inf, so
+// its exponents are taken against 0: safe_max).
 // BF16 window sub-tiles use the same fragments with bfloat16 MMAs (the query as hi + lo bfloat16 parts, ~16
 // bits like the float32 reference) and add into the same accumulator rows, their values times 4^s.
 // ROPE_R > 0 (keys centered per position, rope.py): every logit also gets q . RoPE_p(mu_pre) =
@@ -43,6 +53,12 @@
 #define NT (NWARPS * 32)
 #ifndef KBITS
 #define KBITS 2
+#endif
+#ifndef QGROUPS
+#define QGROUPS 1
+#endif
+#ifndef SLIDING
+#define SLIDING 0
 #endif
 #define KROW (D * KBITS / 8)  // key code bytes of a token row
 #define D4 (D / 4)
@@ -106,7 +122,7 @@ typedef u32 wval_t;
 #endif
 __device__ __forceinline__ u32 word(const uint2& x, int w) { return w ? x.y : x.x; }  // w: a constant
 __device__ __forceinline__ u32 word(u32 x, int) { return x; }
-static_assert(KBITS == 2 || KBITS == 3 || KBITS == 4, "keys at 2, 3 or 4 bits");
+static_assert(KBITS == 2 || KBITS == 3 || KBITS == 4 || KBITS == 8, "keys at 2, 3, 4 or 8 bits");
 static_assert(GQA >= 1 && GQA <= 8, "one n8 MMA column block holds at most 8 query heads");
 static_assert(P % 16 == 0, "pages hold whole 16-token sub-tiles");
 
@@ -128,6 +144,12 @@ __device__ __forceinline__ u32 key_a(u32 x, u32 e, int slice, u32 magic) {
 #else
   return ((slice & 1 ? e : x) & ((15u << (2 * slice)) * 0x00010001u)) | magic;
 #endif
+}
+
+// An INT8 key's float16 pair 1024 + c for bytes hp and hp + 2 of x: the bytes under magic's 0x64 (byte 5 of the
+// pair x, magic), one PRMT per two codes.
+__device__ __forceinline__ u32 key_byte_pair(u32 x, int hp, u32 magic) {
+  return __byte_perm(x, magic, hp ? 0x5351u : 0x5250u);
 }
 
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, const float* c) {
@@ -205,7 +227,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
 
 #if STAMPS
 #define STAMP(k) \
-  if (threadIdx.x == 0) TS[(((long long)b * gridDim.y + h) * splits + split) * 16 + (k)] = global_ns()
+  if (threadIdx.x == 0) TS[(((long long)b * gridDim.y + y) * splits + split) * 16 + (k)] = global_ns()
 // after this warp's 1st, 2nd, 4th, 8th, 16th and 64th INT2 step: slots 10-15
 #define STEP_STAMP(n) \
   if (++(n) == 1 || (n) == 2 || (n) == 4 || (n) == 8 || (n) == 16 || (n) == 64) \
@@ -237,7 +259,9 @@ __device__ __forceinline__ float warp_sum_rows(float x) {
 // What one thread loads for one 16-token sub-tile.
 struct SubTile {
   kcode_t k[2];  // key code bytes KB t .. KB t + KB - 1 of tokens g and g+8
-#if KBITS != 2
+#if KBITS == 8
+  kcode_t ks[3][2];  // INT8: bytes D/4 s + KB t .. of slices s = 1, 2, 3 (k holds slice 0), tokens g, g+8
+#elif KBITS != 2
   kcode_t kx[2];  // INT3: high-bit plane bytes D/4 + KB (t & 1) ..; INT4: bytes D/4 + KB t .. (tokens g, g+8)
 #endif
   u32 v[4];      // value code bytes VB g .. VB g + VB - 1 of tokens 2t, 2t+1, 2t+8, 2t+9
@@ -309,8 +333,16 @@ __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, in
   const unsigned long long ok = (unsigned long long)phys * src.kcp + off * KROW;
   st.k[0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + ok), pol);
   st.k[1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + ok + 8 * KROW), pol);
+#if KBITS == 8
+#pragma unroll
+  for (int s = 1; s < 4; ++s) {
+    st.ks[s - 1][0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + ok + D4 * s), pol);
+    st.ks[s - 1][1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + ok + D4 * s + 8 * KROW), pol);
+  }
+#else
   st.kx[0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.kx + ok), pol);
   st.kx[1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.kx + ok + 8 * KROW), pol);
+#endif
 #endif
   st.v[0] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc), pol);
   st.v[1] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + D4), pol);
@@ -343,6 +375,16 @@ __device__ __forceinline__ void flush_offset(State& st) {
   }
   st.pend[0] = st.pend[1] = st.pend[2] = st.pend[3] = 0.f;
   st.since_flush = 0;
+}
+
+// The running max to take exponents against: a sliding-window warp may have seen only masked tokens (m = -inf),
+// whose exponents must come out 0, not ex2(-inf + inf).
+__device__ __forceinline__ float safe_max(float m) {
+#if SLIDING
+  return m == NEG_INF ? 0.f : m;
+#else
+  return m;
+#endif
 }
 
 // Online softmax, lazy: the reference max m of a column moves (and acc, l, n are rescaled, the pending offset
@@ -490,11 +532,12 @@ struct Query {
   u32 magic;           // 0x64006400, opaque to ptxas (see code_half2)
 };
 
-// One 32-token step: two sub-tiles, one softmax update.  HALF: only the first sub-tile holds tokens.
+// One 32-token step: two sub-tiles, one softmax update.  HALF: only the first sub-tile holds tokens.  skip
+// (SLIDING): how many of the step's first tokens lie below the window.
 template <bool HALF>
-__device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur, float2 rph) {
+__device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur, float2 rph, int skip = 0) {
   const float kinit[4] = {-q.koff0, -q.koff1, -q.koff0, -q.koff1};
-#if KBITS != 2
+#if KBITS == 3 || KBITS == 4
   const int par = (threadIdx.x >> 1) & 1;  // INT3: t >> 1, the bit of a high-bit plane byte that holds its channels
 #endif
   float sc[2][4];  // logits: tokens (g, g, g+8, g+8) x heads (2t, 2t+1, 2t, 2t+1)
@@ -509,15 +552,26 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
     for (int w = 0; w < KW; ++w)
 #pragma unroll
       for (int hp = 0; hp < 2; ++hp) {
+#if KBITS != 8
         const u32 x0 = word(cur[u].k[0], w), x1 = word(cur[u].k[1], w);
         const u32 r0 = hp ? x0 >> 8 : x0;
         const u32 r1 = hp ? x1 >> 8 : x1;
+#endif
 #if KBITS == 2
 #pragma unroll
         for (int s = 0; s < 4; s += 2) {
           const int i = 8 * w + 4 * hp + s;  // registers i (k = 2t, 2t+1) and i + 1 (k = 2t+8, 2t+9)
           mma(c, code_half2(r0, s, q.magic), code_half2(r1, s, q.magic), code_half2(r0, s + 1, q.magic), code_half2(r1, s + 1, q.magic), q.qb[i],
               q.qb[i + 1], i == 0 ? kinit : c);
+        }
+#elif KBITS == 8
+#pragma unroll
+        for (int s = 0; s < 4; s += 2) {
+          const int i = 8 * w + 4 * hp + s;
+          const u32 y0 = word(s ? cur[u].ks[s - 1][0] : cur[u].k[0], w), y1 = word(s ? cur[u].ks[s - 1][1] : cur[u].k[1], w);
+          const u32 z0 = word(cur[u].ks[s][0], w), z1 = word(cur[u].ks[s][1], w);
+          mma(c, key_byte_pair(y0, hp, q.magic), key_byte_pair(y1, hp, q.magic), key_byte_pair(z0, hp, q.magic),
+              key_byte_pair(z1, hp, q.magic), q.qb[i], q.qb[i + 1], i == 0 ? kinit : c);
         }
 #else
         // INT3: the high bits of bytes hp, hp + 2 (bit 2s + par) to bits 2s + 2 of the two halves; INT4: the upper
@@ -543,6 +597,16 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
 #if ROPE_R
   rope_terms<HALF ? 1 : 2>(sc, rph);
 #endif
+#if SLIDING
+  if (skip > 0) {
+    const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (16 * u + g < skip) sc[u][0] = sc[u][1] = NEG_INF;
+      if (16 * u + g + 8 < skip) sc[u][2] = sc[u][3] = NEG_INF;
+    }
+  }
+#endif
   // ---- online softmax over the step (columns 2t, 2t+1 of this thread)
   const float mx0 = warp_max_rows(fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])));
   const float mx1 = warp_max_rows(fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3])));
@@ -550,8 +614,9 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
   u32 bv[2][2];  // value MMA B operand per sub-tile: PP of tokens (2t, 2t+1) and (2t+8, 2t+9), head g
 #pragma unroll
   for (int u = 0; u < (HALF ? 1 : 2); ++u) {
-    const float p0 = ex2(sc[u][0] - st.m0), p1 = ex2(sc[u][1] - st.m1);
-    const float p2 = ex2(sc[u][2] - st.m0), p3 = ex2(sc[u][3] - st.m1);
+    const float m0 = safe_max(st.m0), m1 = safe_max(st.m1);
+    const float p0 = ex2(sc[u][0] - m0), p1 = ex2(sc[u][1] - m1);
+    const float p2 = ex2(sc[u][2] - m0), p3 = ex2(sc[u][3] - m1);
     st.l0 += p0 + p2;
     st.l1 += p1 + p3;
     const float2 v0 = halves(cur[u].vm[0]), v1 = halves(cur[u].vm[1]);
@@ -594,24 +659,26 @@ struct Window {
   const int* bt;  // the sequence's block-table row
   long long page_stride;  // elements
   int n_sink, sink_end, r0, T, n;  // n: sub-tiles in all
+  int lo;  // the first token the query sees (0 unless SLIDING)
 };
 
 // What one thread loads of a window sub-tile (bfloat16 pairs; zeros for tokens past the range).
 struct WinTile {
   uint4 k[2][D / 32];  // tokens g, g + 8: key channels D4 t .. D4 t + D4 - 1
   wval_t v[4][4];      // tokens 2t, 2t + 1, 2t + 8, 2t + 9: value channels VB g + D4 s .. VB g + D4 s + VB - 1
-  int base, limit;  // first token of the sub-tile, end of its range
+  int base, limit, lo;  // first token of the sub-tile, end of its range, first token the query sees
 };
 
 __device__ __forceinline__ void load_win_tile(WinTile& w, const Window& win, int j, int g, int t) {
   const bool sink = j < win.n_sink;
   w.base = sink ? 16 * j : win.r0 + 16 * (j - win.n_sink);
   w.limit = sink ? win.sink_end : win.T;
+  w.lo = win.lo;
   const long long row = (long long)win.bt[w.base / P] * win.page_stride + (w.base % P) * D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int tok = g + 8 * r;
-    const bool ok = w.base + tok < w.limit;
+    const bool ok = w.base + tok < w.limit && (!SLIDING || w.base + tok >= w.lo);
     const uint4* src = reinterpret_cast<const uint4*>(win.k + row + tok * D);
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) w.k[r][i] = ok ? __ldg(src + i) : make_uint4(0, 0, 0, 0);
@@ -619,7 +686,7 @@ __device__ __forceinline__ void load_win_tile(WinTile& w, const Window& win, int
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int tok = 2 * t + (r & 1) + 8 * (r >> 1);
-    const bool ok = w.base + tok < w.limit;
+    const bool ok = w.base + tok < w.limit && (!SLIDING || w.base + tok >= w.lo);
 #pragma unroll
     for (int s = 0; s < 4; ++s)
       w.v[r][s] = ok ? __ldg(reinterpret_cast<const wval_t*>(win.v + row + tok * D + D4 * s)) : wval_t{};
@@ -650,11 +717,13 @@ __device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u
 #if ROPE_R
   rope_terms_window(&c, PH, w.base, pair);
 #endif
-  const bool ok0 = w.base + g < w.limit, ok1 = w.base + g + 8 < w.limit;
+  const bool ok0 = w.base + g < w.limit && (!SLIDING || w.base + g >= w.lo);
+  const bool ok1 = w.base + g + 8 < w.limit && (!SLIDING || w.base + g + 8 >= w.lo);
   const float s0 = ok0 ? c[0] : NEG_INF, s1 = ok0 ? c[1] : NEG_INF;
   const float s2 = ok1 ? c[2] : NEG_INF, s3 = ok1 ? c[3] : NEG_INF;
   raise_max(st, warp_max_rows(fmaxf(s0, s2)), warp_max_rows(fmaxf(s1, s3)));
-  const float p0 = ex2(s0 - st.m0), p1 = ex2(s1 - st.m1), p2 = ex2(s2 - st.m0), p3 = ex2(s3 - st.m1);
+  const float m0 = safe_max(st.m0), m1 = safe_max(st.m1);
+  const float p0 = ex2(s0 - m0), p1 = ex2(s1 - m1), p2 = ex2(s2 - m0), p3 = ex2(s3 - m1);
   st.l0 += p0 + p2;
   st.l1 += p1 + p3;
   const u32 b0 = transpose8x8(pack_bf16x2(p0, p1)), b1 = transpose8x8(pack_bf16x2(p2, p3));
@@ -706,17 +775,24 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     int stride_cp, int stride_ch, int stride_mp, int stride_mh, int stride_wp, int stride_wh, int stride_bt,
     int stride_pob, int stride_poh, int stride_pos, int stride_plb, int stride_plh, int stride_ob, int stride_oh,
     int chunk, int magic, unsigned long long* __restrict__ TS, int evict_first, const float* __restrict__ RMU,
-    const int* __restrict__ PR, const float2* __restrict__ PH, const float2* __restrict__ TL
+    const int* __restrict__ PR, const float2* __restrict__ PH, const float2* __restrict__ TL, int window
 #if KBITS != 2
     , int stride_kcp, int stride_kch  // key codes' page and head strides (their rows are KROW bytes)
 #endif
     ) {
   const int split = blockIdx.x, splits = gridDim.x;
-  const int h = blockIdx.y, b = blockIdx.z;
+  const int y = blockIdx.y, b = blockIdx.z;  // y: (KV head, query group)
+  const int h = y / QGROUPS, hq0 = y * GQA;   // the KV head, this CTA's first query head
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const float qk_scale = (float)qk_scale_d;
   const int T = SL[b], nq = NQ[b];
+#if SLIDING
+  const int lo = max(T - window, 0), lo_h = max(lo - SINK_PAGES * P, 0);  // in the sequence, in the history
+  const int start = (lo_h < nq * P ? lo_h / P * P : nq * P) + split * chunk;  // the splits start at lo's page
+#else
+  const int lo = 0;
   const int start = split * chunk;
+#endif
   const int end = min(start + chunk, nq * P);
   STAMP(0);
 
@@ -745,7 +821,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   for (int i = threadIdx.x; i < (end - start + P - 1) / P; i += NT) s_pages[i] = bt_row[SINK_PAGES + start / P + i];
   for (int i = threadIdx.x; i < 8 * D; i += NT) {
     const int hh = i / D;
-    s_q[hh][i % D] = hh < GQA ? q_float(Q[(long long)b * stride_qb + (long long)(h * GQA + hh) * stride_qh + i % D])
+    s_q[hh][i % D] = hh < GQA ? q_float(Q[(long long)b * stride_qb + (long long)(hq0 + hh) * stride_qh + i % D])
                               : 0.f;
   }
   Window win;
@@ -756,7 +832,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   win.sink_end = min(T, SINK_PAGES * P);
   win.n_sink = (win.sink_end + 15) / 16;
   win.r0 = min(SINK_PAGES * P + nq * P, T);
+#if SLIDING
+  if (lo >= win.sink_end) win.n_sink = 0;
+  if (lo > win.r0) win.r0 += (lo - win.r0) / 16 * 16;  // recent sub-tiles wholly below the window
+#endif
   win.T = T;
+  win.lo = lo;
   win.n = win.n_sink + (T - win.r0 + 15) / 16;
   int wj = split + splits * warp;  // window sub-tiles j of this warp: j % splits == split, (j / splits) % NWARPS == warp
   WinTile wt;
@@ -881,7 +962,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
           const int j = KB * t + 4 * w + hp;
           const float x0 = g < GQA ? qrow[j + D4 * s] : 0.f;
           const float x1 = g < GQA ? qrow[j + 2 + D4 * s] : 0.f;
-          const float f = 1.f / (float)(1 << (2 * s));
+          const float f = KBITS == 8 ? 1.f : 1.f / (float)(1 << (2 * s));  // INT8 codes are not times 4^s
           const u32 q2 = pack_half2(x0 * f, x1 * f);
           q.qb[8 * w + 4 * hp + s] = q2;
           const float2 qh = halves(q2);
@@ -899,6 +980,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     q.qsum1 = __shfl_sync(0xffffffffu, sum_part, 8 * t + 4);
   }
 
+#if SLIDING
+#define STEP_SKIP(p) (lo_h - (p))  // the step's tokens below the window
+#else
+#define STEP_SKIP(p) 0
+#endif
   // ---- full 32-token INT2 steps, loads one step ahead in two alternating buffers; then at most one half step
 #if STAMPS
   int nsteps = 0;
@@ -910,7 +996,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
       load_sub_tile(buf1[1], src, npos + 16);
     }
     float2 rnext = ROPE_PHASE(npos);
-    step<false>(st, q, buf0, rph);
+    step<false>(st, q, buf0, rph, STEP_SKIP(pos));
     rph = rnext;
     STEP_STAMP(nsteps);
     pos = npos;
@@ -921,14 +1007,14 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
       load_sub_tile(buf0[1], src, npos + 16);
     }
     rnext = ROPE_PHASE(npos);
-    step<false>(st, q, buf1, rph);
+    step<false>(st, q, buf1, rph, STEP_SKIP(pos));
     rph = rnext;
     STEP_STAMP(nsteps);
     pos = npos;
   }
   if (pos < end) {  // 16 tokens left for this warp
     load_sub_tile(buf0[0], src, pos);
-    step<true>(st, q, buf0, rph);
+    step<true>(st, q, buf0, rph, STEP_SKIP(pos));
   }
 
   STAMP(4);
@@ -958,8 +1044,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     }
   }
   __syncthreads();
-  const long long po_head = (long long)b * stride_pob + (long long)(h * GQA) * stride_poh;
-  const long long pl_head = (long long)b * stride_plb + (long long)(h * GQA) * stride_plh;
+  const long long po_head = (long long)b * stride_pob + (long long)hq0 * stride_poh;
+  const long long pl_head = (long long)b * stride_plb + (long long)hq0 * stride_plh;
   for (int idx = threadIdx.x; idx < GQA * D; idx += NT) {
     const int hh = idx / D, ch = idx % D;
     float num, den, mx;
@@ -976,7 +1062,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   // by the barrier), its acquire half makes every CTA's partials visible to the loads after the next barrier
   // (one fence in all: no membar on the merging side).
   __syncthreads();
-  int* counter = CNT + (long long)b * gridDim.y + h;
+  int* counter = CNT + (long long)b * gridDim.y + y;
   if (threadIdx.x == 0) {
     int before;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
@@ -1069,7 +1155,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     for (int hh = 0; hh < GQA; ++hh) {
       float num, den, mx;
       combine_warps<false>(s_acc, s_m, s_l, s_n, hh, ch, num, den, mx);
-      O[(long long)b * stride_ob + (long long)(h * GQA + hh) * stride_oh + ch] = o_from(den > 0.f ? num / den : 0.f);
+      O[(long long)b * stride_ob + (long long)(hq0 + hh) * stride_oh + ch] = o_from(den > 0.f ? num / den : 0.f);
     }
   }
   if (threadIdx.x == 0) *counter = 0;  // every CTA of the pair has counted: ready for the next call
