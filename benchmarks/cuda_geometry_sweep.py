@@ -1,7 +1,7 @@
 """Decode attention for one attention geometry (query heads, KV heads; head dim 128, group 128, P = 16): the CUDA
 kernel at each split target (CTAs per SM in its split plan), the CUDA kernel without the in-kernel query rotation,
-the Triton INT2 kernel and the Triton BF16 kernel over the same tokens; then the CUDA kernel's phases inside one
-call (%globaltimer stamps, after an L2 flush) at the first context, batch 1.  GPU only.
+the Triton INT2 kernel and the Triton BF16 kernel over the same tokens; then (unless --no-stamps) the CUDA kernel's
+phases inside one call (%globaltimer stamps, after an L2 flush) at the first context, batch 1.  GPU only.
 
     python3 benchmarks/cuda_geometry_sweep.py --q-heads 32 --kv-heads 2    # GLM-4-9B's attention (GQA 16)
 
@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--targets", default="1,2,3,4", help="CUDA CTAs per SM in the split plan")
+    ap.add_argument("--no-stamps", action="store_true", help="skip the phase stamps")
     args = ap.parse_args()
     syn.GEOMETRY.update(num_q_heads=args.q_heads, num_kv_heads=args.kv_heads)
     dev = torch.device("cuda")
@@ -86,7 +87,7 @@ def main() -> None:
         for bs in map(int, args.batch_sizes.split(",")):
             print(sweep(ctx, bs, targets, dev, gen), flush=True)
             torch.cuda.empty_cache()
-    for target in (int2_cuda.min_blocks(), 1):
+    for target in () if args.no_stamps else (int2_cuda.min_blocks(), 1):
         print(stamps(contexts[0], target, dev, gen), flush=True)
 
 

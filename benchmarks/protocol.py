@@ -19,7 +19,8 @@ Candidates (``--candidates``, comma-separated): ``default`` (what ``oscar-kv cal
 ``k4`` / ``k8`` (every layer's keys at that width; ``k4v3``, ``k4v4``: values wider too), ``bX`` (widths chosen by the key noise under a budget of X bits per
 element at the model's context, no tolerance), ``nX`` (tolerance X nats^2, no budget), ``mX`` (calibrated with the
 default tolerance and ``--max-kl X``: widened past the tolerance until the KL measured on held-back text is at most
-X).  The first candidate is the `oscar` row.
+X), ``fX`` (``--key-noise 0 --max-kl X``: no tolerance, the fewest widenings from the narrowest widths whose KL is at
+most X).  The first candidate is the `oscar` row.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def candidate_widths(name: str, default: Rotations, seq_len: int) -> tuple[list[
     match = re.fullmatch(r"k([2348])(?:v([2348]))?", name)
     if match:
         return [int(match[1])] * layers, [int(match[2] or 2)] * layers
-    if name[0] == "m":
-        raise ValueError("mX candidates are calibrated, not derived (kl_target_artifact)")
+    if name[0] in "mf":
+        raise ValueError("mX and fX candidates are calibrated, not derived (run_model)")
     recorded = default.manifest["calibration"]["widths"]
     noise = {int(w): n for w, n in recorded["key_noise_by_width"].items()}
     tolerance, budget = (None, float(name[1:])) if name[0] == "b" else (float(name[1:]), None)
@@ -97,8 +98,9 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     probe = held_back_probe(model, tokenizer, settings) if set(candidates) - {"default"} else None
     artifacts = {}
     for name in candidates:
-        if name[0] == "m":  # the default's tolerance and a KL target: calibrate measures the KL itself
-            rot = calibrate(model, tokenizer, replace(settings, max_kl=float(name[1:])), progress=False)
+        if name[0] in "mf":  # a KL target (f: without the tolerance): calibrate measures the KL itself
+            kl_settings = replace(settings, max_kl=float(name[1:]), **({"key_noise": None} if name[0] == "f" else {}))
+            rot = calibrate(model, tokenizer, kl_settings, progress=False)
         else:
             widths = candidate_widths(name, default, max_len)
             rot = default if widths is None else with_widths(default, *widths, probe)
