@@ -101,6 +101,13 @@ PY
           echo "d11 done $(date +%T)" >> "$runs/status" ;;
         d8) wait_for smol
           step d8 --model smollm2-135m:4096,8192 --niah-samples 10 --candidates default ;;
+        # runs D12-D14 (issue 35's target): the fewest bits for a KL target (calibrate --key-noise 0 --max-kl X)
+        d12) wait_for qwen
+          step d12 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --candidates default,f0.05,f0.01 ;;
+        d13) wait_for gemma
+          step d13 --model gemma3-270m:8192,16384,32768 --tasks kl --candidates default,f0.05,f0.01 ;;
+        d14) wait_for smol
+          step d14 --model smollm2-135m:4096,8192 --niah-samples 10 --candidates default,f0.05,f0.01 ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
