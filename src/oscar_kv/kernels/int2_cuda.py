@@ -17,12 +17,12 @@ CUDA launch").
 Keys at 3, 4 or 8 bits (K3V2, K4V2, K8V2 layers: a layer's ``PoolGeometry.layer_widths``) run variants compiled with
 KBITS = 3, 4 or 8: the same MMAs, query fragments and offset removal, the codes' bits gathered from the INT3 high-bit
 plane or the INT4 upper bytes into the same float16 1024 + c*4^s (int2_decode.cu, key_a), or an INT8 byte put under
-the float16 exponent of 1024 (key_byte_pair), the key rows addressed with their own strides.  The INT2 variant (KBITS = 2) compiles to the same machine code as before the wider ones existed
-(benchmarks/cuda_int2_sass.py compares its SASS).  Values are read at 2 bits only; other width pairs run the
-Triton kernels (decode.int2_kernel_choice).
+the float16 exponent of 1024 (key_byte_pair), the key rows addressed with their own strides.  The INT2 variant
+(KBITS = 2) keeps the registers and spills it had before the wider ones existed (benchmarks/cuda_int2_sass.py compares
+SASS).  Values are read at 2 bits only; other width pairs run the Triton kernels (decode.int2_kernel_choice).
 
 More than 8 query heads per KV head (GLM-4: 16) run as query groups of at most 8: ``query_groups`` CTAs per (split,
-KV head), each with its share of the heads, reading the same codes (the second read from L2).  Sliding-window
+KV head), each with its share of the heads, reading the same codes (the second read mostly from L2).  Sliding-window
 layers (``window``) compile with SLIDING: the history splits cover the window only, the sink and recent sub-tiles
 below it are skipped and the tokens below it masked.
 
