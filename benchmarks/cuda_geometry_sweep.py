@@ -13,14 +13,11 @@ import argparse
 
 import torch
 
+from cuda_int2_sweep import _fmt_phases, stamp_phases  # this folder's (the script's directory is on sys.path)
 from oscar_kv.bench import synthetic as syn
 from oscar_kv.bench.timing import _bench_call
 from oscar_kv.kernels import int2_cuda
-from oscar_kv.kernels.common import LOG2E, num_sms
 from oscar_kv.kernels.decode import bf16_decode, int2_decode
-
-STAMPED = {0: "start", 1: "prologue", 2: "query", 3: "window", 10: "step 1", 4: "loop", 5: "partial", 6: "counted",
-           8: "merge start", 9: "merge math", 7: "merged"}
 
 
 def sweep(ctx: int, bs: int, targets, dev, gen) -> str:
@@ -49,24 +46,8 @@ def sweep(ctx: int, bs: int, targets, dev, gen) -> str:
 def stamps(ctx: int, target: int, dev, gen) -> str:
     geom = syn.layer_geometry(2, 2)
     pool, batch, q, rot, mp = syn.int2_case(geom, ctx, 1, dev, gen)
-    pairs = geom.num_kv_heads * int2_cuda.query_groups(q.shape[1] // geom.num_kv_heads)
-    ns, chunk = int2_cuda.split_plan(mp * geom.page_size, pairs, geom.page_size, num_sms(dev), target)
-    ts = torch.zeros(1, pairs, ns, 16, dtype=torch.int64, device=dev)
-    out = torch.empty_like(q)
-    flush = torch.empty(256 << 20, dtype=torch.int8, device=dev)
-    for _ in range(3):  # compile, then the flushed call that counts
-        flush.zero_()
-        ts.zero_()
-        int2_cuda.decode(q, rot, pool.layer(0), geom, batch, out, ns, chunk, LOG2E / geom.head_dim ** 0.5, stamps=ts)
-    torch.cuda.synchronize()
-    t = ts.view(-1, 16).double()
-    t0 = t[:, 0].min()
-    parts = []
-    for k, name in STAMPED.items():
-        col = t[:, k][t[:, k] > 0] - t0
-        if col.numel():
-            parts.append(f"{name} {col.median().item() / 1e3:.1f}/{col.max().item() / 1e3:.1f}")
-    return f"stamps (median/max us) target {target}, {ns} splits of {chunk}: " + ", ".join(parts)
+    phases = stamp_phases(q, pool, batch, rot, geom, mp, dev, per_sm=target)
+    return f"stamps (median/max us from the first CTA's start), target {target}: " + _fmt_phases(phases)
 
 
 def main() -> None:

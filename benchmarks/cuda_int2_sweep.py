@@ -35,11 +35,14 @@ PHASES = ((0, "start"), (1, "prologue"), (2, "query"), (3, "window"), (10, "step
           (8, "merge start"), (9, "merge math"), (7, "merged"))
 
 
-def stamp_phases(q, pool, batch, rot, geom, mp, dev) -> dict:
-    """Microseconds from the first CTA's start to each phase: median and max over CTAs (merge: last CTAs)."""
-    ns, chunk = int2_cuda.split_plan(mp * geom.page_size, q.shape[0] * geom.num_kv_heads, geom.page_size,
-                                     num_sms(dev), int2_cuda.min_blocks(0, geom.head_dim))
-    ts = torch.zeros(q.shape[0], geom.num_kv_heads, ns, 16, dtype=torch.int64, device=dev)
+def stamp_phases(q, pool, batch, rot, geom, mp, dev, per_sm: int | None = None) -> dict:
+    """Microseconds from the first CTA's start to each phase: median and max over CTAs (merge: last CTAs), with the
+    split plan for ``per_sm`` CTAs per SM (default: the kernel's min_blocks).  Above 8 query heads per KV head a
+    (sequence, KV head) has several query groups' CTAs (int2_cuda.query_groups)."""
+    pairs = geom.num_kv_heads * int2_cuda.query_groups(q.shape[1] // geom.num_kv_heads)
+    ns, chunk = int2_cuda.split_plan(mp * geom.page_size, q.shape[0] * pairs, geom.page_size, num_sms(dev),
+                                     per_sm or int2_cuda.min_blocks(0, geom.head_dim))
+    ts = torch.zeros(q.shape[0], pairs, ns, 16, dtype=torch.int64, device=dev)
     out = torch.empty_like(q)
     flush = torch.empty(256 << 20, dtype=torch.int8, device=dev)
     for _ in range(3):  # compile, then the flushed call that counts
@@ -61,7 +64,7 @@ def stamp_phases(q, pool, batch, rot, geom, mp, dev) -> dict:
     sink_end = min(t_len, geom.sink_pages * geom.page_size)
     r0 = min(geom.sink_pages * geom.page_size + nq * geom.page_size, t_len)
     n_win = -(-sink_end // 16) + -(-(t_len - r0) // 16)
-    part = (t[:, 5] - t0).view(q.shape[0], geom.num_kv_heads, ns) / 1e3
+    part = (t[:, 5] - t0).view(q.shape[0], pairs, ns) / 1e3
     res["partial, CTAs with / without window"] = (part[:, :, :n_win].median().item(),
                                                   part[:, :, n_win:].median().item() if n_win < ns else 0.0)
     return res

@@ -304,6 +304,12 @@ def asm_enabled(device: torch.device, use_asm: bool | None) -> bool:
     return True if use_asm is None else bool(use_asm)
 
 
+def window_tokens(tokens: int, window: int | None, tile: int) -> int:
+    """The tokens a split plan must cover: ``tokens`` (a bound on the history), or for a sliding ``window`` the
+    window's tokens from the start of the tile (or page) holding its first one, at most window + tile - 1."""
+    return min(tokens, window + tile - 1) if window else tokens
+
+
 def split_plan(tokens: int, programs_per_split: int, device: torch.device, block: int,
                min_tiles: int = TUNING.split_min_tiles,
                num_splits: int | None = None, per_sm: int = 4) -> tuple[int, int]:

@@ -46,7 +46,7 @@ from ._compat import install_interpreter_shim
 from .tuning import TUNING, kernel_choice
 from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, code_slices, grp_scores, grp_values, kernel_widths,
                      load_rope_ab, merge, num_sms, own_value_rows, rope_args, rope_logits_tiled, split_plan,
-                     unpack4)
+                     unpack4, window_tokens)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -451,9 +451,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
         # rescale, window on a side stream, split targets")
         per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1], d, widths[0])
-        history = max_int2_pages * g.page_size
-        if window is not None:  # from the page of the window's first token on (the kernel's start)
-            history = min(history, window + g.page_size)
+        # with a window, from the page of its first token on (the kernel's start)
+        history = window_tokens(max_int2_pages * g.page_size, window, g.page_size)
         ns, chunk = int2_cuda.split_plan(history, bsz * h * int2_cuda.query_groups(gqa), g.page_size,
                                          num_sms(q.device), per_sm)
         out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
@@ -461,9 +460,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
             rope.check(max_seq_len)
         return int2_cuda.decode(q, k_rotation, pool.layer(layer), g, batch, out, ns, chunk, sm_scale * LOG2E,
                                 rope=rope, widths=widths, window=window)
-    history = max_int2_pages * g.page_size
-    if window is not None:  # from the tile of the window's first token on (the kernel's base)
-        history = min(history, window + block_n - 1)
+    # with a window, from the tile of its first token on (the kernel's base)
+    history = window_tokens(max_int2_pages * g.page_size, window, block_n)
     ns, chunk = split_plan(history, bsz * h, q.device, block_n, num_splits=num_splits, per_sm=split_target)
     qr = rotate_query(q, k_rotation, h)
     po = torch.empty(bsz, hq, ns + 1, d, device=q.device, dtype=torch.float32)
@@ -571,7 +569,7 @@ def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block
         max_seq_len = int(seq_lens.max()) if bsz else 0
     window = window or None
     # with a window the splits start at its first token's page (the kernel's base)
-    ns, chunk = split_plan(max_seq_len if window is None else min(max_seq_len, window + page_size - 1), bsz * h,
+    ns, chunk = split_plan(window_tokens(max_seq_len, window, page_size), bsz * h,
                            q.device, block)
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     if d > ROTATE_IN_KERNEL_MAX_DIM and k_rotation is not None:

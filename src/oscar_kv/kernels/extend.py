@@ -45,7 +45,7 @@ from ._compat import install_interpreter_shim
 from .tuning import TUNING
 from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, cat4, code_slices, grp_scores, grp_values,
                      kernel_widths, load_rope_ab, merge, mm, num_sms, own_value_rows, rope_args, rope_logits,
-                     softmax_step, split_plan, unpack4)
+                     softmax_step, split_plan, unpack4, window_tokens)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -344,9 +344,7 @@ def _history_splits(programs: int, batch: PagedBatch, page_size: int, device: to
         return 0, 0
     if max_int2_pages is None:
         max_int2_pages = int(batch.int2_pages.max()) if batch.batch_size else 0
-    history = max_int2_pages * page_size
-    if window:
-        history = min(history, window + block_n - 1)
+    history = window_tokens(max_int2_pages * page_size, window, block_n)
     ns, split_len = split_plan(history, programs, device, block_n, num_splits=num_splits, per_sm=split_target)
     if num_splits is None and ns <= 1:
         return 0, 0

@@ -95,6 +95,7 @@ def width_error(k_bits: int, v_bits: int) -> str | None:
             f"keys at {', '.join(map(str, KEY_BITS[:-1]))} or {KEY_BITS[-1]} bits and values at 2")
 
 
+@functools.lru_cache(maxsize=None)  # asked on every decode call
 def query_groups(gqa: int) -> int:
     """CTAs that share a KV head's ``gqa`` query heads: the fewest that divide them into groups of at most
     MAX_GQA_PER_CTA (16 -> 2 of 8, 12 -> 2 of 6, 11 -> 11 of 1)."""
