@@ -137,6 +137,9 @@ def test_quick_eval_on_real_text(model, tokenizer, rotations, tmp_path):
     assert m["oscar"]["kl"]["1024"] < m["naive-int2"]["kl"]["1024"]
     assert m["oscar"]["kl"]["1024"] < m["quarot-int2"]["kl"]["1024"]
     assert m["bf16"]["niah"]["1024"] == 1.0
+    # KL by position bin: positions [512, 1024) are scored, so one bin, equal to the mean
+    for name in m:
+        assert m[name]["kl_by_position"]["1024"] == pytest.approx({"1024": m[name]["kl"]["1024"]}, rel=1e-6)
     assert (tmp_path / "results.md").is_file() and (tmp_path / "kl_vs_context.png").is_file()
     # (320 * 16 + 704 * mean stored bits of the artifact's widths) / 1024: every side at its own width
     from oscar_kv.memory import bits_per_element

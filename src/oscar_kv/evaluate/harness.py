@@ -238,10 +238,13 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
             row["bits_per_element"][key] = round(scheme.bits_per_element(ctx, geometry), 4)
             if refs:
                 scores = [tasks.kl_and_ppl(model, scheme, d, r) for d, r in zip(docs, refs)]
-                mean = {m: sum(s[m] for s in scores) / len(scores) for m in scores[0]}
+                mean = {m: sum(s[m] for s in scores) / len(scores) for m in ("kl", "top1_agreement", "ppl")}
                 if "kl" in config.tasks:
                     row.setdefault("kl", {})[key] = mean["kl"]
                     row.setdefault("top1_agreement", {})[key] = mean["top1_agreement"]
+                    row.setdefault("kl_by_position", {})[key] = {
+                        end: sum(s["kl_by_position"][end] for s in scores) / len(scores)
+                        for end in scores[0]["kl_by_position"]}
                 if "ppl" in config.tasks:
                     row.setdefault("ppl", {})[key] = mean["ppl"]
             if samples is not None:

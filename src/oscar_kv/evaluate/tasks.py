@@ -47,7 +47,9 @@ def kl_and_ppl(model, scheme: Scheme, ids: torch.Tensor, ref_hidden: torch.Tenso
     Shapes:
         ids: [1, T]; ref_hidden: [T, hidden size].
     Returns:
-        {"kl", "top1_agreement", "ppl"}.
+        {"kl", "top1_agreement", "ppl", "kl_by_position"}; kl_by_position: the mean KL of the positions in each
+        power-of-two bin, keyed by the bin's end ("2048": positions [1024, 2048)), so how KL grows with the history
+        a position sees can be read from one forward.
     """
     cache = prepare(model, scheme)
     ids = ids.to(model.device)
@@ -56,6 +58,7 @@ def kl_and_ppl(model, scheme: Scheme, ids: torch.Tensor, ref_hidden: torch.Tenso
     start = min(KL_START, ids.shape[1] // 2)
     targets = ids[0, 1:]
     kl = top1 = nll = 0.0
+    bins: dict[int, list[float]] = {}  # bin end -> [KL sum, positions]
     for c0 in range(0, ids.shape[1] - 1, LOGIT_CHUNK):
         c1 = min(c0 + LOGIT_CHUNK, ids.shape[1] - 1)
         lp = torch.log_softmax(model.lm_head(hidden[c0:c1]).float(), -1)
@@ -64,10 +67,24 @@ def kl_and_ppl(model, scheme: Scheme, ids: torch.Tensor, ref_hidden: torch.Tenso
         if s0 < c1:
             ref_lp = torch.log_softmax(model.lm_head(ref_hidden[s0:c1]).float(), -1)
             mine = lp[s0 - c0:]
-            kl += float((ref_lp.exp() * (ref_lp - mine)).sum())
+            per_position = (ref_lp.exp() * (ref_lp - mine)).sum(-1)
+            kl += float(per_position.sum())
+            _add_to_bins(bins, per_position, s0 + 1)  # logits at index i predict position i + 1
             top1 += float((ref_lp.argmax(-1) == mine.argmax(-1)).sum())
     scored = ids.shape[1] - start
-    return {"kl": kl / scored, "top1_agreement": top1 / scored, "ppl": math.exp(nll / (ids.shape[1] - 1))}
+    return {"kl": kl / scored, "top1_agreement": top1 / scored, "ppl": math.exp(nll / (ids.shape[1] - 1)),
+            "kl_by_position": {str(end): total / n for end, (total, n) in sorted(bins.items())}}
+
+
+def _add_to_bins(bins: dict[int, list[float]], values: torch.Tensor, first: int) -> None:
+    """Add ``values`` (positions first, first + 1, ...) into power-of-two position bins keyed by their end."""
+    pos = torch.arange(first, first + values.shape[0], device=values.device)
+    ends = (2 ** torch.floor(torch.log2(pos.double())) * 2).long()
+    for end in torch.unique(ends).tolist():
+        sel = ends == end
+        entry = bins.setdefault(int(end), [0.0, 0])
+        entry[0] += float(values[sel].sum())
+        entry[1] += int(sel.sum())
 
 
 # ---- needle in a haystack ------------------------------------------------------------------------
