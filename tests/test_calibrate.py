@@ -286,6 +286,16 @@ def test_a_kl_target_out_of_reach_takes_the_widest_widths_and_says_so(model, tok
     assert measured["bits_per_element"] == widths["bits_per_element"]
 
 
+def test_the_kl_probe_is_the_models_context_up_to_32k(tokenizer):
+    from oscar_kv.calibrate import kl_probe
+    from oscar_kv.corpus import load_calibration_text
+
+    texts, _ = load_calibration_text()
+    assert kl_probe(tokenizer, texts, CalibrationSettings(), 8192).shape == (1, 8192)
+    assert kl_probe(tokenizer, texts, CalibrationSettings(), 131072).shape == (1, 32768)
+    assert kl_probe(tokenizer, texts, CalibrationSettings(kl_probe_tokens=2048), 131072).shape == (1, 2048)
+
+
 def test_a_kl_target_refuses_what_it_cannot_do():
     with pytest.raises(ConfigError, match="KL target must be > 0"):
         CalibrationSettings(max_kl=0)

@@ -13,7 +13,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def artifact_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "rot"
-    # the default KL check on a short probe (the default probe, 8K tokens, takes minutes on a 2-core CPU)
+    # the default KL check on a short probe (the default probe, the model's 8K context, takes minutes on a 2-core CPU)
     result = runner.invoke(app, ["calibrate", "--model", "smollm2-135m", "--calib-tokens", "512", "--seq-len", "256",
                                  "--kl-probe-tokens", "1024", "--output-dir", str(out)])
     assert result.exit_code == 0, result.output
@@ -28,7 +28,7 @@ def test_calibrate_writes_an_artifact(artifact_dir):
     assert "oscar" in (artifact_dir / "validation.txt").read_text()
     # the default checks the tolerance's widths against the KL target, and records every KL it measured
     widths = json.loads((artifact_dir / "manifest.json").read_text())["calibration"]["widths"]
-    assert widths["max_kl"] == 0.01 and widths["kl_by_step"]
+    assert widths["max_kl"] == 0.01 and widths["kl_by_step"] and widths["kl_probe_tokens"] == 1024
     assert all(v["kl"] > 0 for v in widths["kl_by_step"].values())
 
 

@@ -236,3 +236,12 @@ def test_teacher_forced_continuation_matches_stepping_the_cache(model, rotations
         assert torch.allclose(simulated, real, rtol=0.1, atol=2e-4)
         assert abs(float(simulated.mean() - real.mean())) < 0.03 * float(real.mean())
         assert int((simulated_top1 != real_top1).sum()) <= 1  # a near-tie may fall either way
+
+
+def test_kl_by_position_bins_are_powers_of_two():
+    from oscar_kv.evaluate.tasks import _add_to_bins
+
+    bins: dict = {}
+    _add_to_bins(bins, torch.arange(10.0), 1)  # positions 1..10
+    _add_to_bins(bins, torch.ones(3), 11)  # positions 11..13, a second chunk
+    assert bins == {2: [0.0, 1], 4: [3.0, 2], 8: [18.0, 4], 16: [24.0 + 3.0, 6]}

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from .activations import LayerSample, capture_samples, observing, run_layers
 from .allocation import KEY_WIDTHS, VALUE_WIDTHS
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
-from .calibration_settings import CalibrationSettings
+from .calibration_settings import KL_PROBE_MAX_TOKENS, CalibrationSettings
 from .corpus import CorpusError, load_calibration_text
 from .errors import ConfigError
 from .models import AttentionGeometry
@@ -238,8 +238,9 @@ def calibration_sequences(model, tokenizer, settings: CalibrationSettings, texts
 
 def kl_probe(tokenizer, texts: list[str], settings: CalibrationSettings, max_len: int) -> torch.Tensor:
     """The held-back text ``--max-kl`` measures on (width_choice.kl_measure), int64 [1, length]: one sequence of
-    ``settings.kl_probe_tokens`` (default min(context, 8192)) cut after the fitting text and the probe."""
-    length = min(settings.kl_probe_tokens or 8192, max_len)
+    ``settings.kl_probe_tokens`` (default min(context, KL_PROBE_MAX_TOKENS)) cut after the fitting text and the
+    probe."""
+    length = min(settings.kl_probe_tokens or KL_PROBE_MAX_TOKENS, max_len)
     after = math.ceil((settings.calib_tokens + settings.probe_tokens) / length)
     sequences = token_sequences(tokenizer, texts, length, after + 1)
     if len(sequences) <= after:
@@ -323,9 +324,11 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     centering = choose_key_centering(rotations, stats, settings, probe)
     say(f"key centering: {centering['chosen']}, {centering['pairs']} RoPE pairs")
     allocated = settings.key_bits == "auto" or settings.value_bits == "auto"  # else the KL target has no choice
-    kl = (kl_measure(model, kl_probe(tokenizer, texts, settings, max_len))
-          if settings.max_kl is not None and allocated else None)
+    kl_ids = kl_probe(tokenizer, texts, settings, max_len) if settings.max_kl is not None and allocated else None
+    kl = kl_measure(model, kl_ids) if kl_ids is not None else None
     widths = choose_widths(rotations, stats.query_moments(), settings, probe, max_len, progress, kl)
+    if kl_ids is not None:
+        widths["kl_probe_tokens"] = int(kl_ids.shape[1])
     say(f"widths: {rotations.width_summary()} ({widths['bits_per_element']:.3f} bits per element at {max_len} "
         f"tokens; {widths['reason']})" + (", clip ratios fitted at each width" if settings.clip == "fit" else ""))
     table = error_table(rotations, probe)

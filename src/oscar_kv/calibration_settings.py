@@ -21,11 +21,17 @@ KEY_CENTERINGS = ("auto", "rope", "constant", "off")
 # KL 0.007-0.009, at 3.0 bits per element (Qwen2.5, 32K); 0.1 (nearly every layer at 4 bits) gains one multi-key
 # prompt at 16K for 0.34 more bits; every layer at 3 bits loses a needle on SmolLM2 at 4K
 DEFAULT_KEY_NOISE = 0.3
-# The KL against the unquantized model that the tolerance's widths must also meet, measured at min(context, 8K) on
-# held-back text, else widened further (keys and values in one order).  0.01 at that probe held KL <= 0.016 and top-1
-# >= 0.936 to 32K on Gemma 3 270M (the tolerance alone: KL 0.055, top-1 0.88), and is already met by the tolerance's
-# widths on Qwen2.5-Coder-1.5B and SmolLM2-135M (KL 0.007-0.009): benchmarks/NOTES.md, runs D6, D10.
+# The KL against the unquantized model that the tolerance's widths must also meet, measured on held-back text at
+# min(context, KL_PROBE_MAX_TOKENS), else widened further (keys and values in one order).  0.01 at an 8K probe held
+# KL <= 0.016 and top-1 >= 0.936 to 32K on Gemma 3 270M (the tolerance alone: KL 0.055, top-1 0.88), and is already
+# met by the tolerance's widths on Qwen2.5-Coder-1.5B and SmolLM2-135M (KL 0.007-0.009): benchmarks/NOTES.md, runs
+# D6, D10.
 DEFAULT_MAX_KL = 0.01
+# The KL probe's longest length.  KL grows with the history a token sees (Gemma 3 270M: a KL of 0.046 at an 8K probe
+# was 0.081 at 32K; the positions past 16K alone 0.10; run D13), so the target is measured at the model's context,
+# up to 32K (one forward per measurement: seconds on a GPU; minutes to an hour for a 1B+ model on a CPU, where
+# --kl-probe-tokens shortens it).  Longer contexts take the 32K measurement.
+KL_PROBE_MAX_TOKENS = 32768
 DEFAULT_KV_BITS: float | None = None
 
 
@@ -66,8 +72,8 @@ class CalibrationSettings:
     key_noise: float | None = DEFAULT_KEY_NOISE
     kv_bits: float | None = DEFAULT_KV_BITS
     # beside the tolerance: the fewest widenings past its point (noisiest part first, within kv_bits) whose KL against
-    # the unquantized model, measured on kl_probe_tokens of held-back text (None: min(context, 8192)), is at most
-    # max_kl (None: no KL check; ignored where both sides' widths are fixed)
+    # the unquantized model, measured on kl_probe_tokens of held-back text (None: min(context, KL_PROBE_MAX_TOKENS)),
+    # is at most max_kl (None: no KL check; ignored where both sides' widths are fixed)
     max_kl: float | None = DEFAULT_MAX_KL
     kl_probe_tokens: int | None = None
 

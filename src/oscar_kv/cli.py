@@ -103,11 +103,12 @@ def calibrate(
         "--kl-probe-tokens of held-back text; where it is above the target, it walks the same noisiest-first widenings "
         "of keys and values further (within --kv-bits; a bisection: ~log2(5 x layers) forwards) and keeps the fewest "
         "that meet it. The manifest records every KL measured. 0 turns the check off (the tolerance alone). KL grows "
-        "with the context (1.2-1.6x from 8K to 32K): probe at the length you serve where time allows. Not under --tp "
+        "with the context (1.2-1.8x from 8K to 32K), so it is measured at the model's context (up to 32K). Not under --tp "
         "(the probe runs the whole model in one process)."),
     kl_probe_tokens: Optional[int] = typer.Option(
         None, min=1024, help="With --max-kl: the tokens the KL is measured over (default: the model's context, at "
-        "most 8192; on a CPU each forward at 8K takes seconds to minutes by model size)."),
+        "most 32768: KL grows with the context; one forward per measurement, seconds on a GPU, minutes to an hour for a "
+        "1B+ model on a CPU, where a shorter probe trades fidelity for time)."),
     key_rescale: float = typer.Option(
         0.5, min=0.0, max=1.0, help="Share of the clip's shrink of each INT2 key row along itself that its float16 scale "
         "and minimum undo (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "

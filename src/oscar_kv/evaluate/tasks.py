@@ -77,14 +77,15 @@ def kl_and_ppl(model, scheme: Scheme, ids: torch.Tensor, ref_hidden: torch.Tenso
 
 
 def _add_to_bins(bins: dict[int, list[float]], values: torch.Tensor, first: int) -> None:
-    """Add ``values`` (positions first, first + 1, ...) into power-of-two position bins keyed by their end."""
-    pos = torch.arange(first, first + values.shape[0], device=values.device)
-    ends = (2 ** torch.floor(torch.log2(pos.double())) * 2).long()
-    for end in torch.unique(ends).tolist():
-        sel = ends == end
-        entry = bins.setdefault(int(end), [0.0, 0])
-        entry[0] += float(values[sel].sum())
-        entry[1] += int(sel.sum())
+    """Add ``values`` (positions first, first + 1, ...) into the power-of-two position bins [end / 2, end)."""
+    last, end = first + values.shape[0], 2
+    while end // 2 < last:
+        lo, hi = max(end // 2, first), min(end, last)
+        if lo < hi:
+            entry = bins.setdefault(end, [0.0, 0])
+            entry[0] += float(values[lo - first:hi - first].sum())
+            entry[1] += hi - lo
+        end *= 2
 
 
 # ---- needle in a haystack ------------------------------------------------------------------------
