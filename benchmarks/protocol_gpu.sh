@@ -110,9 +110,9 @@ PY
           step d14 --model smollm2-135m:4096,8192 --niah-samples 10 --candidates default,f0.05,f0.01 ;;
         # runs D15-D16: the KL target measured at the model's context (the probe up to 32K, was 8K)
         d15) wait_for gemma
-          step d15 --model gemma3-270m:8192,16384,32768 --tasks kl --candidates default,f0.05 ;;
+          step d15 --model gemma3-270m:8192,16384,32768 --tasks kl --candidates default,m0.05,f0.05 ;;
         d16) wait_for qwen
-          step d16 --model qwen2.5-coder-1.5b:8192,16384,32768 --tasks kl --candidates default,f0.05 ;;
+          step d16 --model qwen2.5-coder-1.5b:8192,16384,32768 --tasks kl --candidates default ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
