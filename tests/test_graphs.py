@@ -82,7 +82,7 @@ def _tiny_llama(head_dim: int, layers: int, limit: int):
 @pytest.mark.parametrize("dtype,centering,head_dim", [("int2", "constant", 64), ("bf16", "constant", 64),
                                                       ("int2", "rope", 64), ("int2", "constant", 128)])
 def test_graph_replay_matches_eager_steps(dtype, centering, head_dim):
-    """INT2 decode attention runs as one CUDA launch (int2_cuda.py, head dim 64 and 128) whose last CTA per (sequence,
+    """INT2 decode attention runs as one CUDA launch (int2_cuda.py, head dim 64, 128 or 256) whose last CTA per (sequence,
     KV head) merges through counters that must be back at zero for the next replay."""
     model, tok, rot = _tiny_llama(head_dim, 3, 4096)
     if centering == "rope":  # keys centered per position: rotated inside the graph, the kernels add the term back

@@ -176,9 +176,9 @@ def test_bf16_decode_matches_reference(d):
 
 @pytest.mark.parametrize("group,centering", [(256, "constant"), (128, "rope")])
 def test_int2_decode_head_dim_256(group, centering):
-    """Head dim 256 (Gemma's) through the Triton INT2 kernel (the CUDA one is written for 64 / 128 and says so), GQA
-    2 as Gemma 3; one group per head or two (calibration's default there, 128); per-head and shared rotations, and
-    the position-aware key offset."""
+    """Head dim 256 (Gemma's) through the Triton INT2 kernel and, on a GPU, the CUDA one (written for it too: one group
+    per head or two), GQA 2 as Gemma 3; one group per head or two (calibration's default there, 128); per-head and
+    shared rotations, and the position-aware key offset."""
     from oscar_kv.kernels import int2_cuda
     from oscar_kv.kernels.decode import int2_decode, int2_kernel_choice
 
@@ -188,18 +188,18 @@ def test_int2_decode_head_dim_256(group, centering):
     seq_lens = [0, 7, 150] if not GPU else [0, 7, 64, 5003, 65536 + 77]
     pool, batch, rot = build_pool(geom, seq_lens, gen)
     q = torch.randn(len(seq_lens), 4, 256, generator=gen).to(DEV, torch.bfloat16)
-    why = int2_cuda.unsupported(torch.device("cuda"), geom, 2, None)
-    assert f"head dim 256 / group {group}" in why
+    assert int2_cuda.shape_error(geom, 2, None) is None
     if GPU:
-        assert int2_kernel_choice(q.device, geom, 2) == ("triton", why)
+        assert int2_kernel_choice(q.device, geom, 2) == ("cuda", None)
     rope = rope_case(2, 256, max(seq_lens), gen, live=3) if centering == "rope" else None
-    for r in (rot, rot[:1]) if rope is None else (rot,):
-        want = ref.decode_reference(pool, 0, q, batch, r, None, rope=rope)
-        out = torch.full_like(q, float("nan"))
-        int2_decode(q, pool, 0, batch, r, rope=rope, num_splits=2, out=out)
-        assert not out.isnan().any()
-        assert rel_err(out, want) < 1e-2
-        assert out[0].abs().max() == 0  # empty sequence
+    for backend in ("triton", "cuda") if GPU else ("triton",):
+        for r in (rot, rot[:1]) if rope is None else (rot,):
+            want = ref.decode_reference(pool, 0, q, batch, r, None, rope=rope)
+            out = torch.full_like(q, float("nan"))
+            int2_decode(q, pool, 0, batch, r, rope=rope, num_splits=2, out=out, backend=backend)
+            assert not out.isnan().any(), backend
+            assert rel_err(out, want) < 1e-2, backend
+            assert out[0].abs().max() == 0  # empty sequence
 
 
 @pytest.mark.parametrize("widths", [(2, 2), (3, 4), (4, 3)])
@@ -580,6 +580,133 @@ def test_cuda_decode_of_3_and_4_bit_keys_adds_the_position_aware_key_offset(d, s
     tri = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="triton")
     assert rel_err(out, tri) < 5e-3
     assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) > 0.1  # the term matters
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
+@pytest.mark.parametrize("group,widths,live,window", [
+    (128, (2, 2), None, None), (256, (2, 2), None, None),  # Gemma 3's layouts: two metadata groups per head, or one
+    (128, (3, 2), None, None), (128, (4, 2), None, None), (128, (8, 2), None, None),
+    (128, (2, 2), 16, None), (256, (4, 2), 32, None),  # per-position key centering (RoPE term)
+    (128, (2, 2), None, 1024), (128, (2, 2), 8, 1024), (128, (3, 2), 32, 512),  # sliding windows (5 of 6 layers)
+])
+def test_cuda_decode_head_dim_256(group, widths, live, window):
+    """Head dim 256 in the CUDA kernel (int2_decode.cu, D = 256: NG = 2 metadata groups at G = 128, two logit and
+    value accumulators per group; 2 CTAs per SM; 16-token steps where 32 would spill) against the float64 reference
+    and the Triton kernel: keys at 2, 3, 4 or 8 bits, the RoPE term over 8 .. 32 pairs, sliding windows, GQA 1 / 4 /
+    8 / 16 (two query groups), a 32K sequence among short ones (empty, sink-only, window-only), a prefix hit with a
+    short recent window, split counts from 1 to many, CTAs without INT2 tokens, per-head / shared / no rotation,
+    float32 / float16 queries.  The engine's choice takes CUDA for these layers."""
+    from oscar_kv.kernels import int2_cuda
+    from oscar_kv.kernels.common import LOG2E
+    from oscar_kv.kernels.decode import int2_decode, int2_kernel_choice
+
+    d = 256
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=d, group_size=group, page_size=16, sink_size=64,
+                        recent_size=256, k_bits=widths[:1], v_bits=widths[1:],
+                        layer_windows=(window,) if window else None)
+    gen = torch.Generator().manual_seed(91 + group + widths[0] + (live or 0) + (window or 0))
+    seq_lens = [0, 7, 64, 64 + 256 + 3 * 16 + 5, 5003, 32768 + 77, 9000]
+    steady = [geom.int2_pages_for(n) for n in seq_lens]
+    steady[-1] = (9000 - 64 - 40) // 16  # prefix hit: more INT2 pages, a 40-odd-token recent window
+    pool, batch, rot = build_pool(geom, seq_lens, gen, int2_pages=steady)
+    assert pool.k_meta.shape[-1] == 2 * (d // group)
+    rope = None if live is None else rope_case(2, d, max(seq_lens), gen, live=live, scale=300.0)
+    for gqa in (1, 4, 8, 16) if live is None and window is None else (4, 16):
+        assert int2_kernel_choice(torch.device(DEV), geom, gqa, rope, widths=widths) == ("cuda", None), gqa
+        q = torch.randn(len(seq_lens), 2 * gqa, d, generator=gen).to(DEV, torch.bfloat16)
+        want = ref.decode_reference(pool, 0, q, batch, rot, None, rope=rope, window=window)
+        out = torch.full_like(q, float("nan"))
+        int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", window=window, out=out,
+                    max_int2_pages=int(batch.int2_pages.max()) + 999, max_seq_len=max(seq_lens))
+        assert not out.isnan().any(), gqa
+        assert out[0].abs().max() == 0  # empty sequence
+        assert rel_err(out, want) < 1e-2, gqa
+        for b in range(1, len(seq_lens)):
+            assert rel_err(out[b], want[b]) < 1e-2, (gqa, b)
+        tri = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="triton", window=window)
+        assert rel_err(out, tri) < 5e-3, gqa  # two approximations of the reference
+        for target in (1, 16):  # one long split per sequence, and many short ones
+            o2 = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", window=window,
+                             cuda_split_target=target)
+            assert rel_err(o2, want) < 1e-2, (gqa, target)
+        again = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", window=window)
+        assert torch.equal(again, int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", window=window))
+    if window is None:  # more CTAs than the history needs: some with no INT2 tokens (window sub-tiles, merge)
+        _, chunk = int2_cuda.split_plan(int(batch.int2_pages.max()) * 16, 1, 16, 12, 1)
+        o3 = torch.full_like(q, float("nan"))
+        int2_cuda.decode(q, rot, pool.layer(0), geom, batch, o3, 40, chunk, LOG2E / d ** 0.5, rope=rope)
+        assert rel_err(o3, want) < 1e-2
+    if live is None and window is None:
+        q = torch.randn(len(seq_lens), 8, d, generator=gen).to(DEV)
+        for r in (rot[:1], None):  # one rotation shared by the heads; none (keys stored unrotated)
+            want = ref.decode_reference(pool, 0, q, batch, r, None)
+            for dtype in (torch.float32, torch.float16):
+                out = int2_decode(q.to(dtype), pool, 0, batch, r, backend="cuda")
+                assert out.dtype == dtype
+                assert rel_err(out, want) < 1e-2, (dtype, r is None)
+    if rope is not None:
+        assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None, window=window), want) > 0.1  # it matters
+
+
+def test_cuda_head_dim_256_host_side(monkeypatch):
+    """int2_cuda's host side at head dim 256 (runs anywhere): groups of 256 or 128 are taken and G = 64 is refused
+    (Triton runs it) with the head dim and group in the reason; 2 CTAs per SM for every key width and RoPE term; the
+    16-token steps at D = 256 only; the defines NG and STEP16 reach the D = 256 source only (the
+    D = 64 / 128 sources stay what they were); the split plan's chunks stay whole rounds; a pool whose metadata rows
+    do not hold the groups is refused before the launch."""
+    from oscar_kv.kernels import int2_cuda
+
+    assert 256 in int2_cuda.HEAD_DIMS
+    for d, g, ok in ((256, 256, True), (256, 128, True), (256, 64, False), (128, 128, True), (128, 64, False),
+                     (64, 64, True), (64, 32, False), (512, 512, False)):
+        geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=d, group_size=g, page_size=16, sink_size=16,
+                            recent_size=32)
+        why = int2_cuda.shape_error(geom, 4, None)
+        assert (why is None) == ok, (d, g, why)
+        if not ok:
+            assert f"head dim {d} / group {g}" in why
+            assert why == int2_cuda.unsupported(torch.device("cuda"), geom, 4, None)  # before any device check
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=128)
+    assert int2_cuda.shape_error(geom, 4, None, widths=(3, 3)) == int2_cuda.width_error(3, 3)
+    assert "65 query heads" in int2_cuda.shape_error(geom, 65, None)
+    for kbits in int2_cuda.KEY_BITS:
+        for pairs in (0, 8, 16, 32):
+            assert int2_cuda.min_blocks(pairs, 256, kbits) == 2
+            assert int2_cuda.step16(256, kbits, pairs, False)
+        assert int2_cuda.step16(256, kbits, 0, True)
+        assert not int2_cuda.step16(128, kbits, 8, True) and not int2_cuda.step16(64, kbits, 0, True)
+    assert int2_cuda.min_blocks(0, 128, 2) == 3 and int2_cuda.min_blocks(0, 64, 2) == 4  # unchanged
+    assert int2_cuda.min_blocks(8, 128, 2) == 2 and int2_cuda.min_blocks(0, 128, 8) == 2
+
+    sources = []
+    monkeypatch.setattr(int2_cuda.torch.cuda, "_compile_kernel", lambda src, name: sources.append(src) or name,
+                        raising=False)
+    monkeypatch.setattr(int2_cuda.torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
+    compile_ = int2_cuda._kernel.__wrapped__  # not the cached one
+    compile_(0, 256, 16, 4, 4, 2, 1, 1, rope_pairs=8, kbits=2, groups=2)
+    compile_(0, 256, 16, 4, 4, 2, 1, 1, kbits=2, groups=1)
+    compile_(0, 128, 16, 4, 4, 3, 1, 1, kbits=2)
+    head = [src[: src.index("//")] for src in sources]
+    assert "#define D 256\n" in head[0] and "#define NG 2\n" in head[0] and "#define STEP16 1\n" in head[0]
+    assert "#define NG 1\n" in head[1] and "#define STEP16 1\n" in head[1]
+    assert "#define D 128\n" in head[2] and "#define NG" not in head[2] and "STEP16" not in head[2]
+
+    for tokens in (16, 4096 + 48, 32768 + 16):  # 16-token steps: the chunks are whole rounds of them too
+        splits, chunk = int2_cuda.split_plan(tokens, 2, 16, 132, int2_cuda.min_blocks(0, 256))
+        assert chunk % int2_cuda.TOKENS_PER_ROUND == 0 and chunk % (16 * int2_cuda.NUM_WARPS) == 0
+        assert (splits - 1) * chunk < tokens <= splits * chunk
+
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=64, page_size=16, sink_size=16,
+                        recent_size=32)
+    pool, batch, rot = build_pool(geom, [100], torch.Generator().manual_seed(12))
+    q = torch.randn(1, 4, 256)
+    with pytest.raises(ValueError, match="group 64"):
+        int2_cuda.decode(q, rot, pool.layer(0), geom, batch, torch.empty_like(q), 1, 128, 0.1)
+    geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=128, page_size=16, sink_size=16,
+                        recent_size=32)
+    layer = pool.layer(0)  # G = 64 rows: 4 (scale, min) pairs per token where the geometry says 2
+    with pytest.raises(ValueError, match="metadata rows"):
+        int2_cuda.decode(q, rot, layer, geom, batch, torch.empty_like(q), 1, 128, 0.1)
 
 
 def test_cuda_decode_checks_the_layer_widths_before_launching():

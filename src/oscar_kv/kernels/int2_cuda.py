@@ -28,12 +28,23 @@ below it are skipped and the tokens below it masked.
 
 The kernel is compiled at first use by NVRTC, through torch (``torch.cuda._compile_kernel``), once per
 device, geometry, key width and dtype.  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
-offset removal; the window's query as bfloat16 hi + lo parts).  Supported: head dim 64 or 128, one
-quantization group per head (G = D), up to MAX_GQA query heads per KV head, full or sliding-window layers,
-float32 / bfloat16 / float16 queries, constant key
+offset removal; the window's query as bfloat16 hi + lo parts).  Supported: head dim 64, 128 or 256, one
+quantization group per head (G = D) or, at D = 256, two (G = 128), up to MAX_GQA query heads per KV head, full or
+sliding-window layers, float32 / bfloat16 / float16 queries, constant key
 centering or per-position centering over at most MAX_ROPE_PAIRS pairs, full or partial rotary (the term
 q . RoPE_p(mu_pre) as one more small MMA per 16 keys; int2_decode.cu, rope_terms; the layout places each pair's
 two channels, pair_lo / pair_hi).  Anything else runs the Triton kernels.
+
+Head dim 256 (Gemma 3) compiles with D = 256 and NG = D / G metadata groups per token: G = 256 (one (scale, min)
+word, as at D = 64 and 128) or G = 128 (two: NG = 2; code slices 0, 1 are group 0's channels, slices 2, 3 group
+1's, so the key MMAs keep two logit accumulators and the value MMAs take each group's p * scale).  Its accumulators
+and window tiles are twice D = 128's: 2 CTAs per SM (255 registers), the key MMAs' query fragments read from shared
+memory, 16-token steps (``step16``), and the query rotated before the launch (decode.rotate_query; in the kernel each
+CTA would read the whole 128 KB R^T: ROTATE_IN_KERNEL_MAX_DIM).  Other groups at D = 256 (G = 64) run the Triton
+kernels.  H200, CUDA graphs, bfloat16, per call (with the rotation launch; Triton beside): 1 KV head x 128K tokens
+35.7 us (37.3), 1 x 32K x 8 sequences 34.5 (54.0), 4 KV heads x 128K 45.0 (106.2), 8 x 32K x 8 137.8 (314.0); at one
+(sequence, KV head) pair 1 CTA per SM instead of 2 gave 30.1 (the last CTA merges half as many partials), at 4 pairs
+53.3 instead of 45.0: the split plan is not tuned for D = 256 yet.
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ SOURCE = Path(__file__).with_name("int2_decode.cu")
 NUM_WARPS = 4
 TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 KEY_BITS = (2, 3, 4, 8)  # key code widths with a compiled variant (KBITS)
 MAX_GQA_PER_CTA = 8  # query heads one CTA takes: one n8 MMA column block
 MAX_GQA = 64
@@ -66,6 +77,11 @@ ROPE_MIN_BLOCKS = {8: 2}
 # Head dim 64 holds half the accumulators and query fragments: 4 CTAs fit in 128 registers without spilling
 MIN_BLOCKS_D64 = 4
 ROPE_MIN_BLOCKS_D64: dict[int, int] = {}
+# Head dim 256 holds twice D = 128's accumulators and code bytes: 2 CTAs per SM, 255 registers (sm_90, nvcc 13).
+# With 32-token steps INT2 spilled 8 bytes a thread (G = 128; none at G = 256), 52 with a sliding window, 184 / 32 / 32
+# with the RoPE term over 8 / 16 / 32 pairs, keys at 3 or 4 bits ~270 and at 8 bits ~900; with 16-token steps (step16)
+# none of them spills.
+MIN_BLOCKS_D256 = 2
 
 
 def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2) -> int:
@@ -75,11 +91,29 @@ def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2) -> int:
     builds spill 0-48 bytes a thread there, 80-224 with the RoPE term over 16 or 32 pairs; benchmarks/NOTES.md,
     "3- and 4-bit keys in the CUDA kernel").  The 8-bit variant at head dim 128 holds four times INT2's key bytes in
     flight: at 3 CTAs per SM it spills 188 bytes a thread, at 2 none (216 registers)."""
+    if head_dim == 256:
+        return MIN_BLOCKS_D256
     if kbits == 8 and head_dim == 128:
         return 2
     if head_dim == 64:
         return ROPE_MIN_BLOCKS_D64.get(rope_pairs, MIN_BLOCKS_D64)
     return ROPE_MIN_BLOCKS.get(rope_pairs, MIN_BLOCKS)
+
+
+def step16(head_dim: int, kbits: int = 2, rope_pairs: int = 0, sliding: bool = False) -> bool:
+    """Whether the variant's warps take 16-token INT2 steps (one sub-tile, loads one sub-tile ahead) instead of 32:
+    every head dim 256 variant.  Their 32-token steps spill (MIN_BLOCKS_D256's comment) and were not faster where they
+    do not (H200, G = 128, CUDA graphs: INT2 at 128K x 1 and 4 KV heads, 32K x 8 sequences x 1 and 8 KV heads 49.7 /
+    57.5 / 48.1 / 144.1 us with 16-token steps, 50.7 / 60.4 / 49.3 / 154.1 with 32; K4V2 at 128K x 4 KV heads 60.0 /
+    72.7).  The chunks stay multiples of TOKENS_PER_ROUND (then two rounds of 16-token steps).  ``kbits``,
+    ``rope_pairs``, ``sliding``: the variant (every one takes them at D = 256)."""
+    return head_dim == 256
+
+
+# Above this head dim the query arrives rotated (decode.rotate_query, one small launch before the kernel): in the
+# kernel every CTA would read the whole float16 R^T, 128 KB at D = 256 (+18 us per call on the H200 at 1 to 64
+# (sequence, KV head) pairs, whose one wave is ~264 CTAs; the launch costs ~3-5)
+ROTATE_IN_KERNEL_MAX_DIM = 128
 MAX_SPLITS = 512  # CTAs per (sequence, KV head), all merged by the last one (one wave here is <= 3 x SMs CTAs)
 STREAM_EVICT_FIRST_L2S = 2.0  # code loads are evict_first while a call's INT2 bytes are <= this many L2s
 MAX_ROPE_PAIRS = 32  # the position-aware term's shared tables for more pairs pass the 48 KB static limit
@@ -105,31 +139,50 @@ def query_groups(gqa: int) -> int:
     return groups
 
 
-def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope,
-                dtype: torch.dtype = torch.bfloat16, widths: tuple[int, int] = (2, 2)) -> str | None:
-    """Why the CUDA kernel cannot run this call (None: it can).  Called on every decode call: the shape checks
-    are plain comparisons, the device and compiler checks are cached per device, geometry and key width.
-    ``widths``: the layer's (key, value) code widths."""
-    if device.type != "cuda":
-        return "not a CUDA device"
+def group_error(head_dim: int, group_size: int) -> str | None:
+    """Why the kernel cannot read a pool of this head dim and metadata group (None: it can): one group per head at
+    D = 64, 128 or 256, or two of 128 channels at D = 256 (Gemma 3's calibration default)."""
+    if head_dim in HEAD_DIMS and (group_size == head_dim or (head_dim, group_size) == (256, 128)):
+        return None
+    return (f"head dim {head_dim} / group {group_size} (the kernel is written for D = G = 64, 128 or 256, and for "
+            f"D = 256 with G = 128)")
+
+
+def shape_error(geom: PoolGeometry, gqa: int, rope, dtype: torch.dtype = torch.bfloat16,
+                widths: tuple[int, int] = (2, 2)) -> str | None:
+    """The checks of ``unsupported`` that need no GPU: widths, head dim and group, query heads, RoPE pairs, dtype."""
     why = width_error(*widths)
     if why is not None:
         return why
-    if geom.head_dim not in HEAD_DIMS or geom.group_size != geom.head_dim:
-        return f"head dim {geom.head_dim} / group {geom.group_size} (the kernel is written for D = G = 64 or 128)"
+    why = group_error(geom.head_dim, geom.group_size)
+    if why is not None:
+        return why
     if not 1 <= gqa <= MAX_GQA:
         return f"{gqa} query heads per KV head (at most {MAX_GQA})"
     if rope is not None and rope.pairs.shape[1] > MAX_ROPE_PAIRS:
         return f"position-aware key centering over {rope.pairs.shape[1]} pairs (at most {MAX_ROPE_PAIRS})"
     if dtype not in _DTYPES:
         return f"{dtype} queries (float32, bfloat16 or float16)"
+    return None
+
+
+def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope,
+                dtype: torch.dtype = torch.bfloat16, widths: tuple[int, int] = (2, 2)) -> str | None:
+    """Why the CUDA kernel cannot run this call (None: it can).  Called on every decode call: the shape checks
+    are plain comparisons (``shape_error``), the device and compiler checks are cached per device, geometry and key
+    width.  ``widths``: the layer's (key, value) code widths."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    why = shape_error(geom, gqa, rope, dtype, widths)
+    if why is not None:
+        return why
     return _device_error(_index(device), geom.head_dim, geom.page_size, gqa // query_groups(gqa), geom.sink_pages,
-                         widths[0])
+                         widths[0], geom.num_groups)
 
 
 @functools.lru_cache(maxsize=None)
 def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int,
-                  kbits: int = 2) -> str | None:
+                  kbits: int = 2, groups: int = 1) -> str | None:
     """The torch build, the GPU and one compile, once per device and geometry (``gqa``: query heads per CTA): a
     machine whose NVRTC fails gets the reason (and the Triton kernel), not a crash."""
     if not hasattr(torch.cuda, "_compile_kernel"):
@@ -140,7 +193,7 @@ def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, si
         return "needs compute capability >= 8.0 (mma.sync m16n8k16, movmatrix)"
     try:
         _kernel(device_index, head_dim, page_size, gqa, sink_pages, min_blocks(0, head_dim, kbits), 1, 1,
-                kbits=kbits)
+                kbits=kbits, groups=groups)
     except Exception as e:  # NVRTC missing or refusing the source: reported, never fatal under "auto"
         warnings.warn(f"oscar-kv: the CUDA decode kernel for {kbits}-bit keys did not compile ({e!r:.300}); using "
                       f"the Triton kernel")
@@ -168,14 +221,18 @@ def _index(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int, min_blocks: int,
             q_kind: int, o_kind: int, stamps: bool = False, rope_pairs: int = 0, rope_rot: int = 0,
-            rope_interleaved: bool = False, kbits: int = 2, qgroups: int = 1, sliding: bool = False):
+            rope_interleaved: bool = False, kbits: int = 2, qgroups: int = 1, sliding: bool = False,
+            groups: int = 1):
     """``gqa``: query heads per CTA; ``qgroups``: CTAs per KV head.  ``rope_rot`` / ``rope_interleaved``: the RoPE
     layout's rotary dim (0: the head dim) and pairing (rope.RotaryLayout), which place the channels of each visited
-    pair.  ``kbits``: the key code width.  ``sliding``: the variant for sliding-window layers."""
+    pair.  ``kbits``: the key code width.  ``sliding``: the variant for sliding-window layers.  ``groups``: metadata
+    groups per head (NG = D / G: 1, or 2 at D = 256)."""
     defines = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=NUM_WARPS,
                    MAX_PAGES=MAX_PAGES, MIN_BLOCKS=min_blocks, Q_KIND=q_kind, O_KIND=o_kind,
                    STAMPS=int(stamps), ROPE_R=rope_pairs, ROPE_ROT=rope_rot or head_dim,
                    ROPE_INTERLEAVED=int(rope_interleaved), KBITS=kbits, QGROUPS=qgroups, SLIDING=int(sliding))
+    if head_dim == 256:  # (the D <= 128 sources stay byte for byte what they were)
+        defines.update(NG=groups, STEP16=int(step16(head_dim, kbits, rope_pairs, sliding)))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.read_text()
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(source, "oscar_int2_decode")
@@ -255,7 +312,8 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
 
     Args:
         q: the unrotated queries (float32, bfloat16 or float16).
-        k_rotation: R_K, applied in the kernel; None: q arrives rotated.
+        k_rotation: R_K, applied in the kernel (above ROTATE_IN_KERNEL_MAX_DIM by decode.rotate_query before it);
+            None: q arrives rotated.
         layer: one layer of the pool (``PagedKVPool.layer``).
         geom, batch: the pool's geometry and the sequences' block tables and lengths.
         out: the output, written in place (any of the three dtypes).
@@ -291,6 +349,13 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
         raise ValueError(why)
     if kc.shape[-1] != d * kbits // 8 or vc.shape[-1] != d * vbits // 8:
         raise ValueError(f"code rows of {kc.shape[-1]} / {vc.shape[-1]} bytes are not K{kbits}V{vbits} at head dim {d}")
+    why = group_error(d, geom.group_size)
+    if why is not None or km.shape[-1] != 2 * geom.num_groups or vm.shape[-1] != km.shape[-1]:
+        raise ValueError(why or f"metadata rows of {km.shape[-1]} / {vm.shape[-1]} float16 values are not "
+                                f"{geom.num_groups} (scale, min) pairs")
+    if km.stride(-2) != km.shape[-1] or (geom.num_groups == 2 and (km.data_ptr() | vm.data_ptr()) % 8):
+        raise ValueError("the CUDA decode kernel reads a token's metadata as one 4 (one group) or 8-byte word "
+                         "(two groups)")
     # K2V2 addresses both code pools with the same strides; wider keys pass their page and head strides
     rows = kc.stride() == vc.stride() if kbits == 2 else (kc.stride(-2) == kc.shape[-1] and vc.stride(-2) == d // 4)
     if not rows or km.stride() != vm.stride() or kw.stride() != vw.stride() or \
@@ -299,13 +364,21 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     if q.stride(-1) != 1:
         q = q.contiguous()
     target = out if out.stride(-1) == 1 and out.dtype == q.dtype else torch.empty_like(q)
+    rotate = k_rotation is not None
     if k_rotation is None:
         r, stride_rh = q, 0
     else:
         if k_rotation.dim() != 3 or k_rotation.shape[0] not in (1, h) or tuple(k_rotation.shape[1:]) != (d, d):
             raise ValueError(f"k_rotation must be [1 or {h}, {d}, {d}], got {tuple(k_rotation.shape)}")
-        r = rotation_operand(k_rotation)
-        stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
+        if d > ROTATE_IN_KERNEL_MAX_DIM:
+            from .decode import rotate_query
+
+            r, stride_rh = rotate_query(q, k_rotation, h), 0  # float32 [B, Hq, D]
+            if rope is None:  # only the RoPE prologue reads the unrotated query
+                q, rotate = r, False
+        else:
+            r = rotation_operand(k_rotation)
+            stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
     rope_rot, rope_interleaved = d, False
     if rope is None:
         mu = pairs = phases = tile = q  # not read
@@ -326,9 +399,9 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     history_bytes = bsz * h * splits * chunk * token_bytes  # an upper bound (the last chunk), read once from DRAM
     kernel = _kernel(_index(q.device), d, geom.page_size, hq // h // qgroups, geom.sink_pages,
                      min_blocks(rope_r, d, kbits), _DTYPES[q.dtype], _DTYPES[target.dtype], stamps is not None, rope_r,
-                     rope_rot, rope_interleaved, kbits, qgroups, bool(window))
+                     rope_rot, rope_interleaved, kbits, qgroups, bool(window), geom.num_groups)
     kernel(grid=(splits, h * qgroups, bsz), block=(NUM_WARPS * 32, 1, 1),
-           args=[q, r, k_rotation is not None, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
+           args=[q, r, rotate, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
                  target, _counters(q.device, bsz * h * qgroups), float(qk_scale), q.stride(0), q.stride(1), stride_rh,
                  vc.stride(0), vc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
                  po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), target.stride(0),

@@ -1,9 +1,10 @@
 // Decode attention over the paged INT2 + BF16 pool in one launch, written for the tensor cores' mma.sync
 // fragments.  Host side, math and layout: int2_cuda.py.  Compiled at run time by NVRTC with these macros:
-//   D (head dim, 64 or 128), P (page size), GQA (query heads per CTA, <= 8), SINK_PAGES, NWARPS, MAX_PAGES,
+//   D (head dim, 64, 128 or 256), P (page size), GQA (query heads per CTA, <= 8), SINK_PAGES, NWARPS, MAX_PAGES,
 //   MIN_BLOCKS, Q_KIND / O_KIND (query / output dtype: 0 float32, 1 bfloat16, 2 float16), KBITS (key code width:
 //   2, 3, 4 or 8; values are INT2 in every variant), QGROUPS (CTAs that share a KV head's query heads, GQA each),
-//   SLIDING (1: the layer attends to its last ``window`` tokens only).
+//   SLIDING (1: the layer attends to its last ``window`` tokens only); at D = 256 also NG (metadata groups per
+//   token: 1, or 2 for G = 128) and STEP16 (16-token INT2 steps).
 //
 // One CTA = (split, KV head x query group, sequence).  It rotates the GQA group's query itself (q @ R_K, R from L2 while its
 // first code loads are in flight), takes its share of the BF16 window (16-token sub-tiles dealt round-robin
@@ -46,6 +47,23 @@
 // sink is skipped once lo passes it, recent sub-tiles wholly below lo are skipped, and the tokens below lo in the
 // sub-tiles that remain are masked (their logits -inf; a warp that has seen only masked tokens keeps m = -inf, so
 // its exponents are taken against 0: safe_max).
+// Head dim 256 (every D = 256 difference is behind #if, so D = 64 and 128 compile to the machine code they had):
+//   - NG = 2 (G = 128, Gemma 3's calibration default): a token has two (scale, min) words per side, read as one
+//     8-byte word ((scale_0, scale_1), (min_0, min_1)).  Slices 0, 1 are channels < 128 (group 0), slices 2, 3 group
+//     1, so the key MMAs of s = 0 sum into c and those of s = 2 into ch, each started at -1024 * sum of its group's
+//     float16 query entries; logit = ks_0 c + ks_1 ch + kn_0 qsum_0 + kn_1 qsum_1.  The value MMAs' B operand
+//     PP = p * scale_v is made per group (bv, bvh): accumulator blocks of even i hold slices 0, 1 and take group 0's,
+//     odd i group 1's; the pending offset (pend, pend_hi) and the p * min_v sums (n, nh) are per group too, and the
+//     combine adds each group's n to its channels (before combine_warps).
+//   - the query arrives rotated (RT: a float32 [B, Hq, D] query from decode.rotate_query when rotate = 1): rotating
+//     it here costs each CTA a read of the whole 128 KB R^T.
+//   - registers: 2 CTAs per SM (255 registers); the key MMAs' query fragments live in shared memory (s_qb, loaded
+//     beside each MMA); a window tile's values are loaded in window_tile, half the slices at a time; the merge's
+//     lanes hold 8 channels each.  STEP16: warps take 16-token steps (one sub-tile, loads one sub-tile ahead; the
+//     host sets it at D = 256: 32-token steps spill and were not faster, int2_cuda.step16).
+//   - shared memory: the prologue's arrays (query fragments, query, its bfloat16 parts, page ids) overlay the warps'
+//     outputs s_acc, written after a barrier once every warp is done with them (60 KB would pass the 48 KB limit).
+//   - the loops that gave each thread one channel (query scaling, output) take D / NT rounds.
 // BF16 window sub-tiles use the same fragments with bfloat16 MMAs (the query as hi + lo bfloat16 parts, ~16
 // bits like the float32 reference) and add into the same accumulator rows, their values times 4^s.
 // ROPE_R > 0 (keys centered per position, rope.py): every logit also gets q . RoPE_p(mu_pre) =
@@ -59,6 +77,12 @@
 #endif
 #ifndef SLIDING
 #define SLIDING 0
+#endif
+#ifndef NG
+#define NG 1
+#endif
+#ifndef STEP16
+#define STEP16 0
 #endif
 #define KROW (D * KBITS / 8)  // key code bytes of a token row
 #define D4 (D / 4)
@@ -109,9 +133,15 @@ typedef u16 o_t;
 __device__ __forceinline__ u16 o_from(float x) { return O_KIND == 1 ? f32_to_bf16(x) : f32_to_f16(x); }
 #endif
 
-static_assert(D == 64 || D == 128, "the CUDA INT2 kernel is written for head dim 64 and 128");
-static_assert(D <= NT && MT >= 1, "the query rotation and the merge give each thread at most one channel");
-#if D == 128
+static_assert(D == 64 || D == 128 || D == 256, "the CUDA INT2 kernel is written for head dim 64, 128 and 256");
+static_assert(NG == 1 || (NG == 2 && D == 256), "one metadata group per head, or two at head dim 256 (G = 128)");
+static_assert(!STEP16 || D == 256, "16-token steps are the head dim 256 variants' (their registers)");
+static_assert(MT >= 1 && (D <= NT || D % NT == 0), "the query scaling and the output loop over whole channel rounds");
+#if D == 256
+typedef uint4 kcode_t;  // a thread's key code bytes of one token (16)
+typedef uint2 vcode_t;  // its value code bytes of one token (8)
+typedef uint4 wval_t;   // its bfloat16 window values of one token and slice (8)
+#elif D == 128
 typedef uint2 kcode_t;  // a thread's key code bytes of one token (8)
 typedef u32 vcode_t;    // its value code bytes of one token (4)
 typedef uint2 wval_t;   // its bfloat16 window values of one token and slice (4)
@@ -120,6 +150,12 @@ typedef u32 kcode_t;
 typedef u16 vcode_t;
 typedef u32 wval_t;
 #endif
+#if NG == 2
+typedef uint2 meta_t;  // a token's (scale, min) words: (scale_0, scale_1), (min_0, min_1) of its two groups
+#else
+typedef u32 meta_t;  // a token's (scale, min) float16 pair
+#endif
+__device__ __forceinline__ u32 word(const uint4& x, int w) { return w == 0 ? x.x : w == 1 ? x.y : w == 2 ? x.z : x.w; }
 __device__ __forceinline__ u32 word(const uint2& x, int w) { return w ? x.y : x.x; }  // w: a constant
 __device__ __forceinline__ u32 word(u32 x, int) { return x; }
 static_assert(KBITS == 2 || KBITS == 3 || KBITS == 4 || KBITS == 8, "keys at 2, 3, 4 or 8 bits");
@@ -264,9 +300,13 @@ struct SubTile {
 #elif KBITS != 2
   kcode_t kx[2];  // INT3: high-bit plane bytes D/4 + KB (t & 1) ..; INT4: bytes D/4 + KB t .. (tokens g, g+8)
 #endif
+#if D > 128
+  vcode_t v[4];  // value code bytes VB g .. VB g + VB - 1 of tokens 2t, 2t+1, 2t+8, 2t+9
+#else
   u32 v[4];      // value code bytes VB g .. VB g + VB - 1 of tokens 2t, 2t+1, 2t+8, 2t+9
-  u32 km[2];   // key (scale, min) float16 pair of tokens g and g+8
-  u32 vm[2];   // value (scale, min) of tokens g and g+8
+#endif
+  meta_t km[2];  // key (scale, min) float16 pair(s) of tokens g and g+8
+  meta_t vm[2];  // value (scale, min) of tokens g and g+8
 };
 
 // This thread's view of one (sequence, KV head): pointers with its own lane offsets folded in.
@@ -277,7 +317,7 @@ struct Source {
   unsigned long long kcp;   // key page stride (code bytes)
 #endif
   const unsigned char* v;  // + 2t*D4 + VB g
-  const u32* km;           // + g
+  const u32* km;           // + g NG
   const u32* vm;
   const int* pages;        // the CTA's page ids, in shared memory
   unsigned long long cp, mp;  // page strides: code bytes, metadata words
@@ -305,6 +345,17 @@ __device__ __forceinline__ unsigned long long stream_policy(int evict_first) {
   asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(normal));
   return evict_first ? first : normal;
 }
+__device__ __forceinline__ uint2 ldg_l2_256(const uint2* p) {
+  uint2 r;
+  asm("ld.global.nc.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p, unsigned long long policy) {
+  uint4 r;
+  asm("ld.global.nc.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
+  return r;
+}
 __device__ __forceinline__ uint2 ldg_stream(const uint2* p, unsigned long long policy) {
   uint2 r;
   asm("ld.global.nc.L2::cache_hint.L2::256B.v2.u32 {%0, %1}, [%2], %3;" : "=r"(r.x), "=r"(r.y) : "l"(p), "l"(policy));
@@ -324,7 +375,7 @@ __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, in
   const unsigned rel = (unsigned)(pos - src.first);
   const unsigned phys = (unsigned)src.pages[rel / P], off = rel % P;
   const unsigned long long oc = (unsigned long long)phys * src.cp + off * D4;
-  const unsigned long long om = (unsigned long long)phys * src.mp + off;
+  const unsigned long long om = (unsigned long long)phys * src.mp + off * NG;
   const unsigned long long pol = src.policy;
 #if KBITS == 2
   st.k[0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + oc), pol);
@@ -348,32 +399,48 @@ __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, in
   st.v[1] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + D4), pol);
   st.v[2] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + 8 * D4), pol);
   st.v[3] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + 9 * D4), pol);
-  st.km[0] = ldg_l2_256(src.km + om);
-  st.km[1] = ldg_l2_256(src.km + om + 8);
-  st.vm[0] = ldg_l2_256(src.vm + om);
-  st.vm[1] = ldg_l2_256(src.vm + om + 8);
+  st.km[0] = ldg_l2_256(reinterpret_cast<const meta_t*>(src.km + om));
+  st.km[1] = ldg_l2_256(reinterpret_cast<const meta_t*>(src.km + om + 8 * NG));
+  st.vm[0] = ldg_l2_256(reinterpret_cast<const meta_t*>(src.vm + om));
+  st.vm[1] = ldg_l2_256(reinterpret_cast<const meta_t*>(src.vm + om + 8 * NG));
 }
 
 // One warp's running state: O^T fragments (block i: rows = channel combos 2i, 2i+1; cols = heads 2t, 2t+1),
 // running max m, and this thread's partial sums of p (l) and of p * min_v (n), per column.
+// NG = 2 (D = 256, G = 128): blocks of even i hold slices 0 and 1 (channels < 128, group 0), odd i slices 2 and 3
+// (group 1); pend and n are group 0's, pend_hi and nh group 1's.
 struct State {
   float acc[KSTEPS][4];
   float pend[4];  // 1024 * sum(PP) the value MMAs added to acc and that is not yet subtracted (C layout)
+#if NG == 2
+  float pend_hi[4];
+#endif
   float m0, m1, l0, l1, n0, n1;
+#if NG == 2
+  float nh0, nh1;
+#endif
   int since_flush;
 };
+#if NG == 2
+#define PEND(i) ((i) & 1 ? st.pend_hi : st.pend)  // the pending offset of accumulator block i (a constant)
+#else
+#define PEND(i) st.pend
+#endif
 
 #define FLUSH_STEPS 8
 
 __device__ __forceinline__ void flush_offset(State& st) {
 #pragma unroll
   for (int i = 0; i < KSTEPS; ++i) {
-    st.acc[i][0] -= st.pend[0];
-    st.acc[i][1] -= st.pend[1];
-    st.acc[i][2] -= st.pend[2];
-    st.acc[i][3] -= st.pend[3];
+    st.acc[i][0] -= PEND(i)[0];
+    st.acc[i][1] -= PEND(i)[1];
+    st.acc[i][2] -= PEND(i)[2];
+    st.acc[i][3] -= PEND(i)[3];
   }
   st.pend[0] = st.pend[1] = st.pend[2] = st.pend[3] = 0.f;
+#if NG == 2
+  st.pend_hi[0] = st.pend_hi[1] = st.pend_hi[2] = st.pend_hi[3] = 0.f;
+#endif
   st.since_flush = 0;
 }
 
@@ -401,14 +468,29 @@ __device__ __forceinline__ bool raise_max(State& st, float mx0, float mx1) {
   st.n0 *= al0;
   st.n1 *= al1;
   const float p0 = st.pend[0] * al0, p1 = st.pend[1] * al1;
+#if NG == 2
+  st.nh0 *= al0;
+  st.nh1 *= al1;
+  const float ph0 = st.pend_hi[0] * al0, ph1 = st.pend_hi[1] * al1;
+#define PEND0(i) ((i) & 1 ? ph0 : p0)
+#define PEND1(i) ((i) & 1 ? ph1 : p1)
+#else
+#define PEND0(i) p0
+#define PEND1(i) p1
+#endif
 #pragma unroll
   for (int i = 0; i < KSTEPS; ++i) {  // acc <- (acc - pending offset) * alpha
-    st.acc[i][0] = st.acc[i][0] * al0 - p0;
-    st.acc[i][1] = st.acc[i][1] * al1 - p1;
-    st.acc[i][2] = st.acc[i][2] * al0 - p0;
-    st.acc[i][3] = st.acc[i][3] * al1 - p1;
+    st.acc[i][0] = st.acc[i][0] * al0 - PEND0(i);
+    st.acc[i][1] = st.acc[i][1] * al1 - PEND1(i);
+    st.acc[i][2] = st.acc[i][2] * al0 - PEND0(i);
+    st.acc[i][3] = st.acc[i][3] * al1 - PEND1(i);
   }
+#undef PEND0
+#undef PEND1
   st.pend[0] = st.pend[1] = st.pend[2] = st.pend[3] = 0.f;
+#if NG == 2
+  st.pend_hi[0] = st.pend_hi[1] = st.pend_hi[2] = st.pend_hi[3] = 0.f;
+#endif
   st.since_flush = 0;
   return true;
 }
@@ -525,10 +607,28 @@ __device__ __forceinline__ void rope_terms_window(float (*sc)[4], const float2* 
 }
 #endif
 
+#if D > 128
+// D = 256: the key MMAs' B fragments (32 registers) stay in shared memory, s_qb[i / 2][lane] = registers (i, i + 1)
+// of the D <= 128 layout, read next to each MMA: in registers the INT2 loop spills (255 registers; KBITS 3, 4: ~300
+// bytes a thread).  A volatile load, so that the compiler does not hoist the loads out of the loop again.
+__device__ __forceinline__ uint2 ld_shared_u2(const uint2* p) {
+  uint2 r;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "r"((u32)__cvta_generic_to_shared(p)));
+  return r;
+}
+#endif
+
 struct Query {
+#if D > 128
+  const uint2* qb;     // &s_qb[0][lane]: pair i / 2 of the B fragments at qb[32 (i / 2)]
+#else
   u32 qb[2 * KSTEPS];  // B fragments of the key MMAs
+#endif
   float koff0, koff1;  // 1024 * sum of the float16 B entries, heads 2t and 2t+1
   float qsum0, qsum1;  // sum of the scaled query, heads 2t and 2t+1
+#if NG == 2
+  float koffh0, koffh1, qsumh0, qsumh1;  // the same over group 1 (slices 2, 3); koff / qsum: group 0 (slices 0, 1)
+#endif
   u32 magic;           // 0x64006400, opaque to ptxas (see code_half2)
 };
 
@@ -537,6 +637,20 @@ struct Query {
 template <bool HALF>
 __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur, float2 rph, int skip = 0) {
   const float kinit[4] = {-q.koff0, -q.koff1, -q.koff0, -q.koff1};
+#if D > 128 && NG == 2
+  // two logit accumulators: c sums slices 0, 1 (group 0: the MMAs of s = 0), ch slices 2, 3 (group 1: s = 2)
+  const float kinit_h[4] = {-q.koffh0, -q.koffh1, -q.koffh0, -q.koffh1};
+#define KMMA(s, i, a0, a1, a2, a3) { \
+  const uint2 qbi = ld_shared_u2(q.qb + 32 * ((i) / 2)); \
+  if ((s) == 0) mma(c, a0, a1, a2, a3, qbi.x, qbi.y, (i) == 0 ? kinit : c); \
+  else mma(ch, a0, a1, a2, a3, qbi.x, qbi.y, (i) == 2 ? kinit_h : ch); }
+#elif D > 128
+#define KMMA(s, i, a0, a1, a2, a3) { \
+  const uint2 qbi = ld_shared_u2(q.qb + 32 * ((i) / 2)); \
+  mma(c, a0, a1, a2, a3, qbi.x, qbi.y, (i) == 0 ? kinit : c); }
+#else
+#define KMMA(s, i, a0, a1, a2, a3) mma(c, a0, a1, a2, a3, q.qb[i], q.qb[(i) + 1], (i) == 0 ? kinit : c)
+#endif
 #if KBITS == 3 || KBITS == 4
   const int par = (threadIdx.x >> 1) & 1;  // INT3: t >> 1, the bit of a high-bit plane byte that holds its channels
 #endif
@@ -548,6 +662,9 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
       continue;
     }
     float c[4];
+#if NG == 2
+    float ch[4];
+#endif
 #pragma unroll
     for (int w = 0; w < KW; ++w)
 #pragma unroll
@@ -561,8 +678,8 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
 #pragma unroll
         for (int s = 0; s < 4; s += 2) {
           const int i = 8 * w + 4 * hp + s;  // registers i (k = 2t, 2t+1) and i + 1 (k = 2t+8, 2t+9)
-          mma(c, code_half2(r0, s, q.magic), code_half2(r1, s, q.magic), code_half2(r0, s + 1, q.magic), code_half2(r1, s + 1, q.magic), q.qb[i],
-              q.qb[i + 1], i == 0 ? kinit : c);
+          KMMA(s, i, code_half2(r0, s, q.magic), code_half2(r1, s, q.magic), code_half2(r0, s + 1, q.magic),
+               code_half2(r1, s + 1, q.magic));
         }
 #elif KBITS == 8
 #pragma unroll
@@ -570,8 +687,8 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
           const int i = 8 * w + 4 * hp + s;
           const u32 y0 = word(s ? cur[u].ks[s - 1][0] : cur[u].k[0], w), y1 = word(s ? cur[u].ks[s - 1][1] : cur[u].k[1], w);
           const u32 z0 = word(cur[u].ks[s][0], w), z1 = word(cur[u].ks[s][1], w);
-          mma(c, key_byte_pair(y0, hp, q.magic), key_byte_pair(y1, hp, q.magic), key_byte_pair(z0, hp, q.magic),
-              key_byte_pair(z1, hp, q.magic), q.qb[i], q.qb[i + 1], i == 0 ? kinit : c);
+          KMMA(s, i, key_byte_pair(y0, hp, q.magic), key_byte_pair(y1, hp, q.magic), key_byte_pair(z0, hp, q.magic),
+               key_byte_pair(z1, hp, q.magic));
         }
 #else
         // INT3: the high bits of bytes hp, hp + 2 (bit 2s + par) to bits 2s + 2 of the two halves; INT4: the upper
@@ -582,18 +699,29 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
 #pragma unroll
         for (int s = 0; s < 4; s += 2) {
           const int i = 8 * w + 4 * hp + s;
-          mma(c, key_a(r0, e0, s, q.magic), key_a(r1, e1, s, q.magic), key_a(r0, e0, s + 1, q.magic),
-              key_a(r1, e1, s + 1, q.magic), q.qb[i], q.qb[i + 1], i == 0 ? kinit : c);
+          KMMA(s, i, key_a(r0, e0, s, q.magic), key_a(r1, e1, s, q.magic), key_a(r0, e0, s + 1, q.magic),
+               key_a(r1, e1, s + 1, q.magic));
         }
 #endif
       }
+#if NG == 2
+    // (scale_0, scale_1) and (min_0, min_1) of tokens g, g+8
+    const float2 ks0 = halves(cur[u].km[0].x), kn0 = halves(cur[u].km[0].y);
+    const float2 ks1 = halves(cur[u].km[1].x), kn1 = halves(cur[u].km[1].y);
+    sc[u][0] = ks0.x * c[0] + ks0.y * ch[0] + (kn0.x * q.qsum0 + kn0.y * q.qsumh0);
+    sc[u][1] = ks0.x * c[1] + ks0.y * ch[1] + (kn0.x * q.qsum1 + kn0.y * q.qsumh1);
+    sc[u][2] = ks1.x * c[2] + ks1.y * ch[2] + (kn1.x * q.qsum0 + kn1.y * q.qsumh0);
+    sc[u][3] = ks1.x * c[3] + ks1.y * ch[3] + (kn1.x * q.qsum1 + kn1.y * q.qsumh1);
+#else
     const float2 k0 = halves(cur[u].km[0]), k1 = halves(cur[u].km[1]);  // (scale, min) of tokens g, g+8
     const float ks0 = k0.x, kn0 = k0.y, ks1 = k1.x, kn1 = k1.y;
     sc[u][0] = ks0 * c[0] + kn0 * q.qsum0;
     sc[u][1] = ks0 * c[1] + kn0 * q.qsum1;
     sc[u][2] = ks1 * c[2] + kn1 * q.qsum0;
     sc[u][3] = ks1 * c[3] + kn1 * q.qsum1;
+#endif
   }
+#undef KMMA
 #if ROPE_R
   rope_terms<HALF ? 1 : 2>(sc, rph);
 #endif
@@ -612,6 +740,12 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
   const float mx1 = warp_max_rows(fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3])));
   if (!raise_max(st, mx0, mx1) && ++st.since_flush == FLUSH_STEPS) flush_offset(st);
   u32 bv[2][2];  // value MMA B operand per sub-tile: PP of tokens (2t, 2t+1) and (2t+8, 2t+9), head g
+#if NG == 2
+  u32 bvh[2][2];  // the same with group 1's scales (bv: group 0's)
+#define BV(s, u, k) ((s) ? bvh[u][k] : bv[u][k])
+#else
+#define BV(s, u, k) bv[u][k]
+#endif
 #pragma unroll
   for (int u = 0; u < (HALF ? 1 : 2); ++u) {
     const float m0 = safe_max(st.m0), m1 = safe_max(st.m1);
@@ -619,34 +753,60 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
     const float p2 = ex2(sc[u][2] - m0), p3 = ex2(sc[u][3] - m1);
     st.l0 += p0 + p2;
     st.l1 += p1 + p3;
+#if NG == 2
+    // (scale_0, scale_1) and (min_0, min_1) of tokens g, g+8
+    const float2 vs0 = halves(cur[u].vm[0].x), vn0 = halves(cur[u].vm[0].y);
+    const float2 vs1 = halves(cur[u].vm[1].x), vn1 = halves(cur[u].vm[1].y);
+    st.n0 += p0 * vn0.x + p2 * vn1.x;
+    st.n1 += p1 * vn0.x + p3 * vn1.x;
+    st.nh0 += p0 * vn0.y + p2 * vn1.y;
+    st.nh1 += p1 * vn0.y + p3 * vn1.y;
+    bv[u][0] = transpose8x8(pack_half2(p0 * vs0.x, p1 * vs0.x));
+    bv[u][1] = transpose8x8(pack_half2(p2 * vs1.x, p3 * vs1.x));
+    bvh[u][0] = transpose8x8(pack_half2(p0 * vs0.y, p1 * vs0.y));
+    bvh[u][1] = transpose8x8(pack_half2(p2 * vs1.y, p3 * vs1.y));
+#else
     const float2 v0 = halves(cur[u].vm[0]), v1 = halves(cur[u].vm[1]);
     const float vs0 = v0.x, vn0 = v0.y, vs1 = v1.x, vn1 = v1.y;
     st.n0 += p0 * vn0 + p2 * vn1;
     st.n1 += p1 * vn0 + p3 * vn1;
     bv[u][0] = transpose8x8(pack_half2(p0 * vs0, p1 * vs0));
     bv[u][1] = transpose8x8(pack_half2(p2 * vs1, p3 * vs1));
+#endif
   }
   // ---- pending offset += 1024 * sum(PP) per head, from the same float16 PP the value MMAs see.  It leaves acc
   // every FLUSH_STEPS steps (256 tokens, as the Triton kernel's tile): the H100's MMA accumulation truncates, so
   // acc must not carry ~1024x the signal for long.
   mma(st.pend, 0x64006400u, 0x64006400u, 0x64006400u, 0x64006400u, bv[0][0], bv[0][1], st.pend);
   if (!HALF) mma(st.pend, 0x64006400u, 0x64006400u, 0x64006400u, 0x64006400u, bv[1][0], bv[1][1], st.pend);
+#if NG == 2
+  mma(st.pend_hi, 0x64006400u, 0x64006400u, 0x64006400u, 0x64006400u, bvh[0][0], bvh[0][1], st.pend_hi);
+  if (!HALF) mma(st.pend_hi, 0x64006400u, 0x64006400u, 0x64006400u, 0x64006400u, bvh[1][0], bvh[1][1], st.pend_hi);
+#endif
   // ---- values: block i holds channel combos 2i (row g) and 2i+1 (row g+8); combo j = byte VB g + j/4, slice j%4
 #pragma unroll
   for (int u = 0; u < (HALF ? 1 : 2); ++u) {
 #pragma unroll
     for (int by = 0; by < VB; ++by) {
+#if D > 128
+      const int bb = by & 3, bw = by >> 2;  // byte bb of the tokens' words bw
+      const u32 sel = bb | (bb << 4) | ((bb + 4) << 8) | ((bb + 4) << 12);
+      const u32 za = __byte_perm(word(cur[u].v[0], bw), word(cur[u].v[1], bw), sel);  // tokens 2t, 2t+1
+      const u32 zb = __byte_perm(word(cur[u].v[2], bw), word(cur[u].v[3], bw), sel);  // tokens 2t+8, 2t+9
+#else
       const u32 sel = by | (by << 4) | ((by + 4) << 8) | ((by + 4) << 12);
       const u32 za = __byte_perm(cur[u].v[0], cur[u].v[1], sel);  // tokens 2t, 2t+1
       const u32 zb = __byte_perm(cur[u].v[2], cur[u].v[3], sel);  // tokens 2t+8, 2t+9
+#endif
 #pragma unroll
       for (int s = 0; s < 4; s += 2) {
         const int i = (4 * by + s) / 2;
         mma(st.acc[i], code_half2(za, s, q.magic), code_half2(za, s + 1, q.magic), code_half2(zb, s, q.magic), code_half2(zb, s + 1, q.magic),
-            bv[u][0], bv[u][1], st.acc[i]);
+            BV(s, u, 0), BV(s, u, 1), st.acc[i]);
       }
     }
   }
+#undef BV
 }
 
 
@@ -663,9 +823,14 @@ struct Window {
 };
 
 // What one thread loads of a window sub-tile (bfloat16 pairs; zeros for tokens past the range).
+// At D = 256 the values (64 more registers) are not loaded ahead: window_tile reads them, half the slices at a time.
 struct WinTile {
   uint4 k[2][D / 32];  // tokens g, g + 8: key channels D4 t .. D4 t + D4 - 1
+#if D > 128
+  const u16* v;        // the sub-tile's first value row at this thread's channels (win.v + row)
+#else
   wval_t v[4][4];      // tokens 2t, 2t + 1, 2t + 8, 2t + 9: value channels VB g + D4 s .. VB g + D4 s + VB - 1
+#endif
   int base, limit, lo;  // first token of the sub-tile, end of its range, first token the query sees
 };
 
@@ -683,6 +848,9 @@ __device__ __forceinline__ void load_win_tile(WinTile& w, const Window& win, int
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) w.k[r][i] = ok ? __ldg(src + i) : make_uint4(0, 0, 0, 0);
   }
+#if D > 128
+  w.v = win.v + row;
+#else
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int tok = 2 * t + (r & 1) + 8 * (r >> 1);
@@ -691,6 +859,7 @@ __device__ __forceinline__ void load_win_tile(WinTile& w, const Window& win, int
     for (int s = 0; s < 4; ++s)
       w.v[r][s] = ok ? __ldg(reinterpret_cast<const wval_t*>(win.v + row + tok * D + D4 * s)) : wval_t{};
   }
+#endif
 }
 
 __device__ __forceinline__ u32 word_of(const uint4* a, int m) {  // word m of 16 (m is a compile-time constant)
@@ -727,6 +896,38 @@ __device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u
   st.l0 += p0 + p2;
   st.l1 += p1 + p3;
   const u32 b0 = transpose8x8(pack_bf16x2(p0, p1)), b1 = transpose8x8(pack_bf16x2(p2, p3));
+#if D > 128
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // slices 2 half, 2 half + 1: the blocks i with i % 2 == half
+    const int s = 2 * half;
+    wval_t v[4][2];  // tokens (2t, 2t+1, 2t+8, 2t+9) x slices (s, s + 1)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int tok = 2 * t + (r & 1) + 8 * (r >> 1);
+      const bool ok = w.base + tok < w.limit && (!SLIDING || w.base + tok >= w.lo);
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        v[r][e] = ok ? __ldg(reinterpret_cast<const wval_t*>(w.v + tok * D + D4 * (s + e))) : wval_t{};
+    }
+#pragma unroll
+    for (int i = half; i < KSTEPS; i += 2) {
+      const int by = i >> 1;
+      const u32 sel = (by & 1) ? 0x7632u : 0x5410u;  // the high or the low bfloat16 of two tokens' words
+      u32 x[4][2];  // tokens (2t, 2t+1, 2t+8, 2t+9) x slices (s, s + 1): the word holding channel VB g + by
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        x[r][0] = word(v[r][0], by >> 1);
+        x[r][1] = word(v[r][1], by >> 1);
+      }
+      const u32 a0 = bf16x2_times_4pow(__byte_perm(x[0][0], x[1][0], sel), s);
+      const u32 a1 = bf16x2_times_4pow(__byte_perm(x[0][1], x[1][1], sel), s + 1);
+      const u32 a2 = bf16x2_times_4pow(__byte_perm(x[2][0], x[3][0], sel), s);
+      const u32 a3 = bf16x2_times_4pow(__byte_perm(x[2][1], x[3][1], sel), s + 1);
+      mma_bf16(st.acc[i], a0, a1, a2, a3, b0, b1, st.acc[i]);
+    }
+  }
+#else
 #pragma unroll
   for (int i = 0; i < KSTEPS; ++i) {
     const int by = i >> 1, s = 2 * (i & 1);
@@ -743,6 +944,7 @@ __device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u
     const u32 a3 = bf16x2_times_4pow(__byte_perm(x[2][1], x[3][1], sel), s + 1);
     mma_bf16(st.acc[i], a0, a1, a2, a3, b0, b1, st.acc[i]);
   }
+#endif
 }
 
 // The warps' results for head hh at channel ch: num = sum_w e_w (acc_w + n_w), den = sum_w e_w l_w with
@@ -796,6 +998,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   const int end = min(start + chunk, nq * P);
   STAMP(0);
 
+#if D <= 128
   // ---- R^T rows of this warp's rotation tiles go out first (they need nothing), see "query rotation" below
   uint4 ra[MT][2][D / 32];  // [m tile][row g, g + 8][16 bytes]: float16 R^T[e][D4 t .. D4 t + D4 - 1]
   if (rotate) {
@@ -808,11 +1011,33 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
         for (int i = 0; i < D / 32; ++i)
           ra[mt][r][i] = __ldg(reinterpret_cast<const uint4*>(rt + (RQ * warp + 16 * mt + g + 8 * r) * D) + i);
   }
+#endif
 
+#if D > 128
+  // D = 256: the arrays below would take 60 KB, past the 48 KB of static shared memory.  The warps' outputs (s_acc)
+  // are written only after every warp is done with the query, the pages and the window (a barrier before the
+  // combine), so they share the space with them.
+  __shared__ __align__(16) union {
+    float acc[NWARPS][8][D];
+    struct {
+      uint2 qb[KSTEPS][32];  // the key MMAs' B fragments (see ld_shared_u2)
+      float q[8][D];
+      u16 qw[2][8][D];
+      int pages[MAX_PAGES];
+    } pre;
+  } s_u;
+  static_assert(sizeof(s_u.pre) <= sizeof(s_u.acc), "the prologue's arrays fit the warps' outputs");
+  int (&s_pages)[MAX_PAGES] = s_u.pre.pages;
+  float (&s_acc)[NWARPS][8][D] = s_u.acc;  // the warps' outputs (partial, merge)
+  uint2 (&s_qb)[KSTEPS][32] = s_u.pre.qb;
+  float (&s_q)[8][D] = s_u.pre.q;          // the query rows (then rotated and scaled)
+  u16 (&s_qw)[2][8][D] = s_u.pre.qw;       // the same as bfloat16 hi and lo parts (window keys)
+#else
   __shared__ int s_pages[MAX_PAGES];
   __shared__ __align__(16) float s_acc[NWARPS][8][D];  // the rotated query; the warps' outputs (partial, merge)
   __shared__ __align__(16) float s_q[8][D];  // the query rows (then rotated and scaled)
   __shared__ __align__(16) u16 s_qw[2][8][D];  // the same as bfloat16 hi and lo parts (window keys)
+#endif
   __shared__ float s_m[NWARPS][8], s_l[NWARPS][8], s_n[NWARPS][8];
   __shared__ int s_last;
 
@@ -852,6 +1077,44 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   // warp w: rows e in [RQ w, RQ w + RQ)) times the query as float16 hi + lo parts (B, ~22 bits).  Logical k
   // (2t, 2t+1) of k-step kk is channel d = D4 t + 4kk (+1), (2t+8, 2t+9) is D4 t + 4kk + 2 (+3), so each
   // thread feeds the D/2 contiguous bytes it loaded of each R^T row.
+#if D > 128
+  // D = 256 does not rotate here: it takes the rotated query from the host (decode.rotate_query, one launch; in
+  // here each CTA would read the whole 128 KB R^T from L2, ~18 us per call on the H200 whatever the batch).  RT is
+  // then that float32 [B, Hq, D] query and Q the unrotated one, which only the RoPE prologue reads (rotate = 0: Q
+  // is rotated, or no rotation applies).
+  const float* QR = reinterpret_cast<const float*>(RT) + ((long long)b * gridDim.y * GQA + hq0) * D;
+  __syncthreads();
+#pragma unroll
+  for (int e = threadIdx.x; e < D; e += NT) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float x = i < GQA ? (rotate ? __ldg(QR + i * D + e) : s_q[i][e]) * qk_scale : 0.f;
+      s_q[i][e] = x;
+      const u16 h16 = f32_to_bf16(x);
+      s_qw[0][i][e] = h16;
+      s_qw[1][i][e] = f32_to_bf16(x - bf16_to_f32(h16));
+    }
+  }
+  __syncthreads();
+  // the key MMAs' B fragments (Query below): pair k of lane ln is registers 2k, 2k + 1 of the D <= 128 layout, i.e.
+  // channels (j, j + 2) + D/4 s (s = 0, 1 for even k, 2, 3 for odd k) of head gg, j = KB tt + 4w + hp,
+  // k = 4w + 2hp + s/2
+  for (int idx = threadIdx.x; idx < KSTEPS * 32; idx += NT) {
+    const int ln = idx & 31, k = idx >> 5, gg = ln >> 2, tt = ln & 3;
+    const int w = k >> 2, hp = (k >> 1) & 1, s = 2 * (k & 1);
+    const int j = KB * tt + 4 * w + hp;
+    u32 r[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float x0 = gg < GQA ? s_q[gg][j + D4 * (s + e)] : 0.f;
+      const float x1 = gg < GQA ? s_q[gg][j + 2 + D4 * (s + e)] : 0.f;
+      const float f = KBITS == 8 ? 1.f : __int_as_float((127 - 2 * (s + e)) << 23);  // 4^-(s + e)
+      r[e] = pack_half2(x0 * f, x1 * f);
+    }
+    s_qb[k][ln] = make_uint2(r[0], r[1]);
+  }
+  __syncthreads();
+#else
   if (rotate) {
     float c[MT][4] = {};
 #pragma unroll
@@ -890,6 +1153,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     }
   }
   __syncthreads();
+#endif
   STAMP(2);
 
   // ---- the first INT2 loads go out before the window sub-tile is computed
@@ -902,13 +1166,18 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   src.kcp = (unsigned long long)stride_kcp;
 #endif
   src.v = Vc + (long long)h * stride_ch + 2 * t * D4 + VB * g;
-  src.km = Km + (long long)h * (stride_mh / 2) + g;
-  src.vm = Vm + (long long)h * (stride_mh / 2) + g;
+  src.km = Km + (long long)h * (stride_mh / 2) + g * NG;
+  src.vm = Vm + (long long)h * (stride_mh / 2) + g * NG;
   src.pages = s_pages;
   src.cp = (unsigned long long)stride_cp;
   src.mp = (unsigned long long)(stride_mp / 2);
   src.first = start;
   src.policy = stream_policy(evict_first);
+#if STEP16
+  SubTile buf0[1], buf1[1];
+  int pos = start + 16 * warp;
+  if (pos < end) load_sub_tile(buf0[0], src, pos);
+#else
   SubTile buf0[2], buf1[2];
   int pos = start + 32 * warp;
   const int full_end = end - 31;  // pos < full_end <=> pos + 32 <= end
@@ -916,6 +1185,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     load_sub_tile(buf0[0], src, pos);
     load_sub_tile(buf0[1], src, pos + 16);
   }
+#endif
 #if ROPE_R
   const int rpair = PR[(long long)h * ROPE_R + min(lane, ROPE_R - 1)];  // the pair whose phases this lane stages
 #define ROPE_PHASE(p) rope_phase(PH, SINK_PAGES * P + (p), rpair, (p) < end)
@@ -931,6 +1201,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   st.pend[0] = st.pend[1] = st.pend[2] = st.pend[3] = 0.f;
   st.m0 = st.m1 = NEG_INF;
   st.l0 = st.l1 = st.n0 = st.n1 = 0.f;
+#if NG == 2
+  st.pend_hi[0] = st.pend_hi[1] = st.pend_hi[2] = st.pend_hi[3] = 0.f;
+  st.nh0 = st.nh1 = 0.f;
+#endif
   st.since_flush = 0;
 
   // ---- this warp's window sub-tiles (at most one unless the sequence has few splits)
@@ -952,6 +1226,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 
   {
     float off_part = 0.f, sum_part = 0.f;
+#if NG == 2
+    float offh_part = 0.f, sumh_part = 0.f;  // group 1 (slices 2, 3)
+#endif
     const float* qrow = s_q[g < GQA ? g : 0];
 #pragma unroll
     for (int w = 0; w < KW; ++w)
@@ -964,8 +1241,19 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
           const float x1 = g < GQA ? qrow[j + 2 + D4 * s] : 0.f;
           const float f = KBITS == 8 ? 1.f : 1.f / (float)(1 << (2 * s));  // INT8 codes are not times 4^s
           const u32 q2 = pack_half2(x0 * f, x1 * f);
+#if D > 128
+          q.qb = &s_qb[0][lane];  // the same numbers (s_qb, filled after the query scaling)
+#else
           q.qb[8 * w + 4 * hp + s] = q2;
+#endif
           const float2 qh = halves(q2);
+#if NG == 2
+          if (s >= 2) {
+            offh_part += qh.x + qh.y;
+            sumh_part += x0 + x1;
+            continue;
+          }
+#endif
           off_part += qh.x + qh.y;
           sum_part += x0 + x1;
         }
@@ -978,6 +1266,16 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     q.koff1 = 1024.f * __shfl_sync(0xffffffffu, off_part, 8 * t + 4);
     q.qsum0 = __shfl_sync(0xffffffffu, sum_part, 8 * t);
     q.qsum1 = __shfl_sync(0xffffffffu, sum_part, 8 * t + 4);
+#if NG == 2
+    offh_part += __shfl_xor_sync(0xffffffffu, offh_part, 1);
+    offh_part += __shfl_xor_sync(0xffffffffu, offh_part, 2);
+    sumh_part += __shfl_xor_sync(0xffffffffu, sumh_part, 1);
+    sumh_part += __shfl_xor_sync(0xffffffffu, sumh_part, 2);
+    q.koffh0 = 1024.f * __shfl_sync(0xffffffffu, offh_part, 8 * t);
+    q.koffh1 = 1024.f * __shfl_sync(0xffffffffu, offh_part, 8 * t + 4);
+    q.qsumh0 = __shfl_sync(0xffffffffu, sumh_part, 8 * t);
+    q.qsumh1 = __shfl_sync(0xffffffffu, sumh_part, 8 * t + 4);
+#endif
   }
 
 #if SLIDING
@@ -989,6 +1287,27 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 #if STAMPS
   int nsteps = 0;
 #endif
+#if STEP16
+  // STEP16 (D = 256 variants whose 32-token steps would spill): 16-token steps (one sub-tile, the half step), loads
+  // one step ahead in two alternating buffers, half the registers in flight; warps take 16-token steps in turn
+  while (pos < end) {
+    int npos = pos + 16 * NWARPS;
+    if (npos < end) load_sub_tile(buf1[0], src, npos);
+    float2 rnext = ROPE_PHASE(npos);
+    step<true>(st, q, buf0, rph, STEP_SKIP(pos));
+    rph = rnext;
+    STEP_STAMP(nsteps);
+    pos = npos;
+    if (pos >= end) break;
+    npos = pos + 16 * NWARPS;
+    if (npos < end) load_sub_tile(buf0[0], src, npos);
+    rnext = ROPE_PHASE(npos);
+    step<true>(st, q, buf1, rph, STEP_SKIP(pos));
+    rph = rnext;
+    STEP_STAMP(nsteps);
+    pos = npos;
+  }
+#else
   while (pos < full_end) {
     int npos = pos + NT;
     if (npos < full_end) {
@@ -1016,6 +1335,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     load_sub_tile(buf0[0], src, pos);
     step<true>(st, q, buf0, rph, STEP_SKIP(pos));
   }
+#endif
 
   STAMP(4);
   // ---- combine the warps: O[h, ch] = sum_w e_w (acc_w[ch, h] / 4^s + n_w[h]) / sum_w e_w l_w[h]
@@ -1024,6 +1344,13 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   st.l1 = warp_sum_rows(st.l1);
   st.n0 = warp_sum_rows(st.n0);
   st.n1 = warp_sum_rows(st.n1);
+#if NG == 2
+  st.nh0 = warp_sum_rows(st.nh0);
+  st.nh1 = warp_sum_rows(st.nh1);
+#endif
+#if D > 128
+  __syncthreads();  // every warp is done with s_q, s_qw and s_pages, which s_acc overlays
+#endif
   if (g == 0) {
     s_m[warp][2 * t] = st.m0;
     s_m[warp][2 * t + 1] = st.m1;
@@ -1039,8 +1366,14 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
       const int j = 2 * i + r, s = j % 4;
       const int ch = VB * g + j / 4 + D4 * s;
       const float f = 1.f / (float)(1 << (2 * s));
+#if NG == 2
+      // block i holds group i % 2's channels: its n is added here (combine_warps without n below)
+      s_acc[warp][2 * t][ch] = st.acc[i][2 * r] * f + (i & 1 ? st.nh0 : st.n0);
+      s_acc[warp][2 * t + 1][ch] = st.acc[i][2 * r + 1] * f + (i & 1 ? st.nh1 : st.n1);
+#else
       s_acc[warp][2 * t][ch] = st.acc[i][2 * r] * f;
       s_acc[warp][2 * t + 1][ch] = st.acc[i][2 * r + 1] * f;
+#endif
     }
   }
   __syncthreads();
@@ -1049,7 +1382,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   for (int idx = threadIdx.x; idx < GQA * D; idx += NT) {
     const int hh = idx / D, ch = idx % D;
     float num, den, mx;
-    combine_warps<true>(s_acc, s_m, s_l, s_n, hh, ch, num, den, mx);
+    combine_warps<NG == 1>(s_acc, s_m, s_l, s_n, hh, ch, num, den, mx);
     // float16 partials: half the bytes for the merge to read (a partial is a weighted mean of values)
     PO[po_head + (long long)hh * stride_poh + (long long)split * stride_pos + ch] =
         f32_to_f16(den > 0.f ? num / den : 0.f);
@@ -1079,12 +1412,22 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   // i, i ^ GQA2, ...  Lane = 4 channels of the partials (lanes >= D/4 hold none).  The warps' results are then merged in order
   // (deterministic).
   constexpr int GQA2 = GQA <= 1 ? 1 : GQA <= 2 ? 2 : GQA <= 4 ? 4 : 8;
+#if D > 128
+  // D = 256: a lane holds 8 channels (uint4 loads, lane 8 .. 8 lane + 7); uint4 loads in flight: <= 32 (128 registers)
+  constexpr int MU = (GQA2 <= 4 ? 32 : 24) / GQA2;
+#else
   // uint2 loads in flight per thread: <= 64 (128 registers); half at D = 64, whose 4 CTAs per SM get 128 in all
   constexpr int MU = (GQA2 <= 4 ? 64 : 48) * D / 128 / GQA2;
+#endif
   constexpr int LSE_REGS = (MU * GQA2 + 31) / 32;
   float4 o[GQA];
 #pragma unroll
   for (int hh = 0; hh < GQA; ++hh) o[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
+#if D > 128
+  float4 oh[GQA];  // channels 8 lane + 4 .. 8 lane + 7 (o: 8 lane .. 8 lane + 3)
+#pragma unroll
+  for (int hh = 0; hh < GQA; ++hh) oh[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
+#endif
   float m_run = NEG_INF, tot_run = 0.f;  // head lane % GQA2: running max and weight sum
   for (int s0 = warp; s0 < splits; s0 += NWARPS * MU) {
     float lse[LSE_REGS];
@@ -1093,6 +1436,18 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
       const int kk = 32 * r + lane, u = kk / GQA2, hh = kk % GQA2, s = s0 + NWARPS * u;
       lse[r] = u < MU && hh < GQA && s < splits ? __ldcg(PL + pl_head + (long long)hh * stride_plh + s) : NEG_INF;
     }
+#if D > 128
+    uint4 p[MU][GQA];  // 8 float16 channels of split u, head hh
+#pragma unroll
+    for (int u = 0; u < MU; ++u) {
+      const int s = s0 + NWARPS * u;
+#pragma unroll
+      for (int hh = 0; hh < GQA; ++hh)
+        p[u][hh] = s < splits ? __ldcg(reinterpret_cast<const uint4*>(
+                                    PO + po_head + (long long)hh * stride_poh + (long long)s * stride_pos) + lane)
+                              : make_uint4(0u, 0u, 0u, 0u);
+    }
+#else
     uint2 p[MU][GQA];  // 4 float16 channels of split u, head hh
 #pragma unroll
     for (int u = 0; u < MU; ++u) {
@@ -1103,6 +1458,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
                                     PO + po_head + (long long)hh * stride_poh + (long long)s * stride_pos) + lane)
                               : make_uint2(0u, 0u);
     }
+#endif
     float mx = lse[0];
 #pragma unroll
     for (int r = 1; r < LSE_REGS; ++r) mx = fmaxf(mx, lse[r]);
@@ -1127,6 +1483,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
       o[hh].y *= a;
       o[hh].z *= a;
       o[hh].w *= a;
+#if D > 128
+      oh[hh].x *= a;
+      oh[hh].y *= a;
+      oh[hh].z *= a;
+      oh[hh].w *= a;
+#endif
 #pragma unroll
       for (int u = 0; u < MU; ++u) {
         const int kk = u * GQA2 + hh;
@@ -1136,21 +1498,38 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
         o[hh].y += wu * p01.y;
         o[hh].z += wu * p23.x;
         o[hh].w += wu * p23.y;
+#if D > 128
+        const float2 p45 = halves(p[u][hh].z), p67 = halves(p[u][hh].w);
+        oh[hh].x += wu * p45.x;
+        oh[hh].y += wu * p45.y;
+        oh[hh].z += wu * p67.x;
+        oh[hh].w += wu * p67.y;
+#endif
       }
     }
   }
   STAMP(9);
 #pragma unroll
   for (int hh = 0; hh < GQA; ++hh) {
+#if D > 128
+    *reinterpret_cast<float4*>(&s_acc[warp][hh][8 * lane]) = o[hh];
+    *reinterpret_cast<float4*>(&s_acc[warp][hh][8 * lane + 4]) = oh[hh];
+#else
     if (lane < D / 4) *reinterpret_cast<float4*>(&s_acc[warp][hh][4 * lane]) = o[hh];
+#endif
   }
   if (lane < GQA) {  // lane hh holds head hh's running max and sum
     s_m[warp][lane] = m_run;
     s_l[warp][lane] = tot_run;
   }
   __syncthreads();
+#if D > NT
+#pragma unroll
+  for (int ch = threadIdx.x; ch < D; ch += NT) {
+#else
   if (threadIdx.x < D) {
     const int ch = threadIdx.x;
+#endif
 #pragma unroll
     for (int hh = 0; hh < GQA; ++hh) {
       float num, den, mx;
