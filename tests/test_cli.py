@@ -1,5 +1,6 @@
 """The command line, run in-process through typer's runner (the model loads from the local cache)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,8 @@ def test_inspect_prints_geometry_and_validation(artifact_dir):
     assert "eigen-spectrum" in result.output and "validation" in result.output
     # the key-centering choice of --key-centering auto and what it measured
     assert "key centering chosen" in result.output and '"probe_error"' in result.output
+    # the KL check's measurements, with the probe's length
+    assert re.search(r"KL check \(target 0.01, on 1024 held-back tokens\): \d\.\d{3} bits -> KL 0\.\d{4}", result.output)
 
 
 def test_calibrate_refuses_an_unknown_key_centering(tmp_path):

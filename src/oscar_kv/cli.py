@@ -186,6 +186,12 @@ def _width_map(widths: dict) -> str:
              "layer  K  V  key logit noise (nats^2) at " + ", ".join(f"{w} bits" for w in by_width)
              + (" | value output noise at " + ", ".join(f"{w} bits" for w in v_by_width) if v_by_width else "")
              + "  chosen"]
+    measured = widths.get("kl_by_step")
+    if measured:  # the --max-kl check: every point of the widening path it measured, in bits order
+        on = f"{widths['kl_probe_tokens']} held-back tokens" if "kl_probe_tokens" in widths else "held-back text"
+        points = sorted(measured.values(), key=lambda p: p["bits_per_element"])
+        lines.insert(1, f"KL check (target {widths['max_kl']:g}, on {on}): "
+                        + ", ".join(f"{p['bits_per_element']:.3f} bits -> KL {p['kl']:.4f}" for p in points))
     widest = max(map(int, by_width))
     for i, (k, v) in enumerate(zip(widths["k_bits"], widths["v_bits"])):
         noise = "  ".join(f"{by_width[w][i]:8.4f}" for w in by_width)
