@@ -867,6 +867,17 @@ __device__ __forceinline__ u32 word_of(const uint4* a, int m) {  // word m of 16
   return (m & 3) == 0 ? x.x : (m & 3) == 1 ? x.y : (m & 3) == 2 ? x.z : x.w;
 }
 
+// One value MMA of a window sub-tile: x holds the words of tokens (2t, 2t+1, 2t+8, 2t+9) x slices (s, s + 1) that
+// carry channel VB g + by; its bfloat16 halves (the high or the low one by by's parity) times 4^s, as the INT2 codes'.
+__device__ __forceinline__ void window_value_mma(float* acc, const u32 (&x)[4][2], int by, int s, u32 b0, u32 b1) {
+  const u32 sel = (by & 1) ? 0x7632u : 0x5410u;  // the high or the low bfloat16 of two tokens' words
+  const u32 a0 = bf16x2_times_4pow(__byte_perm(x[0][0], x[1][0], sel), s);
+  const u32 a1 = bf16x2_times_4pow(__byte_perm(x[0][1], x[1][1], sel), s + 1);
+  const u32 a2 = bf16x2_times_4pow(__byte_perm(x[2][0], x[3][0], sel), s);
+  const u32 a3 = bf16x2_times_4pow(__byte_perm(x[2][1], x[3][1], sel), s + 1);
+  mma_bf16(acc, a0, a1, a2, a3, b0, b1, acc);
+}
+
 // One window sub-tile into the warp's running state.  Keys: logical k (2t, 2t+1) of k-step kk is channel
 // D4 t + 4kk (+1), (2t+8, 2t+9) is D4 t + 4kk + 2 (+3): a thread's words, and 4 consecutive query channels.
 // Values: accumulator block i holds, in row g, channel VB g + i/2 + D/2 (i % 2) times 4^(2 (i % 2)), in row g + 8
@@ -913,36 +924,26 @@ __device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u
 #pragma unroll
     for (int i = half; i < KSTEPS; i += 2) {
       const int by = i >> 1;
-      const u32 sel = (by & 1) ? 0x7632u : 0x5410u;  // the high or the low bfloat16 of two tokens' words
       u32 x[4][2];  // tokens (2t, 2t+1, 2t+8, 2t+9) x slices (s, s + 1): the word holding channel VB g + by
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         x[r][0] = word(v[r][0], by >> 1);
         x[r][1] = word(v[r][1], by >> 1);
       }
-      const u32 a0 = bf16x2_times_4pow(__byte_perm(x[0][0], x[1][0], sel), s);
-      const u32 a1 = bf16x2_times_4pow(__byte_perm(x[0][1], x[1][1], sel), s + 1);
-      const u32 a2 = bf16x2_times_4pow(__byte_perm(x[2][0], x[3][0], sel), s);
-      const u32 a3 = bf16x2_times_4pow(__byte_perm(x[2][1], x[3][1], sel), s + 1);
-      mma_bf16(st.acc[i], a0, a1, a2, a3, b0, b1, st.acc[i]);
+      window_value_mma(st.acc[i], x, by, s, b0, b1);
     }
   }
 #else
 #pragma unroll
   for (int i = 0; i < KSTEPS; ++i) {
     const int by = i >> 1, s = 2 * (i & 1);
-    const u32 sel = (by & 1) ? 0x7632u : 0x5410u;  // the high or the low bfloat16 of two tokens' words
     u32 x[4][2];  // tokens (2t, 2t+1, 2t+8, 2t+9) x slices (s, s + 1): the word holding channel VB g + by
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       x[r][0] = word(w.v[r][s], by >> 1);
       x[r][1] = word(w.v[r][s + 1], by >> 1);
     }
-    const u32 a0 = bf16x2_times_4pow(__byte_perm(x[0][0], x[1][0], sel), s);
-    const u32 a1 = bf16x2_times_4pow(__byte_perm(x[0][1], x[1][1], sel), s + 1);
-    const u32 a2 = bf16x2_times_4pow(__byte_perm(x[2][0], x[3][0], sel), s);
-    const u32 a3 = bf16x2_times_4pow(__byte_perm(x[2][1], x[3][1], sel), s + 1);
-    mma_bf16(st.acc[i], a0, a1, a2, a3, b0, b1, st.acc[i]);
+    window_value_mma(st.acc[i], x, by, s, b0, b1);
   }
 #endif
 }
