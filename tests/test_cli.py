@@ -19,6 +19,7 @@ def artifact_dir(tmp_path_factory):
                                  "--kl-probe-tokens", "1024", "--output-dir", str(out)])
     assert result.exit_code == 0, result.output
     assert "calibrated on 512 tokens" in result.output
+    assert "KL check on 1024 held-back tokens" in result.output  # said before the forwards, which can be long
     return out
 
 

@@ -325,6 +325,9 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     say(f"key centering: {centering['chosen']}, {centering['pairs']} RoPE pairs")
     allocated = settings.key_bits == "auto" or settings.value_bits == "auto"  # else the KL target has no choice
     kl_ids = kl_probe(tokenizer, texts, settings, max_len) if settings.max_kl is not None and allocated else None
+    if kl_ids is not None and progress:  # a forward at 32K is seconds on a GPU, up to an hour on a small CPU
+        tqdm.write(f"calibrate: KL check on {kl_ids.shape[1]} held-back tokens: one unquantized forward, then one per "
+                   f"point of the widening path measured (--kl-probe-tokens shortens them)")
     kl = kl_measure(model, kl_ids) if kl_ids is not None else None
     widths = choose_widths(rotations, stats.query_moments(), settings, probe, max_len, progress, kl)
     if kl_ids is not None:
