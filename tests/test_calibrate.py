@@ -256,20 +256,20 @@ def test_the_kl_search_takes_the_fewest_widenings_that_meet_the_target():
                            [0.0] * 20, 2.0 + n / 40, "", steps=n)
 
     choice, measured = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
-                                       lambda: kl_at[state["n"]], max_kl=0.1, progress=False)
+                                       lambda: {"kl": kl_at[state["n"]]}, max_kl=0.1, progress=False)
     chosen = sum(choice.k_bits) - 40
     assert chosen == 9 and kl_at[chosen] <= 0.1 < kl_at[chosen - 1]
     assert all(v["kl"] > 0.1 for n, v in measured.items() if n < chosen)
     assert len(measured) <= 7 and "the fewest widenings (9)" in choice.reason
     _, unmet = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
-                               lambda: kl_at[state["n"]], max_kl=1e-3, progress=False)
+                               lambda: {"kl": kl_at[state["n"]]}, max_kl=1e-3, progress=False)
     assert list(unmet) == [40]  # the widest end is measured first; when it misses, nothing else is
     # with a noise tolerance, the search starts at its point: met there, one measurement; else beyond it only
     choice, measured = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
-                                       lambda: kl_at[state["n"]], max_kl=0.1, progress=False, start=12)
+                                       lambda: {"kl": kl_at[state["n"]]}, max_kl=0.1, progress=False, start=12)
     assert list(measured) == [12] and sum(choice.k_bits) - 40 == 12 and "tolerance's 12 widening(s)" in choice.reason
     choice, measured = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
-                                       lambda: kl_at[state["n"]], max_kl=0.1, progress=False, start=4)
+                                       lambda: {"kl": kl_at[state["n"]]}, max_kl=0.1, progress=False, start=4)
     assert sum(choice.k_bits) - 40 == 9 and min(measured) == 4
 
 

@@ -43,6 +43,7 @@ def test_inspect_prints_geometry_and_validation(artifact_dir):
     assert "key centering chosen" in result.output and '"probe_error"' in result.output
     # the KL check's measurements, with the probe's length
     assert re.search(r"KL check \(target 0.01, on 1024 held-back tokens\): \d\.\d{3} bits -> KL 0\.\d{4}", result.output)
+    assert re.search(r"KL by position \(positions up to\): 1024 0\.\d{4}", result.output)
 
 
 def test_calibrate_refuses_an_unknown_key_centering(tmp_path):

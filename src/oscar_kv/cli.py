@@ -192,6 +192,10 @@ def _width_map(widths: dict) -> str:
         points = sorted(measured.values(), key=lambda p: p["bits_per_element"])
         lines.insert(1, f"KL check (target {widths['max_kl']:g}, on {on}): "
                         + ", ".join(f"{p['bits_per_element']:.3f} bits -> KL {p['kl']:.4f}" for p in points))
+        chosen = [p for p in points if p["bits_per_element"] == widths["bits_per_element"] and "kl_by_position" in p]
+        if chosen:  # does KL still grow at the probe's end? (a longer context then has more)
+            lines.insert(2, "  at the chosen widths, KL by position (positions up to): " + ", ".join(
+                f"{end} {v:.4f}" for end, v in chosen[0]["kl_by_position"].items()))
     widest = max(map(int, by_width))
     for i, (k, v) in enumerate(zip(widths["k_bits"], widths["v_bits"])):
         noise = "  ".join(f"{by_width[w][i]:8.4f}" for w in by_width)

@@ -126,7 +126,7 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
 
 
 def search_kl_steps(allocation: Callable[[int], WidthChoice], use: Callable[[WidthChoice], None],
-                    kl: Callable[[], float], max_kl: float, progress: bool = True, start: int = 0):
+                    kl: Callable[[], dict], max_kl: float, progress: bool = True, start: int = 0):
     """The fewest widenings along the noise order (allocation.py), at least ``start``, whose measured KL is at most
     ``max_kl``.
 
@@ -135,10 +135,11 @@ def search_kl_steps(allocation: Callable[[int], WidthChoice], use: Callable[[Wid
     Args:
         allocation: the WidthChoice after n widenings (its bits stay within the budget: the path ends there).
         use: sets the artifact's widths (and their clips) to a WidthChoice's.
-        kl: the KL of the artifact as it is set now.
+        kl: the KL of the artifact as it is set now: {"kl": value, ...}; the other entries (kl_measure's
+            "kl_by_position") are kept with the step.
         max_kl: the target.
     Returns:
-        (the WidthChoice, {step: {"k_bits_mean", "bits_per_element", "kl"}} for every step measured).
+        (the WidthChoice, {step: {"bits_per_element", "kl", ...kl's other entries}} for every step measured).
     """
     last = allocation(10 ** 6)  # as far as the budget (or the widest width) lets the path go
     widest = last.steps
@@ -148,8 +149,10 @@ def search_kl_steps(allocation: Callable[[int], WidthChoice], use: Callable[[Wid
     def measure(n: int) -> float:
         choice = allocation(n)
         use(choice)
-        value = kl()
-        measured[n] = {"bits_per_element": choice.bits_per_element, "kl": round(value, 6)}
+        result = kl()
+        value = result["kl"]
+        measured[n] = {"bits_per_element": choice.bits_per_element, "kl": round(value, 6),
+                       **{k: v for k, v in result.items() if k != "kl"}}
         if progress:
             print(f"  KL search: {n} widening(s), {choice.bits_per_element:.3f} bits per element: KL {value:.4f}",
                   flush=True)
@@ -178,10 +181,11 @@ def _with_reason(choice: WidthChoice, reason: str) -> WidthChoice:
     return dataclasses.replace(choice, reason=reason)
 
 
-def kl_measure(model, ids: torch.Tensor) -> Callable[[Rotations], float]:
+def kl_measure(model, ids: torch.Tensor) -> Callable[[Rotations], dict]:
     """The KL measure of ``--max-kl``: an artifact's mean KL(unquantized || artifact's cache) over ``ids`` (int64
     [1, T]: calibrate.kl_probe's held-back sequence), as ``oscar-kv eval``'s kl task scores it (the cache simulated
-    in one teacher-forced forward)."""
+    in one teacher-forced forward): {"kl": mean, "kl_by_position": the mean per power-of-two position bin, rounded}.
+    The bins show whether KL still grows at the probe's end (a context past the probe then has more)."""
     from .cache import CacheSettings, unprepare_model
     from .evaluate.schemes import standard_scheme
     from .evaluate.tasks import kl_and_ppl, reference_hidden
@@ -191,8 +195,9 @@ def kl_measure(model, ids: torch.Tensor) -> Callable[[Rotations], float]:
 
     def kl(rot: Rotations) -> float:
         scheme = standard_scheme("oscar", geometry, rot, CacheSettings())
-        value = kl_and_ppl(model, scheme, ids, reference)["kl"]
+        scores = kl_and_ppl(model, scheme, ids, reference)
         unprepare_model(model)
-        return value
+        bins = {end: round(v, 6) for end, v in scores["kl_by_position"].items()}
+        return {"kl": scores["kl"], "kl_by_position": bins}
 
     return kl
