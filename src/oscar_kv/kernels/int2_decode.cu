@@ -285,6 +285,18 @@ __device__ __forceinline__ float warp_sum_all(float x) {
   return x;
 }
 
+// The sum over the 4 lanes of a row (lane / 4) of the query fragments' per-thread partial sums.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Rows 2t and 2t + 1 of a row sum (lanes 8t and 8t + 4), times f: the values of this thread's heads 2t, 2t + 1.
+__device__ __forceinline__ void head_pair(float x, int t, float f, float& h0, float& h1) {
+  h0 = f * __shfl_sync(0xffffffffu, x, 8 * t);
+  h1 = f * __shfl_sync(0xffffffffu, x, 8 * t + 4);
+}
+
 __device__ __forceinline__ float warp_sum_rows(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 4);
   x += __shfl_xor_sync(0xffffffffu, x, 8);
@@ -1258,24 +1270,16 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
           off_part += qh.x + qh.y;
           sum_part += x0 + x1;
         }
-    off_part += __shfl_xor_sync(0xffffffffu, off_part, 1);
-    off_part += __shfl_xor_sync(0xffffffffu, off_part, 2);
-    sum_part += __shfl_xor_sync(0xffffffffu, sum_part, 1);
-    sum_part += __shfl_xor_sync(0xffffffffu, sum_part, 2);
+    off_part = quad_sum(off_part);
+    sum_part = quad_sum(sum_part);
     // this thread's output columns are heads 2t and 2t + 1: their sums sit in rows 2t, 2t + 1
-    q.koff0 = 1024.f * __shfl_sync(0xffffffffu, off_part, 8 * t);
-    q.koff1 = 1024.f * __shfl_sync(0xffffffffu, off_part, 8 * t + 4);
-    q.qsum0 = __shfl_sync(0xffffffffu, sum_part, 8 * t);
-    q.qsum1 = __shfl_sync(0xffffffffu, sum_part, 8 * t + 4);
+    head_pair(off_part, t, 1024.f, q.koff0, q.koff1);
+    head_pair(sum_part, t, 1.f, q.qsum0, q.qsum1);
 #if NG == 2
-    offh_part += __shfl_xor_sync(0xffffffffu, offh_part, 1);
-    offh_part += __shfl_xor_sync(0xffffffffu, offh_part, 2);
-    sumh_part += __shfl_xor_sync(0xffffffffu, sumh_part, 1);
-    sumh_part += __shfl_xor_sync(0xffffffffu, sumh_part, 2);
-    q.koffh0 = 1024.f * __shfl_sync(0xffffffffu, offh_part, 8 * t);
-    q.koffh1 = 1024.f * __shfl_sync(0xffffffffu, offh_part, 8 * t + 4);
-    q.qsumh0 = __shfl_sync(0xffffffffu, sumh_part, 8 * t);
-    q.qsumh1 = __shfl_sync(0xffffffffu, sumh_part, 8 * t + 4);
+    offh_part = quad_sum(offh_part);
+    sumh_part = quad_sum(sumh_part);
+    head_pair(offh_part, t, 1024.f, q.koffh0, q.koffh1);
+    head_pair(sumh_part, t, 1.f, q.qsumh0, q.qsumh1);
 #endif
   }
 
