@@ -419,6 +419,22 @@ def test_layers_at_other_widths_take_the_triton_kernel(monkeypatch):
     assert not decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 4))
 
 
+def _check_query_dtypes_and_shared_rotation(pool, batch, rot, q, against_triton=False):
+    """The CUDA kernel with float32 / float16 queries, one rotation shared by the heads or none (keys stored
+    unrotated), against the float64 reference (and Triton)."""
+    from oscar_kv.kernels.decode import int2_decode
+
+    q = q.to(DEV)
+    for r in (rot[:1], None):
+        want = ref.decode_reference(pool, 0, q, batch, r, None)
+        for dtype in (torch.float32, torch.float16):
+            out = int2_decode(q.to(dtype), pool, 0, batch, r, backend="cuda")
+            assert out.dtype == dtype
+            assert rel_err(out, want) < 1e-2, (dtype, r is None)
+            if against_triton:
+                assert rel_err(out, int2_decode(q.to(dtype), pool, 0, batch, r, backend="triton")) < 3e-3
+
+
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
 @pytest.mark.parametrize("d,page_size", [(128, 16), (128, 32), (64, 16), (64, 32)])
 def test_cuda_int2_decode_matches_reference_and_triton(d, page_size):
@@ -459,14 +475,8 @@ def test_cuda_int2_decode_matches_reference_and_triton(d, page_size):
         o3 = torch.full_like(q, float("nan"))
         int2_cuda.decode(q, rot, pool.layer(0), geom, batch, o3, 40, chunk, LOG2E / d ** 0.5)
         assert rel_err(o3, want) < 1e-2, gqa
-    q = torch.randn(len(seq_lens), 16, d, generator=gen).to(DEV)
-    for r in (rot[:1], None):  # one rotation shared by the heads; none (keys stored unrotated)
-        want = ref.decode_reference(pool, 0, q, batch, r, None)
-        for dtype in (torch.float32, torch.float16):
-            out = int2_decode(q.to(dtype), pool, 0, batch, r, backend="cuda")
-            assert out.dtype == dtype
-            assert rel_err(out, want) < 1e-2, (dtype, r is None)
-            assert rel_err(out, int2_decode(q.to(dtype), pool, 0, batch, r, backend="triton")) < 3e-3
+    _check_query_dtypes_and_shared_rotation(pool, batch, rot, torch.randn(len(seq_lens), 16, d, generator=gen),
+                                            against_triton=True)
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
@@ -637,13 +647,7 @@ def test_cuda_decode_head_dim_256(group, widths, live, window):
         int2_cuda.decode(q, rot, pool.layer(0), geom, batch, o3, 40, chunk, LOG2E / d ** 0.5, rope=rope)
         assert rel_err(o3, want) < 1e-2
     if live is None and window is None:
-        q = torch.randn(len(seq_lens), 8, d, generator=gen).to(DEV)
-        for r in (rot[:1], None):  # one rotation shared by the heads; none (keys stored unrotated)
-            want = ref.decode_reference(pool, 0, q, batch, r, None)
-            for dtype in (torch.float32, torch.float16):
-                out = int2_decode(q.to(dtype), pool, 0, batch, r, backend="cuda")
-                assert out.dtype == dtype
-                assert rel_err(out, want) < 1e-2, (dtype, r is None)
+        _check_query_dtypes_and_shared_rotation(pool, batch, rot, torch.randn(len(seq_lens), 8, d, generator=gen))
     if rope is not None:
         assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None, window=window), want) > 0.1  # it matters
 
