@@ -113,6 +113,12 @@ PY
           step d15 --model gemma3-270m:8192,16384,32768 --tasks kl --candidates default,m0.05,f0.05 ;;
         d16) wait_for qwen
           step d16 --model qwen2.5-coder-1.5b:8192,16384,32768 --tasks kl --candidates default ;;
+        # runs D17-D18: Qwen2.5's default with the 32K probe, with needles, and at 64K / 128K with YaRN
+        d17) wait_for qwen
+          step d17 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --candidates default ;;
+        d18) wait_for qwen
+          step d18 --model qwen2.5-coder-1.5b@yarn4:65536,131072 --niah-samples 6 --text stdlib: \
+            --candidates default ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
