@@ -1,9 +1,11 @@
-"""Decode attention for one attention geometry (query heads, KV heads; head dim 128, group 128, P = 16): the CUDA
-kernel at each split target (CTAs per SM in its split plan), the CUDA kernel without the in-kernel query rotation,
+"""Decode attention for one attention geometry (query heads, KV heads, head dim, group; P = 16): the CUDA kernel at
+each split target (CTAs per SM in its split plan), with the default target once more under the one-wave plan
+(int2_cuda.MERGE_BALANCE_TOKENS = 0: no cap on the splits for the merge), the CUDA kernel without the query rotation,
 the Triton INT2 kernel and the Triton BF16 kernel over the same tokens; then (unless --no-stamps) the CUDA kernel's
 phases inside one call (%globaltimer stamps, after an L2 flush) at the first context, batch 1.  GPU only.
 
     python3 benchmarks/cuda_geometry_sweep.py --q-heads 32 --kv-heads 2    # GLM-4-9B's attention (GQA 16)
+    python3 benchmarks/cuda_geometry_sweep.py --q-heads 4 --kv-heads 1 --head-dim 256    # Gemma 3 270M's
 
 Microseconds per call (CUDA graph replays, L2 flushed between them: bench/timing.py).  Above 8 query heads per KV
 head the CUDA kernel runs query groups (int2_cuda.query_groups), so the pairs it plans for are KV heads x groups.
@@ -28,6 +30,13 @@ def sweep(ctx: int, bs: int, targets, dev, gen) -> str:
         us = 1e3 * _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, backend="cuda", max_int2_pages=mp,
                                                     cuda_split_target=tgt))
         row.append(f"cuda t{tgt} {us:.1f}")
+    balance = int2_cuda.MERGE_BALANCE_TOKENS
+    try:
+        int2_cuda.MERGE_BALANCE_TOKENS = 0
+        us = 1e3 * _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, backend="cuda", max_int2_pages=mp))
+    finally:
+        int2_cuda.MERGE_BALANCE_TOKENS = balance
+    row.append(f"cuda one-wave {us:.1f}")
     us = 1e3 * _bench_call(lambda: int2_decode(q, pool, 0, batch, None, backend="cuda", max_int2_pages=mp))
     row.append(f"cuda norot {us:.1f}")
     us = 1e3 * _bench_call(lambda: int2_decode(q, pool, 0, batch, rot, backend="triton", max_int2_pages=mp))
@@ -56,10 +65,13 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--group-size", type=int, default=None, help="quantization group (default: the head dim)")
     ap.add_argument("--targets", default="1,2,3,4", help="CUDA CTAs per SM in the split plan")
     ap.add_argument("--no-stamps", action="store_true", help="skip the phase stamps")
     args = ap.parse_args()
-    syn.GEOMETRY.update(num_q_heads=args.q_heads, num_kv_heads=args.kv_heads)
+    syn.GEOMETRY.update(num_q_heads=args.q_heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        group_size=args.group_size or args.head_dim)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -68,7 +80,7 @@ def main() -> None:
         for bs in map(int, args.batch_sizes.split(",")):
             print(sweep(ctx, bs, targets, dev, gen), flush=True)
             torch.cuda.empty_cache()
-    for target in () if args.no_stamps else (int2_cuda.min_blocks(), 1):
+    for target in () if args.no_stamps else (int2_cuda.min_blocks(head_dim=args.head_dim), 1):
         print(stamps(contexts[0], target, dev, gen), flush=True)
 
 

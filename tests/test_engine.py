@@ -492,8 +492,8 @@ def test_keys_and_values_at_mixed_widths_run_the_kernels_with_the_torch_paths_to
 
 def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read():
     """LLMEngine.describe's decode part where the CUDA kernel runs (here as on an H100): it reads keys at 2, 3, 4 or
-    8 bits and values at 2 (kernels/int2_cuda.WIDTHS), windowed or not; layers at other widths are named as taking
-    Triton; when no layer is left for CUDA, Triton serves all."""
+    8 bits and values at 2, 3 or 4 (kernels/int2_cuda.WIDTHS), windowed or not; layers at other widths (values at 8
+    bits) are named as taking Triton; when no layer is left for CUDA, Triton serves all."""
     from types import SimpleNamespace
 
     def engine(k_bits, v_bits, windows=None):
@@ -507,15 +507,15 @@ def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read()
     describe = LLMEngine.int2_decode_description
     assert describe(engine((2, 2), (2, 2))) == "the one-launch CUDA kernel"
     assert describe(engine((3, 4, 3), (2, 2, 2))) == "the one-launch CUDA kernel"  # calibrate's default widths
-    assert describe(engine((3, 2, 4, 2), (2, 2, 4, 2))) == (
+    assert describe(engine((3, 8, 4, 8), (3, 2, 4, 3))) == "the one-launch CUDA kernel"  # K3V3, K8V2, K4V4, K8V3
+    assert describe(engine((3, 2, 4, 2), (2, 2, 8, 2))) == (
         "the one-launch CUDA kernel on 3 layers (K2V2 x 2, K3V2 x 1), the Triton kernel on the 1 layer stored at "
-        "K4V4 x 1 (the CUDA kernel reads values at 2 bits only)")
-    assert describe(engine((3, 8, 4), (2, 2, 2))) == "the one-launch CUDA kernel"  # 8-bit keys (a noisy layer)
-    mixed = describe(engine((3, 2, 4), (3, 2, 2), (None, 1024, None)))
-    assert mixed == ("the one-launch CUDA kernel on 2 layers (K2V2 x 1, K4V2 x 1), the Triton kernel on the 1 "
-                     "layer stored at K3V3 x 1 (the CUDA kernel reads values at 2 bits only)")
-    assert describe(engine((3, 4), (3, 4))) == ("the Triton kernel on every layer: the 2 layers stored at K3V3 x 1, "
-                                                "K4V4 x 1 (the CUDA kernel reads values at 2 bits only)")
+        "K4V8 x 1 (the CUDA kernel reads values at 2, 3 or 4 bits)")
+    mixed = describe(engine((3, 2, 4), (8, 3, 2), (None, 1024, None)))
+    assert mixed == ("the one-launch CUDA kernel on 2 layers (K2V3 x 1, K4V2 x 1), the Triton kernel on the 1 "
+                     "layer stored at K3V8 x 1 (the CUDA kernel reads values at 2, 3 or 4 bits)")
+    assert describe(engine((3, 4), (8, 8))) == ("the Triton kernel on every layer: the 2 layers stored at K3V8 x 1, "
+                                                "K4V8 x 1 (the CUDA kernel reads values at 2, 3 or 4 bits)")
 
 
 def test_warm_up_runs_every_stage_and_leaves_no_trace(model, tokenizer, small_rotations):

@@ -53,7 +53,12 @@ def small_geoms(widths=(2, 2)):
 WIDTHS = [(2, 2), (3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2)]
 
 
-@pytest.mark.parametrize("widths", WIDTHS)
+def width_ids(value):
+    """Test ids that name a (key, value) width pair as K<k>V<v> (``-k V3`` selects the 3-bit value cases)."""
+    return f"K{value[0]}V{value[1]}" if isinstance(value, tuple) else None
+
+
+@pytest.mark.parametrize("widths", WIDTHS, ids=width_ids)
 @pytest.mark.parametrize("gi", [0, 1])
 def test_int2_decode_matches_reference(gi, widths):
     from oscar_kv.kernels.decode import int2_decode
@@ -316,18 +321,18 @@ def test_bf16_decode_sliding_window():
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
 @pytest.mark.parametrize("d,page_size,widths", [(128, 16, (2, 2)), (128, 32, (3, 2)), (64, 16, (8, 2)),
-                                                (128, 16, (8, 2))])
+                                                (128, 16, (8, 2)), (128, 32, (2, 3)), (64, 16, (4, 4))], ids=width_ids)
 def test_cuda_decode_sliding_window(d, page_size, widths):
     """The CUDA kernel's sliding-window variant (int2_decode.cu, SLIDING) against the float64 reference and Triton:
     windows of 1 token to longer than every sequence, their first token in the sink, the INT2 history (32K and 128K
     sequences: the splits cover only the window's pages) or the recent window, a prefix hit with a short recent
-    window, GQA 4 and 16 (two query groups), one split per sequence and many; the engine's choice takes CUDA for
-    windowed layers."""
+    window, GQA 4 and 16 (two query groups), one split per sequence and many; keys and values at 2 to 8 bits; the
+    engine's choice takes CUDA for windowed layers."""
     from oscar_kv.kernels.decode import int2_decode, int2_kernel_choice
 
     geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=d, group_size=d, page_size=page_size, sink_size=64,
                         recent_size=256, k_bits=widths[:1], v_bits=widths[1:], layer_windows=(1024,))
-    gen = torch.Generator().manual_seed(71 + d + page_size + widths[0])
+    gen = torch.Generator().manual_seed(71 + d + page_size + widths[0] + 10 * (widths[1] - 2))
     seq_lens = [0, 7, 64 + 256 + 3 * page_size + 5, 5003, 32768 + 77, 131072 + 77, 9000]
     steady = [geom.int2_pages_for(n) for n in seq_lens]
     steady[-1] = (9000 - 64 - 40) // page_size  # prefix hit: more INT2 pages, a 40-odd-token recent window
@@ -353,15 +358,16 @@ def test_cuda_decode_sliding_window(d, page_size, widths):
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
-@pytest.mark.parametrize("d,rotary", [(128, None), (128, "interleaved"), (64, "partial")])
-def test_cuda_decode_sliding_window_with_the_position_aware_key_offset(d, rotary):
+@pytest.mark.parametrize("d,rotary,widths", [(128, None, (2, 2)), (128, "interleaved", (2, 2)), (64, "partial", (2, 2)),
+                                             (128, None, (4, 3)), (64, "partial", (3, 4))], ids=width_ids)
+def test_cuda_decode_sliding_window_with_the_position_aware_key_offset(d, rotary, widths):
     """Windows with keys centered per position in the CUDA kernel: the term is added at each kept token's position,
-    the masked ones drop out; GQA 16 (GLM-4's, interleaved partial RoPE) beside GQA 4."""
+    the masked ones drop out; GQA 16 (GLM-4's, interleaved partial RoPE) beside GQA 4; INT2 and wider codes."""
     from oscar_kv.kernels.decode import int2_decode
 
     geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=d, group_size=d, page_size=16, sink_size=64,
-                        recent_size=256)
-    gen = torch.Generator().manual_seed(81 + d)
+                        recent_size=256, k_bits=widths[:1], v_bits=widths[1:])
+    gen = torch.Generator().manual_seed(81 + d + (0 if widths == (2, 2) else 10 * widths[0] + widths[1]))
     seq_lens = [7, 64 + 100, 64 + 256 + 16 * 5 + 3, 20000 + 16 * 3 + 5, 131072 + 77]
     pool, batch, rot = build_pool(geom, seq_lens, gen)
     rotary_dim = {None: None, "partial": 3 * d // 4, "interleaved": d // 2}[rotary]
@@ -392,31 +398,37 @@ def test_query_groups_split_large_gqa_into_equal_groups_of_at_most_8():
 
 
 def test_layers_at_other_widths_take_the_triton_kernel(monkeypatch):
-    """The CUDA kernel reads keys at 2, 3, 4 or 8 bits and values at 2 (int2_cuda.WIDTHS): a layer whose values are
-    stored at 3 or 4 bits takes Triton, and says why, also under OSCAR_KV_INT2_KERNEL=cuda (the model's other layers
-    keep CUDA); a call that itself asks for CUDA raises.  int2_decode decides by its layer's widths
-    (PoolGeometry.layer_widths)."""
+    """The CUDA kernel reads keys at 2, 3, 4 or 8 bits and values at 2, 3 or 4 (int2_cuda.WIDTHS: calibrate's K4V3,
+    K3V3, K8V3 layers among them): a layer whose values are stored at 8 bits takes Triton, and says why, also under
+    OSCAR_KV_INT2_KERNEL=cuda (the model's other layers keep CUDA); a call that itself asks for CUDA raises.
+    int2_decode decides by its layer's widths (PoolGeometry.layer_widths)."""
     from oscar_kv.kernels import decode, int2_cuda
 
-    geom = PoolGeometry(num_layers=5, num_kv_heads=8, head_dim=128, group_size=128, k_bits=(2, 3, 4, 8, 2),
-                        v_bits=(2, 2, 2, 2, 4), layer_windows=(None, None, None, 1024, 1024))
+    k_bits, v_bits = (2, 3, 4, 8, 4, 3, 8, 2, 2), (2, 2, 2, 2, 3, 3, 3, 4, 8)
+    geom = PoolGeometry(num_layers=9, num_kv_heads=8, head_dim=128, group_size=128, k_bits=k_bits, v_bits=v_bits,
+                        layer_windows=(None, None, None, 1024, 1024, None, 1024, None, 1024))
     asked = []
     monkeypatch.setattr(int2_cuda, "unsupported", lambda *args: asked.append(args[5]))  # None: as on an H100
     monkeypatch.setattr(decode, "INTERPRET", False)
     cuda = torch.device("cuda")
-    choices = [decode.int2_kernel_choice(cuda, geom, 4, widths=geom.layer_widths(i)) for i in range(5)]
-    assert choices == [("cuda", None)] * 4 + [("triton", decode.stored_width_reason(2, 4))]
-    assert asked[:4] == [(2, 2), (3, 2), (4, 2), (8, 2)]  # each layer's variant is what gets compiled (and may fail)
-    assert "K2V4" in choices[4][1] and "values at 2" in choices[4][1]
-    assert int2_cuda.width_error(3, 2) is None and "K3V3" in int2_cuda.width_error(3, 3)
+    choices = [decode.int2_kernel_choice(cuda, geom, 4, widths=geom.layer_widths(i)) for i in range(9)]
+    assert choices == [("cuda", None)] * 8 + [("triton", decode.stored_width_reason(2, 8))]
+    assert asked[:8] == list(zip(k_bits, v_bits))[:8]  # each layer's variant is what gets compiled (and may fail)
+    assert "K2V8" in choices[8][1] and "values at 2, 3 or 4" in choices[8][1]
+    assert set(int2_cuda.WIDTHS) == {(k, v) for k in (2, 3, 4, 8) for v in (2, 3, 4)}
+    for widths in int2_cuda.WIDTHS:
+        assert int2_cuda.width_error(*widths) is None
+    assert "K3V8" in int2_cuda.width_error(3, 8) and "K16V2" in int2_cuda.width_error(16, 2)
     assert decode.int2_kernel_choice(cuda, geom, 4, widths=(2, 2)) == ("cuda", None)  # the default: K2V2
-    with pytest.raises(ValueError, match="cannot run this call: layer stored at K3V3"):
-        decode.int2_kernel_choice(cuda, geom, 4, backend="cuda", widths=(3, 3))
+    with pytest.raises(ValueError, match="cannot run this call: layer stored at K3V8"):
+        decode.int2_kernel_choice(cuda, geom, 4, backend="cuda", widths=(3, 8))
     monkeypatch.setenv(decode.INT2_KERNEL_ENV, "cuda")
-    assert decode.int2_kernel_choice(cuda, geom, 4, widths=(2, 4))[0] == "triton"
+    assert decode.int2_kernel_choice(cuda, geom, 4, widths=(2, 8))[0] == "triton"
     assert decode._use_cuda(None, cuda, geom, 4, None, widths=(2, 2))
     assert decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 2))
-    assert not decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 4))
+    assert decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 4))
+    assert decode._use_cuda(None, cuda, geom, 4, None, widths=(8, 3))
+    assert not decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 8))
 
 
 def _check_query_dtypes_and_shared_rotation(pool, batch, rot, q, against_triton=False):
@@ -519,27 +531,28 @@ def test_cuda_int2_decode_adds_the_position_aware_key_offset(d, sink, live, scal
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
-@pytest.mark.parametrize("widths", [(2, 2), (3, 2), (4, 2), (8, 2)])
-@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("d,widths", [(d, w) for d in (128, 64) for w in ((2, 2), (3, 2), (4, 2), (8, 2))] + [
+    (128, (2, 3)), (128, (4, 3)), (128, (8, 3)), (128, (3, 4)),  # values at 3 and 4 bits (VBITS)
+    (64, (2, 3)), (64, (3, 3)), (64, (4, 4)), (64, (8, 4))], ids=width_ids)
 def test_cuda_decode_reads_3_and_4_bit_keys(d, widths):
-    """The CUDA kernel's key variants (int2_decode.cu, KBITS: the INT3 high-bit plane, the INT4 upper bytes and the
-    INT8 bytes turned into the INT2 variant's MMA operands) beside INT2, head dim 128 and 64, against the float64 reference
-    and the Triton kernel: GQA 1 / 3 / 8, a 128K sequence among short ones (empty, sink-only, window-only), a
-    prefix hit with extra INT2 pages (short recent window), a history that ends mid-step, shuffled pages, split
-    counts from 1 to many, CTAs without INT2 tokens; key rows of D * bits / 8 bytes (their own page strides) and
-    INT2 value rows.  The engine's choice takes CUDA for these layers."""
+    """The CUDA kernel's key and value variants (int2_decode.cu, KBITS and VBITS: the INT3 high-bit plane, the INT4
+    upper bytes and the INT8 key bytes turned into the INT2 variant's MMA operands) beside INT2, head dim 128 and 64,
+    against the float64 reference and the Triton kernel: GQA 1 / 3 / 8, a 128K sequence among short ones (empty,
+    sink-only, window-only), a prefix hit with extra INT2 pages (short recent window), a history that ends mid-step,
+    shuffled pages, split counts from 1 to many, CTAs without INT2 tokens; key and value rows of D * bits / 8 bytes
+    (their own page strides).  The engine's choice takes CUDA for these layers."""
     from oscar_kv.kernels import int2_cuda
     from oscar_kv.kernels.common import LOG2E
     from oscar_kv.kernels.decode import int2_decode, int2_kernel_choice
 
     geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=d, group_size=d, page_size=16, sink_size=64,
                         recent_size=256, k_bits=widths[:1], v_bits=widths[1:])
-    gen = torch.Generator().manual_seed(51 + d + widths[0])
+    gen = torch.Generator().manual_seed(51 + d + widths[0] + 10 * (widths[1] - 2))
     seq_lens = [0, 7, 64, 64 + 256 + 3 * 16 + 5, 5003, 131072 + 77, 9000]
     steady = [geom.int2_pages_for(n) for n in seq_lens]
     steady[-1] = (9000 - 64 - 40) // 16  # prefix hit: more INT2 pages, a 40-odd-token recent window
     pool, batch, rot = build_pool(geom, seq_lens, gen, int2_pages=steady)
-    assert pool.k_codes.shape[-1] == d * widths[0] // 8 and pool.v_codes.shape[-1] == d // 4
+    assert pool.k_codes.shape[-1] == d * widths[0] // 8 and pool.v_codes.shape[-1] == d * widths[1] // 8
     for gqa in (1, 3, 8):
         assert int2_kernel_choice(torch.device(DEV), geom, gqa, widths=widths) == ("cuda", None)
         q = torch.randn(len(seq_lens), 4 * gqa, d, generator=gen).to(DEV, torch.bfloat16)
@@ -564,16 +577,20 @@ def test_cuda_decode_reads_3_and_4_bit_keys(d, widths):
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
-@pytest.mark.parametrize("widths", [(3, 2), (4, 2), (8, 2)])
-@pytest.mark.parametrize("d,sink,live,scale", [(128, 64, 32, 20.0), (128, 48, 3, 900.0), (64, 48, 12, 300.0)])
+@pytest.mark.parametrize("d,sink,live,scale,widths", [
+    (*case, w) for w in ((3, 2), (4, 2), (8, 2))
+    for case in ((128, 64, 32, 20.0), (128, 48, 3, 900.0), (64, 48, 12, 300.0))
+] + [(128, 64, 32, 20.0, (2, 4)), (128, 48, 3, 900.0, (8, 3)), (128, 64, 12, 300.0, (4, 3)),
+     (64, 48, 12, 300.0, (3, 3))], ids=width_ids)
 def test_cuda_decode_of_3_and_4_bit_keys_adds_the_position_aware_key_offset(d, sink, live, scale, widths):
-    """Per-position key centering (rope_terms) in the 3- and 4-bit key variants: 8 .. 32 visited pairs, |mu_pre| up
-    to 900, a sink that ends mid-step, window-only and long sequences, GQA 3 / 8, a page bound past the history."""
+    """Per-position key centering (rope_terms) in the 3- and 4-bit key and value variants: 8 .. 32 visited pairs,
+    |mu_pre| up to 900, a sink that ends mid-step, window-only and long sequences, GQA 3 / 8, a page bound past the
+    history."""
     from oscar_kv.kernels.decode import int2_decode
 
     geom = PoolGeometry(num_layers=1, num_kv_heads=4, head_dim=d, group_size=d, page_size=16, sink_size=sink,
                         recent_size=256, k_bits=widths[:1], v_bits=widths[1:])
-    gen = torch.Generator().manual_seed(61 + live + d + widths[0])
+    gen = torch.Generator().manual_seed(61 + live + d + widths[0] + 10 * (widths[1] - 2))
     seq_lens = [7, sink + 100, sink + 256 + 16 * 5 + 3, 20000 + 16 * 3 + 5, 131072 + 77]
     pool, batch, rot = build_pool(geom, seq_lens, gen)
     rope = rope_case(4, d, max(seq_lens), gen, live=live, scale=scale)
@@ -598,14 +615,16 @@ def test_cuda_decode_of_3_and_4_bit_keys_adds_the_position_aware_key_offset(d, s
     (128, (3, 2), None, None), (128, (4, 2), None, None), (128, (8, 2), None, None),
     (128, (2, 2), 16, None), (256, (4, 2), 32, None),  # per-position key centering (RoPE term)
     (128, (2, 2), None, 1024), (128, (2, 2), 8, 1024), (128, (3, 2), 32, 512),  # sliding windows (5 of 6 layers)
-])
+    # values at 3 and 4 bits (Gemma 3 270M's calibration default: K4V3 x 10, K8V3 x 5, K3V3 x 1, ...)
+    (128, (4, 3), None, None), (128, (8, 3), 8, 512), (256, (3, 4), None, 1024), (128, (2, 4), 32, None),
+], ids=width_ids)
 def test_cuda_decode_head_dim_256(group, widths, live, window):
     """Head dim 256 in the CUDA kernel (int2_decode.cu, D = 256: NG = 2 metadata groups at G = 128, two logit and
     value accumulators per group; 2 CTAs per SM; 16-token steps where 32 would spill) against the float64 reference
-    and the Triton kernel: keys at 2, 3, 4 or 8 bits, the RoPE term over 8 .. 32 pairs, sliding windows, GQA 1 / 4 /
-    8 / 16 (two query groups), a 32K sequence among short ones (empty, sink-only, window-only), a prefix hit with a
-    short recent window, split counts from 1 to many, CTAs without INT2 tokens, per-head / shared / no rotation,
-    float32 / float16 queries.  The engine's choice takes CUDA for these layers."""
+    and the Triton kernel: keys at 2, 3, 4 or 8 bits, values at 2, 3 or 4, the RoPE term over 8 .. 32 pairs, sliding
+    windows, GQA 1 / 4 / 8 / 16 (two query groups), a 32K sequence among short ones (empty, sink-only, window-only), a
+    prefix hit with a short recent window, split counts from 1 to many, CTAs without INT2 tokens, per-head / shared /
+    no rotation, float32 / float16 queries.  The engine's choice takes CUDA for these layers."""
     from oscar_kv.kernels import int2_cuda
     from oscar_kv.kernels.common import LOG2E
     from oscar_kv.kernels.decode import int2_decode, int2_kernel_choice
@@ -614,7 +633,7 @@ def test_cuda_decode_head_dim_256(group, widths, live, window):
     geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=d, group_size=group, page_size=16, sink_size=64,
                         recent_size=256, k_bits=widths[:1], v_bits=widths[1:],
                         layer_windows=(window,) if window else None)
-    gen = torch.Generator().manual_seed(91 + group + widths[0] + (live or 0) + (window or 0))
+    gen = torch.Generator().manual_seed(91 + group + widths[0] + 10 * (widths[1] - 2) + (live or 0) + (window or 0))
     seq_lens = [0, 7, 64, 64 + 256 + 3 * 16 + 5, 5003, 32768 + 77, 9000]
     steady = [geom.int2_pages_for(n) for n in seq_lens]
     steady[-1] = (9000 - 64 - 40) // 16  # prefix hit: more INT2 pages, a 40-odd-token recent window
@@ -671,16 +690,22 @@ def test_cuda_head_dim_256_host_side(monkeypatch):
             assert f"head dim {d} / group {g}" in why
             assert why == int2_cuda.unsupported(torch.device("cuda"), geom, 4, None)  # before any device check
     geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=128)
-    assert int2_cuda.shape_error(geom, 4, None, widths=(3, 3)) == int2_cuda.width_error(3, 3)
+    assert int2_cuda.shape_error(geom, 4, None, widths=(3, 8)) == int2_cuda.width_error(3, 8) is not None
+    assert int2_cuda.shape_error(geom, 4, None, widths=(8, 3)) is None
     assert "65 query heads" in int2_cuda.shape_error(geom, 65, None)
     for kbits in int2_cuda.KEY_BITS:
         for pairs in (0, 8, 16, 32):
-            assert int2_cuda.min_blocks(pairs, 256, kbits) == 2
+            for vbits in int2_cuda.VALUE_BITS:
+                assert int2_cuda.min_blocks(pairs, 256, kbits, vbits=vbits) == 2
             assert int2_cuda.step16(256, kbits, pairs, False)
         assert int2_cuda.step16(256, kbits, 0, True)
         assert not int2_cuda.step16(128, kbits, 8, True) and not int2_cuda.step16(64, kbits, 0, True)
     assert int2_cuda.min_blocks(0, 128, 2) == 3 and int2_cuda.min_blocks(0, 64, 2) == 4  # unchanged
     assert int2_cuda.min_blocks(8, 128, 2) == 2 and int2_cuda.min_blocks(0, 128, 8) == 2
+    for vbits in (3, 4):  # values at 3 or 4 bits: 2 CTAs per SM at D = 128 (faster, E23), 3 at D = 64 (no spill)
+        assert [int2_cuda.min_blocks(0, 128, k, vbits=vbits) for k in (2, 3, 4, 8)] == [2, 2, 2, 2]
+        assert [int2_cuda.min_blocks(r, 128, 3, vbits=vbits) for r in (8, 16, 32)] == [2, 2, 2]
+        assert [int2_cuda.min_blocks(r, 64, k, vbits=vbits) for r in (0, 16) for k in (2, 8)] == [3] * 4
 
     sources = []
     monkeypatch.setattr(int2_cuda.torch.cuda, "_compile_kernel", lambda src, name: sources.append(src) or name,
@@ -690,10 +715,15 @@ def test_cuda_head_dim_256_host_side(monkeypatch):
     compile_(0, 256, 16, 4, 4, 2, 1, 1, rope_pairs=8, kbits=2, groups=2)
     compile_(0, 256, 16, 4, 4, 2, 1, 1, kbits=2, groups=1)
     compile_(0, 128, 16, 4, 4, 3, 1, 1, kbits=2)
+    compile_(0, 256, 16, 4, 4, 2, 1, 1, kbits=8, groups=2, vbits=3)
+    compile_(0, 64, 16, 4, 4, 3, 1, 1, kbits=2, vbits=4)
     head = [src[: src.index("//")] for src in sources]
     assert "#define D 256\n" in head[0] and "#define NG 2\n" in head[0] and "#define STEP16 1\n" in head[0]
     assert "#define NG 1\n" in head[1] and "#define STEP16 1\n" in head[1]
     assert "#define D 128\n" in head[2] and "#define NG" not in head[2] and "STEP16" not in head[2]
+    assert all("VBITS" not in h for h in head[:3])  # the INT2-value sources stay what they were
+    assert "#define KBITS 8\n" in head[3] and "#define VBITS 3\n" in head[3] and "#define NG 2\n" in head[3]
+    assert "#define D 64\n" in head[4] and "#define VBITS 4\n" in head[4] and "#define KBITS 2\n" in head[4]
 
     for tokens in (16, 4096 + 48, 32768 + 16):  # 16-token steps: the chunks are whole rounds of them too
         splits, chunk = int2_cuda.split_plan(tokens, 2, 16, 132, int2_cuda.min_blocks(0, 256))
@@ -715,10 +745,10 @@ def test_cuda_head_dim_256_host_side(monkeypatch):
 
 def test_cuda_decode_checks_the_layer_widths_before_launching():
     """int2_cuda.decode (runs anywhere: the checks come before the launch) reads the widths off the code rows or
-    takes the layer's: values at 3 bits are refused, and so are widths that do not match the rows."""
+    takes the layer's: values at 8 bits are refused, and so are widths that do not match the rows."""
     from oscar_kv.kernels import int2_cuda
 
-    for widths, error in (((3, 3), "K3V3"), ((2, 4), "K2V4")):
+    for widths, error in (((3, 8), "K3V8"), ((2, 8), "K2V8")):
         geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size=64, page_size=16, sink_size=16,
                             recent_size=32, k_bits=widths[:1], v_bits=widths[1:])
         pool, batch, rot = build_pool(geom, [100], torch.Generator().manual_seed(8))
@@ -731,6 +761,8 @@ def test_cuda_decode_checks_the_layer_widths_before_launching():
     pool, batch, rot = build_pool(geom, [100], torch.Generator().manual_seed(9))
     with pytest.raises(ValueError, match="not K4V2"):
         int2_cuda.decode(q, rot, pool.layer(0), geom, batch, torch.empty_like(q), 1, 128, 0.1, widths=(4, 2))
+    with pytest.raises(ValueError, match="not K3V3"):
+        int2_cuda.decode(q, rot, pool.layer(0), geom, batch, torch.empty_like(q), 1, 128, 0.1, widths=(3, 3))
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
@@ -759,7 +791,13 @@ def test_cuda_split_plan_covers_the_history_in_whole_steps():
             assert (splits - 1) * chunk < tokens <= splits * chunk
             if tokens <= int2_cuda.MAX_PAGES * 16:
                 assert splits * pairs <= max(pairs, 3 * 132)
+                # the merge is weighed: no chunk shorter than sqrt(MERGE_BALANCE_TOKENS x tokens) unless one split
+                assert splits == 1 or chunk ** 2 >= int2_cuda.MERGE_BALANCE_TOKENS * tokens
     assert int2_cuda.split_plan(0, 8, 16, 132, 3) == (1, int2_cuda.TOKENS_PER_ROUND)
+    # batch 1 at 32K over 4 (sequence, KV head) pairs: ~30 splits of ~1K tokens, not one wave of 85 (E23: 24.9 us
+    # against 29.8); head dim 256 keeps one wave
+    assert int2_cuda.split_plan(32768 - 320, 4, 16, 132, 3) == (29, 1152)
+    assert int2_cuda.split_plan(32768 - 320, 4, 16, 132, 2, head_dim=256) == (64, 512)
 
 
 def test_cuda_code_loads_are_evict_first_only_for_streams_of_about_two_l2s(monkeypatch):

@@ -80,9 +80,9 @@ class EngineDescription:
 
     def int2_decode_description(self) -> str:
         """The decode kernel(s) for the start-up line: one for every layer, or where some layers are stored at widths
-        the CUDA kernel does not read (kernels/int2_cuda.WIDTHS: keys at 2, 3, 4 or 8 bits, values at 2) and the
-        others take the CUDA kernel, which layers take which."""
-        from ..kernels.int2_cuda import WIDTHS
+        the CUDA kernel does not read (kernels/int2_cuda.WIDTHS: keys at 2, 3, 4 or 8 bits, values at 2, 3 or 4) and
+        the others take the CUDA kernel, which layers take which."""
+        from ..kernels.int2_cuda import VALUE_BITS, WIDTHS
 
         spec = self.pool.geometry
         kernel, why = self.int2_decode_kernel()
@@ -97,7 +97,8 @@ class EngineDescription:
         def widths(ids):
             return width_summary(*zip(*(spec.layer_widths(i) for i in ids)))
 
-        wide = f"the {layers(len(wider))} stored at {widths(wider)} (the CUDA kernel reads values at 2 bits only)"
+        reads = f"{', '.join(map(str, VALUE_BITS[:-1]))} or {VALUE_BITS[-1]}"
+        wide = f"the {layers(len(wider))} stored at {widths(wider)} (the CUDA kernel reads values at {reads} bits)"
         if not on_cuda:
             return f"the Triton kernel on every layer: {wide}"
         return f"the one-launch CUDA kernel on {layers(len(on_cuda))} ({widths(on_cuda)}), the Triton kernel on {wide}"

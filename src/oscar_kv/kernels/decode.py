@@ -30,8 +30,8 @@ INT2 kernel compiles to the same SASS as before): ``common.code_slices`` turns e
 float16 slices 1024 + c*4^k (exact up to c = 15), so the scores, values and offset corrections above are unchanged.
 INT3 reads its INT2 plane as INT2 (the PTX conversion included) and adds the high-bit plane as + 4^(k+1) where set
 (4 code steps: 4 x scale once scaled); INT4 shifts its nibbles into place with integer ops.  Values at another width
-than the keys address their own rows (V_ROWS).  The CUDA kernel reads keys at 2, 3, 4 or 8 bits with values at 2 (K2V2,
-K3V2, K4V2, K8V2: int2_cuda.WIDTHS); other layers take this one (int2_kernel_choice).
+than the keys address their own rows (V_ROWS).  The CUDA kernel reads keys at 2, 3, 4 or 8 bits with values at 2, 3
+or 4 (int2_cuda.WIDTHS); layers with values at 8 bits take this one (int2_kernel_choice).
 """
 
 from __future__ import annotations
@@ -413,12 +413,12 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
             merge), "triton" as the Triton kernels here, "auto" CUDA where int2_cuda supports the call; None: the
             environment variable OSCAR_KV_INT2_KERNEL, else "auto" (a server can be switched back to Triton
             without code).
-        cuda_split_target: CUDA CTAs per SM (default int2_cuda.min_blocks(pairs, head dim), the CTAs that fit on
-            an SM at once).
+        cuda_split_target: CUDA CTAs per SM (default int2_cuda.min_blocks(pairs, head dim, widths), the CTAs that
+            fit on an SM at once).
         window: the layer's sliding window (the query sees the last ``window`` tokens); None or 0: the whole
             sequence.  The history splits then cover only the window's part of the INT2 history.  Layers stored at
             widths the CUDA kernel does not read (``pool.geometry.layer_widths(layer)`` not in int2_cuda.WIDTHS:
-            values at 3 or 4 bits) run the Triton kernel.
+            values at 8 bits) run the Triton kernel.
         out: the output, written in place; None: a new tensor.
     Shapes:
         q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D].
@@ -449,12 +449,14 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         from . import int2_cuda
 
         # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
-        # rescale, window on a side stream, split targets")
-        per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1], d, widths[0])
+        # rescale, window on a side stream, split targets"), with fewer, longer splits where the merge would cost
+        # more than they save (int2_cuda.MERGE_BALANCE_TOKENS)
+        per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1], d, widths[0],
+                                                           vbits=widths[1])
         # with a window, from the page of its first token on (the kernel's start)
         history = window_tokens(max_int2_pages * g.page_size, window, g.page_size)
         ns, chunk = int2_cuda.split_plan(history, bsz * h * int2_cuda.query_groups(gqa), g.page_size,
-                                         num_sms(q.device), per_sm)
+                                         num_sms(q.device), per_sm, d)
         out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
         if rope is not None:
             rope.check(max_seq_len)
@@ -501,9 +503,10 @@ def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: t
     """Which kernel decode attention runs for a layer of this pool: ("cuda", None), the one-launch CUDA kernel, or
     ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
     "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
-    None.  ``widths``: the layer's (key, value) code widths (both kernels take sliding windows).  A layer stored at widths the CUDA kernel does not read (int2_cuda.WIDTHS: keys at 2, 3,
-    4 or 8 bits, values at 2) takes Triton where the model's other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda
-    included; only a call that itself asks for "cuda" raises.  The engine reports the choice at start-up;
+    None.  ``widths``: the layer's (key, value) code widths (both kernels take sliding windows).  A layer stored at
+    widths the CUDA kernel does not read (int2_cuda.WIDTHS: keys at 2, 3, 4 or 8 bits, values at 2, 3 or 4; so values
+    at 8 bits) takes Triton where the model's other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda included; only a call
+    that itself asks for "cuda" raises.  The engine reports the choice at start-up;
     ``int2_decode`` makes it per call."""
     from . import int2_cuda
 

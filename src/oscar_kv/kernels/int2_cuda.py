@@ -14,12 +14,13 @@ last CTA of a (sequence, KV head) to finish merges the partials (an atomic count
 128K tokens and batch 1 the separate launches cost ~15 of ~60 us (benchmarks/NOTES.md, "decode attention as one
 CUDA launch").
 
-Keys at 3, 4 or 8 bits (K3V2, K4V2, K8V2 layers: a layer's ``PoolGeometry.layer_widths``) run variants compiled with
-KBITS = 3, 4 or 8: the same MMAs, query fragments and offset removal, the codes' bits gathered from the INT3 high-bit
-plane or the INT4 upper bytes into the same float16 1024 + c*4^s (int2_decode.cu, key_a), or an INT8 byte put under
-the float16 exponent of 1024 (key_byte_pair), the key rows addressed with their own strides.  The INT2 variant
-(KBITS = 2) keeps the registers and spills it had before the wider ones existed (benchmarks/cuda_int2_sass.py compares
-SASS).  Values are read at 2 bits only; other width pairs run the Triton kernels (decode.int2_kernel_choice).
+Keys at 3, 4 or 8 bits and values at 3 or 4 (a layer's ``PoolGeometry.layer_widths``: K3V2, K8V3, K4V4, ...) run
+variants compiled with KBITS = 3, 4 or 8 and VBITS = 3 or 4: the same MMAs, query fragments and offset removal, the
+codes' bits gathered from the INT3 high-bit plane or the INT4 upper bytes into the same float16 1024 + c*4^s
+(int2_decode.cu, key_a for keys, value_a for values), or an INT8 key byte put under the float16 exponent of 1024
+(key_byte_pair); keys and values address their rows with their own strides.  The INT2 variant (K2V2) keeps the
+registers and spills it had before the wider ones existed (benchmarks/cuda_int2_sass.py compares SASS; KBITS = 2 and
+VBITS = 2 compile to the same PTX as before).  Values at 8 bits run the Triton kernels (decode.int2_kernel_choice).
 
 More than 8 query heads per KV head (GLM-4: 16) run as query groups of at most 8: ``query_groups`` CTAs per (split,
 KV head), each with its share of the heads, reading the same codes (the second read mostly from L2).  Sliding-window
@@ -64,9 +65,10 @@ TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
 HEAD_DIMS = (64, 128, 256)
 KEY_BITS = (2, 3, 4, 8)  # key code widths with a compiled variant (KBITS)
+VALUE_BITS = (2, 3, 4)  # value code widths with a compiled variant (VBITS)
 MAX_GQA_PER_CTA = 8  # query heads one CTA takes: one n8 MMA column block
 MAX_GQA = 64
-WIDTHS = tuple((k, 2) for k in KEY_BITS)  # (key bits, value bits) of the layers the kernel reads
+WIDTHS = tuple((k, v) for k in KEY_BITS for v in VALUE_BITS)  # (key bits, value bits) of the layers the kernel reads
 # CTAs per SM the register budget is set for: 3 (168 registers) beat 4 (128 registers, spilling) at batch 8 and 32
 # (benchmarks/NOTES.md, "first GPU run of the kernel")
 MIN_BLOCKS = 3
@@ -77,26 +79,41 @@ ROPE_MIN_BLOCKS = {8: 2}
 # Head dim 64 holds half the accumulators and query fragments: 4 CTAs fit in 128 registers without spilling
 MIN_BLOCKS_D64 = 4
 ROPE_MIN_BLOCKS_D64: dict[int, int] = {}
+# Values at 3 or 4 bits hold twice INT2's value bytes in flight (SubTile.vx).  Head dim 64: at 4 CTAs per SM (128
+# registers) they spill 0-56 bytes a thread with keys at 2-4 bits, 120-208 with the RoPE term, 164-340 with 8-bit
+# keys; at 3 (148-168 registers) none (sm_90, nvcc 13; not timed).  Head dim 128: at 3 CTAs they spill 28-104 bytes
+# (76-212 with the RoPE term), at 2 none (203-237 registers), and 2 were faster at every point timed (H100, constant
+# centering, 32K / 128K x batch 1 / 8: K4V3 23.5 / 58.4 / 104.9 / 371.3 us against 28.4 / 65.5 / 117.6 / 408.6 at 3;
+# K3V3, K4V4 and K8V3 alike; benchmarks/NOTES.md, run E23)
+WIDE_VALUES_MIN_BLOCKS_D64 = 3
+WIDE_VALUES_MIN_BLOCKS_D128 = 2
 # Head dim 256 holds twice D = 128's accumulators and code bytes: 2 CTAs per SM, 255 registers (sm_90, nvcc 13).
 # With 32-token steps INT2 spilled 8 bytes a thread (G = 128; none at G = 256), 52 with a sliding window, 184 / 32 / 32
 # with the RoPE term over 8 / 16 / 32 pairs, keys at 3 or 4 bits ~270 and at 8 bits ~900; with 16-token steps (step16)
-# none of them spills.
+# none of them spills.  Values at 3 or 4 bits (16 more registers of code bytes in flight) spill 4-12 bytes with keys at
+# 3 or 4 bits and the RoPE term over 8 pairs, and at G = 128 16-28 with 8-bit keys, 104-128 with 8-bit keys and the term
+# over 8 pairs; none of the others spills.
 MIN_BLOCKS_D256 = 2
 
 
-def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2) -> int:
+def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2, vbits: int = 2) -> int:
     """CTAs per SM the kernel is compiled and planned for, given the head dim, the position-aware pairs it
-    visits (0: none) and the key width.  The 3- and 4-bit variants use the INT2 variant's budgets: at 128K on the
-    H100, 2 CTAs per SM instead of 3 are within 4% of them at batch 1 and 8 (constant centering; their sm_90
-    builds spill 0-48 bytes a thread there, 80-224 with the RoPE term over 16 or 32 pairs; benchmarks/NOTES.md,
+    visits (0: none) and the key and value widths.  The 3- and 4-bit key variants use the INT2 variant's budgets: at
+    128K on the H100, 2 CTAs per SM instead of 3 are within 4% of them at batch 1 and 8 (constant centering; their
+    sm_90 builds spill 0-48 bytes a thread there, 80-224 with the RoPE term over 16 or 32 pairs; benchmarks/NOTES.md,
     "3- and 4-bit keys in the CUDA kernel").  The 8-bit variant at head dim 128 holds four times INT2's key bytes in
-    flight: at 3 CTAs per SM it spills 188 bytes a thread, at 2 none (216 registers)."""
+    flight: at 3 CTAs per SM it spills 188 bytes a thread, at 2 none (216 registers).  Values at 3 or 4 bits: 3 CTAs
+    at head dim 64, 2 at head dim 128 (WIDE_VALUES_MIN_BLOCKS_D64's comment)."""
     if head_dim == 256:
         return MIN_BLOCKS_D256
     if kbits == 8 and head_dim == 128:
         return 2
     if head_dim == 64:
+        if vbits != 2:
+            return WIDE_VALUES_MIN_BLOCKS_D64
         return ROPE_MIN_BLOCKS_D64.get(rope_pairs, MIN_BLOCKS_D64)
+    if vbits != 2:
+        return WIDE_VALUES_MIN_BLOCKS_D128
     return ROPE_MIN_BLOCKS.get(rope_pairs, MIN_BLOCKS)
 
 
@@ -106,7 +123,7 @@ def step16(head_dim: int, kbits: int = 2, rope_pairs: int = 0, sliding: bool = F
     do not (H200, G = 128, CUDA graphs: INT2 at 128K x 1 and 4 KV heads, 32K x 8 sequences x 1 and 8 KV heads 49.7 /
     57.5 / 48.1 / 144.1 us with 16-token steps, 50.7 / 60.4 / 49.3 / 154.1 with 32; K4V2 at 128K x 4 KV heads 60.0 /
     72.7).  The chunks stay multiples of TOKENS_PER_ROUND (then two rounds of 16-token steps).  ``kbits``,
-    ``rope_pairs``, ``sliding``: the variant (every one takes them at D = 256)."""
+    ``rope_pairs``, ``sliding``: the variant (every one takes them at D = 256, whatever the value width too)."""
     return head_dim == 256
 
 
@@ -115,6 +132,15 @@ def step16(head_dim: int, kbits: int = 2, rope_pairs: int = 0, sliding: bool = F
 # (sequence, KV head) pairs, whose one wave is ~264 CTAs; the launch costs ~3-5)
 ROTATE_IN_KERNEL_MAX_DIM = 128
 MAX_SPLITS = 512  # CTAs per (sequence, KV head), all merged by the last one (one wave here is <= 3 x SMs CTAs)
+# The history's chunks are at least sqrt(MERGE_BALANCE_TOKENS x tokens) long.  The last CTA of a (sequence, KV head)
+# merges every split's partial, so past some count more splits cost more merge than they save loop: with ~0.6 us per
+# 128-token step and ~0.1 us per merged split (E19's stamps) the sum is least near sqrt(tokens / 21) splits, and the
+# fastest plans measured at batch 1 had 33 splits at 32K and 66 at 128K (GLM-4, 2 KV heads), 33 at 32K and 16 at 8K
+# (Qwen3-8B, 8 KV heads): chunks of about sqrt(32 x tokens) (benchmarks/NOTES.md, runs E19, E21, E23).  Where one wave
+# already holds fewer splits (more sequences or KV heads) the bound does not bind.  0: one wave, whatever the merge.
+# Head dim 256 keeps one wave: its 16-token steps make the loop dearer against the merge, and with the bound one KV head
+# took 35.6 / 47.3 us at 32K / 128K against one wave's 31.3 / 43.6 (E23).
+MERGE_BALANCE_TOKENS = 32
 STREAM_EVICT_FIRST_L2S = 2.0  # code loads are evict_first while a call's INT2 bytes are <= this many L2s
 MAX_ROPE_PAIRS = 32  # the position-aware term's shared tables for more pairs pass the 48 KB static limit
 _MAGIC = 0x64006400  # float16 1024 in both halves (see int2_decode.cu)
@@ -126,7 +152,8 @@ def width_error(k_bits: int, v_bits: int) -> str | None:
     if (k_bits, v_bits) in WIDTHS:
         return None
     return (f"layer stored at K{k_bits}V{v_bits} (keys at {k_bits} bits, values at {v_bits}): the CUDA kernel reads "
-            f"keys at {', '.join(map(str, KEY_BITS[:-1]))} or {KEY_BITS[-1]} bits and values at 2")
+            f"keys at {', '.join(map(str, KEY_BITS[:-1]))} or {KEY_BITS[-1]} bits and values at "
+            f"{', '.join(map(str, VALUE_BITS[:-1]))} or {VALUE_BITS[-1]}")
 
 
 @functools.lru_cache(maxsize=None)  # asked on every decode call
@@ -169,20 +196,20 @@ def shape_error(geom: PoolGeometry, gqa: int, rope, dtype: torch.dtype = torch.b
 def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope,
                 dtype: torch.dtype = torch.bfloat16, widths: tuple[int, int] = (2, 2)) -> str | None:
     """Why the CUDA kernel cannot run this call (None: it can).  Called on every decode call: the shape checks
-    are plain comparisons (``shape_error``), the device and compiler checks are cached per device, geometry and key
-    width.  ``widths``: the layer's (key, value) code widths."""
+    are plain comparisons (``shape_error``), the device and compiler checks are cached per device, geometry and
+    widths.  ``widths``: the layer's (key, value) code widths."""
     if device.type != "cuda":
         return "not a CUDA device"
     why = shape_error(geom, gqa, rope, dtype, widths)
     if why is not None:
         return why
     return _device_error(_index(device), geom.head_dim, geom.page_size, gqa // query_groups(gqa), geom.sink_pages,
-                         widths[0], geom.num_groups)
+                         widths[0], geom.num_groups, widths[1])
 
 
 @functools.lru_cache(maxsize=None)
 def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int,
-                  kbits: int = 2, groups: int = 1) -> str | None:
+                  kbits: int = 2, groups: int = 1, vbits: int = 2) -> str | None:
     """The torch build, the GPU and one compile, once per device and geometry (``gqa``: query heads per CTA): a
     machine whose NVRTC fails gets the reason (and the Triton kernel), not a crash."""
     if not hasattr(torch.cuda, "_compile_kernel"):
@@ -192,11 +219,11 @@ def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, si
     if torch.cuda.get_device_capability(device_index) < (8, 0):
         return "needs compute capability >= 8.0 (mma.sync m16n8k16, movmatrix)"
     try:
-        _kernel(device_index, head_dim, page_size, gqa, sink_pages, min_blocks(0, head_dim, kbits), 1, 1,
-                kbits=kbits, groups=groups)
+        _kernel(device_index, head_dim, page_size, gqa, sink_pages, min_blocks(0, head_dim, kbits, vbits=vbits), 1,
+                1, kbits=kbits, groups=groups, vbits=vbits)
     except Exception as e:  # NVRTC missing or refusing the source: reported, never fatal under "auto"
-        warnings.warn(f"oscar-kv: the CUDA decode kernel for {kbits}-bit keys did not compile ({e!r:.300}); using "
-                      f"the Triton kernel")
+        warnings.warn(f"oscar-kv: the CUDA decode kernel for {kbits}-bit keys and {vbits}-bit values did not compile "
+                      f"({e!r:.300}); using the Triton kernel")
         return f"NVRTC compilation failed: {e!r:.300}"
     return None
 
@@ -222,26 +249,31 @@ def _index(device: torch.device) -> int:
 def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int, min_blocks: int,
             q_kind: int, o_kind: int, stamps: bool = False, rope_pairs: int = 0, rope_rot: int = 0,
             rope_interleaved: bool = False, kbits: int = 2, qgroups: int = 1, sliding: bool = False,
-            groups: int = 1):
+            groups: int = 1, vbits: int = 2):
     """``gqa``: query heads per CTA; ``qgroups``: CTAs per KV head.  ``rope_rot`` / ``rope_interleaved``: the RoPE
     layout's rotary dim (0: the head dim) and pairing (rope.RotaryLayout), which place the channels of each visited
-    pair.  ``kbits``: the key code width.  ``sliding``: the variant for sliding-window layers.  ``groups``: metadata
-    groups per head (NG = D / G: 1, or 2 at D = 256)."""
+    pair.  ``kbits`` / ``vbits``: the key / value code widths.  ``sliding``: the variant for sliding-window layers.
+    ``groups``: metadata groups per head (NG = D / G: 1, or 2 at D = 256)."""
     defines = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=NUM_WARPS,
                    MAX_PAGES=MAX_PAGES, MIN_BLOCKS=min_blocks, Q_KIND=q_kind, O_KIND=o_kind,
                    STAMPS=int(stamps), ROPE_R=rope_pairs, ROPE_ROT=rope_rot or head_dim,
                    ROPE_INTERLEAVED=int(rope_interleaved), KBITS=kbits, QGROUPS=qgroups, SLIDING=int(sliding))
     if head_dim == 256:  # (the D <= 128 sources stay byte for byte what they were)
         defines.update(NG=groups, STEP16=int(step16(head_dim, kbits, rope_pairs, sliding)))
+    if vbits != 2:  # (as do the sources of the INT2-value variants)
+        defines.update(VBITS=vbits)
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.read_text()
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(source, "oscar_int2_decode")
 
 
-def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: int, per_sm: int) -> tuple[int, int]:
+def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: int, per_sm: int,
+               head_dim: int = 128) -> tuple[int, int]:
     """(splits, chunk) for the history: chunks of whole 32-token steps per warp (multiples of TOKENS_PER_ROUND) of
-    at least two rounds and at most MAX_PAGES pages.  The CTAs (splits x programs_per_split) fill whole waves of
-    per_sm x sms slots: one wave (rounded down) when the history allows it; when MAX_PAGES forces more splits, the
+    at least two rounds (and, at head dims up to 128, sqrt(MERGE_BALANCE_TOKENS x tokens): the merge) and at most
+    MAX_PAGES pages.  The CTAs
+    (splits x programs_per_split) fill whole waves of per_sm x sms slots: at most one wave (rounded down) when the
+    history allows it; when MAX_PAGES forces more splits, the
     count in [forced, 2 x forced] whose last wave is fullest (64K x 32 sequences: 3 splits, 1.94 waves, not 2 and
     1.29).
 
@@ -251,13 +283,16 @@ def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: i
         page_size: P.
         sms: the GPU's SM count.
         per_sm: CTAs per SM (min_blocks).
+        head_dim: D (MERGE_BALANCE_TOKENS's comment).
     """
     if int2_tokens <= 0:
         return 1, TOKENS_PER_ROUND
     pairs = max(programs_per_split, 1)
     slots = per_sm * sms
     forced = -(-int2_tokens // (MAX_PAGES * page_size // TOKENS_PER_ROUND * TOKENS_PER_ROUND))
-    splits = min(max(1, slots // pairs), max(1, int2_tokens // (2 * TOKENS_PER_ROUND)), MAX_SPLITS)
+    balance = MERGE_BALANCE_TOKENS if head_dim <= 128 else 0
+    longest = int2_tokens // max(2 * TOKENS_PER_ROUND, math.isqrt(balance * int2_tokens))
+    splits = min(max(1, slots // pairs), max(1, longest), MAX_SPLITS)
     if splits < forced:
         def fill(s: int) -> float:
             waves = pairs * s / slots
@@ -356,8 +391,9 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     if km.stride(-2) != km.shape[-1] or (geom.num_groups == 2 and (km.data_ptr() | vm.data_ptr()) % 8):
         raise ValueError("the CUDA decode kernel reads a token's metadata as one 4 (one group) or 8-byte word "
                          "(two groups)")
-    # K2V2 addresses both code pools with the same strides; wider keys pass their page and head strides
-    rows = kc.stride() == vc.stride() if kbits == 2 else (kc.stride(-2) == kc.shape[-1] and vc.stride(-2) == d // 4)
+    # K2V2 addresses both code pools with the same strides; other widths pass the keys' page and head strides
+    int2 = (kbits, vbits) == (2, 2)
+    rows = kc.stride() == vc.stride() if int2 else (kc.stride(-2) == kc.shape[-1] and vc.stride(-2) == vc.shape[-1])
     if not rows or km.stride() != vm.stride() or kw.stride() != vw.stride() or \
             kc.stride(-1) != 1 or vc.stride(-1) != 1 or km.stride(-1) != 1 or kw.stride(-1) != 1 or kw.stride(-2) != d:
         raise ValueError("the CUDA decode kernel needs K and V pools of one contiguous layout")
@@ -398,8 +434,9 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     token_bytes = kc.shape[-1] + vc.shape[-1] + (km.shape[-1] + vm.shape[-1]) * km.element_size()  # codes, metadata
     history_bytes = bsz * h * splits * chunk * token_bytes  # an upper bound (the last chunk), read once from DRAM
     kernel = _kernel(_index(q.device), d, geom.page_size, hq // h // qgroups, geom.sink_pages,
-                     min_blocks(rope_r, d, kbits), _DTYPES[q.dtype], _DTYPES[target.dtype], stamps is not None, rope_r,
-                     rope_rot, rope_interleaved, kbits, qgroups, bool(window), geom.num_groups)
+                     min_blocks(rope_r, d, kbits, vbits=vbits), _DTYPES[q.dtype], _DTYPES[target.dtype],
+                     stamps is not None, rope_r, rope_rot, rope_interleaved, kbits, qgroups, bool(window),
+                     geom.num_groups, vbits)
     kernel(grid=(splits, h * qgroups, bsz), block=(NUM_WARPS * 32, 1, 1),
            args=[q, r, rotate, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
                  target, _counters(q.device, bsz * h * qgroups), float(qk_scale), q.stride(0), q.stride(1), stride_rh,
@@ -407,7 +444,7 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
                  po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), target.stride(0),
                  target.stride(1), chunk, _MAGIC, stamps if stamps is not None else po,
                  int(stream_evict_first(history_bytes, _index(q.device))), mu, pairs, phases, tile, int(window or 0)]
-           + ([] if kbits == 2 else [kc.stride(0), kc.stride(1)]))
+           + ([] if int2 else [kc.stride(0), kc.stride(1)]))
     if target is not out:
         out.copy_(target)
     return out

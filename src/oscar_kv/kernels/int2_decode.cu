@@ -2,7 +2,7 @@
 // fragments.  Host side, math and layout: int2_cuda.py.  Compiled at run time by NVRTC with these macros:
 //   D (head dim, 64, 128 or 256), P (page size), GQA (query heads per CTA, <= 8), SINK_PAGES, NWARPS, MAX_PAGES,
 //   MIN_BLOCKS, Q_KIND / O_KIND (query / output dtype: 0 float32, 1 bfloat16, 2 float16), KBITS (key code width:
-//   2, 3, 4 or 8; values are INT2 in every variant), QGROUPS (CTAs that share a KV head's query heads, GQA each),
+//   2, 3, 4 or 8), VBITS (value code width: 2, 3 or 4), QGROUPS (CTAs that share a KV head's query heads, GQA each),
 //   SLIDING (1: the layer attends to its last ``window`` tokens only); at D = 256 also NG (metadata groups per
 //   token: 1, or 2 for G = 128) and STEP16 (16-token INT2 steps).
 //
@@ -40,7 +40,18 @@
 //         of them under the 0x64 exponent byte: the float16 1024 + c exactly (c <= 255), so the query slices are
 //         not divided by 4^s.
 // Their key rows are D * KBITS / 8 bytes, so key pages and heads have their own strides (stride_kcp, stride_kch,
-// extra arguments of these variants); the value rows are INT2 as before.
+// extra arguments of every variant but K2V2, whose two code pools share stride_cp, stride_ch).
+// Values at 3 or 4 bits (VBITS, one compiled variant per width; VBITS = 2 compiles to the INT2 kernel's machine code)
+// feed the same value MMAs: the codes of slice s become the same float16 1024 + c * 4^s (c <= 15, exact as for keys),
+// so the constant-1024 offset MMA, the p * min_v sums and the final / 4^s do not change.  Value rows are VROW =
+// D * VBITS / 8 bytes (stride_cp, stride_ch are the value pool's); a thread loads, beside its VB bytes of the INT2
+// plane or the low bytes, VB more bytes of the same tokens (SubTile.vx), byte-permuted as the first ones (za, zb):
+//   INT3  channel j + D4 s (j in [VB g, VB g + VB)) has its high bit in high-plane byte j % (D/8) = VB (g & 3) + by,
+//         bit 2s + (g >> 2).  Shifted left by 2 - (g >> 2), that bit sits at 2s + 2 for every slice; one LOP3 per
+//         parity merges the INT2 bits (2s, 2s + 1 of slices 0, 2 or of slices 1, 3) with the shifted high bits, and
+//         one more per two codes masks slice s's three bits under 0x6400 (value_a).
+//   INT4  bytes VB g + by hold slices 0 and 2 (low and high nibble, already at bits 4s), bytes D/4 + VB g + by slices 1
+//         and 3, shifted up by 2: one LOP3 per two codes, as INT2.
 // GQA above 8 (GLM-4: 16) does not fit one n8 MMA column block: QGROUPS CTAs share the KV head, each with GQA of
 // its query heads.  They read the same codes at about the same time, so the second read mostly hits L2.
 // SLIDING: the query (position T - 1) sees tokens >= lo = T - window.  The history splits start at lo's page, the
@@ -72,6 +83,9 @@
 #ifndef KBITS
 #define KBITS 2
 #endif
+#ifndef VBITS
+#define VBITS 2
+#endif
 #ifndef QGROUPS
 #define QGROUPS 1
 #endif
@@ -85,6 +99,8 @@
 #define STEP16 0
 #endif
 #define KROW (D * KBITS / 8)  // key code bytes of a token row
+#define VROW (D * VBITS / 8)  // value code bytes of a token row
+#define KV_STRIDES (KBITS != 2 || VBITS != 2)  // keys addressed with their own strides (stride_kcp, stride_kch)
 #define D4 (D / 4)
 #define KSTEPS (D / 16)
 // A thread's share of a 16-token sub-tile: KB key code bytes of a token row (4 threads per row), VB value code
@@ -159,6 +175,7 @@ __device__ __forceinline__ u32 word(const uint4& x, int w) { return w == 0 ? x.x
 __device__ __forceinline__ u32 word(const uint2& x, int w) { return w ? x.y : x.x; }  // w: a constant
 __device__ __forceinline__ u32 word(u32 x, int) { return x; }
 static_assert(KBITS == 2 || KBITS == 3 || KBITS == 4 || KBITS == 8, "keys at 2, 3, 4 or 8 bits");
+static_assert(VBITS == 2 || VBITS == 3 || VBITS == 4, "values at 2, 3 or 4 bits");
 static_assert(GQA >= 1 && GQA <= 8, "one n8 MMA column block holds at most 8 query heads");
 static_assert(P % 16 == 0, "pages hold whole 16-token sub-tiles");
 
@@ -187,6 +204,26 @@ __device__ __forceinline__ u32 key_a(u32 x, u32 e, int slice, u32 magic) {
 __device__ __forceinline__ u32 key_byte_pair(u32 x, int hp, u32 magic) {
   return __byte_perm(x, magic, hp ? 0x5351u : 0x5250u);
 }
+
+#if VBITS == 3
+// An INT3 value's code bits for the slices of one parity, in place in both halves: x the INT2-plane bytes (low bits
+// at 2s, 2s + 1), e the high-plane bytes shifted so that slice s's high bit is at 2s + 2.  Bits 2s, 2s + 1 of the
+// parity's slices come from x, the others from e; value_a keeps slice s's three.
+__device__ __forceinline__ u32 value_bits3(u32 x, u32 e, int parity) {
+  const u32 from_x = (parity ? 0xccu : 0x33u) * 0x00010001u;
+  return (x & from_x) | (e & ~from_x);
+}
+#endif
+
+#if VBITS != 2
+// A wide value's float16 pair 1024 + c * 4^s for slice s, both halves (see the top of the file):
+//   INT3  lo, hi: value_bits3 of slices 0, 2 and of slices 1, 3
+//   INT4  lo: bytes VB g + by (slice 0 nibble at bits 0-3, slice 2 at 4-7), hi: bytes D/4 + VB g + by shifted up by 2
+//         (slice 1 at 2-5, slice 3 at 6-9)
+__device__ __forceinline__ u32 value_a(u32 lo, u32 hi, int slice, u32 magic) {
+  return ((slice & 1 ? hi : lo) & (((VBITS == 3 ? 7u : 15u) << (2 * slice)) * 0x00010001u)) | magic;
+}
+#endif
 
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, const float* c) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -314,8 +351,14 @@ struct SubTile {
 #endif
 #if D > 128
   vcode_t v[4];  // value code bytes VB g .. VB g + VB - 1 of tokens 2t, 2t+1, 2t+8, 2t+9
+#if VBITS != 2
+  vcode_t vx[4];  // INT3: high-bit plane bytes D/4 + VB (g & 3) ..; INT4: bytes D/4 + VB g .. (the same tokens)
+#endif
 #else
   u32 v[4];      // value code bytes VB g .. VB g + VB - 1 of tokens 2t, 2t+1, 2t+8, 2t+9
+#if VBITS != 2
+  u32 vx[4];     // INT3: high-bit plane bytes D/4 + VB (g & 3) ..; INT4: bytes D/4 + VB g .. (the same tokens)
+#endif
 #endif
   meta_t km[2];  // key (scale, min) float16 pair(s) of tokens g and g+8
   meta_t vm[2];  // value (scale, min) of tokens g and g+8
@@ -326,9 +369,14 @@ struct Source {
   const unsigned char* k;  // + g*KROW + KB t
 #if KBITS != 2
   const unsigned char* kx;  // + g*KROW + the thread's second key bytes (SubTile.kx)
+#endif
+#if KV_STRIDES
   unsigned long long kcp;   // key page stride (code bytes)
 #endif
-  const unsigned char* v;  // + 2t*D4 + VB g
+  const unsigned char* v;  // + 2t*VROW + VB g
+#if VBITS != 2
+  const unsigned char* vx;  // + 2t*VROW + the thread's second value bytes (SubTile.vx)
+#endif
   const u32* km;           // + g NG
   const u32* vm;
   const int* pages;        // the CTA's page ids, in shared memory
@@ -386,10 +434,10 @@ __device__ __forceinline__ u32 ldg_stream(const u16* p, unsigned long long polic
 __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, int pos) {
   const unsigned rel = (unsigned)(pos - src.first);
   const unsigned phys = (unsigned)src.pages[rel / P], off = rel % P;
-  const unsigned long long oc = (unsigned long long)phys * src.cp + off * D4;
+  const unsigned long long oc = (unsigned long long)phys * src.cp + off * VROW;
   const unsigned long long om = (unsigned long long)phys * src.mp + off * NG;
   const unsigned long long pol = src.policy;
-#if KBITS == 2
+#if !KV_STRIDES
   st.k[0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + oc), pol);
   st.k[1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + oc + 8 * D4), pol);
 #else
@@ -402,15 +450,21 @@ __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, in
     st.ks[s - 1][0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + ok + D4 * s), pol);
     st.ks[s - 1][1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.k + ok + D4 * s + 8 * KROW), pol);
   }
-#else
+#elif KBITS != 2
   st.kx[0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.kx + ok), pol);
   st.kx[1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.kx + ok + 8 * KROW), pol);
 #endif
 #endif
   st.v[0] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc), pol);
-  st.v[1] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + D4), pol);
-  st.v[2] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + 8 * D4), pol);
-  st.v[3] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + 9 * D4), pol);
+  st.v[1] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + VROW), pol);
+  st.v[2] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + 8 * VROW), pol);
+  st.v[3] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + 9 * VROW), pol);
+#if VBITS != 2
+  st.vx[0] = ldg_stream(reinterpret_cast<const vcode_t*>(src.vx + oc), pol);
+  st.vx[1] = ldg_stream(reinterpret_cast<const vcode_t*>(src.vx + oc + VROW), pol);
+  st.vx[2] = ldg_stream(reinterpret_cast<const vcode_t*>(src.vx + oc + 8 * VROW), pol);
+  st.vx[3] = ldg_stream(reinterpret_cast<const vcode_t*>(src.vx + oc + 9 * VROW), pol);
+#endif
   st.km[0] = ldg_l2_256(reinterpret_cast<const meta_t*>(src.km + om));
   st.km[1] = ldg_l2_256(reinterpret_cast<const meta_t*>(src.km + om + 8 * NG));
   st.vm[0] = ldg_l2_256(reinterpret_cast<const meta_t*>(src.vm + om));
@@ -796,6 +850,9 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
   if (!HALF) mma(st.pend_hi, 0x64006400u, 0x64006400u, 0x64006400u, 0x64006400u, bvh[1][0], bvh[1][1], st.pend_hi);
 #endif
   // ---- values: block i holds channel combos 2i (row g) and 2i+1 (row g+8); combo j = byte VB g + j/4, slice j%4
+#if VBITS == 3
+  const int vsh = 2 - ((threadIdx.x >> 4) & 1);  // 2 - (g >> 2): slice s's high bit from 2s + (g >> 2) to 2s + 2
+#endif
 #pragma unroll
   for (int u = 0; u < (HALF ? 1 : 2); ++u) {
 #pragma unroll
@@ -805,16 +862,37 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
       const u32 sel = bb | (bb << 4) | ((bb + 4) << 8) | ((bb + 4) << 12);
       const u32 za = __byte_perm(word(cur[u].v[0], bw), word(cur[u].v[1], bw), sel);  // tokens 2t, 2t+1
       const u32 zb = __byte_perm(word(cur[u].v[2], bw), word(cur[u].v[3], bw), sel);  // tokens 2t+8, 2t+9
+#if VBITS != 2
+      const u32 ya = __byte_perm(word(cur[u].vx[0], bw), word(cur[u].vx[1], bw), sel);
+      const u32 yb = __byte_perm(word(cur[u].vx[2], bw), word(cur[u].vx[3], bw), sel);
+#endif
 #else
       const u32 sel = by | (by << 4) | ((by + 4) << 8) | ((by + 4) << 12);
       const u32 za = __byte_perm(cur[u].v[0], cur[u].v[1], sel);  // tokens 2t, 2t+1
       const u32 zb = __byte_perm(cur[u].v[2], cur[u].v[3], sel);  // tokens 2t+8, 2t+9
+#if VBITS != 2
+      const u32 ya = __byte_perm(cur[u].vx[0], cur[u].vx[1], sel);
+      const u32 yb = __byte_perm(cur[u].vx[2], cur[u].vx[3], sel);
+#endif
+#endif
+#if VBITS == 3
+      // (lo, hi): slices 0, 2 and 1, 3 of tokens 2t, 2t+1 (a) and 2t+8, 2t+9 (b)
+      const u32 ea = ya << vsh, eb = yb << vsh;
+      const u32 la = value_bits3(za, ea, 0), ha = value_bits3(za, ea, 1);
+      const u32 lb = value_bits3(zb, eb, 0), hb = value_bits3(zb, eb, 1);
+#elif VBITS == 4
+      const u32 la = za, ha = ya << 2, lb = zb, hb = yb << 2;
 #endif
 #pragma unroll
       for (int s = 0; s < 4; s += 2) {
         const int i = (4 * by + s) / 2;
+#if VBITS == 2
         mma(st.acc[i], code_half2(za, s, q.magic), code_half2(za, s + 1, q.magic), code_half2(zb, s, q.magic), code_half2(zb, s + 1, q.magic),
             BV(s, u, 0), BV(s, u, 1), st.acc[i]);
+#else
+        mma(st.acc[i], value_a(la, ha, s, q.magic), value_a(la, ha, s + 1, q.magic), value_a(lb, hb, s, q.magic),
+            value_a(lb, hb, s + 1, q.magic), BV(s, u, 0), BV(s, u, 1), st.acc[i]);
+#endif
       }
     }
   }
@@ -991,7 +1069,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     int stride_pob, int stride_poh, int stride_pos, int stride_plb, int stride_plh, int stride_ob, int stride_oh,
     int chunk, int magic, unsigned long long* __restrict__ TS, int evict_first, const float* __restrict__ RMU,
     const int* __restrict__ PR, const float2* __restrict__ PH, const float2* __restrict__ TL, int window
-#if KBITS != 2
+#if KV_STRIDES
     , int stride_kcp, int stride_kch  // key codes' page and head strides (their rows are KROW bytes)
 #endif
     ) {
@@ -1171,14 +1249,19 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 
   // ---- the first INT2 loads go out before the window sub-tile is computed
   Source src;
-#if KBITS == 2
+#if !KV_STRIDES
   src.k = Kc + (long long)h * stride_ch + g * D4 + KB * t;
 #else
   src.k = Kc + (long long)h * stride_kch + g * KROW + KB * t;
+#if KBITS != 2
   src.kx = src.k + D4 + (KBITS == 3 ? KB * (t & 1) - KB * t : 0);
+#endif
   src.kcp = (unsigned long long)stride_kcp;
 #endif
-  src.v = Vc + (long long)h * stride_ch + 2 * t * D4 + VB * g;
+  src.v = Vc + (long long)h * stride_ch + 2 * t * VROW + VB * g;
+#if VBITS != 2
+  src.vx = src.v + D4 + (VBITS == 3 ? VB * (g & 3) - VB * g : 0);
+#endif
   src.km = Km + (long long)h * (stride_mh / 2) + g * NG;
   src.vm = Vm + (long long)h * (stride_mh / 2) + g * NG;
   src.pages = s_pages;

@@ -66,8 +66,8 @@ from ..memory import width_summary
 
 # A geometry that names no bits per layer is an INT2 cache.
 KERNEL_BITS = 2
-# The code widths the Triton kernels read and write, keys and values each (the CUDA decode kernel reads keys at 2-4
-# bits and values at 2: decode.int2_kernel_choice).  kernel_error names layers at any other width.
+# The code widths the Triton kernels read and write, keys and values each (the CUDA decode kernel reads keys at 2, 3, 4
+# or 8 bits and values at 2, 3 or 4: decode.int2_kernel_choice).  kernel_error names layers at any other width.
 KERNEL_WIDTHS = (2, 3, 4, 8)
 
 
