@@ -1,5 +1,6 @@
 """The paged engine on the real SmolLM2: equality with generate(), batching, prefix cache, preemption."""
 
+import copy
 import os
 
 import pytest
@@ -273,7 +274,8 @@ def test_allocator_lru_eviction_and_refcounts():
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=cpu_kernels),
                                     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                                   reason="needs CUDA"))])
-@pytest.mark.parametrize("dtype,centering", [("bf16", "constant"), ("int2", "constant"), ("int2", "rope")])
+@pytest.mark.parametrize("dtype,centering", [("bf16", "constant"), ("int2", "constant"), ("int2", "rope"),
+                                             ("mixed", "rope")])
 def test_kernels_match_the_reference_on_real_activations(model, tokenizer, constant_rotations, small_rotations,
                                                          long_prompt, dtype, centering, device, monkeypatch):
     """Every step of two concurrent requests (chunked prefill, then decode): the Triton kernels (interpreted
@@ -282,8 +284,18 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
     both extend paths (kernel_attention.extend_path): materialized flash attention for long chunks, the extend
     kernel for short ones and for decode tokens scheduled beside a chunk, in one step with per-position
     centering (100, then 50 + 50, then a decode token + 47).  On a GPU the model runs in BF16 as served, and INT2
-    decode must take the one-launch CUDA kernel (SmolLM2: head dim 64)."""
+    decode must take the one-launch CUDA kernel (SmolLM2: head dim 64), "mixed" with every layer at its own
+    widths (MIXED_WIDTHS: values at 3 and 4 bits too)."""
     pytest.importorskip("triton")
+    if dtype == "mixed":
+        if device == "cpu":
+            pytest.skip("on the CPU the mixed widths' kernels are checked by "
+                        "test_keys_and_values_at_mixed_widths_run_the_kernels_with_the_torch_paths_tokens")
+        small_rotations = copy.deepcopy(small_rotations)
+        widths = [MIXED_WIDTHS[i % len(MIXED_WIDTHS)] for i in range(small_rotations.geometry.num_layers)]
+        widths[0], widths[-1] = (4, 3), (8, 4)  # the layers checked below: wide values, and 8-bit keys
+        small_rotations.set_bits(*zip(*widths))
+        dtype = "int2"
     engine_options = {}
     if device == "cuda":
         from oscar_kv.models import load_model
@@ -312,6 +324,13 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
         return out, weights
 
     monkeypatch.setattr(runner.StepAttention, "attend", attend_and_check)
+    cuda_widths = []  # the widths of the layers the CUDA kernel decoded
+    if device == "cuda":
+        from oscar_kv.kernels import int2_cuda
+
+        cuda_decode = int2_cuda.decode
+        monkeypatch.setattr(int2_cuda, "decode", lambda *a, widths=(2, 2), **kw: (
+            cuda_widths.append(tuple(widths)), cuda_decode(*a, widths=widths, **kw))[1])
     rotations = small_rotations if centering == "rope" else constant_rotations
     assert rotations.key_centering == centering
     engine = make_engine(model, tokenizer, rotations, kv_cache_dtype=dtype, sink_size=16, recent_size=32,
@@ -327,6 +346,9 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
     assert paths[0] == ("flash",) and any("kernel" in p for p in paths), paths
     if centering == "rope":
         assert ("flash", "kernel") in paths, paths
+    if device == "cuda" and dtype == "int2":  # every checked layer decoded on the CUDA kernel, at its widths
+        g = engine.pool.geometry
+        assert set(cuda_widths) == {g.layer_widths(0), g.layer_widths(g.num_layers - 1)}, cuda_widths
 
 
 @cpu_kernels
