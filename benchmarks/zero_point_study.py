@@ -14,7 +14,7 @@ nats^2, allocation.value_output_noise):
   * ``grid``: make zero a point of the grid.  The group's range is widened to hold 0, z is the floor or the ceiling
     of 2^F (-min / scale), whichever needs the smaller scale, and the scale grows until the grid [-s z / 2^F,
     s (levels - z / 2^F)] covers the group.  No shared offset is left; the cost is the scale's growth, at most a
-    factor 1 / (1 - 2^(1-F) / levels) (1.0105 at 2 bits), so the noise at most +2%.
+    factor 1 / (1 - 2^(1-F) / levels) (1.0105 at 2 bits): about +2% of noise from that (run Z1 saw up to +3.2%).
 
     python3 benchmarks/zero_point_study.py --model smollm2-135m --output OUT.json [--device cuda]
     python3 benchmarks/zero_point_study.py --model qwen2.5-coder-1.5b --calib-tokens 4096 --output OUT.json
