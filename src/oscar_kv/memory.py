@@ -1,10 +1,11 @@
-"""Honest KV memory accounting: codes, 16-bit metadata and BF16 windows all count.
+"""Honest KV memory accounting: codes, metadata and BF16 windows all count.
 
 Bits per element (one element = one K or V channel of one token of one KV head) for a sequence of
 T tokens with sink S0, recent window W, head dim D, group G and b-bit codes:
     quantized tokens  n = max(T - S0 - W, 0)
-    bits = (min(T, S0 + W) * window_bits + n * (b + 2 * meta_bits / G)) / T
-At T = 128K, D = G = 128: (320 * 16 + 130752 * 2.25) / 131072 = 2.2836 - the paper's 2.28.
+    bits = (min(T, S0 + W) * window_bits + n * (b + group_bits / G)) / T
+group_bits = 24 per group: a float16 scale and an 8-bit zero point (quant.py).  At T = 128K, D = G = 128:
+(320 * 16 + 130752 * 2.1875) / 131072 = 2.2212 (the paper's 2.28 stores a float16 minimum: 32 bits a group).
 Layers whose keys or values are stored at another width (the artifact's k_bits / v_bits) are averaged in, each
 side at its own width.
 """
@@ -12,6 +13,9 @@ side at its own width.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Metadata bits per group of G channels: a float16 scale and a uint8 zero point (quant.py).
+GROUP_METADATA_BITS = 24
 
 
 @dataclass(frozen=True)
@@ -36,15 +40,17 @@ class KVFootprint:
 
 
 def bits_per_element(seq_len: int, head_dim: int, group_size: int | None = None, bits: int = 2,
-                     sink_size: int = 64, recent_size: int = 256, window_bits: int = 16, meta_bits: int = 16,
+                     sink_size: int = 64, recent_size: int = 256, window_bits: int = 16,
+                     group_bits: int = GROUP_METADATA_BITS,
                      k_bits: list[int] | None = None, v_bits: list[int] | None = None,
                      key_group_size: int | None = None) -> float:
     """Average stored bits per KV element at ``seq_len`` tokens (see the module docstring).
 
     ``k_bits`` / ``v_bits``: each layer's key / value width (the artifact's; ``bits`` is the least any side is
     stored at, 16: nothing is quantized); None: ``bits`` everywhere (``v_bits`` None: as ``k_bits``).
-    ``key_group_size`` is the number of key elements sharing one scale/min pair when it differs
-    from the values' (KIVI's per-channel keys: one pair per channel per page of tokens).
+    ``key_group_size`` is the number of key elements sharing one scale / zero point when it differs
+    from the values' (KIVI's per-channel keys: one per channel per page of tokens).  ``group_bits``: metadata bits
+    per group.
     """
     if seq_len <= 0:
         raise ValueError("sequence length must be positive")
@@ -60,7 +66,7 @@ def bits_per_element(seq_len: int, head_dim: int, group_size: int | None = None,
             if b >= 16:
                 total += window_bits
             else:
-                total += (windowed * window_bits + quantized * (b + 2 * meta_bits / group)) / seq_len
+                total += (windowed * window_bits + quantized * (b + group_bits / group)) / seq_len
     return total / (2 * len(k_bits))
 
 

@@ -11,19 +11,33 @@ Layout of one quantized row (one token x one KV head, D channels, group size G):
   * INT3 codes are two bit planes, ``3 * D / 8`` bytes: first the low two bits of every code, stride-packed as
     INT2 (``D / 4`` bytes), then the high bit, stride-packed as 1-bit codes (``D / 8`` bytes: byte j holds channel
     ``j + k * D/8`` in bit k).  A kernel reads the INT2 plane as it reads INT2 and adds 4 x the high bit.
-  * scale and minimum: one float16 each per group of G contiguous channels
-    (``D // G`` of each per row).  x_hat = code * scale + minimum.
+  * scale and zero point per group of G contiguous channels (``D // G`` of each per row): a float16 scale s and a
+    uint8 zero point z in units of 2^-F of the scale, F = ``fraction_bits(bits)`` (8 - bits below 8 bits, 0 at 8).
+    x_hat = s * (code - z 2^-F); the group's minimum is -s z 2^-F.  24 metadata bits a group (a float16 minimum
+    took 32).
 
-Codes are computed against the *stored* (float16-rounded) scale and minimum, so dequantization
-with the stored metadata is the nearest-level reconstruction of the clipped row.
+The zero point (``grid_metadata``).  The group's range is widened to hold 0 (lo = min(x, 0), hi = max(x, 0)); with
+zmax = 2^F L (L = 2^bits - 1 levels) the exact zero point t = zmax (-lo) / (hi - lo) is rounded down and up, each
+candidate z gets the least scale whose grid reaches both ends, max((-lo) 2^F / z, hi 2^F / (zmax - z)), and the
+candidate needing the smaller scale wins (the floor on a tie).  Zero is then a point of the grid (a zero row is
+stored exactly) and nothing is shared between a group's channels: the only cost against a float16 minimum is the
+scale's growth, at most 1 / (1 - 2^(1-F) / L) (+1.05% at 2 bits).  benchmarks/NOTES.md, run Z1: key and value
+noise +0.1-0.6% at the median, 7-24% less at 8 bits (a float16 minimum's rounding is an offset shared by the
+group).  Every step is one IEEE float32 operation (products by powers of two and integers below 2^8 are exact, the
+divisions are tensor by tensor), so the write kernel reproduces it bit for bit on every device.  s z 2^-F is exact
+in float32 (11 x 8 significant bits), so x_hat = s (c - z 2^-F) = c s + minimum is one rounding whichever way a
+kernel computes it.
 
-With ``rescale`` = g in (0, 1] the stored scale and minimum of each group are then multiplied by
-1 + g (alpha - 1), alpha = <x, x> / <x, x_hat> (x the unclipped group, x_hat its reconstruction; float64
-arithmetic, alpha clamped to [1/2, 2], the factor rounded to float32, each product rounded to float16).
-Clipping shrinks a row's largest components, so x_hat's component along x falls short of |x|: a query aligned
+Codes are computed against the *stored* (float16-rounded) scale: code = round-half-even(x / s + z 2^-F), clamped
+to [0, L], so dequantization with the stored metadata is the nearest level of the clipped row.
+
+With ``rescale`` = g in (0, 1] the stored scale of each group is then multiplied by 1 + g (alpha - 1), alpha =
+<x, x> / <x, x_hat> (x the unclipped group, x_hat its reconstruction; float64 arithmetic, alpha clamped to [1/2, 2],
+the factor rounded to float32, the product rounded to float16); the zero point stays, so the minimum scales with
+it.  Clipping shrinks a row's largest components, so x_hat's component along x falls short of |x|: a query aligned
 with the row (the one that retrieves it) sees its logit shrink.  g = 1 makes the reconstruction's projection
 on x equal |x|; smaller g takes back that share of the shrink (the rescale also scales the noise).  No storage
-or kernel cost: the codes are the same, only the two float16 numbers change.
+or kernel cost: the codes are the same, only the float16 scale changes.
 """
 
 from __future__ import annotations
@@ -41,13 +55,18 @@ _F16_MAX = 65504.0
 RESCALE_RANGE = (0.5, 2.0)
 
 
+def fraction_bits(bits: int) -> int:
+    """F: a ``bits``-wide code's zero point counts 2^-F of the scale (z < 2^8 spans the L = 2^bits - 1 levels)."""
+    return 8 - bits if bits < 8 else 0
+
+
 @dataclass
 class QuantizedRows:
-    """Packed codes plus per-group float16 scale/minimum for a batch of rows (leading dims free)."""
+    """Packed codes plus per-group float16 scale / uint8 zero point for a batch of rows (leading dims free)."""
 
     codes: torch.Tensor  # uint8 [..., D * bits / 8]
     scale: torch.Tensor  # float16 [..., D // G]
-    minimum: torch.Tensor  # float16 [..., D // G]
+    zero: torch.Tensor  # uint8 [..., D // G]: the zero point, in units of 2^-fraction_bits(bits) of the scale
     bits: int
     group_size: int
 
@@ -55,12 +74,22 @@ class QuantizedRows:
     def head_dim(self) -> int:
         return self.codes.shape[-1] * 8 // self.bits
 
+    @property
+    def minimum(self) -> torch.Tensor:
+        """Each group's minimum -s z 2^-F, float32 (exact)."""
+        return stored_minimum(self.scale, self.zero, self.bits)
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
     def select(self, index) -> "QuantizedRows":
         """Index the leading dimensions of all three tensors alike (e.g. a token range)."""
-        return QuantizedRows(self.codes[index], self.scale[index], self.minimum[index], self.bits, self.group_size)
+        return QuantizedRows(self.codes[index], self.scale[index], self.zero[index], self.bits, self.group_size)
+
+
+def stored_minimum(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """-s z 2^-F in float32: exact (an 11-bit scale times an 8-bit integer times a power of two)."""
+    return -(scale.float() * zero.float()) * 2.0 ** -fraction_bits(bits)
 
 
 def check_geometry(head_dim: int, group_size: int, bits: int) -> None:
@@ -133,23 +162,54 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def grid_metadata(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 scale (before its float16 rounding) and the zero point of groups spanning [lo, hi] (module
+    docstring, "The zero point"); every operation is one IEEE float32 step, as the write kernel does them.
+
+    Shapes:
+        lo, hi: float32 [...] (the groups' minima and maxima, within float16's range).
+    Returns:
+        (scale float32 [...], zero point float32 [...], an integer in [0, 2^F L]).
+    """
+    levels, frac = (1 << bits) - 1, float(1 << fraction_bits(bits))
+    z_max = levels * frac
+    lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+    span = hi - lo
+    t = torch.where(span > 0, (lo * -z_max) / torch.where(span > 0, span, torch.ones_like(span)),
+                    torch.zeros_like(span))
+    below_num, above_num = lo * -frac, hi * frac  # exact: powers of two
+
+    def needed(z):  # the least scale whose grid holds [lo, hi] with this zero point
+        below = torch.where(z > 0, below_num / torch.where(z > 0, z, torch.ones_like(z)),
+                            torch.where(lo < 0, torch.full_like(z, torch.inf), torch.zeros_like(z)))
+        room = z_max - z
+        above = torch.where(room > 0, above_num / torch.where(room > 0, room, torch.ones_like(room)),
+                            torch.where(hi > 0, torch.full_like(z, torch.inf), torch.zeros_like(z)))
+        return torch.maximum(below, above)
+
+    z_floor, z_ceil = t.floor().clamp(0, z_max), t.ceil().clamp(0, z_max)
+    s_floor, s_ceil = needed(z_floor), needed(z_ceil)
+    take_floor = s_floor <= s_ceil
+    return torch.where(take_floor, s_floor, s_ceil), torch.where(take_floor, z_floor, z_ceil)
+
+
 def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
                   clip_ratio: float | torch.Tensor = 1.0, rescale: float = 0.0,
                   exact: torch.Tensor | None = None) -> QuantizedRows:
-    """Clip then asymmetrically quantize each row of ``x`` per group of channels.
+    """Clip then asymmetrically quantize each row of ``x`` per group of channels (module docstring).
 
     Args:
         x: rows to quantize; NaN or Inf raises NonFiniteActivations.
         bits: 2, 3, 4 or 8.
-        group_size: channels sharing one scale / minimum (default: the whole row).
+        group_size: channels sharing one scale / zero point (default: the whole row).
         clip_ratio: see :func:`clip_rows`.
-        rescale: the strength g of the metadata rescale (module docstring); 0: none.
+        rescale: the strength g of the scale rescale (module docstring); 0: none.
         exact: the unclipped rows the rescale aims at when ``x`` arrives clipped already (calibration clips
             once for many candidate ratios); default ``x``.
     Shapes:
         x, exact: [..., D] (exact broadcastable to x).
     Returns:
-        QuantizedRows: codes uint8 [..., D * bits / 8], scale and minimum float16 [..., D // group_size].
+        QuantizedRows: codes uint8 [..., D * bits / 8], scale float16 and zero uint8 [..., D // group_size].
     """
     d = x.shape[-1]
     group_size = group_size or d
@@ -161,16 +221,18 @@ def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
     lo = groups.amin(dim=-1).clamp(-_F16_MAX, _F16_MAX)
     hi = groups.amax(dim=-1).clamp(-_F16_MAX, _F16_MAX)
     levels = (1 << bits) - 1
-    minimum = lo.to(METADATA_DTYPE)
-    scale = ((hi - minimum.float()) / levels).to(METADATA_DTYPE)
-    # A constant group has scale 0: every code is 0 and x_hat = minimum.
+    step, zero = grid_metadata(lo, hi, bits)
+    scale = step.clamp(max=_F16_MAX).to(METADATA_DTYPE)
+    # A zero group has scale 0: every code is z 2^-F rounded, x_hat = 0.
     safe = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
-    codes = ((groups - minimum.float().unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, levels)
+    offset = zero * 2.0 ** -fraction_bits(bits)
+    codes = (groups / safe.unsqueeze(-1) + offset.unsqueeze(-1)).round().clamp(0, levels)
+    zero = zero.to(torch.uint8)
     if rescale:
         target = (x if exact is None else exact).float().expand_as(xf).reshape(groups.shape)
-        scale, minimum = rescaled_metadata(target, codes, scale, minimum, rescale)
+        scale = rescaled_scale(target, codes, scale, zero, bits, rescale)
     codes = codes.reshape(xf.shape).to(torch.uint8)
-    return QuantizedRows(pack_codes(codes, bits), scale, minimum, bits, group_size)
+    return QuantizedRows(pack_codes(codes, bits), scale, zero, bits, group_size)
 
 
 def check_rescale(strength: float) -> float:
@@ -180,9 +242,9 @@ def check_rescale(strength: float) -> float:
     return struct.unpack("f", struct.pack("f", float(strength)))[0]
 
 
-def rescaled_metadata(exact: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                      strength: float = 1.0):
-    """Scale and minimum times 1 + strength (alpha - 1), alpha = <x, x> / <x, x_hat> per group.
+def rescaled_scale(exact: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                   strength: float = 1.0) -> torch.Tensor:
+    """The scale times 1 + strength (alpha - 1), alpha = <x, x> / <x, x_hat> per group (the zero point stays).
 
     The products in float64 are exact, so only the order of the sums differs between devices; the strength
     enters as its float32 value, as the kernels receive it.
@@ -190,24 +252,20 @@ def rescaled_metadata(exact: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
     Args:
         exact: the unclipped rows x, split into groups.
         codes: their codes (unpacked, any number type).
-        scale, minimum: the groups' stored metadata.
+        scale, zero: the groups' stored metadata at ``bits``.
         strength: g in [0, 1].
     Shapes:
-        exact, codes: [..., NG, G]; scale, minimum: float16 [..., NG].
+        exact, codes: [..., NG, G]; scale float16, zero uint8: [..., NG].
     Returns:
-        (scale, minimum), float16 [..., NG] each.
+        the scale, float16 [..., NG].
     """
     x = exact.double()
-    x_hat = codes.double() * scale.double().unsqueeze(-1) + minimum.double().unsqueeze(-1)
+    x_hat = codes.double() * scale.double().unsqueeze(-1) + stored_minimum(scale, zero, bits).double().unsqueeze(-1)
     num, den = (x * x).sum(-1), (x * x_hat).sum(-1)
     alpha = torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(num)).clamp(*RESCALE_RANGE)
     g = check_rescale(strength)
     alpha = (1.0 + g * (alpha - 1.0)).float()
-
-    def times_alpha(m):
-        return (alpha * m.float()).clamp(-_F16_MAX, _F16_MAX).to(METADATA_DTYPE)
-
-    return times_alpha(scale), times_alpha(minimum)
+    return (alpha * scale.float()).clamp(-_F16_MAX, _F16_MAX).to(METADATA_DTYPE)
 
 
 def dequantize_rows(q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -215,7 +273,7 @@ def dequantize_rows(q: QuantizedRows, dtype: torch.dtype = torch.float32) -> tor
     codes = unpack_codes(q.codes, q.bits).float()
     d = codes.shape[-1]
     groups = codes.reshape(*codes.shape[:-1], d // q.group_size, q.group_size)
-    out = groups * q.scale.float().unsqueeze(-1) + q.minimum.float().unsqueeze(-1)
+    out = groups * q.scale.float().unsqueeze(-1) + q.minimum.unsqueeze(-1)
     return out.reshape(codes.shape).to(dtype)
 
 

@@ -17,11 +17,13 @@ be a multiple of P), in two pools:
       k_codes, v_codes  uint8   [L, NQ, H, P, D*b/8]  b-bit codes (b = 2, 3, 4 or 8, keys and values each
                                                       at their own width), stride-packed as in quant.py
                                                       (INT2: byte j holds channels j, j+D/4, j+D/2, j+3D/4)
-      k_meta,  v_meta   float16 [L, NQ, H, P, 2*NG]   NG = D/G groups; [..., :NG] = scale,
-                                                      [..., NG:] = minimum; x_hat = code*scale + min
+      k_scale, v_scale  float16 [L, NQ, H, P, NG]     NG = D/G groups: each group's scale s
+      k_zero,  v_zero   uint8   [L, NQ, H, P, NG]     its zero point z; x_hat = s * (code - z 2^-F), F =
+                                                      quant.fraction_bits(b) (quant.py: 24 bits a group)
 
-  One (page, head) tile is contiguous: P*D*b/8 code bytes (512 B at P=16, D=128, INT2) and P*4*NG bytes of
-  metadata, so a decode program streams whole pages with 16-byte loads.  The layer dimension leads
+  One (page, head) tile is contiguous: P*D*b/8 code bytes (512 B at P=16, D=128, INT2), P*2*NG bytes of scales
+  and P*NG zero points, so a decode program streams whole pages with 16-byte loads.  The scale and zero-point
+  tensors have the same shape, so one stride (in elements) addresses both.  The layer dimension leads
   so that one launch can address every layer (migration) while a per-layer view is a plain slice.
 
 A sequence is described by three small tensors (the engine's scheduler owns them):
@@ -64,6 +66,10 @@ from ..errors import ConfigError
 from ..memory import width_summary
 
 
+# A float16 scale and a uint8 zero point (quant.py).
+METADATA_BYTES_PER_GROUP = 3
+# The pool's tensors, in PagedKVPool's field order.
+POOL_TENSORS = ("k_codes", "v_codes", "k_scale", "v_scale", "k_zero", "v_zero", "k_win", "v_win")
 # A geometry that names no bits per layer is an INT2 cache.
 KERNEL_BITS = 2
 # The code widths the Triton kernels read and write, keys and values each (the CUDA decode kernel reads keys at 2, 3, 4
@@ -188,12 +194,12 @@ class PoolGeometry:
         return 2 * self.head_dim * self.window_dtype.itemsize
 
     def quant_bytes_per_token(self, layer: int = 0) -> int:
-        """Layer ``layer``'s quantized bytes, keys and values: codes + float16 scale and minimum per group (0 in a
-        BF16 cache)."""
+        """Layer ``layer``'s quantized bytes, keys and values: codes + a float16 scale and a uint8 zero point per
+        group (0 in a BF16 cache)."""
         if not self.quantizes:
             return 0
         codes = self.head_dim * (self.k_bits[layer] + self.v_bits[layer]) // 8
-        return codes + 2 * 2 * 2 * self.num_groups
+        return codes + 2 * METADATA_BYTES_PER_GROUP * self.num_groups
 
     def layer_widths(self, layer: int) -> tuple[int, int]:
         """(key bits, value bits) of layer ``layer``'s quantized pages."""
@@ -219,7 +225,7 @@ class PoolGeometry:
 
     def layer_read_bytes(self, seq_len: int, layer: int = 0) -> int:
         """Bytes of one layer's cache a decode step reads for a sequence of ``seq_len`` tokens: the quantized
-        history's codes and scale/min plus the window rows (tokens, not whole pages); a windowed layer reads only
+        history's codes, scales and zero points plus the window rows (tokens, not whole pages); a windowed layer reads only
         the positions its window reaches."""
         quant_tokens = self.int2_pages_for(seq_len) * self.page_size
         window = self.layer_windows[layer]
@@ -240,15 +246,17 @@ class PagedKVPool:
     from layer to layer (engine/kernel_attention.PoolView).
 
     Shapes:
-        k_codes: uint8 [L, N_int2, Hkv, P, D * k_bits / 8], v_codes likewise at v_bits; k_meta, v_meta: float16
-        [L, N_int2, Hkv, P, 2 NG] (scales | minima); k_win, v_win: bfloat16 [L, N_win, Hkv, P, D].
+        k_codes: uint8 [L, N_int2, Hkv, P, D * k_bits / 8], v_codes likewise at v_bits; k_scale, v_scale: float16
+        and k_zero, v_zero: uint8 [L, N_int2, Hkv, P, NG]; k_win, v_win: bfloat16 [L, N_win, Hkv, P, D].
     """
 
     geometry: PoolGeometry
     k_codes: torch.Tensor
     v_codes: torch.Tensor
-    k_meta: torch.Tensor
-    v_meta: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_zero: torch.Tensor
     k_win: torch.Tensor
     v_win: torch.Tensor
 
@@ -256,8 +264,8 @@ class PagedKVPool:
     def allocate(cls, geom: PoolGeometry, num_int2_pages: int, num_window_pages: int,
                  device: torch.device | str = "cpu", fill_nan: bool = False) -> "PagedKVPool":
         """A pool of ``num_int2_pages`` INT2 and ``num_window_pages`` window pages (at least one each) for the
-        kernels; ValueError when they cannot address ``geom``.  ``fill_nan``: metadata and windows start as NaN
-        (tests: a read of an unwritten slot shows), else zeros."""
+        kernels; ValueError when they cannot address ``geom``.  ``fill_nan``: scales and windows start as NaN and
+        zero points as 255 (tests: a read of an unwritten slot shows), else zeros."""
         why = geom.kernel_error()
         if why is None and (len(set(geom.k_bits)) > 1 or len(set(geom.v_bits)) > 1):
             why = (f"a stacked pool holds every layer at one key width and one value width, not "
@@ -270,13 +278,14 @@ class PagedKVPool:
         k_bytes, v_bytes = (d * b // 8 if b < 16 else d // 4 for b in geom.layer_widths(0))
         codes = lambda n: torch.zeros(l, nq, h, p, n, dtype=torch.uint8, device=device)  # noqa: E731
         fill = float("nan") if fill_nan else 0.0
-        meta = lambda: torch.full((l, nq, h, p, 2 * ng), fill, dtype=torch.float16, device=device)  # noqa: E731
+        scale = lambda: torch.full((l, nq, h, p, ng), fill, dtype=torch.float16, device=device)  # noqa: E731
+        zero = lambda: torch.full((l, nq, h, p, ng), 255 if fill_nan else 0, dtype=torch.uint8,  # noqa: E731
+                                  device=device)
         win = lambda: torch.full((l, nw, h, p, d), fill, dtype=torch.bfloat16, device=device)  # noqa: E731
-        return cls(geom, codes(k_bytes), codes(v_bytes), meta(), meta(), win(), win())
+        return cls(geom, codes(k_bytes), codes(v_bytes), scale(), scale(), zero(), zero(), win(), win())
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name)[i] for name in
-                ("k_codes", "v_codes", "k_meta", "v_meta", "k_win", "v_win")}
+        return {name: getattr(self, name)[i] for name in POOL_TENSORS}
 
 
 @dataclass

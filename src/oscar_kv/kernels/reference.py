@@ -45,10 +45,6 @@ def _quantize_heads(x: torch.Tensor, bits: int, group: int, clip_idx: torch.Tens
                          rescale)
 
 
-def _meta(q: QuantizedRows) -> torch.Tensor:
-    return torch.cat([q.scale, q.minimum], dim=-1)
-
-
 # ----------------------------------------------------------------------------------------- write
 def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor,
                     win_slot: torch.Tensor, int2_slot: torch.Tensor,
@@ -86,11 +82,11 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
     if qm.any():
         s = int2_slot.long()[qm]
         k_bits, v_bits = g.layer_widths(layer)
-        for x, bits, codes, meta, idx, resc in ((kr, k_bits, pool.k_codes, pool.k_meta, clip_k_idx, rescale[0]),
-                                                (vr, v_bits, pool.v_codes, pool.v_meta, clip_v_idx, rescale[1])):
+        for x, bits, side, idx, resc in ((kr, k_bits, "k", clip_k_idx, rescale[0]),
+                                         (vr, v_bits, "v", clip_v_idx, rescale[1])):
             qr = _quantize_heads(x[qm], bits, g.group_size, idx, resc)
-            codes[layer, s // p, :, s % p] = qr.codes
-            meta[layer, s // p, :, s % p] = _meta(qr)
+            for name, t in (("codes", qr.codes), ("scale", qr.scale), ("zero", qr.zero)):
+                getattr(pool, f"{side}_{name}")[layer, s // p, :, s % p] = t
 
 
 def migrate_reference(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
@@ -102,22 +98,21 @@ def migrate_reference(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_p
     src, dst = src_win_pages.long(), dst_int2_pages.long()
     for layer in range(g.num_layers):
         k_bits, v_bits = g.layer_widths(layer)
-        for win, bits, codes, meta, idx, resc in (
-                (pool.k_win, k_bits, pool.k_codes, pool.k_meta, clip_k_idx, rescale[0]),
-                (pool.v_win, v_bits, pool.v_codes, pool.v_meta, clip_v_idx, rescale[1])):
+        for win, bits, side, idx, resc in ((pool.k_win, k_bits, "k", clip_k_idx, rescale[0]),
+                                           (pool.v_win, v_bits, "v", clip_v_idx, rescale[1])):
             rows = win[layer, src].float().transpose(1, 2)  # [M, P, H, D]
             qr = _quantize_heads(rows.reshape(-1, g.num_kv_heads, g.head_dim), bits, g.group_size, idx[layer],
                                  resc)
             m = rows.shape[0]
-            codes[layer, dst] = qr.codes.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
-            meta[layer, dst] = _meta(qr).view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
+            for name, t in (("codes", qr.codes), ("scale", qr.scale), ("zero", qr.zero)):
+                getattr(pool, f"{side}_{name}")[layer, dst] = t.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------- read
 def gather_sequence(pool: PagedKVPool, layer: int, batch: PagedBatch, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized rotated K and V of sequence b in token order, float32 [T, H, D] (codes at the layer's widths)."""
     g = pool.geometry
-    p, sp, ng = g.page_size, g.sink_pages, g.num_groups
+    p, sp = g.page_size, g.sink_pages
     widths = g.layer_widths(layer)
     t = int(batch.seq_lens[b])
     nq = int(batch.int2_pages[b])
@@ -125,11 +120,9 @@ def gather_sequence(pool: PagedKVPool, layer: int, batch: PagedBatch, b: int) ->
     for i in range(-(-t // p)):
         phys = int(batch.block_table[b, i])
         if sp <= i < sp + nq:
-            for out, bits, codes, meta in ((ks, widths[0], pool.k_codes, pool.k_meta),
-                                           (vs, widths[1], pool.v_codes, pool.v_meta)):
-                m = meta[layer, phys].transpose(0, 1)  # [P, H, 2NG]
-                qr = QuantizedRows(codes[layer, phys].transpose(0, 1), m[..., :ng], m[..., ng:], bits, g.group_size)
-                out.append(dequantize_rows(qr))
+            for out, bits, side in ((ks, widths[0], "k"), (vs, widths[1], "v")):
+                tile = [getattr(pool, f"{side}_{name}")[layer, phys].transpose(0, 1) for name in ("codes", "scale", "zero")]
+                out.append(dequantize_rows(QuantizedRows(*tile, bits, g.group_size)))  # [P, H, D]
         else:
             ks.append(pool.k_win[layer, phys].transpose(0, 1).float())
             vs.append(pool.v_win[layer, phys].transpose(0, 1).float())
