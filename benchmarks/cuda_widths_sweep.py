@@ -25,11 +25,10 @@ def case(kbits: int, vbits: int, context: int, batch: int, dev, head_dim: int = 
     gen = torch.Generator().manual_seed(kbits)
     pb, nq, nw = plan_batch(geom, [context] * batch, generator=gen)
     pool = PagedKVPool.allocate(geom, nq, nw, device=dev)
-    for t in (pool.k_codes, pool.v_codes):
+    for t in (pool.k_codes, pool.v_codes, pool.k_zero, pool.v_zero):
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=dev))
-    for t in (pool.k_meta, pool.v_meta):
-        t[..., :1].uniform_(0.01, 0.05)
-        t[..., 1:].uniform_(-0.2, 0.0)
+    for t in (pool.k_scale, pool.v_scale):
+        t.uniform_(0.01, 0.05)
     for t in (pool.k_win, pool.v_win):
         t.normal_()
     q = torch.randn(batch, 32 if head_dim == 128 else 16, head_dim, device=dev, dtype=torch.bfloat16)

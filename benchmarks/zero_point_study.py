@@ -1,6 +1,7 @@
-"""Would an 8-bit zero point cost accuracy?  The metadata study behind issue 34's bit targets (no kernel reads it yet).
+"""Would an 8-bit zero point cost accuracy?  The metadata study behind issue 34's bit targets (run Z1).
 
-Today a quantized group stores a float16 scale and a float16 minimum: 32 bits a group, 0.25 bits per element at
+Since run Z1, quant.py stores the ``grid`` variant (below); this script keeps the format it replaced as its own
+reference, "today" in its output.  Before, a quantized group stored a float16 scale and a float16 minimum: 32 bits a group, 0.25 bits per element at
 G = 128 and 0.5 at G = 64 (head dim 64).  Storing the minimum as an 8-bit zero point z in units of the scale
 (minimum = -scale * z / 2^F, F = 8 - bits fractional bits below 8 bits, 0 at 8) costs 24 bits a group:
 -0.0625 bits per element at G = 128, -0.125 at G = 64.
@@ -11,7 +12,7 @@ nats^2, allocation.value_output_noise):
   * ``offset``: round z and keep the scale.  The zero point's rounding (up to 2^-F-1 of a step) is one offset shared
     by every channel of the group, so a query sees it times the sum of its components: where the rotation lays the
     queries' energy along the all-ones direction that is up to D times a channel's share of the noise.
-  * ``grid``: make zero a point of the grid.  The group's range is widened to hold 0, z is the floor or the ceiling
+  * ``grid``: fit the grid to the group.  The range is widened to hold 0, z is the floor or the ceiling
     of 2^F (-min / scale), whichever needs the smaller scale, and the scale grows until the grid [-s z / 2^F,
     s (levels - z / 2^F)] covers the group.  No shared offset is left; the cost is the scale's growth, at most a
     factor 1 / (1 - 2^(1-F) / levels) (1.0105 at 2 bits): about +2% of noise from that (run Z1 saw up to +3.2%).
@@ -43,11 +44,23 @@ from oscar_kv.corpus import load_calibration_text
 from oscar_kv.memory import bits_per_element
 from oscar_kv.models import load_model
 from oscar_kv.probe import PROBE_SINK
-from oscar_kv.quant import METADATA_DTYPE, clip_rows, fake_quantize, rescaled_metadata
+from oscar_kv.quant import METADATA_DTYPE, RESCALE_RANGE, check_rescale, clip_rows
 from oscar_kv.rotation import rotate
 
 VARIANTS = ("offset", "grid")
-ZERO_POINT_META_BITS = 12  # memory.bits_per_element counts 2 * meta_bits per group: 16 (scale) + 8 (zero point)
+FLOAT16_MINIMUM_GROUP_BITS = 32  # the format before the zero point: float16 scale + float16 minimum
+ZERO_POINT_GROUP_BITS = 24  # float16 scale + 8-bit zero point (memory.GROUP_METADATA_BITS)
+
+
+def rescaled_metadata(exact, codes, scale, minimum, strength):
+    """Scale and float16 minimum times 1 + g (alpha - 1), alpha = <x, x> / <x, x_hat> per group: the rescale of the
+    float16-minimum format (quant.rescaled_scale is today's)."""
+    x = exact.double()
+    x_hat = codes.double() * scale.double().unsqueeze(-1) + minimum.double().unsqueeze(-1)
+    num, den = (x * x).sum(-1), (x * x_hat).sum(-1)
+    alpha = torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(num)).clamp(*RESCALE_RANGE)
+    alpha = (1.0 + check_rescale(strength) * (alpha - 1.0)).float()
+    return tuple((alpha * m.float()).clamp(-65504.0, 65504.0).to(METADATA_DTYPE) for m in (scale, minimum))
 
 
 def fraction_bits(bits: int) -> int:
@@ -143,7 +156,7 @@ def noise(rot, sample, layer: int, side: str, bits: int, clipped: bool) -> dict[
     the layer's own width) or unclipped."""
     rows, clip, rescale, r = side_rows(rot, sample, layer, side)
     clip = clip.to(rows.device) if clipped else 1.0
-    stored = {"today": fake_quantize(rows, bits, rot.group_size, clip, rescale)}
+    stored = {"today": float16_minimum_fake_quantize(rows, bits, rot.group_size, clip, rescale)}
     for variant in VARIANTS:
         stored[variant] = zero_point_fake_quantize(rows, bits, rot.group_size, clip, rescale, variant)
     if side == "k":
@@ -192,9 +205,10 @@ def study(model_name: str, settings: CalibrationSettings, probe_tokens: int, dev
                            if tolerance is not None and a <= tolerance < b] for variant in VARIANTS}
     context = min(getattr(model.config, "max_position_embeddings", 32768) or 32768, 32768)
     kb, vb = rot.k_bits.tolist(), rot.v_bits.tolist()
-    bits = {str(ctx): {"today": bits_per_element(ctx, g.head_dim, rot.group_size, k_bits=kb, v_bits=vb),
+    bits = {str(ctx): {"today": bits_per_element(ctx, g.head_dim, rot.group_size, k_bits=kb, v_bits=vb,
+                                                 group_bits=FLOAT16_MINIMUM_GROUP_BITS),
                        "zero point": bits_per_element(ctx, g.head_dim, rot.group_size, k_bits=kb, v_bits=vb,
-                                                      meta_bits=ZERO_POINT_META_BITS)}
+                                                      group_bits=ZERO_POINT_GROUP_BITS)}
             for ctx in sorted({context, 32768})}
     return {"model": model_name, "widths": rot.width_summary(), "head_dim": g.head_dim, "group_size": rot.group_size,
             "probe_tokens": int(probe_ids.shape[1]), "ratios": summary, "chosen_key_noise": chosen["k"],

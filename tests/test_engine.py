@@ -404,7 +404,7 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
     for e in engines:
         assert (e.runner.kernels is None) == (e.config.attention_backend == "torch")
         p = e.pool
-        for t in p.k_win + p.v_win + p.k_codes + p.v_codes + p.k_meta + p.v_meta:
+        for t in p.k_win + p.v_win + p.k_codes + p.v_codes + p.k_scale + p.v_scale + p.k_zero + p.v_zero:
             t.zero_()  # torch.empty garbage would differ between the two pools
         for i, n in enumerate((127, 79)):
             e.add_request(f"r{i}", ids[:n], SamplingParams(max_tokens=3, ignore_eos=True, **GREEDY))
@@ -424,7 +424,7 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
         assert kinds == [("ExtendStep", False, False)] * 2 + [("DecodeStep", True, False)] * 2, kinds
 
     a, b = engines[0].pool, engines[1].pool
-    for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
+    for name in ("k_codes", "v_codes", "k_scale", "v_scale", "k_zero", "v_zero"):
         for li in range(checked if dtype == "int2" else 0):
             x, y = getattr(a, name)[li], getattr(b, name)[li]
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (name, li)

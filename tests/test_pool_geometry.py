@@ -43,15 +43,16 @@ def test_bf16_cache_has_no_sink_and_no_quantized_pages():
 
 def test_bytes_per_token_page_and_sequence():
     g = smol()
-    # per token, KV head and layer, K and V: codes 2 * 64 * 2 / 8 = 32 B + fp16 scale/min 2 * 2 * 2 = 8 B
-    assert g.quant_bytes_per_token() == 40
+    # per token, KV head and layer, K and V: codes 2 * 64 * 2 / 8 = 32 B + a float16 scale and a uint8 zero point
+    # each 2 * 3 = 6 B
+    assert g.quant_bytes_per_token() == 38
     assert g.window_bytes_per_token() == 2 * 64 * 2  # BF16 K and V rows
-    assert g.quant_page_bytes == 30 * 3 * 16 * 40 == 57_600
+    assert g.quant_page_bytes == 30 * 3 * 16 * 38 == 54_720
     assert g.window_page_bytes == 30 * 3 * 16 * 256 == 368_640
     # 1000 tokens: 63 pages, 42 quantized, 21 in the window pool
-    assert g.sequence_bytes(1000) == 21 * 368_640 + 42 * 57_600 == 10_160_640
+    assert g.sequence_bytes(1000) == 21 * 368_640 + 42 * 54_720 == 10_039_680
     # one layer's read of a decode step counts tokens, not pages: 672 quantized tokens, 328 window rows
-    assert g.layer_read_bytes(1000) == 3 * (672 * 40 + 328 * 256) == 332_544
+    assert g.layer_read_bytes(1000) == 3 * (672 * 38 + 328 * 256) == 328_512
 
 
 def test_a_windowed_layer_reads_only_its_window():
@@ -60,7 +61,7 @@ def test_a_windowed_layer_reads_only_its_window():
     g = smol()
     w = dataclasses.replace(g, layer_windows=(500, 100, 2000) + (None,) * (g.num_layers - 3))
     # 1000 tokens: sink [0, 64), INT2 [64, 736), recent [736, 1000); a window of 500 reads from position 500 on
-    assert w.layer_read_bytes(1000, 0) == 3 * (236 * 40 + 264 * 256)
+    assert w.layer_read_bytes(1000, 0) == 3 * (236 * 38 + 264 * 256)
     assert w.layer_read_bytes(1000, 1) == 3 * 100 * 256  # only recent rows
     assert w.layer_read_bytes(1000, 2) == w.layer_read_bytes(1000, 3) == g.layer_read_bytes(1000)
     assert dataclasses.replace(smol(16), layer_windows=w.layer_windows).layer_read_bytes(1000, 1) == 3 * 100 * 256
@@ -77,8 +78,8 @@ def test_bf16_bytes():
 
 def test_wider_layers_count_their_own_codes():
     g = smol(k_bits=(2,) * 29 + (4,))
-    assert g.quant_bytes_per_token(29) == 2 * (64 * 4 // 8 + 4) == 72
-    assert g.quant_page_bytes == 3 * 16 * (29 * 40 + 72)
+    assert g.quant_bytes_per_token(29) == 64 * (4 + 4) // 8 + 6 == 70
+    assert g.quant_page_bytes == 3 * 16 * (29 * 38 + 70)
 
 
 def test_default_is_an_int2_cache():

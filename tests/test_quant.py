@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from oscar_kv.quant import (clip_rows, dequantize_rows, fake_quantize, pack_codes, quantize_rows, unpack_codes)
+from oscar_kv.quant import (clip_rows, dequantize_rows, fake_quantize, fraction_bits, grid_metadata, pack_codes,
+                            quantize_rows, unpack_codes)
 
 
 def outlier_rows(n=256, d=128, seed=0):
@@ -40,12 +41,12 @@ def test_int2_bit_layout_is_stride_packed():
 def test_reconstruction_error_is_within_half_a_step(bits, group):
     x = outlier_rows()
     q = quantize_rows(x, bits, group)
-    assert q.scale.dtype == torch.float16 and q.minimum.dtype == torch.float16
+    assert q.scale.dtype == torch.float16 and q.zero.dtype == torch.uint8 and q.minimum.dtype == torch.float32
     assert q.scale.shape == (256, 128 // group)
     xh = dequantize_rows(q)
     step = q.scale.float().repeat_interleave(group, -1)
     assert ((x - xh).abs() <= step / 2 + 1e-2 * step + 1e-3).all()
-    assert q.nbytes() == 256 * (128 * bits // 8 + 2 * 2 * 128 // group)
+    assert q.nbytes() == 256 * (128 * bits // 8 + 3 * 128 // group)  # float16 scale + uint8 zero point
 
 
 def test_more_bits_less_error():
@@ -127,3 +128,38 @@ def test_rescale_is_bounded_and_leaves_constant_rows_exact():
     unscaled = quantize_rows(x, 2, 64, clip_ratio=0.5)
     ratio = q.scale.float()[2] / unscaled.scale.float()[2]
     assert 1.0 < ratio <= 2.0  # clipped at half the row: a large but bounded correction
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_the_zero_point_grid_covers_every_group(bits):
+    """Within half a step everywhere, whether the group straddles zero, lies above it or below it (zero point 0 or
+    its largest), and a zero row is stored as zeros."""
+    torch.manual_seed(1)
+    x = torch.randn(64, 128)
+    x[16:32] = x[16:32].abs() + 0.5  # groups wholly above zero
+    x[32:48] = -x[32:48].abs() - 0.5  # wholly below
+    x[48:] = 0.0
+    x[:, ::7] = 0.0
+    q = quantize_rows(x, bits, 64)
+    xh = dequantize_rows(q)
+    assert torch.equal(xh[48:], torch.zeros_like(xh[48:]))
+    step = q.scale.float().repeat_interleave(64, -1)
+    assert ((x - xh).abs() <= step / 2 + 1e-3 * step).all()
+    z = q.zero.long()
+    assert int(z.max()) <= (2 ** bits - 1) * 2 ** fraction_bits(bits) <= 255
+    assert (z[16:32] == 0).all() and (z[32:48] == (2 ** bits - 1) * 2 ** fraction_bits(bits)).all()
+
+
+def test_grid_metadata_takes_the_zero_point_needing_the_smaller_scale():
+    """Worked example at 2 bits (F = 6, 192 units): [-1, 2] puts zero at t = 192 / 3 = 64 exactly, scale 1; on
+    [-1, 2.1] t = 61.9..., the floor 61 needs scale max(64 / 61, 134.4 / 131) = 1.0492, the ceiling 62 needs
+    max(64 / 62, 134.4 / 130) = 1.0338: the ceiling wins."""
+    scale, zero = grid_metadata(torch.tensor([-1.0, -1.0]), torch.tensor([2.0, 2.1]), 2)
+    assert zero.tolist() == [64.0, 62.0]
+    assert scale[0].item() == 1.0 and scale[1].item() == pytest.approx(134.4 / 130, rel=1e-6)
+
+
+def test_minimum_is_exact_in_float32():
+    q = quantize_rows(torch.randn(32, 64) * 100, 3, 32)
+    exact = -(q.scale.double() * q.zero.double()) * 2.0 ** -fraction_bits(3)
+    assert torch.equal(q.minimum.double(), exact)

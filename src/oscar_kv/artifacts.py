@@ -76,7 +76,7 @@ class Rotations:
     manifest: dict = field(default_factory=dict)
     k_rope_mean: torch.Tensor | None = None  # None reads as zeros: no position-aware centering
     source: str | None = field(default=None, compare=False)  # the directory it was loaded from (None: made here)
-    # how much of the clip's shrink of each INT2 row along itself the stored scale and minimum undo (quant.py)
+    # how much of the clip's shrink of each INT2 row along itself the stored scale undoes (quant.py)
     k_rescale: float = 0.0
     v_rescale: float = 0.0
     # the RoPE layout of k_rope_mean's channels (partial rotary keeps it zero past rotary_dim); None: rotate-half

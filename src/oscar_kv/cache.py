@@ -3,7 +3,7 @@
 Everything is stored in the rotated, centered form of each layer's codec (codec.py): keys are rotated here,
 at write time; values arrive so (folded into v_proj).  Per layer and sequence the positions are laid out as
   [0, s)          sink, window dtype (BF16 by default)
-  [s, s + n)      history, packed INT2 codes + float16 scale/min (quant.py), nothing else kept
+  [s, s + n)      history, packed INT2 codes + float16 scale and uint8 zero point (quant.py), nothing else kept
   [s + n, T)      recent window, window dtype; it holds between W and W + P - 1 tokens and hands
                   its oldest P tokens (one page) to the history whenever it reaches W + P.
 Attention (``oscar_attention``) rotates the query, dequantizes the history inside the call and
@@ -41,8 +41,8 @@ class CacheSettings(CacheConfig):
     them in torch.  ``kv_cache_dtype='bf16'`` keeps every token in the window dtype."""
 
     window_dtype: torch.dtype = torch.bfloat16
-    # "token": one scale/min per token x head x channel group (OSCAR).  "channel": KIVI-style keys,
-    # one scale/min per channel over each page of tokens (values stay per token).
+    # "token": one scale / zero point per token x head x channel group (OSCAR).  "channel": KIVI-style keys,
+    # one per channel over each page of tokens (values stay per token).
     key_axis: Literal["token", "channel"] = "token"
 
 
@@ -177,7 +177,7 @@ def _tokens(a: int, b: int) -> tuple:
 
 def _cat_rows(a: QuantizedRows, b: QuantizedRows) -> QuantizedRows:
     return QuantizedRows(torch.cat([a.codes, b.codes], 2), torch.cat([a.scale, b.scale], 2),
-                         torch.cat([a.minimum, b.minimum], 2), a.bits, a.group_size)
+                         torch.cat([a.zero, b.zero], 2), a.bits, a.group_size)
 
 
 class OscarCache(Cache):

@@ -96,7 +96,7 @@ def calibrate(
         "narrowest whose KL meets the target (the fewest bits for that accuracy), with --kv-bits the budget's."),
     kv_bits: Optional[float] = typer.Option(
         None, min=2.0, max=16.0, help="With --key-bits auto: the most mean stored bits per K/V element at the "
-        "model's context (windows and scale/min counted) the widening may spend (default: no bound)."),
+        "model's context (windows and scales and zero points counted) the widening may spend (default: no bound)."),
     max_kl: Optional[float] = typer.Option(
         None, min=0.0, show_default="0.01", help="Beside --key-noise: the mean KL (nats per token) against the "
         "unquantized model the widths must also meet. Calibration measures the KL of the tolerance's widths on "
@@ -111,7 +111,7 @@ def calibrate(
         "1B+ model on a CPU, where a shorter probe trades fidelity for time)."),
     key_rescale: float = typer.Option(
         0.5, min=0.0, max=1.0, help="Share of the clip's shrink of each INT2 key row along itself that its float16 scale "
-        "and minimum undo (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "
+        "undoes (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "
         "long context); undoing all of it adds noise. Free in storage and kernels."),
     value_rescale: float = typer.Option(0.0, min=0.0, max=1.0, help="The same for value rows."),
     device: str = typer.Option("cpu", help="cpu or cuda."),

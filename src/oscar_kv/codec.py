@@ -38,7 +38,7 @@ class LayerCodec:
     """
 
     k_bits: int  # of the quantized history's keys; 16: nothing is quantized
-    group_size: int  # channels sharing one scale / minimum
+    group_size: int  # channels sharing one scale / zero point
     k_rotation: torch.Tensor
     k_mean: torch.Tensor
     k_clip: torch.Tensor  # clip ratio of each KV head's rows
@@ -142,12 +142,10 @@ class LayerCodec:
     def dequantize_values(self, q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_rows(q, dtype)
 
-    def stored_rows(self, codes: torch.Tensor, meta: torch.Tensor, which: str) -> QuantizedRows:
-        """Rows of ``which`` ("k" or "v") read back from a pool: packed codes and the metadata as stored there
-        (scales | minima)."""
-        groups = meta.shape[-1] // 2
+    def stored_rows(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, which: str) -> QuantizedRows:
+        """Rows of ``which`` ("k" or "v") read back from a pool: packed codes, scales and zero points."""
         bits = self.k_bits if which == "k" else self.v_bits
-        return QuantizedRows(codes, meta[..., :groups], meta[..., groups:], bits, self.group_size)
+        return QuantizedRows(codes, scale, zero, bits, self.group_size)
 
 
 def stored_attention(q_rot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
@@ -202,7 +200,7 @@ def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: i
         model: the model the artifact is for (its RoPE, when the artifact centers keys per position).
         rotations: the artifact.
         kv_cache_dtype: the history's precision; a layer (keys or values) the artifact keeps wider keeps its own bits.
-        group_size: channels per scale / minimum (default: the artifact's).
+        group_size: channels per scale / zero point (default: the artifact's).
         key_page: quantize keys per channel over pages of this many tokens (KIVI) instead of per token.
     Returns:
         One LayerCodec per layer, tensors float32 on the artifact's device.

@@ -173,7 +173,7 @@ class EngineConfig(SchedulerConfig, CacheConfig):
     kv_cache_dtype: ServedKVCacheDtype = setting("int2", "KV cache storage: 'int2' (OSCAR: BF16 sink + recent window, "
                                                          "INT2 history) or 'bf16'.")
     kv_cache_memory: float | None = setting(
-        None, "KV pool size in GB, everything counted (INT2 codes, scale/min and BF16 windows). Default: 80% of free "
+        None, "KV pool size in GB, everything counted (INT2 codes, scales and zero points, BF16 windows). Default: 80% of free "
         "GPU memory after loading the model, or 10% of available RAM on CPU.", above=0)
     attention_backend: AttentionBackend = setting(
         "auto", "Paged attention: 'triton' (kernels: decode + extend), 'torch' (reference), or 'auto' (Triton on "

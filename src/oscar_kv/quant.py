@@ -19,8 +19,8 @@ Layout of one quantized row (one token x one KV head, D channels, group size G):
 The zero point (``grid_metadata``).  The group's range is widened to hold 0 (lo = min(x, 0), hi = max(x, 0)); with
 zmax = 2^F L (L = 2^bits - 1 levels) the exact zero point t = zmax (-lo) / (hi - lo) is rounded down and up, each
 candidate z gets the least scale whose grid reaches both ends, max((-lo) 2^F / z, hi 2^F / (zmax - z)), and the
-candidate needing the smaller scale wins (the floor on a tie).  Zero is then a point of the grid (a zero row is
-stored exactly) and nothing is shared between a group's channels: the only cost against a float16 minimum is the
+candidate needing the smaller scale wins (the floor on a tie).  The grid covers the group, a zero group is stored
+exactly (scale 0) and nothing is shared between a group's channels: the only cost against a float16 minimum is the
 scale's growth, at most 1 / (1 - 2^(1-F) / L) (+1.05% at 2 bits).  benchmarks/NOTES.md, run Z1: key and value
 noise +0.1-0.6% at the median, 7-24% less at 8 bits (a float16 minimum's rounding is an offset shared by the
 group).  Every step is one IEEE float32 operation (products by powers of two and integers below 2^8 are exact, the

@@ -115,7 +115,7 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
               "tolerance": settings.key_noise if allocated else None,
               "budget": settings.kv_bits if allocated else None, "seq_len": seq_len,
               "bits_per_element": choice.bits_per_element, "reason": choice.reason,
-              # what the widths cost at the lengths users compare (memory.bits_per_element: windows, scale/min counted)
+              # what the widths cost at the lengths users compare (memory.bits_per_element: windows, scales and zero points counted)
               "bits_per_element_at": {str(n): round(bits_per_element(n, g.head_dim, rot.group_size, 2,
                                                                      k_bits=choice.k_bits, v_bits=choice.v_bits), 4)
                                       for n in (32768, 131072)}}

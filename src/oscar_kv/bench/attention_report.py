@@ -46,7 +46,7 @@ def print_widths(result: dict) -> None:
     if not rows or all(len(r["by_width"]) == 1 and r["by_width"][0]["widths"] == "K2V2" for r in rows):
         return
     print(f"\nper (key, value) width pair, one layer each; {widths_line(result)}")
-    print("read = codes + scale/min + BF16 window + q/out; %copy = GB/s over the copy bandwidth; /K2V2 = time over "
+    print("read = codes + scales/zero points + BF16 window + q/out; %copy = GB/s over the copy bandwidth; /K2V2 = time over "
           "the K2V2 kernel's (same shape, same centering); BF16/x = best BF16 time over this one; model = the layers x "
           "their pair's time")
     print(f"{'ctx':>7} {'bs':>4} {'pair':<6} {'layers':>6} {'kernel':<7} {'us':>9} {'read MB':>9} {'GB/s':>7} "

@@ -2,7 +2,7 @@
 bandwidth and the bf16 tensor-core rate, both measured in the same run.
 
 Bytes are counted at each layer's own widths (``PoolGeometry.k_bits`` / ``v_bits``: codes at their width, a float16
-scale and minimum per group of each side, BF16 sink and recent rows), as memory.bits_per_element counts them.
+scale and zero point per group of each side, BF16 sink and recent rows), as memory.bits_per_element counts them.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def query_output_bytes(geom, bs: int, num_q_heads: int | None = None) -> int:
 
 def read_bytes(geom, bs: int, ctx: int, layer: int = 0, num_q_heads: int | None = None) -> dict:
     """What one decode call over a full-attention layer reads for ``bs`` sequences of ``ctx`` tokens, by kind:
-    ``codes`` (keys and values at the layer's widths), ``metadata`` (float16 scale and minimum per group, both
+    ``codes`` (keys and values at the layer's widths), ``metadata`` (float16 scale and uint8 zero point per group, both
     sides), ``window`` (BF16 sink and recent rows), ``query_output`` (the BF16 query and output) and ``total``."""
     h, d = geom.num_kv_heads, geom.head_dim
     quant = geom.int2_pages_for(ctx) * geom.page_size
@@ -58,7 +58,7 @@ def read_bytes(geom, bs: int, ctx: int, layer: int = 0, num_q_heads: int | None 
 
 
 def int2_bytes(geom, bs: int, ctx: int) -> int:
-    """Bytes a quantized decode call must read at ``geom``'s widths (INT2 by default): codes + scale/min of the
+    """Bytes a quantized decode call must read at ``geom``'s widths (INT2 by default): codes + scales and zero points of the
     history, BF16 sink/recent, q, out."""
     return bs * geom.layer_read_bytes(ctx) + query_output_bytes(geom, bs)
 

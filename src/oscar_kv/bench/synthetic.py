@@ -10,7 +10,7 @@ own ``k_bits`` / ``v_bits``):
 * ``--kv-bits X``: a mixed allocation like calibrate's (``kv_bits_allocation``): values at ``--value-bits`` (2), keys
   at two adjacent widths, K3 and K4 for X between the all-K3 and the all-K4 cost (about 2.78 and 3.28 bits at 128K
   tokens; K2 and K3 below), as many layers at the wider one as keep the mean stored bits per element at the largest
-  ``--contexts`` within X (memory.bits_per_element: BF16 windows and scale / minimum counted), spread evenly over
+  ``--contexts`` within X (memory.bits_per_element: BF16 windows and scales and zero points counted), spread evenly over
   the layers.  Calibrate picks which layers by their key noise; decode speed depends only on how many.
 """
 
@@ -248,14 +248,12 @@ def _mixed_batch(geom, bs: int, ctx: int, device, gen: torch.Generator):
 
 
 def _fill_pool(pool, gen_device_seed: int = 0):
-    """Random codes (any width: every byte pattern is a code), scales, minima and window rows."""
+    """Random codes and zero points (any width: every byte pattern is one), scales and window rows."""
     torch.manual_seed(gen_device_seed)
-    for c in (pool.k_codes, pool.v_codes):
+    for c in (pool.k_codes, pool.v_codes, pool.k_zero, pool.v_zero):
         c.random_(0, 256)
-    for m in (pool.k_meta, pool.v_meta):
-        ng = m.shape[-1] // 2
-        m[..., :ng].uniform_(0.01, 0.1)
-        m[..., ng:].uniform_(-0.2, 0.0)
+    for m in (pool.k_scale, pool.v_scale):
+        m.uniform_(0.01, 0.1)
     for w in (pool.k_win, pool.v_win):
         w.normal_()
 

@@ -274,10 +274,9 @@ class TorchAttention:
         qk = torch.cat([pool.k_win[li][m.page, :, m.off], k_rows[plan.q_src]]).float()  # [N, H, D]
         qv = torch.cat([pool.v_win[li][m.page, :, m.off], v_rows[plan.q_src]]).float()
         dst = _Rows.cat([plan.mig_dst, plan.q_writes])
-        for q, codes, meta in ((codec.quantize_keys(qk), pool.k_codes, pool.k_meta),
-                               (codec.quantize_values(qv), pool.v_codes, pool.v_meta)):
-            codes[li][dst.page, :, dst.off] = q.codes
-            meta[li][dst.page, :, dst.off] = torch.cat([q.scale, q.minimum], -1)
+        for q, side in ((codec.quantize_keys(qk), "k"), (codec.quantize_values(qv), "v")):
+            for name in ("codes", "scale", "zero"):
+                getattr(pool, f"{side}_{name}")[li][dst.page, :, dst.off] = getattr(q, name)
 
     def _gather(self, li: int, win: _Rows, quant: _Rows):
         """History rows as float32: window rows followed by dequantized rows (two tensors each)."""
@@ -287,8 +286,8 @@ class TorchAttention:
         if not len(quant):
             return _Joined(k_w, None), _Joined(v_w, None)
         codec = self.codecs[li]
-        k_q, v_q = (codec.stored_rows(codes[li][quant.page, :, quant.off], meta[li][quant.page, :, quant.off], which)
-                    for which, codes, meta in (("k", pool.k_codes, pool.k_meta), ("v", pool.v_codes, pool.v_meta)))
+        k_q, v_q = (codec.stored_rows(*(getattr(pool, f"{side}_{name}")[li][quant.page, :, quant.off]
+                                        for name in ("codes", "scale", "zero")), side) for side in ("k", "v"))
         return _Joined(k_w, codec.dequantize_keys(k_q)), _Joined(v_w, codec.dequantize_values(v_q))
 
 

@@ -7,11 +7,12 @@ byte counts are ``kernels.layout.PoolGeometry``):
   window pool   k_win[l], v_win[l]    window dtype (BF16) [NW, H, P, D]     sink and recent pages
   INT2 pool     k_codes[l], v_codes[l] uint8   [NQ, H, P, D*bits/8]          stride-packed (quant.py), each side
                                                                                at its layer's width
-                k_meta[l],  v_meta[l]  float16 [NQ, H, P, 2*D/G]             [..., :NG] scale, [..., NG:] min
+                k_scale[l], v_scale[l] float16 [NQ, H, P, D/G]               each group's scale
+                k_zero[l],  v_zero[l]  uint8   [NQ, H, P, D/G]               and zero point (quant.py)
 
 A sequence's logical page i (positions [iP, (i+1)P)) lives in the INT2 pool when
 sink_pages <= i < sink_pages + int2_pages, in the window pool otherwise.  Everything the cache
-stores counts toward the budget: INT2 codes, their 16-bit metadata and the BF16 windows.
+stores counts toward the budget: INT2 codes, their scales and zero points and the BF16 windows.
 
 Prefix cache: a page is *sealed* once it is full and will never change form (sink pages, INT2
 pages; with a BF16 cache every full page).  Sealed pages are registered under the chained hash of
@@ -170,13 +171,14 @@ class PagePool:
         # torch.empty: pages are only ever read where they were written.
         self.k_win = [torch.empty(nw, h, p, d, dtype=g.window_dtype, device=device) for _ in range(g.num_layers)]
         self.v_win = [torch.empty(nw, h, p, d, dtype=g.window_dtype, device=device) for _ in range(g.num_layers)]
-        self.k_codes, self.v_codes, self.k_meta, self.v_meta = [], [], [], []
+        self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_zero, self.v_zero = [], [], [], [], [], []
         if g.quantizes:
             for layer in range(g.num_layers):
-                for bits, codes, meta in zip(g.layer_widths(layer), (self.k_codes, self.v_codes),
-                                             (self.k_meta, self.v_meta)):
+                for bits, codes, scale, zero in zip(g.layer_widths(layer), (self.k_codes, self.v_codes),
+                                                    (self.k_scale, self.v_scale), (self.k_zero, self.v_zero)):
                     codes.append(torch.empty(nq, h, p, d * bits // 8, dtype=torch.uint8, device=device))
-                    meta.append(torch.empty(nq, h, p, 2 * ng, dtype=torch.float16, device=device))
+                    scale.append(torch.empty(nq, h, p, ng, dtype=torch.float16, device=device))
+                    zero.append(torch.empty(nq, h, p, ng, dtype=torch.uint8, device=device))
         self.window = PageAllocator(plan.window_pages, WINDOW)
         self.quant = PageAllocator(plan.quant_pages, QUANT)
         self.tables = BlockTables(device)
@@ -193,7 +195,8 @@ class PagePool:
         return QUANT if sp <= logical_page < sp + int2_pages else WINDOW
 
     def tensor_bytes(self) -> int:
-        tensors = self.k_win + self.v_win + self.k_codes + self.v_codes + self.k_meta + self.v_meta
+        tensors = (self.k_win + self.v_win + self.k_codes + self.v_codes + self.k_scale + self.v_scale + self.k_zero
+                   + self.v_zero)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- accounting ----------------------------------------------------------------------------

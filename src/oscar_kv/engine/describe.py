@@ -48,7 +48,7 @@ class EngineDescription:
         lines = [f"KV cache: {scheme}", f"attention: {backend}", f"model forward: {forward}",
                  f"KV pool{per_rank}: {plan.total_bytes / GB:.3f} GB = {plan.window_pages} BF16 window pages "
                  f"({plan.window_bytes / GB:.3f} GB, {plan.window_pages * spec.page_size} tokens) + "
-                 f"{plan.quant_pages} quantized pages ({plan.quant_bytes / GB:.3f} GB incl. scale/min, "
+                 f"{plan.quant_pages} quantized pages ({plan.quant_bytes / GB:.3f} GB incl. scales and zero points, "
                  f"{plan.quant_pages * spec.page_size} tokens)",
                  f"KV pool capacity: {plan.capacity_tokens} tokens; a BF16 cache in the same memory holds "
                  f"{bf16_tokens} tokens ({plan.capacity_tokens / max(bf16_tokens, 1):.2f}x)"]

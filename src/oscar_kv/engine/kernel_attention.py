@@ -35,7 +35,7 @@ import torch
 from ..config import ATTENTION_BACKENDS
 from ..errors import ConfigError
 from ..kernels import TRITON_MISSING, triton_available
-from ..kernels.layout import PagedBatch, PagedKVPool, clip_indices
+from ..kernels.layout import POOL_TENSORS, PagedBatch, PagedKVPool, clip_indices
 from ..kernels.tuning import TUNING
 from .block_pool import PagePool
 from .uploads import upload
@@ -86,7 +86,9 @@ class PoolView:
         # A BF16 cache has no INT2 pool; the kernels still take (never read) INT2 tensors.
         self._no_codes = torch.zeros(1, g.num_kv_heads, g.page_size, g.head_dim // 4, dtype=torch.uint8,
                                      device=pool.device)
-        self._no_meta = torch.zeros(1, g.num_kv_heads, g.page_size, 2 * g.num_groups, dtype=torch.float16,
+        self._no_scale = torch.zeros(1, g.num_kv_heads, g.page_size, g.num_groups, dtype=torch.float16,
+                                     device=pool.device)
+        self._no_zero = torch.zeros(1, g.num_kv_heads, g.page_size, g.num_groups, dtype=torch.uint8,
                                     device=pool.device)
         self._clips: dict[int, tuple] = {}
         self._layer_pools: dict[int, PagedKVPool] = {}
@@ -98,10 +100,10 @@ class PoolView:
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         p = self.pool
         if not p.geometry.quantizes:
-            return {"k_codes": self._no_codes, "v_codes": self._no_codes, "k_meta": self._no_meta,
-                    "v_meta": self._no_meta, "k_win": p.k_win[i], "v_win": p.v_win[i]}
-        return {"k_codes": p.k_codes[i], "v_codes": p.v_codes[i], "k_meta": p.k_meta[i], "v_meta": p.v_meta[i],
-                "k_win": p.k_win[i], "v_win": p.v_win[i]}
+            return {"k_codes": self._no_codes, "v_codes": self._no_codes, "k_scale": self._no_scale,
+                    "v_scale": self._no_scale, "k_zero": self._no_zero, "v_zero": self._no_zero,
+                    "k_win": p.k_win[i], "v_win": p.v_win[i]}
+        return {name: getattr(p, name)[i] for name in POOL_TENSORS}
 
     def layer_pool(self, i: int) -> PagedKVPool:
         """Layer i as a one-layer PagedKVPool (views of the engine's tensors, nothing copied)."""
@@ -109,8 +111,7 @@ class PoolView:
             t, g = self.layer(i), self.geometry
             one = dataclasses.replace(g, num_layers=1, k_bits=g.k_bits[i:i + 1], v_bits=g.v_bits[i:i + 1],
                                       layer_windows=g.layer_windows[i:i + 1])
-            names = ("k_codes", "v_codes", "k_meta", "v_meta", "k_win", "v_win")
-            self._layer_pools[i] = PagedKVPool(one, *(t[n].unsqueeze(0) for n in names))
+            self._layer_pools[i] = PagedKVPool(one, *(t[n].unsqueeze(0) for n in POOL_TENSORS))
         return self._layer_pools[i]
 
     def clips(self, i: int, codec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -196,8 +196,8 @@ class ModelRunner:
         pool = self.pool
         s_idx = torch.tensor(src, dtype=torch.long, device=pool.device)
         d_idx = torch.tensor(dst, dtype=torch.long, device=pool.device)
-        groups = (pool.k_win, pool.v_win) if kind == WINDOW else (pool.k_codes, pool.v_codes, pool.k_meta,
-                                                                    pool.v_meta)
+        groups = (pool.k_win, pool.v_win) if kind == WINDOW else (pool.k_codes, pool.v_codes, pool.k_scale,
+                                                                    pool.v_scale, pool.k_zero, pool.v_zero)
         for tensors in groups:
             for t in tensors:
                 t.index_copy_(0, d_idx, t.index_select(0, s_idx))

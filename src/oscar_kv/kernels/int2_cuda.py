@@ -36,8 +36,11 @@ centering or per-position centering over at most MAX_ROPE_PAIRS pairs, full or p
 q . RoPE_p(mu_pre) as one more small MMA per 16 keys; int2_decode.cu, rope_terms; the layout places each pair's
 two channels, pair_lo / pair_hi).  Anything else runs the Triton kernels.
 
-Head dim 256 (Gemma 3) compiles with D = 256 and NG = D / G metadata groups per token: G = 256 (one (scale, min)
-word, as at D = 64 and 128) or G = 128 (two: NG = 2; code slices 0, 1 are group 0's channels, slices 2, 3 group
+A token's metadata is a float16 scale and a uint8 zero point per group (quant.py); the kernel loads both into one
+word and makes the minimum -s z 2^-F in float32 where it uses it (int2_decode.cu, load_meta / scale_min).
+
+Head dim 256 (Gemma 3) compiles with D = 256 and NG = D / G metadata groups per token: G = 256 (one scale and zero
+point, as at D = 64 and 128) or G = 128 (two: NG = 2; code slices 0, 1 are group 0's channels, slices 2, 3 group
 1's, so the key MMAs keep two logit accumulators and the value MMAs take each group's p * scale).  Its accumulators
 and window tiles are twice D = 128's: 2 CTAs per SM (255 registers), the key MMAs' query fragments read from shared
 memory, 16-token steps (``step16``), and the query rotated before the launch (decode.rotate_query; in the kernel each
@@ -375,7 +378,8 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
         raise ValueError(f"a sliding window must be >= 1 token, got {window}")
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"the CUDA decode kernel merges 1 .. {MAX_SPLITS} splits, got {splits}")
-    kc, km, vc, vm, kw, vw = (layer[k] for k in ("k_codes", "k_meta", "v_codes", "v_meta", "k_win", "v_win"))
+    kc, ks, kz, vc, vs, vz, kw, vw = (layer[k] for k in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero",
+                                                          "k_win", "v_win"))
     if widths is None:
         widths = (kc.shape[-1] * 8 // d, vc.shape[-1] * 8 // d)
     kbits, vbits = widths
@@ -385,17 +389,21 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     if kc.shape[-1] != d * kbits // 8 or vc.shape[-1] != d * vbits // 8:
         raise ValueError(f"code rows of {kc.shape[-1]} / {vc.shape[-1]} bytes are not K{kbits}V{vbits} at head dim {d}")
     why = group_error(d, geom.group_size)
-    if why is not None or km.shape[-1] != 2 * geom.num_groups or vm.shape[-1] != km.shape[-1]:
-        raise ValueError(why or f"metadata rows of {km.shape[-1]} / {vm.shape[-1]} float16 values are not "
-                                f"{geom.num_groups} (scale, min) pairs")
-    if km.stride(-2) != km.shape[-1] or (geom.num_groups == 2 and (km.data_ptr() | vm.data_ptr()) % 8):
-        raise ValueError("the CUDA decode kernel reads a token's metadata as one 4 (one group) or 8-byte word "
-                         "(two groups)")
+    ng = geom.num_groups
+    if why is not None or any(t.shape[-1] != ng for t in (ks, kz, vs, vz)):
+        raise ValueError(why or f"scale / zero-point rows of {ks.shape[-1]} / {kz.shape[-1]} (keys), {vs.shape[-1]} / "
+                                f"{vz.shape[-1]} (values) entries are not {ng} groups")
+    if ks.dtype != torch.float16 or vs.dtype != torch.float16 or kz.dtype != torch.uint8 or vz.dtype != torch.uint8:
+        raise ValueError("the CUDA decode kernel reads float16 scales and uint8 zero points")
+    if ks.stride(-2) != ng or any(t.stride() != ks.stride() for t in (kz, vs, vz)) or \
+            (ng == 2 and ((ks.data_ptr() | vs.data_ptr()) % 4 or (kz.data_ptr() | vz.data_ptr()) % 2)):
+        raise ValueError("the CUDA decode kernel reads a token's scales and zero points as one word each, from "
+                         "tensors of one layout")
     # K2V2 addresses both code pools with the same strides; other widths pass the keys' page and head strides
     int2 = (kbits, vbits) == (2, 2)
     rows = kc.stride() == vc.stride() if int2 else (kc.stride(-2) == kc.shape[-1] and vc.stride(-2) == vc.shape[-1])
-    if not rows or km.stride() != vm.stride() or kw.stride() != vw.stride() or \
-            kc.stride(-1) != 1 or vc.stride(-1) != 1 or km.stride(-1) != 1 or kw.stride(-1) != 1 or kw.stride(-2) != d:
+    if not rows or kw.stride() != vw.stride() or \
+            kc.stride(-1) != 1 or vc.stride(-1) != 1 or ks.stride(-1) != 1 or kw.stride(-1) != 1 or kw.stride(-2) != d:
         raise ValueError("the CUDA decode kernel needs K and V pools of one contiguous layout")
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -431,16 +439,16 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     po = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float16)
     pl = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     bt = batch.block_table
-    token_bytes = kc.shape[-1] + vc.shape[-1] + (km.shape[-1] + vm.shape[-1]) * km.element_size()  # codes, metadata
+    token_bytes = kc.shape[-1] + vc.shape[-1] + 2 * ng * (ks.element_size() + kz.element_size())  # codes, metadata
     history_bytes = bsz * h * splits * chunk * token_bytes  # an upper bound (the last chunk), read once from DRAM
     kernel = _kernel(_index(q.device), d, geom.page_size, hq // h // qgroups, geom.sink_pages,
                      min_blocks(rope_r, d, kbits, vbits=vbits), _DTYPES[q.dtype], _DTYPES[target.dtype],
                      stamps is not None, rope_r, rope_rot, rope_interleaved, kbits, qgroups, bool(window),
                      geom.num_groups, vbits)
     kernel(grid=(splits, h * qgroups, bsz), block=(NUM_WARPS * 32, 1, 1),
-           args=[q, r, rotate, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
+           args=[q, r, rotate, kc, ks, kz, vc, vs, vz, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
                  target, _counters(q.device, bsz * h * qgroups), float(qk_scale), q.stride(0), q.stride(1), stride_rh,
-                 vc.stride(0), vc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
+                 vc.stride(0), vc.stride(1), ks.stride(0), ks.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
                  po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), target.stride(0),
                  target.stride(1), chunk, _MAGIC, stamps if stamps is not None else po,
                  int(stream_evict_first(history_bytes, _index(q.device))), mu, pairs, phases, tile, int(window or 0)]

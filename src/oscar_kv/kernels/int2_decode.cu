@@ -166,11 +166,17 @@ typedef u32 kcode_t;
 typedef u16 vcode_t;
 typedef u32 wval_t;
 #endif
+// A token's metadata as loaded: its float16 scale(s) and uint8 zero point(s) (quant.py: x_hat = s (c - z 2^-F)).
+// The minimum -s z 2^-F is made where it is used (scale_min): exact in float32, and the sub-tile buffers keep one
+// word per token as before.
 #if NG == 2
-typedef uint2 meta_t;  // a token's (scale, min) words: (scale_0, scale_1), (min_0, min_1) of its two groups
+typedef uint2 meta_t;  // x: (scale_0, scale_1) float16; y: z_0 | z_1 << 8
 #else
-typedef u32 meta_t;  // a token's (scale, min) float16 pair
+typedef u32 meta_t;  // scale float16 | z << 16
 #endif
+// 2^-F: a zero point counts these units of the scale (quant.fraction_bits: 8 - bits below 8 bits, 1 at 8)
+#define KFRAC (KBITS == 8 ? 1.f : 1.f / (float)(1 << (8 - KBITS)))
+#define VFRAC (VBITS == 8 ? 1.f : 1.f / (float)(1 << (8 - VBITS)))
 __device__ __forceinline__ u32 word(const uint4& x, int w) { return w == 0 ? x.x : w == 1 ? x.y : w == 2 ? x.z : x.w; }
 __device__ __forceinline__ u32 word(const uint2& x, int w) { return w ? x.y : x.x; }  // w: a constant
 __device__ __forceinline__ u32 word(u32 x, int) { return x; }
@@ -273,6 +279,17 @@ __device__ __forceinline__ float2 halves(u32 x) {
   return f;
 }
 
+// (scale, minimum) of a one-group metadata word (meta_t at NG = 1) whose zero points count ``frac`` of the scale.
+__device__ __forceinline__ float2 scale_min(u32 w, float frac) {
+  const float s = halves(w).x;
+  return make_float2(s, -(s * (float)(w >> 16)) * frac);
+}
+// (scale_0, scale_1) and (min_0, min_1) of a two-group word (NG = 2).
+__device__ __forceinline__ void scale_min2(uint2 w, float frac, float2& sc, float2& mn) {
+  sc = halves(w.x);
+  mn = make_float2(-(sc.x * (float)(w.y & 0xffu)) * frac, -(sc.y * (float)((w.y >> 8) & 0xffu)) * frac);
+}
+
 __device__ __forceinline__ float ex2(float x) {
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
@@ -360,8 +377,8 @@ struct SubTile {
   u32 vx[4];     // INT3: high-bit plane bytes D/4 + VB (g & 3) ..; INT4: bytes D/4 + VB g .. (the same tokens)
 #endif
 #endif
-  meta_t km[2];  // key (scale, min) float16 pair(s) of tokens g and g+8
-  meta_t vm[2];  // value (scale, min) of tokens g and g+8
+  meta_t km[2];  // key scale(s) and zero point(s) of tokens g and g+8
+  meta_t vm[2];  // value scale(s) and zero point(s) of tokens g and g+8
 };
 
 // This thread's view of one (sequence, KV head): pointers with its own lane offsets folded in.
@@ -377,10 +394,12 @@ struct Source {
 #if VBITS != 2
   const unsigned char* vx;  // + 2t*VROW + the thread's second value bytes (SubTile.vx)
 #endif
-  const u32* km;           // + g NG
-  const u32* vm;
+  const u16* ks;           // scales + g NG
+  const unsigned char* kz;  // zero points + g NG (the same element offsets as the scales)
+  const u16* vs;
+  const unsigned char* vz;
   const int* pages;        // the CTA's page ids, in shared memory
-  unsigned long long cp, mp;  // page strides: code bytes, metadata words
+  unsigned long long cp, mp;  // page strides: code bytes, metadata elements (scales and zero points alike)
   int first;               // token index of pages[0]
   unsigned long long policy;  // L2 eviction policy of the code loads (stream_policy)
 };
@@ -404,6 +423,16 @@ __device__ __forceinline__ unsigned long long stream_policy(int evict_first) {
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(first));
   asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(normal));
   return evict_first ? first : normal;
+}
+__device__ __forceinline__ u32 ldg_l2_256(const u16* p) {
+  u16 r;
+  asm("ld.global.nc.L2::256B.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 ldg_l2_256(const unsigned char* p) {
+  u32 r;
+  asm("ld.global.nc.L2::256B.u8 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
 }
 __device__ __forceinline__ uint2 ldg_l2_256(const uint2* p) {
   uint2 r;
@@ -430,6 +459,15 @@ __device__ __forceinline__ u32 ldg_stream(const u16* p, unsigned long long polic
   u16 r;
   asm("ld.global.nc.L2::cache_hint.L2::256B.u16 %0, [%1], %2;" : "=h"(r) : "l"(p), "l"(policy));
   return r;
+}
+// A token's scale(s) and zero point(s) as one meta_t word.  Four KV heads' CTAs share each 256-byte block of them.
+__device__ __forceinline__ meta_t load_meta(const u16* scale, const unsigned char* zero) {
+#if NG == 2
+  return make_uint2(ldg_l2_256(reinterpret_cast<const u32*>(scale)),
+                    ldg_l2_256(reinterpret_cast<const u16*>(zero)));
+#else
+  return ldg_l2_256(scale) | (ldg_l2_256(zero) << 16);
+#endif
 }
 __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, int pos) {
   const unsigned rel = (unsigned)(pos - src.first);
@@ -465,10 +503,10 @@ __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, in
   st.vx[2] = ldg_stream(reinterpret_cast<const vcode_t*>(src.vx + oc + 8 * VROW), pol);
   st.vx[3] = ldg_stream(reinterpret_cast<const vcode_t*>(src.vx + oc + 9 * VROW), pol);
 #endif
-  st.km[0] = ldg_l2_256(reinterpret_cast<const meta_t*>(src.km + om));
-  st.km[1] = ldg_l2_256(reinterpret_cast<const meta_t*>(src.km + om + 8 * NG));
-  st.vm[0] = ldg_l2_256(reinterpret_cast<const meta_t*>(src.vm + om));
-  st.vm[1] = ldg_l2_256(reinterpret_cast<const meta_t*>(src.vm + om + 8 * NG));
+  st.km[0] = load_meta(src.ks + om, src.kz + om);
+  st.km[1] = load_meta(src.ks + om + 8 * NG, src.kz + om + 8 * NG);
+  st.vm[0] = load_meta(src.vs + om, src.vz + om);
+  st.vm[1] = load_meta(src.vs + om + 8 * NG, src.vz + om + 8 * NG);
 }
 
 // One warp's running state: O^T fragments (block i: rows = channel combos 2i, 2i+1; cols = heads 2t, 2t+1),
@@ -772,14 +810,15 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
       }
 #if NG == 2
     // (scale_0, scale_1) and (min_0, min_1) of tokens g, g+8
-    const float2 ks0 = halves(cur[u].km[0].x), kn0 = halves(cur[u].km[0].y);
-    const float2 ks1 = halves(cur[u].km[1].x), kn1 = halves(cur[u].km[1].y);
+    float2 ks0, kn0, ks1, kn1;
+    scale_min2(cur[u].km[0], KFRAC, ks0, kn0);
+    scale_min2(cur[u].km[1], KFRAC, ks1, kn1);
     sc[u][0] = ks0.x * c[0] + ks0.y * ch[0] + (kn0.x * q.qsum0 + kn0.y * q.qsumh0);
     sc[u][1] = ks0.x * c[1] + ks0.y * ch[1] + (kn0.x * q.qsum1 + kn0.y * q.qsumh1);
     sc[u][2] = ks1.x * c[2] + ks1.y * ch[2] + (kn1.x * q.qsum0 + kn1.y * q.qsumh0);
     sc[u][3] = ks1.x * c[3] + ks1.y * ch[3] + (kn1.x * q.qsum1 + kn1.y * q.qsumh1);
 #else
-    const float2 k0 = halves(cur[u].km[0]), k1 = halves(cur[u].km[1]);  // (scale, min) of tokens g, g+8
+    const float2 k0 = scale_min(cur[u].km[0], KFRAC), k1 = scale_min(cur[u].km[1], KFRAC);  // tokens g, g+8
     const float ks0 = k0.x, kn0 = k0.y, ks1 = k1.x, kn1 = k1.y;
     sc[u][0] = ks0 * c[0] + kn0 * q.qsum0;
     sc[u][1] = ks0 * c[1] + kn0 * q.qsum1;
@@ -821,8 +860,9 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
     st.l1 += p1 + p3;
 #if NG == 2
     // (scale_0, scale_1) and (min_0, min_1) of tokens g, g+8
-    const float2 vs0 = halves(cur[u].vm[0].x), vn0 = halves(cur[u].vm[0].y);
-    const float2 vs1 = halves(cur[u].vm[1].x), vn1 = halves(cur[u].vm[1].y);
+    float2 vs0, vn0, vs1, vn1;
+    scale_min2(cur[u].vm[0], VFRAC, vs0, vn0);
+    scale_min2(cur[u].vm[1], VFRAC, vs1, vn1);
     st.n0 += p0 * vn0.x + p2 * vn1.x;
     st.n1 += p1 * vn0.x + p3 * vn1.x;
     st.nh0 += p0 * vn0.y + p2 * vn1.y;
@@ -832,7 +872,7 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
     bvh[u][0] = transpose8x8(pack_half2(p0 * vs0.y, p1 * vs0.y));
     bvh[u][1] = transpose8x8(pack_half2(p2 * vs1.y, p3 * vs1.y));
 #else
-    const float2 v0 = halves(cur[u].vm[0]), v1 = halves(cur[u].vm[1]);
+    const float2 v0 = scale_min(cur[u].vm[0], VFRAC), v1 = scale_min(cur[u].vm[1], VFRAC);
     const float vs0 = v0.x, vn0 = v0.y, vs1 = v1.x, vn1 = v1.y;
     st.n0 += p0 * vn0 + p2 * vn1;
     st.n1 += p1 * vn0 + p3 * vn1;
@@ -1061,7 +1101,8 @@ __device__ __forceinline__ void combine_warps(const float (*acc)[8][D], const fl
 // ---------------------------------------------------------------------------------------------- the kernel
 extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     const q_t* __restrict__ Q, const u16* __restrict__ RT, int rotate, const unsigned char* __restrict__ Kc,
-    const u32* __restrict__ Km, const unsigned char* __restrict__ Vc, const u32* __restrict__ Vm,
+    const u16* __restrict__ Ks, const unsigned char* __restrict__ Kz, const unsigned char* __restrict__ Vc,
+    const u16* __restrict__ Vs, const unsigned char* __restrict__ Vz,
     const u16* __restrict__ Kw, const u16* __restrict__ Vw, const int* __restrict__ BT,
     const int* __restrict__ SL, const int* __restrict__ NQ, u16* __restrict__ PO, float* __restrict__ PL,
     o_t* __restrict__ O, int* __restrict__ CNT, double qk_scale_d, int stride_qb, int stride_qh, int stride_rh,
@@ -1262,11 +1303,13 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 #if VBITS != 2
   src.vx = src.v + D4 + (VBITS == 3 ? VB * (g & 3) - VB * g : 0);
 #endif
-  src.km = Km + (long long)h * (stride_mh / 2) + g * NG;
-  src.vm = Vm + (long long)h * (stride_mh / 2) + g * NG;
+  src.ks = Ks + (long long)h * stride_mh + g * NG;
+  src.kz = Kz + (long long)h * stride_mh + g * NG;
+  src.vs = Vs + (long long)h * stride_mh + g * NG;
+  src.vz = Vz + (long long)h * stride_mh + g * NG;
   src.pages = s_pages;
   src.cp = (unsigned long long)stride_cp;
-  src.mp = (unsigned long long)(stride_mp / 2);
+  src.mp = (unsigned long long)stride_mp;
   src.first = start;
   src.policy = stream_policy(evict_first);
 #if STEP16

@@ -61,7 +61,7 @@ class EngineCollector:
         yield info
         yield gauge("kv_pool_used_tokens", "Token slots of referenced KV pages.", s.pool_used_tokens)
         yield gauge("kv_pool_capacity_tokens", "Token slots of the whole KV pool.", s.pool_capacity_tokens)
-        yield gauge("kv_pool_used_bytes", "Bytes of referenced KV pages (codes, scale/min and BF16 windows).",
+        yield gauge("kv_pool_used_bytes", "Bytes of referenced KV pages (codes, scales and zero points, BF16 windows).",
                     s.pool_used_bytes)
         yield gauge("kv_pool_capacity_bytes", "Bytes of the whole KV pool.", s.pool_capacity_bytes)
         pages = GaugeMetricFamily(PREFIX + "kv_pages", "KV pages by pool and state.", labels=labels + ["pool", "state"])
