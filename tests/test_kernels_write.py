@@ -1,4 +1,5 @@
-"""Fused write path and page migration vs the torch reference: codes and metadata bit for bit."""
+"""Fused write path and page migration vs the torch reference: codes, float16 scales and uint8 zero points bit for
+bit."""
 
 import dataclasses
 import os
@@ -11,8 +12,8 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from oscar_kv.kernels import reference as ref  # noqa: E402
-from oscar_kv.kernels.layout import PagedKVPool, PoolGeometry, clip_indices  # noqa: E402
-from oscar_kv.quant import unpack_codes  # noqa: E402
+from oscar_kv.kernels.layout import POOL_TENSORS, PagedKVPool, PoolGeometry, clip_indices  # noqa: E402
+from oscar_kv.quant import fraction_bits, unpack_codes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = DEV == "cuda"
@@ -44,15 +45,23 @@ def pools(geom, nq, nw):
 
 
 def assert_pools_equal(a, b):
-    for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
+    for name in ("k_codes", "v_codes", "k_scale", "v_scale", "k_zero", "v_zero"):
         x, y = getattr(a, name), getattr(b, name)
-        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+        assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name  # scales: bits
     for name in ("k_win", "v_win"):
         x, y = getattr(a, name), getattr(b, name)
         if GPU:  # round-to-nearest-even float32 -> bfloat16 on both sides
             assert torch.equal(x.view(torch.int16), y.view(torch.int16)), name
         else:  # Triton's interpreter truncates float32 -> bfloat16: one ulp apart at most
             assert torch.allclose(x.float(), y.float(), rtol=2 ** -7, atol=0), name
+
+
+def assert_metadata_close(a, b, rtol):
+    """Keys whose float32 rows differ from the reference's in the order of their sums: a group's range moves by
+    ulps, which can move its zero point to the other rounding of t (quant.grid_metadata) and its scale a little."""
+    assert torch.allclose(a.k_scale.float(), b.k_scale.float(), rtol=rtol, atol=1e-4)
+    assert (a.k_zero.int() - b.k_zero.int()).abs().max() <= 1
+    assert (a.k_zero != b.k_zero).float().mean() < 0.05
 
 
 # head dim 256 (Gemma): the write kernel rotates in column slices there (kernels/write.py)
@@ -100,6 +109,69 @@ def test_write_bit_exact(d, g, p, mode, widths):
         assert [int(x.max()) for x in levels] == [(1 << bits) - 1 for bits in widths]
 
 
+def _one_sided_rows(d, g, gen):
+    """[9, 2, d] rows whose groups (of g channels) lie on one side of zero or are zero: all positive, all negative,
+    all +0.0, all -0.0, positive / negative with one exact zero (lo = 0, hi = 0), groups of each kind in one row,
+    a row of tiny values (float16 subnormal scales) and one straddling zero."""
+    ng = d // g
+    pos = torch.rand(2, d, generator=gen) * 3 + 0.1
+    rows = [pos, -pos.flip(-1), torch.zeros(2, d), -torch.zeros(2, d), pos.clone(), -pos]
+    rows[4][:, 5] = 0.0
+    rows[5][:, 7] = 0.0
+    kinds = torch.stack([pos, -pos, torch.zeros(2, d), torch.randn(2, d, generator=gen)])  # [4, 2, d]
+    rows.append(kinds.view(4, 2, ng, g)[torch.arange(ng) % 4, :, torch.arange(ng)].permute(1, 0, 2).reshape(2, d))
+    rows.append(pos * 1e-6)
+    rows.append(torch.randn(2, d, generator=gen))
+    return torch.stack(rows).to(DEV)
+
+
+@pytest.mark.parametrize("widths,rescale", [((2, 2), (0.0, 0.0)), ((2, 3), (1.0, 0.5)), ((3, 4), (0.0, 0.0)),
+                                            ((4, 8), (0.25, 1.0)), ((8, 2), (0.0, 0.0))])
+def test_write_one_sided_and_zero_groups(widths, rescale):
+    """Groups that do not straddle zero and zero rows, written and migrated: the reference's codes, scales and zero
+    points bit for bit, and the grid rule's ends: an all-positive group has zero point 0, an all-negative one 2^F L
+    (the top level is its minimum), a zero group scale +0.0, zero point 0 and codes 0."""
+    from oscar_kv.kernels.write import migrate_pages, write_kv
+
+    gen = torch.Generator().manual_seed(sum(widths))
+    d, g, p, h = 64, 16, 16, 2
+    geom = PoolGeometry(num_layers=1, num_kv_heads=h, head_dim=d, group_size=g, page_size=p, sink_size=p,
+                        recent_size=p, k_bits=widths[:1], v_bits=widths[1:])
+    x = _one_sided_rows(d, g, gen)
+    t = x.shape[0]
+    q2 = torch.arange(t, dtype=torch.int32, device=DEV)
+    win = torch.full((t,), -1, dtype=torch.int32, device=DEV)
+    ck = clip_indices(1.0, d, (h,)).to(DEV)
+    cv = clip_indices(torch.tensor([1.0, 0.75]), d, (h,)).to(DEV)  # a clip keeps each row on its side of zero
+    a, b = pools(geom, 1, 1)
+    ref.write_reference(a, 0, x, x.neg(), win, q2, None, None, ck, cv, rescale=rescale)
+    write_kv(b, 0, x, x.neg(), win, q2, None, None, ck, cv, rescale=rescale)
+    assert_pools_equal(a, b)
+    for side, bits, sign in (("k", widths[0], 1), ("v", widths[1], -1)):
+        zero = getattr(b, f"{side}_zero")[0, 0].transpose(0, 1)[:t]  # [t, h, NG]
+        scale = getattr(b, f"{side}_scale")[0, 0].transpose(0, 1)[:t]
+        codes = getattr(b, f"{side}_codes")[0, 0].transpose(0, 1)[:t]
+        top = ((1 << bits) - 1) << fraction_bits(bits)
+        assert bool((zero[0] == (0 if sign > 0 else top)).all()) and bool((zero[1] == (top if sign > 0 else 0)).all())
+        assert bool((zero[4] == (0 if sign > 0 else top)).all()) and bool((zero[5] == (top if sign > 0 else 0)).all())
+        for r in (2, 3):  # +0.0 and -0.0 rows
+            assert bool((scale[r].view(torch.int16) == 0).all()) and bool((zero[r] == 0).all())
+            assert bool((codes[r] == 0).all())
+        assert bool((scale[6, :, 2::4].view(torch.int16) == 0).all())  # the zero groups of the mixed row
+    # the same rows through migration: window pages quantized whole
+    w = torch.zeros(1, 1, h, p, d, device=DEV)
+    w[0, 0, :, :t] = x.transpose(0, 1)
+    ck2, cv2 = ck.view(1, h), cv.view(1, h)
+    a, b = pools(geom, 1, 1)
+    for pool in (a, b):
+        pool.k_win.copy_(w)
+        pool.v_win.copy_(w.neg())
+    src = dst = torch.zeros(1, dtype=torch.int32, device=DEV)
+    ref.migrate_reference(a, src, dst, ck2, cv2, rescale=rescale)
+    migrate_pages(b, src, dst, ck2, cv2, rescale=rescale)
+    assert_pools_equal(a, b)
+
+
 def _alternating_slots(d, h, p, t, gen):
     """A one-layer geometry and t tokens over 8 pages, alternately bound for window and INT2 slots."""
     geom = PoolGeometry(num_layers=1, num_kv_heads=h, head_dim=d, group_size=64, page_size=p, sink_size=p,
@@ -126,7 +198,7 @@ def test_write_random_rotation_close(d):
     ref.write_reference(a, 0, k, v, win, q2, rot, None, ck, cv)
     write_kv(b, 0, k, v, win, q2, rot, None, ck, cv)
     assert (a.k_codes != b.k_codes).float().mean() < 0.01
-    assert torch.allclose(a.k_meta.float(), b.k_meta.float(), rtol=1e-2, atol=1e-3)
+    assert_metadata_close(a, b, rtol=1e-2)
     assert torch.allclose(a.k_win.float(), b.k_win.float(), rtol=1e-2, atol=1e-2)
     assert torch.equal(a.v_codes, b.v_codes)
 
@@ -171,7 +243,7 @@ def test_a_stacked_pool_holds_one_width_per_side():
     with pytest.raises(ValueError, match="one key width and one value width, not K3V2 x 1, K4V2 x 1"):
         PagedKVPool.allocate(geom, 1, 1)
     one = PagedKVPool.allocate(dataclasses.replace(geom, k_bits=(3, 3)), 1, 1)
-    mixed = PagedKVPool(geom, *(getattr(one, n) for n in ("k_codes", "v_codes", "k_meta", "v_meta", "k_win", "v_win")))
+    mixed = PagedKVPool(geom, *(getattr(one, n) for n in POOL_TENSORS))
     idx = torch.zeros(2, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="migrate each layer's pool"):
         migrate_pages(mixed, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), idx, idx)
@@ -207,7 +279,7 @@ def test_write_position_aware_centering(d, rotary):
     write_kv(b, 0, k, v, win, q2, rot, mean, ck, cv, k_rope=(mu_pre, cos, sin), rope_layout=given)
     assert torch.allclose(a.k_win.float(), b.k_win.float(), rtol=2 ** -7, atol=1e-6)
     assert (a.k_codes != b.k_codes).float().mean() < 0.01
-    assert torch.allclose(a.k_meta.float(), b.k_meta.float(), rtol=1e-3, atol=1e-4)
+    assert_metadata_close(a, b, rtol=1e-3)
     # the offset is really removed: window rows are (k - offset - mean) @ R, i.e. the rotated outlier rows
     w = win.long() >= 0
     sl = win.long()[w]

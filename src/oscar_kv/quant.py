@@ -190,7 +190,10 @@ def grid_metadata(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.
     z_floor, z_ceil = t.floor().clamp(0, z_max), t.ceil().clamp(0, z_max)
     s_floor, s_ceil = needed(z_floor), needed(z_ceil)
     take_floor = s_floor <= s_ceil
-    return torch.where(take_floor, s_floor, s_ceil), torch.where(take_floor, z_floor, z_ceil)
+    scale = torch.where(take_floor, s_floor, s_ceil)
+    # A zero group's scale is +0.0: with -0.0 in the group (or made by the clip, whose -tau is -0.0 at tau = 0) the
+    # CPU's torch.maximum keeps one zero or the other depending on the tensor's size (its vectorized loop).
+    return torch.where(scale > 0, scale, 0.0), torch.where(take_floor, z_floor, z_ceil)
 
 
 def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,

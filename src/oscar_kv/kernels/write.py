@@ -7,19 +7,22 @@ layers and all migrating requests, quantizing whole BF16 recent pages into INT2 
 
 The quantizer reproduces quant.quantize_rows bit for bit at 2, 3, 4 or 8 bits (keys and values each at their layer's
 width, ``PoolGeometry.layer_widths``; a constexpr, so the INT2 kernel compiles as it did): clip threshold = the
-floor(c*D)-th smallest |x| of the row (a sort), min/max in float32, min -> float16, scale = float16((max - min16) /
-L) with L = 2^b - 1 levels, code = round-half-even((x - min16) / scale16) clamped to [0, L] (scale 0 -> /1,
-correctly rounded division), packed as quant.pack_codes does (INT3: an INT2 plane, then a plane of high bits).
+floor(c*D)-th smallest |x| of the row (a sort), each group's min/max in float32, then quant.grid_metadata's rule
+step for step (``_grid_metadata``): the range widened to hold 0, the exact zero point t = 2^F L (-lo) / (hi - lo)
+rounded down and up, each candidate's least scale max((-lo) 2^F / z, hi 2^F / (2^F L - z)), the smaller one (the
+floor on a tie).  Every step is one IEEE float32 operation, rounded alike by torch on any device and by the kernel:
+products by a power of two (exact) or by 2^F L, differences, floor / ceil, comparisons, and divisions of a tensor
+by a tensor, which torch rounds correctly on every device (CUDA: div.rn) and the kernel does with
+``tl.math.div_rn``; no division by a scalar remains, which torch would do through a reciprocal on CUDA.  Masked
+denominators are replaced by 1 before dividing, as torch's code does.  Then
+scale16 = float16(min(scale, 65504)) rounded half to even (``_f16_rne``), zero point z stored as uint8, code =
+round-half-even(x / scale16 + z 2^-F) clamped to [0, L] (scale16 0 -> /1), packed as quant.pack_codes does (INT3:
+an INT2 plane, then a plane of high bits).  A zero scale is stored as +0.0, as torch's rule gives it.
 
-With a rescale strength g > 0 (quant.py: the artifact's ``rescale``) scale and minimum are then multiplied by
-1 + g (alpha - 1), alpha = <x, x> / <x, x_hat> over the unclipped group: float64 sums of exact products, so the
-order of the sums (the only difference from torch) moves alpha by ~1e-16 and its float32 rounding practically
-never.
-
-``(max - min16) / L`` must be rounded as torch rounds it on the same device: on CUDA torch divides a tensor
-by a Python scalar as ``x * float32(1/L)`` (one multiply by the reciprocal, off by one float32 ulp for a third
-of all inputs at L = 3), on the CPU it divides exactly.  That ulp flips the float16 scale in ~1 of 500K groups, so
-the kernel asks torch once per device type (``_scalar_div_is_reciprocal``).
+With a rescale strength g > 0 (quant.py: the artifact's ``rescale``) the scale is then multiplied by 1 + g (alpha - 1),
+alpha = <x, x> / <x, x_hat> over the unclipped group, x_hat = code scale16 - scale16 z 2^-F (exact in float64); the
+zero point stays.  Float64 sums of exact products, so the order of the sums (the only difference from torch) moves
+alpha by ~1e-16 and its float32 rounding practically never.
 """
 
 from __future__ import annotations
@@ -79,28 +82,37 @@ def _rescaled(m, alpha):
 
 
 @triton.jit
-def _level_step(span, BITS: tl.constexpr, RECIP: tl.constexpr):
-    """span / L in float32, L = 2^BITS - 1, rounded as torch rounds it (module docstring): RECIP multiplies by
-    float32(1/L) as torch does on CUDA, else one correctly rounded division."""
-    if RECIP:
-        if BITS == 2:
-            step = span * 0.3333333432674408  # float32(1/3)
-        elif BITS == 3:
-            step = span * 0.1428571492433548  # float32(1/7)
-        elif BITS == 4:
-            step = span * 0.06666667014360428  # float32(1/15)
-        else:
-            step = span * 0.003921568859368563  # float32(1/255)
-    else:
-        if BITS == 2:
-            step = tl.math.div_rn(span, 3.0)
-        elif BITS == 3:
-            step = tl.math.div_rn(span, 7.0)
-        elif BITS == 4:
-            step = tl.math.div_rn(span, 15.0)
-        else:
-            step = tl.math.div_rn(span, 255.0)
-    return step
+def _needed_scale(z, lo, hi, below_num, above_num, ZMAX: tl.constexpr):
+    """The least scale whose grid with zero point z (float32 integers in [0, ZMAX]) holds [lo, hi]
+    (quant.grid_metadata's ``needed``): the divisions take safe denominators where z or ZMAX - z is 0, whose
+    quotients the where drops."""
+    below = tl.where(z > 0, tl.math.div_rn(below_num, tl.where(z > 0, z, 1.0)), tl.where(lo < 0, float("inf"), 0.0))
+    room = ZMAX - z  # exact: integers
+    above = tl.where(room > 0, tl.math.div_rn(above_num, tl.where(room > 0, room, 1.0)),
+                     tl.where(hi > 0, float("inf"), 0.0))
+    return tl.where(above > below, above, below)
+
+
+@triton.jit
+def _grid_metadata(lo, hi, BITS: tl.constexpr):
+    """quant.grid_metadata step for step, one float32 operation each: (float32 scale >= 0, zero point as a float32
+    integer in [0, 2^F L]) of groups spanning [lo, hi].  A zero scale comes out +0.0 whatever the signs of the zeros
+    in the group, as quant.grid_metadata makes it."""
+    FRAC: tl.constexpr = 1 << (8 - BITS)  # 2^F, F = quant.fraction_bits(BITS) = 8 - BITS (0 at 8 bits)
+    ZMAX: tl.constexpr = ((1 << BITS) - 1) * FRAC
+    lo = tl.minimum(lo, 0.0)
+    hi = tl.maximum(hi, 0.0)
+    span = hi - lo
+    t = tl.where(span > 0, tl.math.div_rn(lo * (-1.0 * ZMAX), tl.where(span > 0, span, 1.0)), 0.0)
+    below_num = lo * (-1.0 * FRAC)  # exact: powers of two
+    above_num = hi * (1.0 * FRAC)
+    z_floor = tl.minimum(tl.maximum(tl.math.floor(t), 0.0), 1.0 * ZMAX)
+    z_ceil = tl.minimum(tl.maximum(tl.math.ceil(t), 0.0), 1.0 * ZMAX)
+    s_floor = _needed_scale(z_floor, lo, hi, below_num, above_num, ZMAX)
+    s_ceil = _needed_scale(z_ceil, lo, hi, below_num, above_num, ZMAX)
+    take_floor = s_floor <= s_ceil
+    step = tl.where(take_floor, s_floor, s_ceil)
+    return tl.where(step > 0, step, 0.0), tl.where(take_floor, z_floor, z_ceil)
 
 
 @triton.jit
@@ -114,44 +126,39 @@ def _stride_pack(code, ROWS: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
+def _quantize_rows_store(x, clip_idx, rmask, Codes, Scale, Zero, crow, mrow,
                          D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr,
-                         RECIP: tl.constexpr, RESCALE: tl.constexpr, strength, BITS: tl.constexpr = 2):
+                         RESCALE: tl.constexpr, strength, BITS: tl.constexpr = 2):
     """Clip/quantize/pack x [ROWS, D] float32 to BITS-bit codes (2, 3, 4 or 8) and store the codes at Codes+crow
-    (D*BITS/8 bytes a row) and scale/min at Meta+mrow.  RECIP: divide by the levels as torch does on CUDA."""
+    (D*BITS/8 bytes a row), the float16 scales at Scale+mrow and the uint8 zero points at Zero+mrow (NG a row)."""
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    UNIT: tl.constexpr = 1.0 / (1 << (8 - BITS))  # 2^-F: the zero point's unit (exact)
     exact = tl.reshape(x, [ROWS, NG, G])
     tau = _clip_threshold(tl.abs(x), clip_idx, D, SORT)
     x = tl.maximum(tl.minimum(x, tau[:, None]), -tau[:, None])
     xg = tl.reshape(x, [ROWS, NG, G])
     lo = tl.minimum(tl.maximum(tl.min(xg, 2), -65504.0), 65504.0)
     hi = tl.minimum(tl.maximum(tl.max(xg, 2), -65504.0), 65504.0)
-    mn16 = _f16_rne(lo)
-    mnf = mn16.to(tl.float32)
-    sc16 = _f16_rne(_level_step(hi - mnf, BITS, RECIP))
+    step, zf = _grid_metadata(lo, hi, BITS)
+    sc16 = _f16_rne(tl.minimum(step, 65504.0))
     scf = sc16.to(tl.float32)
     safe = tl.where(scf > 0, scf, 1.0)
-    y = tl.math.div_rn(xg - mnf[:, :, None], safe[:, :, None])
+    # one rounding for the sum, as torch: z 2^-F is exact, so a contraction into an FMA changes nothing
+    y = tl.math.div_rn(xg, safe[:, :, None]) + (zf * UNIT)[:, :, None]
     y = (y + 12582912.0) - 12582912.0  # round half to even (|y| << 2^22)
-    if BITS == 2:
-        code = tl.minimum(tl.maximum(y, 0.0), 3.0).to(tl.int32)
-    elif BITS == 3:
-        code = tl.minimum(tl.maximum(y, 0.0), 7.0).to(tl.int32)
-    elif BITS == 4:
-        code = tl.minimum(tl.maximum(y, 0.0), 15.0).to(tl.int32)
-    else:
-        code = tl.minimum(tl.maximum(y, 0.0), 255.0).to(tl.int32)
+    code = tl.minimum(tl.maximum(y, 0.0), 1.0 * LEVELS).to(tl.int32)
     if RESCALE:
         e64 = exact.to(tl.float64)
+        mnf = -(scf * zf) * UNIT  # the stored minimum, exact in float32 (quant.stored_minimum)
         x_hat = code.to(tl.float64) * scf.to(tl.float64)[:, :, None] + mnf.to(tl.float64)[:, :, None]
         num = tl.sum(e64 * e64, 2)
         den = tl.sum(e64 * x_hat, 2)
         alpha = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 1.0)
         alpha = tl.minimum(tl.maximum(alpha, 0.5), 2.0)
         alpha = (1.0 + (alpha - 1.0) * strength).to(tl.float32)  # float64: the float32 strength widens
-        sc16 = _rescaled(scf, alpha)
-        mn16 = _rescaled(mnf, alpha)
+        sc16 = _rescaled(scf, alpha)  # the zero point stays
     if BITS == 2:
         code = tl.reshape(code, [ROWS, 4, D4])
         shift = (2 * tl.arange(0, 4))[None, :, None]
@@ -171,8 +178,8 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Meta, crow, mrow,
         code = tl.reshape(code, [ROWS, D]).to(tl.uint8)
         tl.store(Codes + crow[:, None] + tl.arange(0, D)[None, :], code, mask=rmask[:, None])
     offs_g = tl.arange(0, NG)
-    tl.store(Meta + mrow[:, None] + offs_g[None, :], sc16, mask=rmask[:, None])
-    tl.store(Meta + mrow[:, None] + NG + offs_g[None, :], mn16, mask=rmask[:, None])
+    tl.store(Scale + mrow[:, None] + offs_g[None, :], sc16, mask=rmask[:, None])
+    tl.store(Zero + mrow[:, None] + offs_g[None, :], zf.to(tl.int32).to(tl.uint8), mask=rmask[:, None])
 
 
 @triton.jit
@@ -205,12 +212,12 @@ def _centered_keys(K, MU, MUP, COS, SIN, offs_t, tmask, h, stride_kt, stride_kh,
 
 
 @triton.jit(do_not_specialize=["T"])  # the step's token count: one compile for all counts (server warm-up)
-def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw, Vw, T, GK, GV,
+def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, T, GK, GV,
                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rh,
                   stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh, stride_vcp, stride_vch,
                   D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK_T: tl.constexpr,
                   ROTATE: tl.constexpr, ROTATE_SLICED: tl.constexpr, CENTER: tl.constexpr,
-                  ROPE_CENTER: tl.constexpr, SORT: tl.constexpr, RECIP: tl.constexpr, RESCALE_K: tl.constexpr,
+                  ROPE_CENTER: tl.constexpr, SORT: tl.constexpr, RESCALE_K: tl.constexpr,
                   RESCALE_V: tl.constexpr, ROT_HALF: tl.constexpr = 0, INTERLEAVED: tl.constexpr = False,
                   K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False):
     pid = tl.program_id(0)
@@ -231,7 +238,7 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw
         vrow = (qs // P) * stride_vcp + h * stride_vch + (qs % P) * VCB
     else:
         vrow = crow
-    mrow = (qs // P) * stride_mp + h * stride_mh + (qs % P) * (2 * NG)
+    mrow = (qs // P) * stride_mp + h * stride_mh + (qs % P) * NG  # scales and zero points alike
     # ---- keys: center, rotate (float32), store
     if ROTATE_SLICED:
         # k @ R as four [BLOCK_T, D/4] x [D/4, D] products over R's row slices: the MMA's float32 R operand is a
@@ -258,18 +265,18 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Km, Vc, Vm, Kw
     # Quantizing sorts every row (the clip threshold): skipped unless a token of this block goes to INT2.
     # Decode tokens never do (they enter the recent window), so decode steps pay only the rotation and stores.
     if tl.max(qs) >= 0:
-        _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Km, crow, mrow, D, G, BLOCK_T, SORT, RECIP, RESCALE_K,
+        _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Ks, Kz, crow, mrow, D, G, BLOCK_T, SORT, RESCALE_K,
                              GK, K_BITS)
-        _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vm, vrow, mrow, D, G, BLOCK_T, SORT, RECIP, RESCALE_V,
+        _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vs, Vz, vrow, mrow, D, G, BLOCK_T, SORT, RESCALE_V,
                              GV, V_BITS)
 
 
 @triton.jit
-def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H, GK, GV,
+def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Ks, Kz, Vc, Vs, Vz, H, GK, GV,
                     stride_wl, stride_wp, stride_wh, stride_cl, stride_cp, stride_ch,
                     stride_ml, stride_mp, stride_mh, stride_vcl, stride_vcp, stride_vch,
                     D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SORT: tl.constexpr,
-                    RECIP: tl.constexpr, RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr,
+                    RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr,
                     K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False):
     m = tl.program_id(0)
     h = tl.program_id(1)
@@ -288,29 +295,23 @@ def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Km, Vc, Vm, H, GK, GV,
         vrow = layer * stride_vcl + dst * stride_vcp + h * stride_vch + offs_t * VCB
     else:
         vrow = crow
-    mrow = layer * stride_ml + dst * stride_mp + h * stride_mh + offs_t * (2 * NG)
+    mrow = layer * stride_ml + dst * stride_mp + h * stride_mh + offs_t * NG  # scales and zero points alike
     k = tl.load(Kw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
-    _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Km, crow, mrow, D, G, P, SORT, RECIP,
+    _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Ks, Kz, crow, mrow, D, G, P, SORT,
                          RESCALE_K, GK, K_BITS)
     v = tl.load(Vw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
-    _quantize_rows_store(v, tl.load(CV + layer * H + h), rmask, Vc, Vm, vrow, mrow, D, G, P, SORT, RECIP,
+    _quantize_rows_store(v, tl.load(CV + layer * H + h), rmask, Vc, Vs, Vz, vrow, mrow, D, G, P, SORT,
                          RESCALE_V, GV, V_BITS)
 
 
-_RECIP_CACHE: dict[str, bool] = {}
-# float32 values x with x / 3 != x * float32(1/3) (checked with NumPy): a device whose torch divides by a
-# scalar through the reciprocal gives the second answer for all of them.
-_DIV_PROBE = (71.54741668701172, 54.53382873535156, 42.42311477661133, 96.36991119384766, 79.19332885742188)
-
-
-def _scalar_div_is_reciprocal(device: torch.device) -> bool:
-    """Whether torch computes ``float32_tensor / 3`` as ``x * float32(1/3)`` on this device type."""
-    key = device.type
-    if key not in _RECIP_CACHE:
-        x = torch.tensor(_DIV_PROBE, dtype=torch.float32, device=device)
-        recip = x * torch.tensor(1.0 / 3.0, dtype=torch.float32, device=device)
-        _RECIP_CACHE[key] = bool(torch.equal(x / 3, recip)) and not bool(torch.equal(x / 3, x.double().div(3).float()))
-    return _RECIP_CACHE[key]
+def _metadata_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """The element strides the kernels address every scale and zero-point tensor with (one row offset serves
+    them all, layout.py); ValueError when the tensors disagree."""
+    strides = {t.stride() for t in tensors}
+    if len(strides) > 1 or tensors[0].stride(-1) != 1 or tensors[0].stride(-2) != tensors[0].shape[-1]:
+        raise ValueError(f"scale and zero-point tensors need one layout with contiguous rows, got strides "
+                         f"{sorted(strides)} for shape {tuple(tensors[0].shape)}")
+    return tensors[0].stride()
 
 
 def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, win_slot: torch.Tensor,
@@ -350,7 +351,9 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         return
     widths = kernel_widths(g, layer)
     L = pool.layer(layer)
-    kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
+    kc, vc, kw, vw = L["k_codes"], L["v_codes"], L["k_win"], L["v_win"]
+    ks, kz, vs, vz = L["k_scale"], L["k_zero"], L["v_scale"], L["v_zero"]
+    stride_m = _metadata_strides(ks, kz, vs, vz)
     if k_rotation is not None:
         r = k_rotation.float().contiguous()
         stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
@@ -362,13 +365,13 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
     warps = (TUNING.write_num_warps_rotating_d256 if sliced else TUNING.write_num_warps_rotating
              if k_rotation is not None else TUNING.write_num_warps)
     _write_kernel[(triton.cdiv(t, block_t), h)](
-        k, v, r, mu, mu_pre, cos, sin, win_slot, int2_slot, clip_k_idx, clip_v_idx, kc, km, vc, vm, kw, vw, t,
+        k, v, r, mu, mu_pre, cos, sin, win_slot, int2_slot, clip_k_idx, clip_v_idx, kc, ks, kz, vc, vs, vz, kw, vw, t,
         check_rescale(rescale[0]), check_rescale(rescale[1]),  # float32 values: the interpreter keeps float64
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh,
-        kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), vc.stride(0), vc.stride(1),
+        kc.stride(0), kc.stride(1), stride_m[0], stride_m[1], kw.stride(0), kw.stride(1), vc.stride(0), vc.stride(1),
         D=d, G=g.group_size, P=g.page_size, BLOCK_T=block_t, ROTATE=k_rotation is not None, ROTATE_SLICED=sliced,
         CENTER=k_mean is not None, ROPE_CENTER=k_rope is not None, SORT=not INTERPRET,
-        RECIP=_scalar_div_is_reciprocal(k.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
+        RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
         ROT_HALF=(rope_layout.rotary_dim if rope_layout is not None else d) // 2,
         INTERLEAVED=rope_layout is not None and rope_layout.interleaved,
         K_BITS=widths[0], V_BITS=widths[1], V_ROWS=own_value_rows(kc, vc, widths),
@@ -401,14 +404,15 @@ def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages
         raise ValueError(f"one migration launch quantizes every layer at one key and one value width, not "
                          f"{g.width_summary()}: migrate each layer's pool (PoolView.layer_pool) on its own")
     widths = kernel_widths(g, 0)
-    kw, kc, km, vc = pool.k_win, pool.k_codes, pool.k_meta, pool.v_codes
+    kw, kc, vc = pool.k_win, pool.k_codes, pool.v_codes
+    stride_m = _metadata_strides(pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero)
     _migrate_kernel[(m, g.num_kv_heads, g.num_layers)](
         src_win_pages, dst_int2_pages, clip_k_idx.contiguous(), clip_v_idx.contiguous(), pool.k_win, pool.v_win,
-        pool.k_codes, pool.k_meta, pool.v_codes, pool.v_meta, g.num_kv_heads,
+        pool.k_codes, pool.k_scale, pool.k_zero, pool.v_codes, pool.v_scale, pool.v_zero, g.num_kv_heads,
         check_rescale(rescale[0]), check_rescale(rescale[1]),
         kw.stride(0), kw.stride(1), kw.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
-        km.stride(0), km.stride(1), km.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        stride_m[0], stride_m[1], stride_m[2], vc.stride(0), vc.stride(1), vc.stride(2),
         D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not INTERPRET,
-        RECIP=_scalar_div_is_reciprocal(pool.k_win.device), RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
+        RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
         K_BITS=widths[0], V_BITS=widths[1], V_ROWS=own_value_rows(kc, vc, widths),
         num_warps=num_warps)
