@@ -25,16 +25,15 @@ from kernel_utils import DEV, rel_err  # noqa: E402
 
 
 def _fill(pool: PagePool, gen: torch.Generator) -> None:
-    """Random window rows, codes and metadata (scales > 0) in every layer: the kernels read them as stored."""
+    """Random window rows, codes, scales (> 0) and zero points (any uint8) in every layer: the kernels read them as
+    stored."""
     for i in range(pool.geometry.num_layers):
         for win in (pool.k_win[i], pool.v_win[i]):
             win.copy_(torch.randn(win.shape, generator=gen))
-        for codes in (pool.k_codes[i], pool.v_codes[i]):
-            codes.copy_(torch.randint(0, 256, codes.shape, generator=gen, dtype=torch.uint8))
-        for meta in (pool.k_meta[i], pool.v_meta[i]):
-            ng = meta.shape[-1] // 2
-            meta[..., :ng] = torch.rand(meta[..., :ng].shape, generator=gen).half() * 0.5 + 0.1
-            meta[..., ng:] = -torch.rand(meta[..., ng:].shape, generator=gen).half()
+        for ints in (pool.k_codes[i], pool.v_codes[i], pool.k_zero[i], pool.v_zero[i]):
+            ints.copy_(torch.randint(0, 256, ints.shape, generator=gen, dtype=torch.uint8))
+        for scale in (pool.k_scale[i], pool.v_scale[i]):
+            scale.copy_(torch.rand(scale.shape, generator=gen).half() * 0.5 + 0.1)
 
 
 def test_each_layer_attends_with_its_own_window():
