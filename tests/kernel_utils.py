@@ -19,6 +19,16 @@ def outlier_rows(n, h, d, gen, device=DEV, scale=1.0):
     return x.to(device)
 
 
+def relaid_metadata(pool, name):
+    """A copy of ``pool`` (layout.PagedKVPool) whose tensor ``name`` holds the same values in a layout the kernels do
+    not address: "v_zero" with other strides (heads and pages swapped), "k_zero" as float16 (the old metadata dtype)."""
+    import dataclasses
+
+    t = getattr(pool, name)
+    t = t.transpose(2, 3).contiguous().transpose(2, 3) if name == "v_zero" else t.half()
+    return dataclasses.replace(pool, **{name: t})
+
+
 def random_orthogonal(h, d, gen):
     qm, _ = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
     return qm.float()

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 from oscar_kv.kernels import reference as ref  # noqa: E402
 from oscar_kv.kernels.layout import PagedKVPool, PoolGeometry, clip_indices, plan_batch, token_slots  # noqa: E402
 
-from kernel_utils import DEV, GPU, outlier_rows, random_orthogonal, rel_err, rope_case  # noqa: E402
+from kernel_utils import DEV, GPU, outlier_rows, random_orthogonal, rel_err, relaid_metadata, rope_case  # noqa: E402
 
 
 def build_pool(geom, seq_lens, gen, layer=0, int2_pages=None, clip=(0.96, 0.92)):
@@ -79,6 +79,26 @@ def test_int2_decode_matches_reference(gi, widths):
         assert not out.isnan().any()
         assert rel_err(out, want_r) < 1e-2, rotation
         assert out[0].abs().max() == 0  # empty sequence
+
+
+def test_readers_refuse_metadata_they_cannot_address():
+    """One stride pair addresses the scales and zero points of keys and values (common.group_metadata): a layer whose
+    zero points have other strides, or are not uint8, is refused before the launch, and the pool as allocated reads
+    the reference's values."""
+    from oscar_kv.kernels.common import group_metadata
+    from oscar_kv.kernels.decode import int2_decode
+
+    geom = list(small_geoms())[0]
+    pool, batch, rot = build_pool(geom, [geom.sink_size + 40], torch.Generator().manual_seed(3))
+    layer = pool.layer(0)
+    assert [t.data_ptr() for t in group_metadata(layer)] == [
+        layer[n].data_ptr() for n in ("k_scale", "k_zero", "v_scale", "v_zero")]
+    q = torch.randn(1, 8, geom.head_dim).to(DEV)
+    for name, error in (("v_zero", "one set of strides"), ("k_zero", "uint8")):
+        with pytest.raises(ValueError, match=error):
+            int2_decode(q, relaid_metadata(pool, name), 0, batch, rot, backend="triton")
+    assert rel_err(int2_decode(q, pool, 0, batch, rot, backend="triton"),
+                   ref.decode_reference(pool, 0, q, batch, rot, None)) < 1e-2
 
 
 @pytest.mark.parametrize("live,rotary", [(None, None), (3, None), (5, "half"), (None, "interleaved")])
@@ -638,7 +658,7 @@ def test_cuda_decode_head_dim_256(group, widths, live, window):
     steady = [geom.int2_pages_for(n) for n in seq_lens]
     steady[-1] = (9000 - 64 - 40) // 16  # prefix hit: more INT2 pages, a 40-odd-token recent window
     pool, batch, rot = build_pool(geom, seq_lens, gen, int2_pages=steady)
-    assert pool.k_meta.shape[-1] == 2 * (d // group)
+    assert pool.k_scale.shape[-1] == pool.k_zero.shape[-1] == d // group
     rope = None if live is None else rope_case(2, d, max(seq_lens), gen, live=live, scale=300.0)
     for gqa in (1, 4, 8, 16) if live is None and window is None else (4, 16):
         assert int2_kernel_choice(torch.device(DEV), geom, gqa, rope, widths=widths) == ("cuda", None), gqa
@@ -738,7 +758,7 @@ def test_cuda_head_dim_256_host_side(monkeypatch):
         int2_cuda.decode(q, rot, pool.layer(0), geom, batch, torch.empty_like(q), 1, 128, 0.1)
     geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=128, page_size=16, sink_size=16,
                         recent_size=32)
-    layer = pool.layer(0)  # G = 64 rows: 4 (scale, min) pairs per token where the geometry says 2
+    layer = pool.layer(0)  # G = 64 rows: 4 scales and zero points per token where the geometry says 2
     with pytest.raises(ValueError, match="metadata rows"):
         int2_cuda.decode(q, rot, layer, geom, batch, torch.empty_like(q), 1, 128, 0.1)
 

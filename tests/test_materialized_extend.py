@@ -19,7 +19,7 @@ from oscar_kv.kernels.layout import PoolGeometry  # noqa: E402
 from oscar_kv.kernels.materialized_extend import (MaterializePlan, Scratch, materialize,  # noqa: E402
                                                   materialize_reference, materialized_extend, rope_key_weights)
 
-from kernel_utils import DEV, GPU, rel_err, rope_case  # noqa: E402
+from kernel_utils import DEV, GPU, rel_err, relaid_metadata, rope_case  # noqa: E402
 from test_kernels_extend import Case  # noqa: E402
 
 
@@ -193,6 +193,21 @@ def test_no_history_is_causal_attention_and_unplanned_rows_are_left_alone():
                                                             is_causal=True).transpose(0, 1)
     assert rel_err(out[lo:hi], want) < 2e-3
     assert (out[hi:] == 7.0).all()
+
+
+def test_extend_readers_refuse_metadata_they_cannot_address():
+    """The extend kernel and the materialize pass take scales and zero points through common.group_metadata: zero
+    points with other strides than the scales, or not uint8, are refused before the launch."""
+    from oscar_kv.kernels.extend import int2_extend
+
+    geom = geometry(64, 64, 16)
+    c = Case(geom, [geom.sink_size + 40], [5], torch.Generator().manual_seed(6), gqa=2)
+    for name, error in (("v_zero", "one set of strides"), ("k_zero", "uint8")):
+        pool = relaid_metadata(c.pool, name)
+        with pytest.raises(ValueError, match=error):
+            int2_extend(c.q, c.k_new, c.v_new, c.cu, pool, 0, c.batch, c.rot)
+        with pytest.raises(ValueError, match=error):
+            materialized_extend(c.q, c.k_new, c.v_new, c.cu, pool, 0, c.batch, c.rot)
 
 
 def test_the_plan_groups_consecutive_sequences_up_to_the_row_budget():

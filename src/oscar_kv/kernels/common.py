@@ -226,22 +226,25 @@ def bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, strid
 
 
 @triton.jit
-def grp_scores(qk, ck, off, tsum, Km, mrow, valid, g: tl.constexpr, NG: tl.constexpr):
-    """Slice contribution s_g * (q_k . (1024 + c 4^k) - off_k) + m_g * sum(q_k) for the slice's group g."""
-    ks = tl.load(Km + mrow + g, mask=valid, other=0.0).to(tl.float32)
-    kn = tl.load(Km + mrow + NG + g, mask=valid, other=0.0).to(tl.float32)
+def grp_scores(qk, ck, off, tsum, Ks, Kz, mrow, valid, g: tl.constexpr, FRAC: tl.constexpr):
+    """Slice contribution s_g * (q_k . (1024 + c 4^k) - off_k) + m_g * sum(q_k) for the slice's group g: scales at
+    Ks, zero points at Kz (one offset mrow + g addresses both), m_g = -(s_g z_g) 2^-F in float32 with FRAC = 2^-F
+    (exact: quant.stored_minimum bit for bit)."""
+    ks = tl.load(Ks + mrow + g, mask=valid, other=0.0).to(tl.float32)
+    kn = -(ks * tl.load(Kz + mrow + g, mask=valid, other=0).to(tl.float32)) * FRAC  # the minimum, exact
     raw = tl.dot(qk, ck)
     return ks[None, :] * (raw - off[:, None]) + kn[None, :] * tsum[:, None]
 
 
 @triton.jit
-def grp_values(p, vk, acc, n, alpha, Vm, mrow, valid, g: tl.constexpr, NG: tl.constexpr):
+def grp_values(p, vk, acc, n, alpha, Vs, Vz, mrow, valid, g: tl.constexpr, FRAC: tl.constexpr):
     """One tile of values for the slice's group g: acc <- alpha*acc + sum_n pp_n c_n 4^k, n <- alpha*n + sum_n p_n min_n.
     The codes arrive as 1024 + c 4^k; the tile's offset 1024*sum(pp) leaves the accumulator operand before the MMA
     adds it back, so the float32 accumulator never holds ~1024x the signal (the H100's MMA accumulation truncates,
-    and over a long split that bias reached 7e-2 relative error in the extend kernel)."""
-    vs = tl.load(Vm + mrow + g, mask=valid, other=0.0).to(tl.float32)
-    vn = tl.load(Vm + mrow + NG + g, mask=valid, other=0.0).to(tl.float32)
+    and over a long split that bias reached 7e-2 relative error in the extend kernel).  Scales, zero points and
+    FRAC as grp_scores."""
+    vs = tl.load(Vs + mrow + g, mask=valid, other=0.0).to(tl.float32)
+    vn = -(vs * tl.load(Vz + mrow + g, mask=valid, other=0).to(tl.float32)) * FRAC  # the minimum, exact
     pp = (p * vs[None, :]).to(tl.float16)
     off = 1024.0 * tl.sum(pp.to(tl.float32), 1)
     acc = tl.dot(pp, vk, acc * alpha[:, None] - off[:, None])
@@ -288,6 +291,25 @@ def kernel_widths(geom, layer: int) -> tuple[int, int]:
         raise ValueError(f"layer {layer} stores keys / values at {widths[0]} / {widths[1]} bits; the kernels read "
                          f"{', '.join(map(str, KERNEL_WIDTHS))}-bit codes")
     return widths
+
+
+def group_metadata(layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k_scale, k_zero, v_scale, v_zero) of a layer's tensors (``PagedKVPool.layer``).  The kernels address all four
+    with the key scales' page and head strides and a token's groups at (token % P) * NG + g, so a layer whose scales
+    and zero points (of keys or values) are laid out otherwise raises ValueError, as do zero points not stored as
+    uint8."""
+    names = ("k_scale", "k_zero", "v_scale", "v_zero")
+    tensors = tuple(layer[name] for name in names)
+    strides = {name: tuple(t.stride()) for name, t in zip(names, tensors)}
+    if len(set(strides.values())) > 1:
+        raise ValueError(f"the kernels address scales and zero points with one set of strides: {strides}")
+    if tensors[0].stride()[-2:] != (tensors[0].shape[-1], 1):
+        raise ValueError(f"the kernels read a token's scales and zero points as one contiguous row, not with strides "
+                         f"{strides['k_scale']}")
+    for name, t in zip(names[1::2], tensors[1::2]):
+        if t.dtype != torch.uint8:
+            raise ValueError(f"{name} must be uint8 zero points, got {t.dtype}")
+    return tensors
 
 
 def own_value_rows(k_codes: torch.Tensor, v_codes: torch.Tensor, widths: tuple[int, int]) -> bool:

@@ -18,6 +18,8 @@ never loaded.  The CUDA kernel does the same (int2_cuda.py, SLIDING).
 INT2 arithmetic (no dequantized tile is ever built):
   keys    q.k_hat = scale * (q.c) + min * sum(q)                 (per group of G channels)
   values  sum_n p_n v_hat_n = sum_n (p_n scale_n) c_n + sum_n p_n min_n
+with min = -(scale * zero) 2^-F from a row's float16 scale and uint8 zero point (quant.py), computed in float32,
+where it is exact (so it is the reference's minimum bit for bit); 2^-F is a constexpr per side (K_BITS / V_BITS).
 Codes become float16 with PTX PRMT + LOP3 (one LOP3 per two codes): OR-ing the masked code bits into
 0x6400 gives 1024 + c*4^k for stride slice k (its bits sit at 2k..2k+1).  The 4^k is folded into the
 float16 query slice, and the 1024 offset is removed with sum(q) / sum(p*scale) corrections, so the tensor
@@ -44,9 +46,9 @@ import triton.language as tl
 
 from ._compat import install_interpreter_shim
 from .tuning import TUNING, kernel_choice
-from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, code_slices, grp_scores, grp_values, kernel_widths,
-                     load_rope_ab, merge, num_sms, own_value_rows, rope_args, rope_logits_tiled, split_plan,
-                     unpack4, window_tokens)
+from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, code_slices, grp_scores, grp_values, group_metadata,
+                     kernel_widths, load_rope_ab, merge, num_sms, own_value_rows, rope_args, rope_logits_tiled,
+                     split_plan, unpack4, window_tokens)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -125,7 +127,7 @@ def _bf16_decode_kernel(Q, R, Kw, Vw, BT, SL, PO, PL, qk_scale,
 
 
 @triton.jit(do_not_specialize=["window"])  # one compile for every window size
-def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, BASE, STEPS, qk_scale,
+def _int2_decode_kernel(Q, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, BASE, STEPS, qk_scale,
                         stride_qb, stride_qh, stride_cp, stride_ch, stride_mp, stride_mh,
                         stride_wp, stride_wh, stride_bt, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                         stride_abb, stride_abh, stride_prh, chunk, window, stride_vcp, stride_vch,
@@ -183,6 +185,9 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
         # rows start at multiples of the largest power of two dividing KCB / VCB (3D/8 at INT3: D/8)
         K_ALIGN: tl.constexpr = KCB & -KCB
         V_ALIGN: tl.constexpr = VCB & -VCB
+        # 2^-F, the unit of the zero points (F = quant.fraction_bits: 8 - bits, 0 at 8 bits)
+        K_FRAC: tl.constexpr = 1.0 / (1 << ((8 - K_BITS) % 8))
+        V_FRAC: tl.constexpr = 1.0 / (1 << ((8 - V_BITS) % 8))
         offs_c = tl.arange(0, D4)
         # query slices (float32, scaled), float16 slice k pre-divided by 4^k (its codes arrive as 1024 + c*4^k)
         qf0 = tl.load(qrow + offs_c[None, :], mask=hm, other=0.0).to(tl.float32) * qk_scale
@@ -235,7 +240,7 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
                 vrow = tl.multiple_of(phys * stride_vcp + h.to(tl.int64) * stride_vch + (offs % P) * VCB, V_ALIGN)
             else:
                 vrow = crow
-            mrow = phys * stride_mp + head_m + (offs % P) * (2 * NG)
+            mrow = phys * stride_mp + head_m + (offs % P) * NG  # scales and zero points alike
             bias = tl.where(valid, 0.0, float("-inf"))
             # INT2 unpacks here as it always did, not through code_slices: ptxas schedules by the inlined calls its
             # line info shows, and one more level changed the INT2 extend kernel's SASS
@@ -258,8 +263,8 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
                 k2 = tl.trans(k2)
                 k3 = tl.trans(k3)
             if NG == 1:
-                ks = tl.load(Km + mrow, mask=valid, other=0.0).to(tl.float32)
-                kn = tl.load(Km + mrow + 1, mask=valid, other=0.0).to(tl.float32)
+                ks = tl.load(Ks + mrow, mask=valid, other=0.0).to(tl.float32)
+                kn = -(ks * tl.load(Kz + mrow, mask=valid, other=0).to(tl.float32)) * K_FRAC  # the minimum, exact
                 raw = tl.dot(q0, k0)
                 raw = tl.dot(q1, k1, raw)
                 raw = tl.dot(q2, k2, raw)
@@ -267,10 +272,10 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
                 sc = ks[None, :] * (raw - (o0 + o1 + o2 + o3)[:, None]) + \
                     (kn[None, :] * (t0s + t1s + t2s + t3s)[:, None] + bias[None, :])
             else:
-                sc = grp_scores(q0, k0, o0, t0s, Km, mrow, valid, (0 * D4) // G, NG)
-                sc += grp_scores(q1, k1, o1, t1s, Km, mrow, valid, (1 * D4) // G, NG)
-                sc += grp_scores(q2, k2, o2, t2s, Km, mrow, valid, (2 * D4) // G, NG)
-                sc += grp_scores(q3, k3, o3, t3s, Km, mrow, valid, (3 * D4) // G, NG)
+                sc = grp_scores(q0, k0, o0, t0s, Ks, Kz, mrow, valid, (0 * D4) // G, K_FRAC)
+                sc += grp_scores(q1, k1, o1, t1s, Ks, Kz, mrow, valid, (1 * D4) // G, K_FRAC)
+                sc += grp_scores(q2, k2, o2, t2s, Ks, Kz, mrow, valid, (2 * D4) // G, K_FRAC)
+                sc += grp_scores(q3, k3, o3, t3s, Ks, Kz, mrow, valid, (3 * D4) // G, K_FRAC)
                 sc = sc + bias[None, :]
             if ROPE:
                 sc += rope_logits_tiled(ra, rb, BASE, STEPS, pr, SINK_PAGES * P + t0, BLOCK_N, D // 2, F32DOT)
@@ -286,8 +291,8 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
                 v0, v1, v2, v3 = code_slices(Vc + vrow[:, None] + offs_c[None, :], valid[:, None], offs_c[None, :],
                                              V_BITS, D, USE_ASM)
             if NG == 1:
-                vs = tl.load(Vm + mrow, mask=valid, other=0.0).to(tl.float32)
-                vn = tl.load(Vm + mrow + 1, mask=valid, other=0.0).to(tl.float32)
+                vs = tl.load(Vs + mrow, mask=valid, other=0.0).to(tl.float32)
+                vn = -(vs * tl.load(Vz + mrow, mask=valid, other=0).to(tl.float32)) * V_FRAC  # the minimum, exact
                 pp = (p * vs[None, :]).to(tl.float16)
                 off = 1024.0 * tl.sum(pp.to(tl.float32), 1)  # see grp_values: keep the offset out of the MMA sum
                 n0 = n0 * alpha + tl.sum(p * vn[None, :], 1)
@@ -296,10 +301,10 @@ def _int2_decode_kernel(Q, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, B
                 a2 = tl.dot(pp, v2, a2 * alpha[:, None] - off[:, None])
                 a3 = tl.dot(pp, v3, a3 * alpha[:, None] - off[:, None])
             else:
-                a0, n0 = grp_values(p, v0, a0, n0, alpha, Vm, mrow, valid, (0 * D4) // G, NG)
-                a1, n1 = grp_values(p, v1, a1, n1, alpha, Vm, mrow, valid, (1 * D4) // G, NG)
-                a2, n2 = grp_values(p, v2, a2, n2, alpha, Vm, mrow, valid, (2 * D4) // G, NG)
-                a3, n3 = grp_values(p, v3, a3, n3, alpha, Vm, mrow, valid, (3 * D4) // G, NG)
+                a0, n0 = grp_values(p, v0, a0, n0, alpha, Vs, Vz, mrow, valid, (0 * D4) // G, V_FRAC)
+                a1, n1 = grp_values(p, v1, a1, n1, alpha, Vs, Vz, mrow, valid, (1 * D4) // G, V_FRAC)
+                a2, n2 = grp_values(p, v2, a2, n2, alpha, Vs, Vz, mrow, valid, (2 * D4) // G, V_FRAC)
+                a3, n3 = grp_values(p, v3, a3, n3, alpha, Vs, Vz, mrow, valid, (3 * D4) // G, V_FRAC)
         if NG == 1:
             n1 = n0
             n2 = n0
@@ -469,7 +474,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     po = torch.empty(bsz, hq, ns + 1, d, device=q.device, dtype=torch.float32)
     pl = torch.empty(bsz, hq, ns + 1, device=q.device, dtype=torch.float32)
     L = pool.layer(layer)
-    kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
+    kc, vc, kw, vw = L["k_codes"], L["v_codes"], L["k_win"], L["v_win"]
+    ks, kz, vs, vz = group_metadata(L)
     bt = batch.block_table
     h_pad = triton.next_power_of_2(gqa)
     # the position-aware term needs more registers: over more than ROPE_CAPPED_PAIRS pairs the 128 cap spills
@@ -483,8 +489,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
                                                                   block_w)
     base, steps = (rope.base, rope.steps) if rope is not None else (q, q)
     _int2_decode_kernel[(bsz, h, ns + 1)](
-        qr, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, pr, base, steps,
-        sm_scale * LOG2E, qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1),
+        qr, kc, ks, kz, vc, vs, vz, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl, ab, pr, base, steps,
+        sm_scale * LOG2E, qr.stride(0), qr.stride(1), kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1),
         kw.stride(0), kw.stride(1), bt.stride(0), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
         pl.stride(1), stride_abb, stride_abh, stride_prh, chunk, window or 0, vc.stride(0), vc.stride(1),
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_N=block_n,

@@ -18,9 +18,9 @@ and decode's merge kernel combines the partial outputs by their log-sum-exp.
 
 Per program, one online softmax (base 2, float32) over, in this order:
   1. the INT2 history, read as in decode.py (codes -> float16 1024 + c*4^k with the 4^k folded into the
-     query slice, per-token scale/min applied in float32; no dequantized tile is ever built; keys and values at
-     the layer's widths, 2, 3, 4 or 8 bits, through common.code_slices), except that
-     the values' 1024 offset is removed from the MMA accumulator tile by tile, not once at the end (a
+     query slice, per-token scale/min applied in float32, the min from the zero point there; no dequantized tile
+     is ever built; keys and values at the layer's widths, 2, 3, 4 or 8 bits, through common.code_slices), except
+     that the values' 1024 offset is removed from the MMA accumulator tile by tile, not once at the end (a
      program may read 100K+ tokens: see _int2_history).  Its four per-slice accumulators are folded and
      concatenated into the [BLOCK_M, D] accumulator afterwards, so they are not live during the rest;
   2. the BF16 sink and recent pages (common.bf16_range);
@@ -44,16 +44,17 @@ import triton.language as tl
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
 from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, cat4, code_slices, grp_scores, grp_values,
-                     kernel_widths, load_rope_ab, merge, mm, num_sms, own_value_rows, rope_args, rope_logits,
-                     softmax_step, split_plan, unpack4, window_tokens)
+                     group_metadata, kernel_widths, load_rope_ab, merge, mm, num_sms, own_value_rows, rope_args,
+                     rope_logits, softmax_step, split_plan, unpack4, window_tokens)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
 
 
 @triton.jit
-def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, head_c, head_m, stride_cp, stride_mp,
-                  M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SINK_PAGES: tl.constexpr,
+def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Ks, Kz, Vc, Vs, Vz, head_c, head_m, stride_cp,
+                  stride_mp, M: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+                  SINK_PAGES: tl.constexpr,
                   BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, ra=None, rb=None, CS=None,
                   ROPE: tl.constexpr = False, PR=None, row_lo=None, SLIDING: tl.constexpr = False,
                   head_vc=None, stride_vcp=None, K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2,
@@ -62,7 +63,8 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
 
     qrow: pointers [M, 1] to the rotated float32 query rows.  SLIDING: row m sees only tokens >= row_lo[m]
     (counted from the sink's end too).  Keys and values are K_BITS / V_BITS-bit codes (common.code_slices); with
-    V_ROWS the value codes' rows are addressed by head_vc / stride_vcp, else by the keys' offsets.  Returns (m_i,
+    V_ROWS the value codes' rows are addressed by head_vc / stride_vcp, else by the keys' offsets.  Scales (Ks, Vs)
+    and zero points (Kz, Vz) share one row offset (head_m, stride_mp).  Returns (m_i,
     l_i, acc [M, D]) with acc the unnormalized output in the true value space (offsets removed, slices
     concatenated).
 
@@ -82,6 +84,9 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
     # rows start at multiples of the largest power of two dividing KCB / VCB (3D/8 at INT3: D/8)
     K_ALIGN: tl.constexpr = KCB & -KCB
     V_ALIGN: tl.constexpr = VCB & -VCB
+    # 2^-F, the unit of the zero points (F = quant.fraction_bits: 8 - bits, 0 at 8 bits)
+    K_FRAC: tl.constexpr = 1.0 / (1 << ((8 - K_BITS) % 8))
+    V_FRAC: tl.constexpr = 1.0 / (1 << ((8 - V_BITS) % 8))
     offs_c = tl.arange(0, D4)
     # query slices (float32, scaled); float16 slice k is pre-divided by 4^k (its codes arrive as 1024 + c*4^k)
     qf0 = tl.load(qrow + offs_c[None, :], mask=rmask, other=0.0).to(tl.float32) * qk_scale
@@ -123,7 +128,7 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
             vrow = tl.multiple_of(phys * stride_vcp + head_vc + (offs % P) * VCB, V_ALIGN)
         else:
             vrow = crow
-        mrow = phys * stride_mp + head_m + (offs % P) * (2 * NG)
+        mrow = phys * stride_mp + head_m + (offs % P) * NG  # scales and zero points alike
         # keys loaded transposed ([D4, N]): the MMA's key operand needs no register transpose
         # INT2 unpacks here as it always did, not through code_slices: ptxas schedules by the inlined calls its
         # line info shows, and one more level changed this kernel's INT2 SASS
@@ -134,18 +139,18 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
             k0, k1, k2, k3 = code_slices(Kc + crow[None, :] + offs_c[:, None], valid[None, :], offs_c[:, None],
                                          K_BITS, D, USE_ASM)
         if NG == 1:
-            ks = tl.load(Km + mrow, mask=valid, other=0.0).to(tl.float32)
-            kn = tl.load(Km + mrow + 1, mask=valid, other=0.0).to(tl.float32)
+            ks = tl.load(Ks + mrow, mask=valid, other=0.0).to(tl.float32)
+            kn = -(ks * tl.load(Kz + mrow, mask=valid, other=0).to(tl.float32)) * K_FRAC  # the minimum, exact
             raw = tl.dot(q0, k0)
             raw = tl.dot(q1, k1, raw)
             raw = tl.dot(q2, k2, raw)
             raw = tl.dot(q3, k3, raw)
             sc = ks[None, :] * (raw - o_all[:, None]) + kn[None, :] * t_all[:, None]
         else:
-            sc = grp_scores(q0, k0, o0, t0s, Km, mrow, valid, (0 * D4) // G, NG)
-            sc += grp_scores(q1, k1, o1, t1s, Km, mrow, valid, (1 * D4) // G, NG)
-            sc += grp_scores(q2, k2, o2, t2s, Km, mrow, valid, (2 * D4) // G, NG)
-            sc += grp_scores(q3, k3, o3, t3s, Km, mrow, valid, (3 * D4) // G, NG)
+            sc = grp_scores(q0, k0, o0, t0s, Ks, Kz, mrow, valid, (0 * D4) // G, K_FRAC)
+            sc += grp_scores(q1, k1, o1, t1s, Ks, Kz, mrow, valid, (1 * D4) // G, K_FRAC)
+            sc += grp_scores(q2, k2, o2, t2s, Ks, Kz, mrow, valid, (2 * D4) // G, K_FRAC)
+            sc += grp_scores(q3, k3, o3, t3s, Ks, Kz, mrow, valid, (3 * D4) // G, K_FRAC)
         if ROPE:
             sc += rope_logits(ra, rb, CS, PR, SINK_PAGES * P + offs, valid, D // 2)
         see = valid[None, :]
@@ -160,8 +165,8 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
             v0, v1, v2, v3 = code_slices(Vc + vrow[:, None] + offs_c[None, :], valid[:, None], offs_c[None, :],
                                          V_BITS, D, USE_ASM)
         if NG == 1:
-            vs = tl.load(Vm + mrow, mask=valid, other=0.0).to(tl.float32)
-            vn = tl.load(Vm + mrow + 1, mask=valid, other=0.0).to(tl.float32)
+            vs = tl.load(Vs + mrow, mask=valid, other=0.0).to(tl.float32)
+            vn = -(vs * tl.load(Vz + mrow, mask=valid, other=0).to(tl.float32)) * V_FRAC  # the minimum, exact
             pp = (p * vs[None, :]).to(tl.float16)
             # this tile's code offset, taken out of the accumulator operand before the MMA adds it back
             off = 1024.0 * tl.sum(pp.to(tl.float32), 1)
@@ -171,10 +176,10 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Km, Vc, Vm, hea
             a2 = tl.dot(pp, v2, a2 * alpha[:, None] - off[:, None])
             a3 = tl.dot(pp, v3, a3 * alpha[:, None] - off[:, None])
         else:
-            a0, n0 = grp_values(p, v0, a0, n0, alpha, Vm, mrow, valid, (0 * D4) // G, NG)
-            a1, n1 = grp_values(p, v1, a1, n1, alpha, Vm, mrow, valid, (1 * D4) // G, NG)
-            a2, n2 = grp_values(p, v2, a2, n2, alpha, Vm, mrow, valid, (2 * D4) // G, NG)
-            a3, n3 = grp_values(p, v3, a3, n3, alpha, Vm, mrow, valid, (3 * D4) // G, NG)
+            a0, n0 = grp_values(p, v0, a0, n0, alpha, Vs, Vz, mrow, valid, (0 * D4) // G, V_FRAC)
+            a1, n1 = grp_values(p, v1, a1, n1, alpha, Vs, Vz, mrow, valid, (1 * D4) // G, V_FRAC)
+            a2, n2 = grp_values(p, v2, a2, n2, alpha, Vs, Vz, mrow, valid, (2 * D4) // G, V_FRAC)
+            a3, n3 = grp_values(p, v3, a3, n3, alpha, Vs, Vz, mrow, valid, (3 * D4) // G, V_FRAC)
     if NG == 1:
         n1 = n0
         n2 = n0
@@ -217,7 +222,7 @@ def _chunk_causal(q, ql, m_i, l_i, acc, tok, n, end, Kn, Vn, stride_kt, stride_v
 
 
 @triton.jit(do_not_specialize=["window"])  # one compile for every window size
-def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO, PL, AB, PR, CS, qk_scale,
+def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, O, PO, PL, AB, PR, CS, qk_scale,
                         stride_qt, stride_qh, stride_abt, stride_abh, stride_prh, stride_knt, stride_knh, stride_vnt, stride_vnh,
                         stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh, stride_bt,
                         stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
@@ -276,7 +281,7 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Km, Vc, Vm, Kw, Vw, BT, SL, NQ, O, PO
     if V_ROWS:  # values at another width (or with other strides) than the keys: their own row offsets
         head_vc = h.to(tl.int64) * stride_vch
     # 1. INT2 history
-    m_i, l_i, acc = _int2_history(qrow, rmask, qk_scale, i_lo, i_hi, bt_row, Kc, Km, Vc, Vm,
+    m_i, l_i, acc = _int2_history(qrow, rmask, qk_scale, i_lo, i_hi, bt_row, Kc, Ks, Kz, Vc, Vs, Vz,
                                   h.to(tl.int64) * stride_ch, h.to(tl.int64) * stride_mh, stride_cp, stride_mp,
                                   M, D, G, P, SINK_PAGES, BLOCK_N, USE_ASM, ra, rb, CS, ROPE, pr,
                                   row_lo_h, SLIDING, head_vc, stride_vcp, K_BITS, V_BITS, V_ROWS)
@@ -440,18 +445,20 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
     else:
         po, pl = out, out  # not touched
     L = pool.layer(layer)
-    kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
+    kc, vc, kw, vw = L["k_codes"], L["v_codes"], L["k_win"], L["v_win"]
+    ks, kz, vs, vz = group_metadata(L)
     bt = batch.block_table
     cu32 = cu_seqlens.to(device=q.device, dtype=torch.int32)
     # the extend kernel reads table rows of valid positions only (masked loads): its bound is exact
     ab, pr, stride_abt, stride_abh, stride_prh, r, on = rope_args(q, rope, sm_scale * LOG2E, 0)
     cs = rope.table if rope is not None else q
     _int2_extend_kernel[(num_tiles, bsz, h * (ns + 1))](
-        qr, k_new, v_new, cu32, kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, out, po, pl, ab, pr, cs,
+        qr, k_new, v_new, cu32, kc, ks, kz, vc, vs, vz, kw, vw, bt, batch.seq_lens, batch.int2_pages, out, po, pl, ab,
+        pr, cs,
         sm_scale * LOG2E, qr.stride(0), qr.stride(1), stride_abt, stride_abh, stride_prh, k_new.stride(0),
         k_new.stride(1),
         v_new.stride(0),
-        v_new.stride(1), kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1),
+        v_new.stride(1), kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), kw.stride(0), kw.stride(1),
         bt.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
         pl.stride(1), num_tiles, ns, split_len, window or 0, vc.stride(0), vc.stride(1),
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_T=block_t,

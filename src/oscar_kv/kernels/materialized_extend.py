@@ -22,11 +22,12 @@ On the tests' |mu_pre| ~ 900 cases (3 pairs per head, the term hundreds of logit
 0.015 from the torch reference (bfloat16 scratch: 0.077 / 0.126; the extend kernel, which adds the term in
 float32 on CUDA cores, 4e-4 but ~13x slower); at |mu_pre| ~ 20, 0.002.  Exact would take hi / lo splits of both
 operands of the term: 6R more head dims, past flash attention's 256 at D = 128.  Dequantized INT2 values and
-rotated queries keep 3 more bits too.  A value past float16's 65504 (none in a sane model: the INT2 scale /
-minimum are float16 already) overflows: the caller checks the outputs are finite (kernel_attention.py).
+rotated queries keep 3 more bits too.  A value past float16's 65504 (none in a sane model: a dequantized value
+lies in its group's range, quantized with a float16 scale) overflows: the caller checks the outputs are finite
+(kernel_attention.py).
 
-Cost per chunk and layer (Qwen3-8B, 8 KV heads, D = 128; history h tokens, chunk T): the pass reads 72 B
-(codes + scale/min of K and V) or 512 B (BF16 window rows) and writes 512 B per token and KV head:
+Cost per chunk and layer (Qwen3-8B, 8 KV heads, D = 128; history h tokens, chunk T): the pass reads 70 B
+(codes + scales and zero points of K and V) or 512 B (BF16 window rows) and writes 512 B per token and KV head:
 ~4.7 KB x h, plus 2R x D float32 multiply-adds per key for the offset; the attention does
 4 x 32 x 128 x T x (h + T/2) FLOPs.  At h = 96K, T = 8K: 0.45 GB (~0.15 ms at 3 TB/s) against 1.1e13 FLOPs
 (~25 ms): the pass is < 1% of the attention.
@@ -47,7 +48,7 @@ import triton.language as tl
 
 from ._compat import install_interpreter_shim
 from .chunk_attention import chunk_attention, prefill_attention_choice
-from .common import kernel_widths, own_value_rows
+from .common import group_metadata, kernel_widths, own_value_rows
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -77,20 +78,21 @@ def _codes(Codes, crow, is_q, D: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _stored_rows(Codes, Meta, Win, Knew, phys, pos, chunk_row, is_q, is_w, is_new, head_c, head_m, head_w,
+def _stored_rows(Codes, Scale, Zero, Win, Knew, phys, pos, chunk_row, is_q, is_w, is_new, head_c, head_m, head_w,
                  head_n, stride_cp, stride_mp, stride_wp, stride_nt,
                  D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr = 2):
     """float32 [BLOCK, D] rows of one KV head: quantized rows (BITS-bit codes) dequantized (code * scale + min per
-    group), BF16 window rows, or chunk rows, by the masks."""
+    group, min = -(scale * zero point) 2^-F in float32, exact as quant.stored_minimum), BF16 window rows, or chunk
+    rows, by the masks.  Scales and zero points share one row offset (head_m, stride_mp)."""
     NG: tl.constexpr = D // G
+    FRAC: tl.constexpr = 1.0 / (1 << ((8 - BITS) % 8))  # 2^-F, F = quant.fraction_bits: 8 - bits, 0 at 8 bits
     offs_d = tl.arange(0, D)
     slot = pos % P
     crow = phys * stride_cp + head_c + slot * (D * BITS // 8)
     code = _codes(Codes, crow, is_q, D, BITS)
-    mrow = phys * stride_mp + head_m + slot * (2 * NG)
-    offs_g = tl.arange(0, NG)
-    scale = tl.load(Meta + mrow[:, None] + offs_g[None, :], mask=is_q[:, None], other=0.0).to(tl.float32)
-    minimum = tl.load(Meta + mrow[:, None] + NG + offs_g[None, :], mask=is_q[:, None], other=0.0).to(tl.float32)
+    moff = (phys * stride_mp + head_m + slot * NG)[:, None] + tl.arange(0, NG)[None, :]
+    scale = tl.load(Scale + moff, mask=is_q[:, None], other=0.0).to(tl.float32)
+    minimum = -(scale * tl.load(Zero + moff, mask=is_q[:, None], other=0).to(tl.float32)) * FRAC
     deq = tl.reshape(tl.reshape(code, (BLOCK, NG, G)) * scale[:, :, None] + minimum[:, :, None], (BLOCK, D))
     wrow = phys * stride_wp + head_w + slot * D
     win = tl.load(Win + wrow[:, None] + offs_d[None, :], mask=is_w[:, None], other=0.0).to(tl.float32)
@@ -100,7 +102,7 @@ def _stored_rows(Codes, Meta, Win, Knew, phys, pos, chunk_row, is_q, is_w, is_ne
 
 
 @triton.jit(do_not_specialize=["window"])  # one compile for every window size
-def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn, Vn, W, PR, CS, Ko, Vo,
+def _materialize_kernel(Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn, Vn, W, PR, CS, Ko, Vo,
                         stride_cp, stride_ch, stride_mp, stride_mh, stride_wp, stride_wh, stride_bt,
                         stride_knt, stride_knh, stride_vnt, stride_vnh, stride_wgt, stride_prh, stride_ot, stride_oh,
                         window, stride_vcp, stride_vch, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
@@ -131,7 +133,7 @@ def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn,
     phys = tl.load(BT + b.to(tl.int64) * stride_bt + lpage, mask=in_hist, other=0).to(tl.int64)
     chunk_row = tl.where(is_new, lo + pos - hist, 0).to(tl.int64)
     h64 = h.to(tl.int64)
-    k = _stored_rows(Kc, Km, Kw, Kn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_ch,
+    k = _stored_rows(Kc, Ks, Kz, Kw, Kn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_ch,
                      h64 * stride_mh, h64 * stride_wh, h64 * stride_knh, stride_cp, stride_mp, stride_wp, stride_knt,
                      D, G, P, BLOCK, K_BITS)
     offs_d = tl.arange(0, D)
@@ -152,11 +154,11 @@ def _materialize_kernel(Kc, Km, Vc, Vm, Kw, Vw, BT, HIST, NQ, CU, SEQ, ROW0, Kn,
     tl.store(Ko + out_row[:, None] * stride_ot + h64 * stride_oh + offs_d[None, :], k.to(Ko.dtype.element_ty),
              mask=valid[:, None])
     if V_ROWS:  # values at another width (or with other strides) than the keys
-        v = _stored_rows(Vc, Vm, Vw, Vn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_vch,
+        v = _stored_rows(Vc, Vs, Vz, Vw, Vn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_vch,
                          h64 * stride_mh, h64 * stride_wh, h64 * stride_vnh, stride_vcp, stride_mp, stride_wp,
                          stride_vnt, D, G, P, BLOCK, V_BITS)
     else:
-        v = _stored_rows(Vc, Vm, Vw, Vn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_ch,
+        v = _stored_rows(Vc, Vs, Vz, Vw, Vn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_ch,
                          h64 * stride_mh, h64 * stride_wh, h64 * stride_vnh, stride_cp, stride_mp, stride_wp,
                          stride_vnt, D, G, P, BLOCK, V_BITS)
     tl.store(Vo + out_row[:, None] * stride_ot + h64 * stride_oh + offs_d[None, :], v.to(Vo.dtype.element_ty),
@@ -313,7 +315,8 @@ def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.T
         return
     k_bits, v_bits = kernel_widths(g, layer)
     L = pool.layer(layer)
-    kc, km, vc, vm, kw, vw = L["k_codes"], L["k_meta"], L["v_codes"], L["v_meta"], L["k_win"], L["v_win"]
+    kc, vc, kw, vw = L["k_codes"], L["v_codes"], L["k_win"], L["v_win"]
+    ks, kz, vs, vz = group_metadata(L)
     bt = batch.block_table
     if rope is not None:
         rope.check(group.positions)
@@ -325,9 +328,9 @@ def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.T
         r = 1
     grid = (triton.cdiv(group.longest, BLOCK_ROWS), group.seqs.numel(), h)
     _materialize_kernel[grid](
-        kc, km, vc, vm, kw, vw, bt, batch.seq_lens, batch.int2_pages, cu_seqlens, group.seqs, group.row0,
+        kc, ks, kz, vc, vs, vz, kw, vw, bt, batch.seq_lens, batch.int2_pages, cu_seqlens, group.seqs, group.row0,
         k_new, v_new, w, pr, cs, k_out, v_out,
-        kc.stride(0), kc.stride(1), km.stride(0), km.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
+        kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), stride_w, stride_pr,
         k_out.stride(0), k_out.stride(1), group.window or 0, vc.stride(0), vc.stride(1),
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, BLOCK=BLOCK_ROWS, ROPE=rope is not None,
