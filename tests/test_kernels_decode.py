@@ -759,7 +759,7 @@ def test_cuda_head_dim_256_host_side(monkeypatch):
     geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=256, group_size=128, page_size=16, sink_size=16,
                         recent_size=32)
     layer = pool.layer(0)  # G = 64 rows: 4 scales and zero points per token where the geometry says 2
-    with pytest.raises(ValueError, match="metadata rows"):
+    with pytest.raises(ValueError, match="zero-point rows of 4"):
         int2_cuda.decode(q, rot, layer, geom, batch, torch.empty_like(q), 1, 128, 0.1)
 
 
