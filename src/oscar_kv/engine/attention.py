@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..codec import LayerCodec, stored_attention
+from ..kernels.layout import metadata_slot
 from .block_pool import QUANT, WINDOW, PagePool
 from .kernel_attention import DecodeStep, ExtendStep, PoolView, kernel_step, write_slots
 from .scheduler import ScheduledSeq
@@ -274,9 +275,11 @@ class TorchAttention:
         qk = torch.cat([pool.k_win[li][m.page, :, m.off], k_rows[plan.q_src]]).float()  # [N, H, D]
         qv = torch.cat([pool.v_win[li][m.page, :, m.off], v_rows[plan.q_src]]).float()
         dst = _Rows.cat([plan.mig_dst, plan.q_writes])
+        slots = metadata_slot(dst.off, pool.geometry.page_size)
         for q, side in ((codec.quantize_keys(qk), "k"), (codec.quantize_values(qv), "v")):
-            for name in ("codes", "scale", "zero"):
-                getattr(pool, f"{side}_{name}")[li][dst.page, :, dst.off] = getattr(q, name)
+            getattr(pool, f"{side}_codes")[li][dst.page, :, dst.off] = q.codes
+            for name in ("scale", "zero"):
+                getattr(pool, f"{side}_{name}")[li][dst.page, :, slots] = getattr(q, name)
 
     def _gather(self, li: int, win: _Rows, quant: _Rows):
         """History rows as float32: window rows followed by dequantized rows (two tensors each)."""
@@ -286,8 +289,10 @@ class TorchAttention:
         if not len(quant):
             return _Joined(k_w, None), _Joined(v_w, None)
         codec = self.codecs[li]
-        k_q, v_q = (codec.stored_rows(*(getattr(pool, f"{side}_{name}")[li][quant.page, :, quant.off]
-                                        for name in ("codes", "scale", "zero")), side) for side in ("k", "v"))
+        slots = metadata_slot(quant.off, pool.geometry.page_size)
+        k_q, v_q = (codec.stored_rows(getattr(pool, f"{side}_codes")[li][quant.page, :, quant.off],
+                                      *(getattr(pool, f"{side}_{name}")[li][quant.page, :, slots]
+                                        for name in ("scale", "zero")), side) for side in ("k", "v"))
         return _Joined(k_w, codec.dequantize_keys(k_q)), _Joined(v_w, codec.dequantize_values(v_q))
 
 

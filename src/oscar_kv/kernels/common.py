@@ -226,6 +226,13 @@ def bf16_range(q, ql, m_i, l_i, acc, start, end, bt_row, Kw, Vw, head_off, strid
 
 
 @triton.jit
+def meta_slot(off):
+    """layout.metadata_slot for a page of a multiple of 16 tokens (every page a kernel reads): token j of each 16
+    keeps its scales and zero points at slot 2 (j mod 8) + j // 8."""
+    return off - off % 16 + 2 * (off % 8) + (off % 16) // 8
+
+
+@triton.jit
 def grp_scores(qk, ck, off, tsum, Ks, Kz, mrow, valid, g: tl.constexpr, FRAC: tl.constexpr):
     """Slice contribution s_g * (q_k . (1024 + c 4^k) - off_k) + m_g * sum(q_k) for the slice's group g: scales at
     Ks, zero points at Kz (one offset mrow + g addresses both), m_g = -(s_g z_g) 2^-F in float32 with FRAC = 2^-F

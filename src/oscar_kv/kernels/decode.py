@@ -47,7 +47,7 @@ import triton.language as tl
 from ._compat import install_interpreter_shim
 from .tuning import TUNING, kernel_choice
 from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, code_slices, grp_scores, grp_values, group_metadata,
-                     kernel_widths, load_rope_ab, merge, num_sms, own_value_rows, rope_args, rope_logits_tiled,
+                     kernel_widths, load_rope_ab, meta_slot, merge, num_sms, own_value_rows, rope_args, rope_logits_tiled,
                      split_plan, unpack4, window_tokens)
 from .layout import PagedBatch, PagedKVPool
 
@@ -240,7 +240,7 @@ def _int2_decode_kernel(Q, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, PO, PL, A
                 vrow = tl.multiple_of(phys * stride_vcp + h.to(tl.int64) * stride_vch + (offs % P) * VCB, V_ALIGN)
             else:
                 vrow = crow
-            mrow = phys * stride_mp + head_m + (offs % P) * NG  # scales and zero points alike
+            mrow = phys * stride_mp + head_m + meta_slot(offs % P) * NG  # scales and zero points alike
             bias = tl.where(valid, 0.0, float("-inf"))
             # INT2 unpacks here as it always did, not through code_slices: ptxas schedules by the inlined calls its
             # line info shows, and one more level changed the INT2 extend kernel's SASS

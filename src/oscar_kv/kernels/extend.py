@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
-from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, cat4, code_slices, grp_scores, grp_values,
+from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, cat4, code_slices, grp_scores, grp_values, meta_slot,
                      group_metadata, kernel_widths, load_rope_ab, merge, mm, num_sms, own_value_rows, rope_args,
                      rope_logits, softmax_step, split_plan, unpack4, window_tokens)
 from .layout import PagedBatch, PagedKVPool
@@ -128,7 +128,7 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Ks, Kz, Vc, Vs,
             vrow = tl.multiple_of(phys * stride_vcp + head_vc + (offs % P) * VCB, V_ALIGN)
         else:
             vrow = crow
-        mrow = phys * stride_mp + head_m + (offs % P) * NG  # scales and zero points alike
+        mrow = phys * stride_mp + head_m + meta_slot(offs % P) * NG  # scales and zero points alike
         # keys loaded transposed ([D4, N]): the MMA's key operand needs no register transpose
         # INT2 unpacks here as it always did, not through code_slices: ptxas schedules by the inlined calls its
         # line info shows, and one more level changed this kernel's INT2 SASS

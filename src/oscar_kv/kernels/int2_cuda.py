@@ -36,8 +36,9 @@ centering or per-position centering over at most MAX_ROPE_PAIRS pairs, full or p
 q . RoPE_p(mu_pre) as one more small MMA per 16 keys; int2_decode.cu, rope_terms; the layout places each pair's
 two channels, pair_lo / pair_hi).  Anything else runs the Triton kernels.
 
-A token's metadata is a float16 scale and a uint8 zero point per group (quant.py); the kernel loads both into one
-word and makes the minimum -s z 2^-F in float32 where it uses it (int2_decode.cu, load_meta / scale_min).
+A token's metadata is a float16 scale and a uint8 zero point per group (quant.py); a thread loads the scales of its
+two tokens (g, g + 8: side by side in the pool, layout.metadata_slot) as one word and their zero points as another,
+and makes the minimum -s z 2^-F in float32 where it uses it (int2_decode.cu, load_meta / scale_min).
 
 Head dim 256 (Gemma 3) compiles with D = 256 and NG = D / G metadata groups per token: G = 256 (one scale and zero
 point, as at D = 64 and 128) or G = 128 (two: NG = 2; code slices 0, 1 are group 0's channels, slices 2, 3 group
@@ -396,8 +397,8 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     if ks.dtype != torch.float16 or vs.dtype != torch.float16 or kz.dtype != torch.uint8 or vz.dtype != torch.uint8:
         raise ValueError("the CUDA decode kernel reads float16 scales and uint8 zero points")
     if ks.stride(-2) != ng or any(t.stride() != ks.stride() for t in (kz, vs, vz)) or \
-            (ng == 2 and ((ks.data_ptr() | vs.data_ptr()) % 4 or (kz.data_ptr() | vz.data_ptr()) % 2)):
-        raise ValueError("the CUDA decode kernel reads a token's scales and zero points as one word each, from "
+            (ks.data_ptr() | vs.data_ptr()) % (4 * ng) or (kz.data_ptr() | vz.data_ptr()) % (2 * ng):
+        raise ValueError("the CUDA decode kernel reads two tokens' scales and zero points as one word each, from "
                          "tensors of one layout")
     # K2V2 addresses both code pools with the same strides; other widths pass the keys' page and head strides
     int2 = (kbits, vbits) == (2, 2)

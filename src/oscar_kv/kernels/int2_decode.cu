@@ -166,13 +166,13 @@ typedef u32 kcode_t;
 typedef u16 vcode_t;
 typedef u32 wval_t;
 #endif
-// A token's metadata as loaded: its float16 scale(s) and uint8 zero point(s) (quant.py: x_hat = s (c - z 2^-F)).
-// The minimum -s z 2^-F is made where it is used (scale_min): exact in float32, and the sub-tile buffers keep one
-// word per token as before.
+// Metadata as loaded: float16 scales and uint8 zero points (quant.py: x_hat = s (c - z 2^-F)) of a thread's two
+// tokens g and g + 8, which the pool keeps side by side (layout.metadata_slot): SubTile.km[0] holds both scales,
+// km[1] both zero points.  The minimum -s z 2^-F is made where it is used (scale_min): exact in float32.
 #if NG == 2
-typedef uint2 meta_t;  // x: (scale_0, scale_1) float16; y: z_0 | z_1 << 8
+typedef uint2 meta_t;  // scales: (s_g,0 s_g,1), (s_g+8,0 s_g+8,1); zero points: x = z_g,0 | z_g,1 << 8 | z_g+8,0 << 16 ..
 #else
-typedef u32 meta_t;  // scale float16 | z << 16
+typedef u32 meta_t;  // scales: s_g | s_g+8 << 16; zero points: z_g | z_g+8 << 8
 #endif
 // 2^-F: a zero point counts these units of the scale (quant.fraction_bits: 8 - bits below 8 bits, 1 at 8)
 #define KFRAC (KBITS == 8 ? 1.f : 1.f / (float)(1 << (8 - KBITS)))
@@ -279,15 +279,18 @@ __device__ __forceinline__ float2 halves(u32 x) {
   return f;
 }
 
-// (scale, minimum) of a one-group metadata word (meta_t at NG = 1) whose zero points count ``frac`` of the scale.
-__device__ __forceinline__ float2 scale_min(u32 w, float frac) {
-  const float s = halves(w).x;
-  return make_float2(s, -(s * (float)(w >> 16)) * frac);
+// The minimum -s z 2^-F of a scale s and a zero point byte z whose units are frac = 2^-F of the scale.
+__device__ __forceinline__ float stored_min(float s, u32 z, float frac) { return -(s * (float)(z & 0xffu)) * frac; }
+// (scale, minimum) of tokens g (.x) and g + 8 (.y), one group a token (NG = 1).
+__device__ __forceinline__ void scale_min(const meta_t (&m)[2], float frac, float2& sc, float2& mn) {
+  sc = halves(m[0]);
+  mn = make_float2(stored_min(sc.x, m[1], frac), stored_min(sc.y, m[1] >> 8, frac));
 }
-// (scale_0, scale_1) and (min_0, min_1) of a two-group word (NG = 2).
-__device__ __forceinline__ void scale_min2(uint2 w, float frac, float2& sc, float2& mn) {
-  sc = halves(w.x);
-  mn = make_float2(-(sc.x * (float)(w.y & 0xffu)) * frac, -(sc.y * (float)((w.y >> 8) & 0xffu)) * frac);
+// Token u (0: g, 1: g + 8)'s (scale_0, scale_1) and (min_0, min_1), two groups a token (NG = 2).
+__device__ __forceinline__ void scale_min2(const uint2 (&m)[2], int u, float frac, float2& sc, float2& mn) {
+  sc = halves(u ? m[0].y : m[0].x);
+  const u32 z = m[1].x >> (16 * u);
+  mn = make_float2(stored_min(sc.x, z, frac), stored_min(sc.y, z >> 8, frac));
 }
 
 __device__ __forceinline__ float ex2(float x) {
@@ -377,8 +380,8 @@ struct SubTile {
   u32 vx[4];     // INT3: high-bit plane bytes D/4 + VB (g & 3) ..; INT4: bytes D/4 + VB g .. (the same tokens)
 #endif
 #endif
-  meta_t km[2];  // key scale(s) and zero point(s) of tokens g and g+8
-  meta_t vm[2];  // value scale(s) and zero point(s) of tokens g and g+8
+  meta_t km[2];  // key scales, then zero points, of tokens g and g+8 (meta_t)
+  meta_t vm[2];  // value scales, then zero points, of tokens g and g+8
 };
 
 // This thread's view of one (sequence, KV head): pointers with its own lane offsets folded in.
@@ -394,8 +397,8 @@ struct Source {
 #if VBITS != 2
   const unsigned char* vx;  // + 2t*VROW + the thread's second value bytes (SubTile.vx)
 #endif
-  const u16* ks;           // scales + g NG
-  const unsigned char* kz;  // zero points + g NG (the same element offsets as the scales)
+  const u16* ks;           // scales + 2g NG (layout.metadata_slot)
+  const unsigned char* kz;  // zero points + 2g NG (the same element offsets as the scales)
   const u16* vs;
   const unsigned char* vz;
   const int* pages;        // the CTA's page ids, in shared memory
@@ -460,13 +463,15 @@ __device__ __forceinline__ u32 ldg_stream(const u16* p, unsigned long long polic
   asm("ld.global.nc.L2::cache_hint.L2::256B.u16 %0, [%1], %2;" : "=h"(r) : "l"(p), "l"(policy));
   return r;
 }
-// A token's scale(s) and zero point(s) as one meta_t word.  Four KV heads' CTAs share each 256-byte block of them.
-__device__ __forceinline__ meta_t load_meta(const u16* scale, const unsigned char* zero) {
+// The scales and zero points of tokens g and g + 8 (side by side in the pool): one load each.  Several KV heads'
+// CTAs share each 256-byte block of them.
+__device__ __forceinline__ void load_meta(meta_t (&m)[2], const u16* scale, const unsigned char* zero) {
 #if NG == 2
-  return make_uint2(ldg_l2_256(reinterpret_cast<const u32*>(scale)),
-                    ldg_l2_256(reinterpret_cast<const u16*>(zero)));
+  m[0] = ldg_l2_256(reinterpret_cast<const uint2*>(scale));
+  m[1] = make_uint2(ldg_l2_256(reinterpret_cast<const u32*>(zero)), 0u);
 #else
-  return ldg_l2_256(scale) | (ldg_l2_256(zero) << 16);
+  m[0] = ldg_l2_256(reinterpret_cast<const u32*>(scale));
+  m[1] = ldg_l2_256(reinterpret_cast<const u16*>(zero));
 #endif
 }
 __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, int pos) {
@@ -503,10 +508,8 @@ __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, in
   st.vx[2] = ldg_stream(reinterpret_cast<const vcode_t*>(src.vx + oc + 8 * VROW), pol);
   st.vx[3] = ldg_stream(reinterpret_cast<const vcode_t*>(src.vx + oc + 9 * VROW), pol);
 #endif
-  st.km[0] = load_meta(src.ks + om, src.kz + om);
-  st.km[1] = load_meta(src.ks + om + 8 * NG, src.kz + om + 8 * NG);
-  st.vm[0] = load_meta(src.vs + om, src.vz + om);
-  st.vm[1] = load_meta(src.vs + om + 8 * NG, src.vz + om + 8 * NG);
+  load_meta(st.km, src.ks + om, src.kz + om);
+  load_meta(st.vm, src.vs + om, src.vz + om);
 }
 
 // One warp's running state: O^T fragments (block i: rows = channel combos 2i, 2i+1; cols = heads 2t, 2t+1),
@@ -810,16 +813,17 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
       }
 #if NG == 2
     // (scale_0, scale_1) and (min_0, min_1) of tokens g, g+8
-    float2 ks0, kn0, ks1, kn1;
-    scale_min2(cur[u].km[0], KFRAC, ks0, kn0);
-    scale_min2(cur[u].km[1], KFRAC, ks1, kn1);
+    float2 ks0, kn0, ks1, kn1;  // (group 0, group 1) of tokens g, g+8
+    scale_min2(cur[u].km, 0, KFRAC, ks0, kn0);
+    scale_min2(cur[u].km, 1, KFRAC, ks1, kn1);
     sc[u][0] = ks0.x * c[0] + ks0.y * ch[0] + (kn0.x * q.qsum0 + kn0.y * q.qsumh0);
     sc[u][1] = ks0.x * c[1] + ks0.y * ch[1] + (kn0.x * q.qsum1 + kn0.y * q.qsumh1);
     sc[u][2] = ks1.x * c[2] + ks1.y * ch[2] + (kn1.x * q.qsum0 + kn1.y * q.qsumh0);
     sc[u][3] = ks1.x * c[3] + ks1.y * ch[3] + (kn1.x * q.qsum1 + kn1.y * q.qsumh1);
 #else
-    const float2 k0 = scale_min(cur[u].km[0], KFRAC), k1 = scale_min(cur[u].km[1], KFRAC);  // tokens g, g+8
-    const float ks0 = k0.x, kn0 = k0.y, ks1 = k1.x, kn1 = k1.y;
+    float2 ks, kn;  // (token g, token g+8)
+    scale_min(cur[u].km, KFRAC, ks, kn);
+    const float ks0 = ks.x, kn0 = kn.x, ks1 = ks.y, kn1 = kn.y;
     sc[u][0] = ks0 * c[0] + kn0 * q.qsum0;
     sc[u][1] = ks0 * c[1] + kn0 * q.qsum1;
     sc[u][2] = ks1 * c[2] + kn1 * q.qsum0;
@@ -861,8 +865,8 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
 #if NG == 2
     // (scale_0, scale_1) and (min_0, min_1) of tokens g, g+8
     float2 vs0, vn0, vs1, vn1;
-    scale_min2(cur[u].vm[0], VFRAC, vs0, vn0);
-    scale_min2(cur[u].vm[1], VFRAC, vs1, vn1);
+    scale_min2(cur[u].vm, 0, VFRAC, vs0, vn0);
+    scale_min2(cur[u].vm, 1, VFRAC, vs1, vn1);
     st.n0 += p0 * vn0.x + p2 * vn1.x;
     st.n1 += p1 * vn0.x + p3 * vn1.x;
     st.nh0 += p0 * vn0.y + p2 * vn1.y;
@@ -872,8 +876,9 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
     bvh[u][0] = transpose8x8(pack_half2(p0 * vs0.y, p1 * vs0.y));
     bvh[u][1] = transpose8x8(pack_half2(p2 * vs1.y, p3 * vs1.y));
 #else
-    const float2 v0 = scale_min(cur[u].vm[0], VFRAC), v1 = scale_min(cur[u].vm[1], VFRAC);
-    const float vs0 = v0.x, vn0 = v0.y, vs1 = v1.x, vn1 = v1.y;
+    float2 vs, vn;
+    scale_min(cur[u].vm, VFRAC, vs, vn);
+    const float vs0 = vs.x, vn0 = vn.x, vs1 = vs.y, vn1 = vn.y;
     st.n0 += p0 * vn0 + p2 * vn1;
     st.n1 += p1 * vn0 + p3 * vn1;
     bv[u][0] = transpose8x8(pack_half2(p0 * vs0, p1 * vs0));
@@ -1303,10 +1308,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 #if VBITS != 2
   src.vx = src.v + D4 + (VBITS == 3 ? VB * (g & 3) - VB * g : 0);
 #endif
-  src.ks = Ks + (long long)h * stride_mh + g * NG;
-  src.kz = Kz + (long long)h * stride_mh + g * NG;
-  src.vs = Vs + (long long)h * stride_mh + g * NG;
-  src.vz = Vz + (long long)h * stride_mh + g * NG;
+  src.ks = Ks + (long long)h * stride_mh + 2 * g * NG;  // tokens g and g + 8 sit at slots 2g, 2g + 1
+  src.kz = Kz + (long long)h * stride_mh + 2 * g * NG;
+  src.vs = Vs + (long long)h * stride_mh + 2 * g * NG;
+  src.vz = Vz + (long long)h * stride_mh + 2 * g * NG;
   src.pages = s_pages;
   src.cp = (unsigned long long)stride_cp;
   src.mp = (unsigned long long)stride_mp;

@@ -23,7 +23,10 @@ be a multiple of P), in two pools:
 
   One (page, head) tile is contiguous: P*D*b/8 code bytes (512 B at P=16, D=128, INT2), P*2*NG bytes of scales
   and P*NG zero points, so a decode program streams whole pages with 16-byte loads.  The scale and zero-point
-  tensors have the same shape, so one stride (in elements) addresses both.  The layer dimension leads
+  tensors have the same shape, so one stride (in elements) addresses both.  Within each 16 tokens of a page the
+  metadata of tokens j and j + 8 sit side by side (``metadata_slot``): a thread of the CUDA decode kernel reads
+  tokens g and g + 8 of a sub-tile, so one 4-byte load brings both scales and one 2-byte load both zero points
+  (token order cost 25% more time at 128K: twice the load instructions; benchmarks/NOTES.md, run Z3).  The layer dimension leads
   so that one launch can address every layer (migration) while a per-layer view is a plain slice.
 
 A sequence is described by three small tensors (the engine's scheduler owns them):
@@ -364,6 +367,15 @@ def token_slots(geom: PoolGeometry, batch: PagedBatch, seq_ids: torch.Tensor,
     slot = phys * p + positions % p
     minus = torch.full_like(slot, -1)
     return torch.where(is_q, minus, slot).int(), torch.where(is_q, slot, minus).int()
+
+
+def metadata_slot(offset, page_size: int):
+    """Where the token at ``offset`` in its page keeps its scales and zero points, in groups of NG (module
+    docstring): slot 2 (j mod 8) + j // 8 for token j of each 16 tokens; pages of other sizes (the torch path's)
+    keep token order.  Works on ints and integer tensors (kernels.common.meta_slot is the kernels' copy)."""
+    if page_size % 16:
+        return offset
+    return offset - offset % 16 + 2 * (offset % 8) + (offset % 16) // 8
 
 
 def clip_indices(ratios: torch.Tensor | float, head_dim: int, shape: tuple[int, ...]) -> torch.Tensor:

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ._compat import install_interpreter_shim
 from .chunk_attention import chunk_attention, prefill_attention_choice
-from .common import group_metadata, kernel_widths, own_value_rows
+from .common import group_metadata, kernel_widths, meta_slot, own_value_rows
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -90,7 +90,7 @@ def _stored_rows(Codes, Scale, Zero, Win, Knew, phys, pos, chunk_row, is_q, is_w
     slot = pos % P
     crow = phys * stride_cp + head_c + slot * (D * BITS // 8)
     code = _codes(Codes, crow, is_q, D, BITS)
-    moff = (phys * stride_mp + head_m + slot * NG)[:, None] + tl.arange(0, NG)[None, :]
+    moff = (phys * stride_mp + head_m + meta_slot(slot) * NG)[:, None] + tl.arange(0, NG)[None, :]
     scale = tl.load(Scale + moff, mask=is_q[:, None], other=0.0).to(tl.float32)
     minimum = -(scale * tl.load(Zero + moff, mask=is_q[:, None], other=0).to(tl.float32)) * FRAC
     deq = tl.reshape(tl.reshape(code, (BLOCK, NG, G)) * scale[:, :, None] + minimum[:, :, None], (BLOCK, D))

@@ -11,7 +11,7 @@ import torch
 from ..rope import apply_rope
 from ..rotation import rotate
 from ..quant import dequantize_rows, quantize_rows, QuantizedRows
-from .layout import PagedBatch, PagedKVPool
+from .layout import PagedBatch, PagedKVPool, metadata_slot
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -85,8 +85,9 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
         for x, bits, side, idx, resc in ((kr, k_bits, "k", clip_k_idx, rescale[0]),
                                          (vr, v_bits, "v", clip_v_idx, rescale[1])):
             qr = _quantize_heads(x[qm], bits, g.group_size, idx, resc)
-            for name, t in (("codes", qr.codes), ("scale", qr.scale), ("zero", qr.zero)):
-                getattr(pool, f"{side}_{name}")[layer, s // p, :, s % p] = t
+            getattr(pool, f"{side}_codes")[layer, s // p, :, s % p] = qr.codes
+            for name, t in (("scale", qr.scale), ("zero", qr.zero)):
+                getattr(pool, f"{side}_{name}")[layer, s // p, :, metadata_slot(s % p, p)] = t
 
 
 def migrate_reference(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
@@ -103,9 +104,12 @@ def migrate_reference(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_p
             rows = win[layer, src].float().transpose(1, 2)  # [M, P, H, D]
             qr = _quantize_heads(rows.reshape(-1, g.num_kv_heads, g.head_dim), bits, g.group_size, idx[layer],
                                  resc)
-            m = rows.shape[0]
-            for name, t in (("codes", qr.codes), ("scale", qr.scale), ("zero", qr.zero)):
-                getattr(pool, f"{side}_{name}")[layer, dst] = t.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
+            m, slots = rows.shape[0], metadata_slot(torch.arange(g.page_size), g.page_size)
+            getattr(pool, f"{side}_codes")[layer, dst] = qr.codes.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
+            for name, t in (("scale", qr.scale), ("zero", qr.zero)):
+                tile = torch.empty_like(t.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2))
+                tile[:, :, slots] = t.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
+                getattr(pool, f"{side}_{name}")[layer, dst] = tile
 
 
 # ----------------------------------------------------------------------------------------- read
@@ -120,9 +124,12 @@ def gather_sequence(pool: PagedKVPool, layer: int, batch: PagedBatch, b: int) ->
     for i in range(-(-t // p)):
         phys = int(batch.block_table[b, i])
         if sp <= i < sp + nq:
+            slots = metadata_slot(torch.arange(p), p)
             for out, bits, side in ((ks, widths[0], "k"), (vs, widths[1], "v")):
-                tile = [getattr(pool, f"{side}_{name}")[layer, phys].transpose(0, 1) for name in ("codes", "scale", "zero")]
-                out.append(dequantize_rows(QuantizedRows(*tile, bits, g.group_size)))  # [P, H, D]
+                codes = getattr(pool, f"{side}_codes")[layer, phys].transpose(0, 1)
+                scale, zero = (getattr(pool, f"{side}_{name}")[layer, phys][:, slots].transpose(0, 1)
+                               for name in ("scale", "zero"))
+                out.append(dequantize_rows(QuantizedRows(codes, scale, zero, bits, g.group_size)))  # [P, H, D]
         else:
             ks.append(pool.k_win[layer, phys].transpose(0, 1).float())
             vs.append(pool.v_win[layer, phys].transpose(0, 1).float())

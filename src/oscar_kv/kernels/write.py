@@ -35,7 +35,7 @@ from ..quant import check_rescale
 from ..rope import RotaryLayout
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
-from .common import INTERPRET, kernel_widths, own_value_rows
+from .common import INTERPRET, kernel_widths, meta_slot, own_value_rows
 from .layout import PagedKVPool
 
 install_interpreter_shim()
@@ -238,7 +238,7 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Ks, Kz, Vc, Vs
         vrow = (qs // P) * stride_vcp + h * stride_vch + (qs % P) * VCB
     else:
         vrow = crow
-    mrow = (qs // P) * stride_mp + h * stride_mh + (qs % P) * NG  # scales and zero points alike
+    mrow = (qs // P) * stride_mp + h * stride_mh + meta_slot(qs % P) * NG  # scales and zero points alike
     # ---- keys: center, rotate (float32), store
     if ROTATE_SLICED:
         # k @ R as four [BLOCK_T, D/4] x [D/4, D] products over R's row slices: the MMA's float32 R operand is a
@@ -295,7 +295,7 @@ def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Ks, Kz, Vc, Vs, Vz, H, GK, GV,
         vrow = layer * stride_vcl + dst * stride_vcp + h * stride_vch + offs_t * VCB
     else:
         vrow = crow
-    mrow = layer * stride_ml + dst * stride_mp + h * stride_mh + offs_t * NG  # scales and zero points alike
+    mrow = layer * stride_ml + dst * stride_mp + h * stride_mh + meta_slot(offs_t) * NG  # scales, zero points alike
     k = tl.load(Kw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
     _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Ks, Kz, crow, mrow, D, G, P, SORT,
                          RESCALE_K, GK, K_BITS)
