@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from oscar_kv.kernels import reference as ref  # noqa: E402
-from oscar_kv.kernels.layout import POOL_TENSORS, PagedKVPool, PoolGeometry, clip_indices  # noqa: E402
+from oscar_kv.kernels.layout import POOL_TENSORS, PagedKVPool, PoolGeometry, clip_indices, metadata_slot  # noqa: E402
 from oscar_kv.quant import fraction_bits, unpack_codes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,8 +148,9 @@ def test_write_one_sided_and_zero_groups(widths, rescale):
     write_kv(b, 0, x, x.neg(), win, q2, None, None, ck, cv, rescale=rescale)
     assert_pools_equal(a, b)
     for side, bits, sign in (("k", widths[0], 1), ("v", widths[1], -1)):
-        zero = getattr(b, f"{side}_zero")[0, 0].transpose(0, 1)[:t]  # [t, h, NG]
-        scale = getattr(b, f"{side}_scale")[0, 0].transpose(0, 1)[:t]
+        slots = metadata_slot(torch.arange(p), p)  # token order
+        zero = getattr(b, f"{side}_zero")[0, 0][:, slots].transpose(0, 1)[:t]  # [t, h, NG]
+        scale = getattr(b, f"{side}_scale")[0, 0][:, slots].transpose(0, 1)[:t]
         codes = getattr(b, f"{side}_codes")[0, 0].transpose(0, 1)[:t]
         top = ((1 << bits) - 1) << fraction_bits(bits)
         assert bool((zero[0] == (0 if sign > 0 else top)).all()) and bool((zero[1] == (top if sign > 0 else 0)).all())

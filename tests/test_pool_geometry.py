@@ -122,3 +122,15 @@ def test_kernel_error_says_why(changes, why):
     assert why in g.kernel_error()
     with pytest.raises(ValueError, match=re.escape(why)):
         PagedKVPool.allocate(g, 1, 1)
+
+
+def test_metadata_slots_pair_tokens_j_and_j_plus_8():
+    """Within each 16 tokens of a page, tokens j and j + 8 keep their metadata side by side (the CUDA kernel's thread
+    reads both with one load); a permutation of the page, the identity for pages the kernels never read."""
+    from oscar_kv.kernels.layout import metadata_slot
+
+    slots = metadata_slot(torch.arange(32), 32)
+    assert sorted(slots.tolist()) == list(range(32))
+    assert slots[:16].tolist() == [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]
+    assert (slots[16:] == slots[:16] + 16).all()
+    assert metadata_slot(9, 16) == 3 and metadata_slot(5, 8) == 5
