@@ -281,17 +281,20 @@ __device__ __forceinline__ float2 halves(u32 x) {
 
 // The minimum -s z 2^-F of a scale s and a zero point byte z whose units are frac = 2^-F of the scale.
 __device__ __forceinline__ float stored_min(float s, u32 z, float frac) { return -(s * (float)(z & 0xffu)) * frac; }
+#if NG == 1
 // (scale, minimum) of tokens g (.x) and g + 8 (.y), one group a token (NG = 1).
 __device__ __forceinline__ void scale_min(const meta_t (&m)[2], float frac, float2& sc, float2& mn) {
   sc = halves(m[0]);
   mn = make_float2(stored_min(sc.x, m[1], frac), stored_min(sc.y, m[1] >> 8, frac));
 }
+#else
 // Token u (0: g, 1: g + 8)'s (scale_0, scale_1) and (min_0, min_1), two groups a token (NG = 2).
 __device__ __forceinline__ void scale_min2(const uint2 (&m)[2], int u, float frac, float2& sc, float2& mn) {
   sc = halves(u ? m[0].y : m[0].x);
   const u32 z = m[1].x >> (16 * u);
   mn = make_float2(stored_min(sc.x, z, frac), stored_min(sc.y, z >> 8, frac));
 }
+#endif
 
 __device__ __forceinline__ float ex2(float x) {
   float r;
