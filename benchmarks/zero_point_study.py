@@ -1,8 +1,8 @@
 """Would an 8-bit zero point cost accuracy?  The metadata study behind issue 34's bit targets (run Z1).
 
-Since run Z1, quant.py stores the ``grid`` variant (below); this script keeps the format it replaced as its own
-reference, "today" in its output.  Before, a quantized group stored a float16 scale and a float16 minimum: 32 bits a group, 0.25 bits per element at
-G = 128 and 0.5 at G = 64 (head dim 64).  Storing the minimum as an 8-bit zero point z in units of the scale
+Since run Z3, quant.py stores the ``grid`` variant (below); this script keeps the format it replaced as its own
+reference, "today" in its output.  Before, a quantized group stored a float16 scale and a float16 minimum: 32 bits a
+group, 0.25 bits per element at G = 128 and 0.5 at G = 64 (head dim 64).  Storing the minimum as an 8-bit zero point z in units of the scale
 (minimum = -scale * z / 2^F, F = 8 - bits fractional bits below 8 bits, 0 at 8) costs 24 bits a group:
 -0.0625 bits per element at G = 128, -0.125 at G = 64.
 
