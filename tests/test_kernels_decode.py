@@ -418,7 +418,7 @@ def test_query_groups_split_large_gqa_into_equal_groups_of_at_most_8():
 
 
 def test_layers_at_other_widths_take_the_triton_kernel(monkeypatch):
-    """The CUDA kernel reads keys at 2, 3, 4 or 8 bits and values at 2, 3 or 4 (int2_cuda.WIDTHS: calibrate's K4V3,
+    """The CUDA kernel reads keys at 2, 3, 4, 5 or 8 bits and values at 2, 3 or 4 (int2_cuda.WIDTHS: calibrate's K4V3,
     K3V3, K8V3 layers among them): a layer whose values are stored at 8 bits takes Triton, and says why, also under
     OSCAR_KV_INT2_KERNEL=cuda (the model's other layers keep CUDA); a call that itself asks for CUDA raises.
     int2_decode decides by its layer's widths (PoolGeometry.layer_widths)."""
@@ -435,7 +435,7 @@ def test_layers_at_other_widths_take_the_triton_kernel(monkeypatch):
     assert choices == [("cuda", None)] * 8 + [("triton", decode.stored_width_reason(2, 8))]
     assert asked[:8] == list(zip(k_bits, v_bits))[:8]  # each layer's variant is what gets compiled (and may fail)
     assert "K2V8" in choices[8][1] and "values at 2, 3 or 4" in choices[8][1]
-    assert set(int2_cuda.WIDTHS) == {(k, v) for k in (2, 3, 4, 8) for v in (2, 3, 4)}
+    assert set(int2_cuda.WIDTHS) == {(k, v) for k in (2, 3, 4, 5, 8) for v in (2, 3, 4)}
     for widths in int2_cuda.WIDTHS:
         assert int2_cuda.width_error(*widths) is None
     assert "K3V8" in int2_cuda.width_error(3, 8) and "K16V2" in int2_cuda.width_error(16, 2)
@@ -496,7 +496,9 @@ def test_cuda_int2_decode_matches_reference_and_triton(d, page_size):
         assert out[0].abs().max() == 0  # empty sequence
         assert rel_err(out, want) < 1e-2, gqa
         tri = int2_decode(q, pool, 0, batch, rot, backend="triton")
-        assert rel_err(out, tri) < 3e-3, gqa
+        # two approximations of the reference, each ~2^-9 from it (bfloat16 outputs; at D = 128, P = 32, GQA 1 the
+        # CUDA and Triton kernels measured 0.0027 and 0.0024 from the reference and 0.0044 from each other)
+        assert rel_err(out, tri) < 5e-3, gqa
         for target in (1, 16):  # one long split per sequence, and many short ones
             o2 = int2_decode(q, pool, 0, batch, rot, backend="cuda", cuda_split_target=target)
             assert rel_err(o2, want) < 1e-2, (gqa, target)
@@ -721,7 +723,7 @@ def test_cuda_head_dim_256_host_side(monkeypatch):
         assert int2_cuda.step16(256, kbits, 0, True)
         assert not int2_cuda.step16(128, kbits, 8, True) and not int2_cuda.step16(64, kbits, 0, True)
     assert int2_cuda.min_blocks(0, 128, 2) == 3 and int2_cuda.min_blocks(0, 64, 2) == 4  # unchanged
-    assert int2_cuda.min_blocks(8, 128, 2) == 2 and int2_cuda.min_blocks(0, 128, 8) == 2
+    assert int2_cuda.min_blocks(8, 128, 2) == 2 and int2_cuda.min_blocks(0, 128, 8) == 2 == int2_cuda.min_blocks(0, 128, 5)
     for vbits in (3, 4):  # values at 3 or 4 bits: 2 CTAs per SM at D = 128 (faster, E23), 3 at D = 64 (no spill)
         assert [int2_cuda.min_blocks(0, 128, k, vbits=vbits) for k in (2, 3, 4, 8)] == [2, 2, 2, 2]
         assert [int2_cuda.min_blocks(r, 128, 3, vbits=vbits) for r in (8, 16, 32)] == [2, 2, 2]

@@ -38,7 +38,8 @@ two channels, pair_lo / pair_hi).  Anything else runs the Triton kernels.
 
 A token's metadata is a float16 scale and a uint8 zero point per group (quant.py); a thread loads the scales of its
 two tokens (g, g + 8: side by side in the pool, layout.metadata_slot) as one word and their zero points as another,
-and makes the minimum -s z 2^-F in float32 where it uses it (int2_decode.cu, load_meta / scale_min).
+and never forms the minimum -s z 2^-F: a logit is s (c - z 2^-F sum(q)) with 2^-F sum(q) made once per query, and
+the values' sum(p s z) is scaled by -2^-F once at the end (int2_decode.cu, load_meta / scale_zero).
 
 Head dim 256 (Gemma 3) compiles with D = 256 and NG = D / G metadata groups per token: G = 256 (one scale and zero
 point, as at D = 64 and 128) or G = 128 (two: NG = 2; code slices 0, 1 are group 0's channels, slices 2, 3 group
@@ -68,7 +69,7 @@ NUM_WARPS = 4
 TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
 HEAD_DIMS = (64, 128, 256)
-KEY_BITS = (2, 3, 4, 8)  # key code widths with a compiled variant (KBITS)
+KEY_BITS = (2, 3, 4, 5, 8)  # key code widths with a compiled variant (KBITS)
 VALUE_BITS = (2, 3, 4)  # value code widths with a compiled variant (VBITS)
 MAX_GQA_PER_CTA = 8  # query heads one CTA takes: one n8 MMA column block
 MAX_GQA = 64
@@ -106,11 +107,12 @@ def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2, vbits: 
     128K on the H100, 2 CTAs per SM instead of 3 are within 4% of them at batch 1 and 8 (constant centering; their
     sm_90 builds spill 0-48 bytes a thread there, 80-224 with the RoPE term over 16 or 32 pairs; benchmarks/NOTES.md,
     "3- and 4-bit keys in the CUDA kernel").  The 8-bit variant at head dim 128 holds four times INT2's key bytes in
-    flight: at 3 CTAs per SM it spills 188 bytes a thread, at 2 none (216 registers).  Values at 3 or 4 bits: 3 CTAs
+    flight: at 3 CTAs per SM it spills 188 bytes a thread, at 2 none (216 registers); the 5-bit one 2.5 times: 124
+    bytes at 3 (NVRTC 13, sm_90), none at 2 (205 registers).  Values at 3 or 4 bits: 3 CTAs
     at head dim 64, 2 at head dim 128 (WIDE_VALUES_MIN_BLOCKS_D64's comment)."""
     if head_dim == 256:
         return MIN_BLOCKS_D256
-    if kbits == 8 and head_dim == 128:
+    if kbits in (5, 8) and head_dim == 128:
         return 2
     if head_dim == 64:
         if vbits != 2:

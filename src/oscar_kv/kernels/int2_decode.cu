@@ -2,7 +2,7 @@
 // fragments.  Host side, math and layout: int2_cuda.py.  Compiled at run time by NVRTC with these macros:
 //   D (head dim, 64, 128 or 256), P (page size), GQA (query heads per CTA, <= 8), SINK_PAGES, NWARPS, MAX_PAGES,
 //   MIN_BLOCKS, Q_KIND / O_KIND (query / output dtype: 0 float32, 1 bfloat16, 2 float16), KBITS (key code width:
-//   2, 3, 4 or 8), VBITS (value code width: 2, 3 or 4), QGROUPS (CTAs that share a KV head's query heads, GQA each),
+//   2, 3, 4, 5 or 8), VBITS (value code width: 2, 3 or 4), QGROUPS (CTAs that share a KV head's query heads, GQA each),
 //   SLIDING (1: the layer attends to its last ``window`` tokens only); at D = 256 also NG (metadata groups per
 //   token: 1, or 2 for G = 128) and STEP16 (16-token INT2 steps).
 //
@@ -36,6 +36,11 @@
 //   INT4  byte j < D/2 holds channel j (low nibble) and j + D/2 (high nibble): slices 0 and 2 are the low and
 //         high nibbles of bytes j < D/4, already at bits 4s; slices 1 and 3 those of bytes D/4 + j, shifted up by
 //         2.  Thread t loads KB bytes from KB t and from D/4 + KB t: one LOP3 per two codes, as INT2.
+//   INT5  the INT4 plane (D/2 bytes, read as INT4) then a high-bit plane as INT3's (D/8 bytes, from D/2 + KB (t & 1)).
+//         A 5-bit code times 4^s passes 1023 at s = 3, so slice s's code is scaled by 2^pos(s), pos = 0, 1, 4, 5
+//         (key_shift) instead: the upper bytes shift up by 1, not 2 (slices 1, 3 at bits 1-4, 5-8), and the high bit
+//         of slice s (bit 2s + (t >> 1) of its byte) moves to bit pos(s) + 4; c * 2^pos(s) <= 31 * 32 < 1024.  The
+//         query slices are divided by 2^pos(s) to match (key_a5).
 //   INT8  byte j holds channel j.  Thread t loads KB bytes from KB t + D/4 s for each slice s, and a PRMT puts two
 //         of them under the 0x64 exponent byte: the float16 1024 + c exactly (c <= 255), so the query slices are
 //         not divided by 4^s.
@@ -59,13 +64,14 @@
 // sub-tiles that remain are masked (their logits -inf; a warp that has seen only masked tokens keeps m = -inf, so
 // its exponents are taken against 0: safe_max).
 // Head dim 256 (every D = 256 difference is behind #if, so D = 64 and 128 compile to the machine code they had):
-//   - NG = 2 (G = 128, Gemma 3's calibration default): a token has two (scale, min) words per side, read as one
-//     8-byte word ((scale_0, scale_1), (min_0, min_1)).  Slices 0, 1 are channels < 128 (group 0), slices 2, 3 group
-//     1, so the key MMAs of s = 0 sum into c and those of s = 2 into ch, each started at -1024 * sum of its group's
-//     float16 query entries; logit = ks_0 c + ks_1 ch + kn_0 qsum_0 + kn_1 qsum_1.  The value MMAs' B operand
-//     PP = p * scale_v is made per group (bv, bvh): accumulator blocks of even i hold slices 0, 1 and take group 0's,
-//     odd i group 1's; the pending offset (pend, pend_hi) and the p * min_v sums (n, nh) are per group too, and the
-//     combine adds each group's n to its channels (before combine_warps).
+//   - NG = 2 (G = 128, Gemma 3's calibration default): a token has two scales and two zero points per side (the
+//     thread's two tokens' scales one 8-byte word, their zero points one 4-byte word).  Slices 0, 1 are channels
+//     < 128 (group 0), slices 2, 3 group 1, so the key MMAs of s = 0 sum into c and those of s = 2 into ch, each
+//     started at -1024 * sum of its group's float16 query entries; logit = ks_0 (c + kz_0 qz_0) + ks_1 (ch + kz_1
+//     qz_1).  The value MMAs' B operand PP = p * scale_v is made per group (bv, bvh): accumulator blocks of even i
+//     hold slices 0, 1 and take group 0's, odd i group 1's; the pending offset (pend, pend_hi) and the PP * zero_v
+//     sums (n, nh) are per group too, and the combine adds each group's -2^-F n to its channels (before
+//     combine_warps).
 //   - the query arrives rotated (RT: a float32 [B, Hq, D] query from decode.rotate_query when rotate = 1): rotating
 //     it here costs each CTA a read of the whole 128 KB R^T.
 //   - registers: 2 CTAs per SM (255 registers); the key MMAs' query fragments live in shared memory (s_qb, loaded
@@ -168,7 +174,8 @@ typedef u32 wval_t;
 #endif
 // Metadata as loaded: float16 scales and uint8 zero points (quant.py: x_hat = s (c - z 2^-F)) of a thread's two
 // tokens g and g + 8, which the pool keeps side by side (layout.metadata_slot): SubTile.km[0] holds both scales,
-// km[1] both zero points.  The minimum -s z 2^-F is made where it is used (scale_min): exact in float32.
+// km[1] both zero points.  The minimum -s z 2^-F is never formed: a logit is s (c - z 2^-F sum(q)) with -2^-F sum(q)
+// made once per query (Query.qz), and the values' term sum(p s z) is scaled by -2^-F once, at the combine.
 #if NG == 2
 typedef uint2 meta_t;  // scales: (s_g,0 s_g,1), (s_g+8,0 s_g+8,1); zero points: x = z_g,0 | z_g,1 << 8 | z_g+8,0 << 16 ..
 #else
@@ -180,7 +187,7 @@ typedef u32 meta_t;  // scales: s_g | s_g+8 << 16; zero points: z_g | z_g+8 << 8
 __device__ __forceinline__ u32 word(const uint4& x, int w) { return w == 0 ? x.x : w == 1 ? x.y : w == 2 ? x.z : x.w; }
 __device__ __forceinline__ u32 word(const uint2& x, int w) { return w ? x.y : x.x; }  // w: a constant
 __device__ __forceinline__ u32 word(u32 x, int) { return x; }
-static_assert(KBITS == 2 || KBITS == 3 || KBITS == 4 || KBITS == 8, "keys at 2, 3, 4 or 8 bits");
+static_assert(KBITS == 2 || KBITS == 3 || KBITS == 4 || KBITS == 5 || KBITS == 8, "keys at 2, 3, 4, 5 or 8 bits");
 static_assert(VBITS == 2 || VBITS == 3 || VBITS == 4, "values at 2, 3 or 4 bits");
 static_assert(GQA >= 1 && GQA <= 8, "one n8 MMA column block holds at most 8 query heads");
 static_assert(P % 16 == 0, "pages hold whole 16-token sub-tiles");
@@ -204,6 +211,24 @@ __device__ __forceinline__ u32 key_a(u32 x, u32 e, int slice, u32 magic) {
   return ((slice & 1 ? e : x) & ((15u << (2 * slice)) * 0x00010001u)) | magic;
 #endif
 }
+
+// log2 of the factor a key code of slice s carries in its float16 1024 + c * 2^key_shift(s) (see the top of the file):
+// 2s up to 4 bits, 0 at 8 (the bytes go under the exponent as they are), 0, 1, 4, 5 at 5 bits.  The query slice is
+// divided by the same factor.
+__device__ __forceinline__ int key_shift(int s) {
+  return KBITS == 8 ? 0 : KBITS == 5 ? (s & 1) + 4 * (s >> 1) : 2 * s;
+}
+
+#if KBITS == 5
+// An INT5 key's float16 pair 1024 + c * 2^key_shift(s), both halves: x the INT4 plane's bytes j < D/4 (slice 0's low
+// nibble at bits 0-3, slice 2's at 4-7), e its bytes D/4 + j shifted up by 1 (slice 1's at 1-4, slice 3's at 5-8),
+// ha / hb the high-bit plane's bytes with the high bits of slices 0, 2 at bits 4, 8 / of slices 1, 3 at 5, 9.
+__device__ __forceinline__ u32 key_a5(u32 x, u32 e, u32 ha, u32 hb, int slice, u32 magic) {
+  const int pos = key_shift(slice);
+  return ((slice & 1 ? e : x) & ((15u << pos) * 0x00010001u)) | ((slice & 1 ? hb : ha) & ((16u << pos) * 0x00010001u)) |
+         magic;
+}
+#endif
 
 // An INT8 key's float16 pair 1024 + c for bytes hp and hp + 2 of x: the bytes under magic's 0x64 (byte 5 of the
 // pair x, magic), one PRMT per two codes.
@@ -279,20 +304,22 @@ __device__ __forceinline__ float2 halves(u32 x) {
   return f;
 }
 
-// The minimum -s z 2^-F of a scale s and a zero point byte z whose units are frac = 2^-F of the scale.
-__device__ __forceinline__ float stored_min(float s, u32 z, float frac) { return -(s * (float)(z & 0xffu)) * frac; }
+// Byte b (a constant) of x as a float: under the exponent of 2^23 it is 2^23 + x_b exactly, and one FADD takes
+// 2^23 away (a PRMT and an FADD instead of a shift, a mask and the quarter-rate integer conversion).
+__device__ __forceinline__ float byte_float(u32 x, int b) {
+  return __uint_as_float(__byte_perm(x, 0x4b000000u, 0x7540u + b)) - 8388608.f;
+}
 #if NG == 1
-// (scale, minimum) of tokens g (.x) and g + 8 (.y), one group a token (NG = 1).
-__device__ __forceinline__ void scale_min(const meta_t (&m)[2], float frac, float2& sc, float2& mn) {
+// Scales and zero points of tokens g (.x) and g + 8 (.y), one group a token (NG = 1).
+__device__ __forceinline__ void scale_zero(const meta_t (&m)[2], float2& sc, float2& z) {
   sc = halves(m[0]);
-  mn = make_float2(stored_min(sc.x, m[1], frac), stored_min(sc.y, m[1] >> 8, frac));
+  z = make_float2(byte_float(m[1], 0), byte_float(m[1], 1));
 }
 #else
-// Token u (0: g, 1: g + 8)'s (scale_0, scale_1) and (min_0, min_1), two groups a token (NG = 2).
-__device__ __forceinline__ void scale_min2(const uint2 (&m)[2], int u, float frac, float2& sc, float2& mn) {
+// Token u (0: g, 1: g + 8)'s (scale_0, scale_1) and (zero_0, zero_1), two groups a token (NG = 2).
+__device__ __forceinline__ void scale_zero2(const uint2 (&m)[2], int u, float2& sc, float2& z) {
   sc = halves(u ? m[0].y : m[0].x);
-  const u32 z = m[1].x >> (16 * u);
-  mn = make_float2(stored_min(sc.x, z, frac), stored_min(sc.y, z >> 8, frac));
+  z = make_float2(byte_float(m[1].x, 2 * u), byte_float(m[1].x, 2 * u + 1));
 }
 #endif
 
@@ -370,7 +397,10 @@ struct SubTile {
 #if KBITS == 8
   kcode_t ks[3][2];  // INT8: bytes D/4 s + KB t .. of slices s = 1, 2, 3 (k holds slice 0), tokens g, g+8
 #elif KBITS != 2
-  kcode_t kx[2];  // INT3: high-bit plane bytes D/4 + KB (t & 1) ..; INT4: bytes D/4 + KB t .. (tokens g, g+8)
+  kcode_t kx[2];  // INT3: high-bit plane bytes D/4 + KB (t & 1) ..; INT4, INT5: bytes D/4 + KB t .. (tokens g, g+8)
+#endif
+#if KBITS == 5
+  kcode_t kh[2];  // INT5: high-bit plane bytes D/2 + KB (t & 1) .. (tokens g, g+8)
 #endif
 #if D > 128
   vcode_t v[4];  // value code bytes VB g .. VB g + VB - 1 of tokens 2t, 2t+1, 2t+8, 2t+9
@@ -392,6 +422,9 @@ struct Source {
   const unsigned char* k;  // + g*KROW + KB t
 #if KBITS != 2
   const unsigned char* kx;  // + g*KROW + the thread's second key bytes (SubTile.kx)
+#endif
+#if KBITS == 5
+  const unsigned char* kh;  // + g*KROW + its high-bit plane bytes (SubTile.kh)
 #endif
 #if KV_STRIDES
   unsigned long long kcp;   // key page stride (code bytes)
@@ -500,6 +533,10 @@ __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, in
   st.kx[0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.kx + ok), pol);
   st.kx[1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.kx + ok + 8 * KROW), pol);
 #endif
+#if KBITS == 5
+  st.kh[0] = ldg_stream(reinterpret_cast<const kcode_t*>(src.kh + ok), pol);
+  st.kh[1] = ldg_stream(reinterpret_cast<const kcode_t*>(src.kh + ok + 8 * KROW), pol);
+#endif
 #endif
   st.v[0] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc), pol);
   st.v[1] = ldg_stream(reinterpret_cast<const vcode_t*>(src.v + oc + VROW), pol);
@@ -516,7 +553,8 @@ __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, in
 }
 
 // One warp's running state: O^T fragments (block i: rows = channel combos 2i, 2i+1; cols = heads 2t, 2t+1),
-// running max m, and this thread's partial sums of p (l) and of p * min_v (n), per column.
+// running max m, and this thread's partial sums of p (l) and of p * scale_v * zero_v (n: -2^-F n is the minimum's
+// share of the output, applied at the combine), per column.
 // NG = 2 (D = 256, G = 128): blocks of even i hold slices 0 and 1 (channels < 128, group 0), odd i slices 2 and 3
 // (group 1); pend and n are group 0's, pend_hi and nh group 1's.
 struct State {
@@ -735,9 +773,9 @@ struct Query {
   u32 qb[2 * KSTEPS];  // B fragments of the key MMAs
 #endif
   float koff0, koff1;  // 1024 * sum of the float16 B entries, heads 2t and 2t+1
-  float qsum0, qsum1;  // sum of the scaled query, heads 2t and 2t+1
+  float qz0, qz1;      // -2^-F * sum of the query, heads 2t and 2t+1: a logit is s c + s z qz
 #if NG == 2
-  float koffh0, koffh1, qsumh0, qsumh1;  // the same over group 1 (slices 2, 3); koff / qsum: group 0 (slices 0, 1)
+  float koffh0, koffh1, qzh0, qzh1;  // the same over group 1 (slices 2, 3); koff / qz: group 0 (slices 0, 1)
 #endif
   u32 magic;           // 0x64006400, opaque to ptxas (see code_half2)
 };
@@ -761,7 +799,7 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
 #else
 #define KMMA(s, i, a0, a1, a2, a3) mma(c, a0, a1, a2, a3, q.qb[i], q.qb[(i) + 1], (i) == 0 ? kinit : c)
 #endif
-#if KBITS == 3 || KBITS == 4
+#if KBITS == 3 || KBITS == 4 || KBITS == 5
   const int par = (threadIdx.x >> 1) & 1;  // INT3: t >> 1, the bit of a high-bit plane byte that holds its channels
 #endif
   float sc[2][4];  // logits: tokens (g, g, g+8, g+8) x heads (2t, 2t+1, 2t, 2t+1)
@@ -800,6 +838,20 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
           KMMA(s, i, key_byte_pair(y0, hp, q.magic), key_byte_pair(y1, hp, q.magic), key_byte_pair(z0, hp, q.magic),
                key_byte_pair(z1, hp, q.magic));
         }
+#elif KBITS == 5
+        // the upper bytes hp, hp + 2 shifted up by 1; the high bits of bytes hp, hp + 2 (bit 2s + par) to bits 4, 8
+        // (slices 0, 2: ha) and 5, 9 (slices 1, 3: hb) of the two halves (key_a5)
+        const u32 y0 = word(cur[u].kx[0], w), y1 = word(cur[u].kx[1], w);
+        const u32 e0 = hp ? y0 >> 7 : y0 << 1, e1 = hp ? y1 >> 7 : y1 << 1;
+        const u32 h0 = hp ? word(cur[u].kh[0], w) >> 8 : word(cur[u].kh[0], w);
+        const u32 h1 = hp ? word(cur[u].kh[1], w) >> 8 : word(cur[u].kh[1], w);
+        const u32 ha0 = h0 << (4 - par), hb0 = h0 << (3 - par), ha1 = h1 << (4 - par), hb1 = h1 << (3 - par);
+#pragma unroll
+        for (int s = 0; s < 4; s += 2) {
+          const int i = 8 * w + 4 * hp + s;
+          KMMA(s, i, key_a5(r0, e0, ha0, hb0, s, q.magic), key_a5(r1, e1, ha1, hb1, s, q.magic),
+               key_a5(r0, e0, ha0, hb0, s + 1, q.magic), key_a5(r1, e1, ha1, hb1, s + 1, q.magic));
+        }
 #else
         // INT3: the high bits of bytes hp, hp + 2 (bit 2s + par) to bits 2s + 2 of the two halves; INT4: the upper
         // bytes hp, hp + 2 shifted up by 2 (see key_a)
@@ -815,22 +867,23 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
 #endif
       }
 #if NG == 2
-    // (scale_0, scale_1) and (min_0, min_1) of tokens g, g+8
-    float2 ks0, kn0, ks1, kn1;  // (group 0, group 1) of tokens g, g+8
-    scale_min2(cur[u].km, 0, KFRAC, ks0, kn0);
-    scale_min2(cur[u].km, 1, KFRAC, ks1, kn1);
-    sc[u][0] = ks0.x * c[0] + ks0.y * ch[0] + (kn0.x * q.qsum0 + kn0.y * q.qsumh0);
-    sc[u][1] = ks0.x * c[1] + ks0.y * ch[1] + (kn0.x * q.qsum1 + kn0.y * q.qsumh1);
-    sc[u][2] = ks1.x * c[2] + ks1.y * ch[2] + (kn1.x * q.qsum0 + kn1.y * q.qsumh0);
-    sc[u][3] = ks1.x * c[3] + ks1.y * ch[3] + (kn1.x * q.qsum1 + kn1.y * q.qsumh1);
+    float2 ks0, kz0, ks1, kz1;  // (group 0, group 1) scales and zero points of token g (ks0, kz0) and g+8
+    scale_zero2(cur[u].km, 0, ks0, kz0);
+    scale_zero2(cur[u].km, 1, ks1, kz1);
+    const float2 sz0 = make_float2(ks0.x * kz0.x, ks0.y * kz0.y), sz1 = make_float2(ks1.x * kz1.x, ks1.y * kz1.y);
+    sc[u][0] = ks0.x * c[0] + ks0.y * ch[0] + (sz0.x * q.qz0 + sz0.y * q.qzh0);
+    sc[u][1] = ks0.x * c[1] + ks0.y * ch[1] + (sz0.x * q.qz1 + sz0.y * q.qzh1);
+    sc[u][2] = ks1.x * c[2] + ks1.y * ch[2] + (sz1.x * q.qz0 + sz1.y * q.qzh0);
+    sc[u][3] = ks1.x * c[3] + ks1.y * ch[3] + (sz1.x * q.qz1 + sz1.y * q.qzh1);
 #else
-    float2 ks, kn;  // (token g, token g+8)
-    scale_min(cur[u].km, KFRAC, ks, kn);
-    const float ks0 = ks.x, kn0 = kn.x, ks1 = ks.y, kn1 = kn.y;
-    sc[u][0] = ks0 * c[0] + kn0 * q.qsum0;
-    sc[u][1] = ks0 * c[1] + kn0 * q.qsum1;
-    sc[u][2] = ks1 * c[2] + kn1 * q.qsum0;
-    sc[u][3] = ks1 * c[3] + kn1 * q.qsum1;
+    float2 ks, kz;  // (token g, token g+8)
+    scale_zero(cur[u].km, ks, kz);
+    // s z qz does not wait for the MMAs: after them one FFMA a logit, as with a stored minimum
+    const float sz0 = ks.x * kz.x, sz1 = ks.y * kz.y;
+    sc[u][0] = fmaf(ks.x, c[0], sz0 * q.qz0);
+    sc[u][1] = fmaf(ks.x, c[1], sz0 * q.qz1);
+    sc[u][2] = fmaf(ks.y, c[2], sz1 * q.qz0);
+    sc[u][3] = fmaf(ks.y, c[3], sz1 * q.qz1);
 #endif
   }
 #undef KMMA
@@ -866,26 +919,26 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
     st.l0 += p0 + p2;
     st.l1 += p1 + p3;
 #if NG == 2
-    // (scale_0, scale_1) and (min_0, min_1) of tokens g, g+8
-    float2 vs0, vn0, vs1, vn1;
-    scale_min2(cur[u].vm, 0, VFRAC, vs0, vn0);
-    scale_min2(cur[u].vm, 1, VFRAC, vs1, vn1);
-    st.n0 += p0 * vn0.x + p2 * vn1.x;
-    st.n1 += p1 * vn0.x + p3 * vn1.x;
-    st.nh0 += p0 * vn0.y + p2 * vn1.y;
-    st.nh1 += p1 * vn0.y + p3 * vn1.y;
+    float2 vs0, vz0, vs1, vz1;  // (group 0, group 1) scales and zero points of token g (vs0, vz0) and g+8
+    scale_zero2(cur[u].vm, 0, vs0, vz0);
+    scale_zero2(cur[u].vm, 1, vs1, vz1);
+    const float2 sz0 = make_float2(vs0.x * vz0.x, vs0.y * vz0.y), sz1 = make_float2(vs1.x * vz1.x, vs1.y * vz1.y);
+    st.n0 += p0 * sz0.x + p2 * sz1.x;
+    st.n1 += p1 * sz0.x + p3 * sz1.x;
+    st.nh0 += p0 * sz0.y + p2 * sz1.y;
+    st.nh1 += p1 * sz0.y + p3 * sz1.y;
     bv[u][0] = transpose8x8(pack_half2(p0 * vs0.x, p1 * vs0.x));
     bv[u][1] = transpose8x8(pack_half2(p2 * vs1.x, p3 * vs1.x));
     bvh[u][0] = transpose8x8(pack_half2(p0 * vs0.y, p1 * vs0.y));
     bvh[u][1] = transpose8x8(pack_half2(p2 * vs1.y, p3 * vs1.y));
 #else
-    float2 vs, vn;
-    scale_min(cur[u].vm, VFRAC, vs, vn);
-    const float vs0 = vs.x, vn0 = vn.x, vs1 = vs.y, vn1 = vn.y;
-    st.n0 += p0 * vn0 + p2 * vn1;
-    st.n1 += p1 * vn0 + p3 * vn1;
-    bv[u][0] = transpose8x8(pack_half2(p0 * vs0, p1 * vs0));
-    bv[u][1] = transpose8x8(pack_half2(p2 * vs1, p3 * vs1));
+    float2 vs, vz;  // (token g, token g+8)
+    scale_zero(cur[u].vm, vs, vz);
+    const float sz0 = vs.x * vz.x, sz1 = vs.y * vz.y;
+    st.n0 += p0 * sz0 + p2 * sz1;
+    st.n1 += p1 * sz0 + p3 * sz1;
+    bv[u][0] = transpose8x8(pack_half2(p0 * vs.x, p1 * vs.x));
+    bv[u][1] = transpose8x8(pack_half2(p2 * vs.y, p3 * vs.y));
 #endif
   }
   // ---- pending offset += 1024 * sum(PP) per head, from the same float16 PP the value MMAs see.  It leaves acc
@@ -1248,7 +1301,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     for (int e = 0; e < 2; ++e) {
       const float x0 = gg < GQA ? s_q[gg][j + D4 * (s + e)] : 0.f;
       const float x1 = gg < GQA ? s_q[gg][j + 2 + D4 * (s + e)] : 0.f;
-      const float f = KBITS == 8 ? 1.f : __int_as_float((127 - 2 * (s + e)) << 23);  // 4^-(s + e)
+      const float f = __int_as_float((127 - key_shift(s + e)) << 23);  // 2^-key_shift(s + e)
       r[e] = pack_half2(x0 * f, x1 * f);
     }
     s_qb[k][ln] = make_uint2(r[0], r[1]);
@@ -1304,6 +1357,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   src.k = Kc + (long long)h * stride_kch + g * KROW + KB * t;
 #if KBITS != 2
   src.kx = src.k + D4 + (KBITS == 3 ? KB * (t & 1) - KB * t : 0);
+#endif
+#if KBITS == 5
+  src.kh = src.k + D / 2 + KB * (t & 1) - KB * t;
 #endif
   src.kcp = (unsigned long long)stride_kcp;
 #endif
@@ -1386,7 +1442,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
           const int j = KB * t + 4 * w + hp;
           const float x0 = g < GQA ? qrow[j + D4 * s] : 0.f;
           const float x1 = g < GQA ? qrow[j + 2 + D4 * s] : 0.f;
-          const float f = KBITS == 8 ? 1.f : 1.f / (float)(1 << (2 * s));  // INT8 codes are not times 4^s
+          const float f = 1.f / (float)(1 << key_shift(s));  // the codes' factor 2^key_shift(s)
           const u32 q2 = pack_half2(x0 * f, x1 * f);
 #if D > 128
           q.qb = &s_qb[0][lane];  // the same numbers (s_qb, filled after the query scaling)
@@ -1408,12 +1464,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     sum_part = quad_sum(sum_part);
     // this thread's output columns are heads 2t and 2t + 1: their sums sit in rows 2t, 2t + 1
     head_pair(off_part, t, 1024.f, q.koff0, q.koff1);
-    head_pair(sum_part, t, 1.f, q.qsum0, q.qsum1);
+    head_pair(sum_part, t, -KFRAC, q.qz0, q.qz1);
 #if NG == 2
     offh_part = quad_sum(offh_part);
     sumh_part = quad_sum(sumh_part);
     head_pair(offh_part, t, 1024.f, q.koffh0, q.koffh1);
-    head_pair(sumh_part, t, 1.f, q.qsumh0, q.qsumh1);
+    head_pair(sumh_part, t, -KFRAC, q.qzh0, q.qzh1);
 #endif
   }
 
@@ -1481,11 +1537,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   flush_offset(st);
   st.l0 = warp_sum_rows(st.l0);
   st.l1 = warp_sum_rows(st.l1);
-  st.n0 = warp_sum_rows(st.n0);
-  st.n1 = warp_sum_rows(st.n1);
+  st.n0 = warp_sum_rows(st.n0) * -VFRAC;  // sum(p s z) -> sum(p min_v)
+  st.n1 = warp_sum_rows(st.n1) * -VFRAC;
 #if NG == 2
-  st.nh0 = warp_sum_rows(st.nh0);
-  st.nh1 = warp_sum_rows(st.nh1);
+  st.nh0 = warp_sum_rows(st.nh0) * -VFRAC;
+  st.nh1 = warp_sum_rows(st.nh1) * -VFRAC;
 #endif
 #if D > 128
   __syncthreads();  // every warp is done with s_q, s_qw and s_pages, which s_acc overlays
