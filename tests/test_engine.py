@@ -485,6 +485,7 @@ def test_keys_and_values_at_mixed_widths_run_the_kernels_with_the_torch_paths_to
     rot = load_shipped("smollm2-135m", model)
     layers = rot.geometry.num_layers
     widths = [MIXED_WIDTHS[i % len(MIXED_WIDTHS)] for i in range(layers)]
+    widths[1] = (5, 2)  # 5-bit keys (allocation.KEY_WIDTHS) on one layer
     rot.set_bits(*zip(*widths))
     migrations = []
     migrate = write.migrate_pages
@@ -502,7 +503,7 @@ def test_keys_and_values_at_mixed_widths_run_the_kernels_with_the_torch_paths_to
         if backend == "triton":
             assert engine.kernel_status is None and engine.runner.kernels is not None
             lines = "\n".join(engine.describe())
-            assert "layer widths K2V2 x 5, K2V4 x 5, K3V2 x 5, K3V3 x 5, K4V2 x 5, K4V4 x 5" in lines
+            assert "layer widths K2V2 x 5, K2V4 x 5, K3V2 x 5, K3V3 x 5, K4V2 x 4, K4V4 x 5, K5V2 x 1" in lines
             assert "quantized decode: the Triton kernel (not a CUDA device)" in lines
         engine.add_request("r", ids, SamplingParams(max_tokens=2, ignore_eos=True, **GREEDY))
         tokens[backend] = [t for o in run_all(engine)["r"] for t in o.token_ids]
