@@ -266,8 +266,14 @@ def test_key_and_value_widths_round_trip_and_are_validated(tmp_path):
     back = Rotations.load(tmp_path, GEOM)
     assert back.k_bits.tolist() == [3, 4, 2] and back.v_bits.tolist() == [2, 2, 3]
     assert back.width_summary() == "K2V3 x 1, K3V2 x 1, K4V2 x 1"
-    rot.set_bits([3, 5, 2], [2, 2, 2])
-    with pytest.raises(ArtifactError, match="k_bits must hold one of 2, 3, 4, 8, 16 per layer"):
+    rot.set_bits([3, 5, 2], [2, 2, 2])  # 5-bit keys
+    rot.save(tmp_path)
+    assert Rotations.load(tmp_path, GEOM).width_summary() == "K2V2 x 1, K3V2 x 1, K5V2 x 1"
+    rot.set_bits([3, 6, 2], [2, 2, 2])
+    with pytest.raises(ArtifactError, match="k_bits must hold one of 2, 3, 4, 5, 8, 16 per layer"):
+        rot.validate()
+    rot.set_bits([3, 5, 2], [2, 5, 2])  # 5 bits is a key width only
+    with pytest.raises(ArtifactError, match="v_bits must hold one of 2, 3, 4, 8, 16 per layer"):
         rot.validate()
     rot.set_bits([16, 2, 2], [2, 2, 2])
     with pytest.raises(ArtifactError, match="both keys and values at 16 bits or neither"):

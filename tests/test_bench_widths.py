@@ -34,6 +34,7 @@ def widths(**kw):
     (["--key-bits", "3"], (3, None, None)),
     (["--kv-bits", "3.0"], (None, None, 3.0)),
     (["--kv-bits", "2.9", "--value-bits", "3"], (None, 3, 2.9)),
+    (["--key-bits", "5"], (5, None, None)),
 ])
 def test_attention_parses_the_width_options(argv, want):
     ap = attention.parser()
@@ -47,7 +48,8 @@ def test_attention_parses_the_width_options(argv, want):
     (["--kv-bits", "3", "--key-bits", "4"], "not both"),
     (["--rotations", "/some/artifact", "--key-bits", "4"], "carries its own per-layer widths"),
     (["--rotations", "/some/artifact", "--kv-bits", "3"], "carries its own per-layer widths"),
-    (["--key-bits", "5"], "invalid choice"),  # no kernel reads 5-bit codes: nothing to time
+    (["--key-bits", "6"], "invalid choice"),  # no kernel reads 6-bit codes: nothing to time
+    (["--value-bits", "5"], "invalid choice"),  # 5 bits is a key width only
 ])
 @pytest.mark.parametrize("main", [attention.main, decode.main])
 def test_contradicting_width_options_are_refused(main, argv, words, capsys):
@@ -96,8 +98,12 @@ def test_kv_bits_edges_of_the_rule():
     assert set(low) == {2, 3} and bits(low, [2] * 36) <= 2.5
     values3 = kv_bits_allocation(3.3, value_bits=3, **QWEN)  # the values' width counts against the budget
     assert set(values3) == {3, 4} and bits(values3, [3] * 36) <= 3.3
-    high = kv_bits_allocation(4.5, **QWEN)  # past every key at 4: some at 8 (the widest kernel width)
-    assert set(high) == {4, 8} and bits(high, [2] * 36) <= 4.5
+    all_k5 = bits([5] * 36, [2] * 36)
+    above_k4 = kv_bits_allocation((all_k4 + all_k5) / 2, **QWEN)  # past every key at 4: some at 5
+    assert set(above_k4) == {4, 5} and bits(above_k4, [2] * 36) <= (all_k4 + all_k5) / 2
+    assert kv_bits_allocation(all_k5, **QWEN) == [5] * 36
+    high = kv_bits_allocation(4.5, **QWEN)  # past every key at 5: some at 8 (the widest kernel width)
+    assert all_k5 < 4.5 and set(high) == {5, 8} and bits(high, [2] * 36) <= 4.5
     for x in (2.0, bits([8] * 36, [2] * 36) + 0.1):
         with pytest.raises(ValueError, match="outside"):
             kv_bits_allocation(x, **QWEN)

@@ -1,5 +1,7 @@
 """The INT2 cache on the real SmolLM2 model: equivalences, storage, accuracy against baselines."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -84,6 +86,29 @@ def test_int2_storage_holds_codes_not_a_hidden_copy(model, rotations, held_out_i
     expected = bits_per_element(720, g.head_dim, rotations.group_size, recent_size=layer.recent_k.shape[2],
                                 k_bits=rotations.k_bits.tolist(), v_bits=rotations.v_bits.tolist())
     assert cache.footprint().bits_per_element == pytest.approx(expected, rel=1e-6)
+
+
+@torch.no_grad()
+def test_five_bit_keys_store_five_eighths_of_a_row(model, rotations, held_out_ids):
+    """Keys at 5 bits (allocation.KEY_WIDTHS): 5D/8 code bytes a row in the history, codes up to 31 (an INT4 plane and
+    a high-bit plane, quant.py), and logits nearer BF16's than with every key at 2 bits."""
+    from oscar_kv.quant import unpack_codes
+
+    ids = held_out_ids[:, :400]
+    settings = dict(sink_size=32, recent_size=64)
+    ref = model(ids).logits[:, 340:]
+    kl = {}
+    for k_bits in (2, 5):
+        rot = copy.deepcopy(rotations)
+        rot.set_bits(k_bits, 2)
+        cache = OscarCache(model, rot, CacheSettings("int2", **settings))
+        kl[k_bits] = kl_and_top1(ref, chunked_logits(model, cache, ids, 340, step=4)[:, 340:])[0]
+        layer = cache.layers[3]
+        assert layer.hist_k.codes.shape[-1] == 64 * k_bits // 8 and layer.hist_v.codes.shape[-1] == 16
+        assert int(unpack_codes(layer.hist_k.codes, k_bits).max()) == (1 << k_bits) - 1
+        unprepare_model(model)
+    print("\nKL vs BF16, every key at 2 and at 5 bits:", kl)
+    assert kl[5] < kl[2] / 4, kl
 
 
 @torch.no_grad()

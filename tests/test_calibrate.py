@@ -187,10 +187,10 @@ def test_auto_widths_follow_the_key_noise_and_the_manifest_says_why(model, token
     settings = CalibrationSettings(**SMALL)
     rot = calibrate(model, tokenizer, settings, progress=False)
     w = rot.manifest["calibration"]["widths"]
-    assert w["k_bits"] == rot.k_bits.tolist() and set(w["k_bits"]) <= {2, 3, 4, 8}
+    assert w["k_bits"] == rot.k_bits.tolist() and set(w["k_bits"]) <= {2, 3, 4, 5, 8}
     assert w["v_bits"] == rot.v_bits.tolist() and set(w["v_bits"]) <= {2, 3, 4}
     assert w["tolerance"] == settings.key_noise
-    for side, widths, chosen in (("key", (2, 3, 4, 8), "k_bits"), ("value", (2, 3, 4), "v_bits")):
+    for side, widths, chosen in (("key", (2, 3, 4, 5, 8), "k_bits"), ("value", (2, 3, 4), "v_bits")):
         by_width = w[f"{side}_noise_by_width"]
         for layer in range(30):
             noise = [by_width[str(b)][layer] for b in widths]
@@ -224,9 +224,10 @@ def test_requested_widths_and_budgets_are_kept(model, tokenizer):
 
 def test_bad_width_settings():
     with pytest.raises(ValueError, match="key bits must be 'auto' or one of"):
-        CalibrationSettings(key_bits=5)
+        CalibrationSettings(key_bits=6)
+    assert CalibrationSettings(key_bits=5).key_bits == 5
     with pytest.raises(ValueError, match="value bits"):
-        CalibrationSettings(value_bits=5)
+        CalibrationSettings(value_bits=5)  # 5 bits is a key width only
     with pytest.raises(ValueError, match="needs a key noise tolerance, a bit budget or a KL target"):
         CalibrationSettings(key_noise=None, kv_bits=None, max_kl=None)
     # the KL target alone: the fewest widenings from every part at its narrowest that meet it
@@ -279,10 +280,10 @@ def test_a_kl_target_out_of_reach_takes_the_widest_widths_and_says_so(model, tok
     widths = rot.manifest["calibration"]["widths"]
     assert set(rot.k_bits.tolist()) == {8} and set(rot.v_bits.tolist()) == {4}
     assert widths["max_kl"] == 1e-9 and widths["tolerance"] == 0.3 and "not met" in widths["reason"]
-    # the tolerance's point first, then the widest end: every layer's keys three widths up (2 -> 3 -> 4 -> 8), its
-    # values two (2 -> 3 -> 4)
+    # the tolerance's point first, then the widest end: every layer's keys four widths up (2 -> 3 -> 4 -> 5 -> 8),
+    # its values two (2 -> 3 -> 4)
     *_, (step, measured) = widths["kl_by_step"].items()
-    assert len(widths["kl_by_step"]) <= 2 and step == 5 * rot.geometry.num_layers and measured["kl"] > 1e-9
+    assert len(widths["kl_by_step"]) <= 2 and step == 6 * rot.geometry.num_layers and measured["kl"] > 1e-9
     assert measured["bits_per_element"] == widths["bits_per_element"]
 
 

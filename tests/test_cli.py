@@ -60,7 +60,8 @@ def test_calibrate_refuses_bad_rope_pairs(tmp_path):
 
 def test_calibrate_refuses_bad_widths_before_loading_anything(tmp_path):
     for args, says in ((["--key-bits", "abc"], "--key-bits takes 'auto' or a whole number"),
-                       (["--key-bits", "5"], "key bits must be 'auto' or one of (2, 3, 4, 8), got 5"),
+                       (["--key-bits", "6"], "key bits must be 'auto' or one of (2, 3, 4, 5, 8), got 6"),
+                       (["--value-bits", "5"], "value bits must be 'auto' or one of (2, 3, 4), got 5"),
                        (["--key-noise", "0", "--max-kl", "0"], "needs a key noise tolerance, a bit budget or a KL"),
                        (["--value-bits", "9"], "value bits must be 'auto' or one of (2, 3, 4), got 9"),
                        (["--max-kl", "-1"], "--max-kl"),

@@ -485,6 +485,7 @@ def test_keys_and_values_at_mixed_widths_run_the_kernels_with_the_torch_paths_to
     rot = load_shipped("smollm2-135m", model)
     layers = rot.geometry.num_layers
     widths = [MIXED_WIDTHS[i % len(MIXED_WIDTHS)] for i in range(layers)]
+    widths[1] = (5, 2)  # 5-bit keys (allocation.KEY_WIDTHS) on one layer
     rot.set_bits(*zip(*widths))
     migrations = []
     migrate = write.migrate_pages
@@ -502,7 +503,7 @@ def test_keys_and_values_at_mixed_widths_run_the_kernels_with_the_torch_paths_to
         if backend == "triton":
             assert engine.kernel_status is None and engine.runner.kernels is not None
             lines = "\n".join(engine.describe())
-            assert "layer widths K2V2 x 5, K2V4 x 5, K3V2 x 5, K3V3 x 5, K4V2 x 5, K4V4 x 5" in lines
+            assert "layer widths K2V2 x 5, K2V4 x 5, K3V2 x 5, K3V3 x 5, K4V2 x 4, K4V4 x 5, K5V2 x 1" in lines
             assert "quantized decode: the Triton kernel (not a CUDA device)" in lines
         engine.add_request("r", ids, SamplingParams(max_tokens=2, ignore_eos=True, **GREEDY))
         tokens[backend] = [t for o in run_all(engine)["r"] for t in o.token_ids]
@@ -516,8 +517,16 @@ def test_keys_and_values_at_mixed_widths_run_the_kernels_with_the_torch_paths_to
 def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read():
     """LLMEngine.describe's decode part where the CUDA kernel runs (here as on an H100): it reads keys at 2, 3, 4 or
     8 bits and values at 2, 3 or 4 (kernels/int2_cuda.WIDTHS), windowed or not; layers at other widths (values at 8
-    bits) are named as taking Triton; when no layer is left for CUDA, Triton serves all."""
+    bits, keys at 5 while int2_cuda.KEY_BITS does not list them) are named as taking Triton; when no layer is left for
+    CUDA, Triton serves all."""
     from types import SimpleNamespace
+
+    from oscar_kv.kernels import int2_cuda
+
+    def words(bits):
+        return f"{', '.join(map(str, bits[:-1]))} or {bits[-1]}"
+    reads = f"(the CUDA kernel reads keys at {words(int2_cuda.KEY_BITS)} bits, values at {words(int2_cuda.VALUE_BITS)})"
+    assert set(int2_cuda.KEY_BITS) >= {2, 3, 4, 8} and int2_cuda.VALUE_BITS == (2, 3, 4)
 
     def engine(k_bits, v_bits, windows=None):
         def choice(widths=(2, 2)):
@@ -533,12 +542,16 @@ def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read()
     assert describe(engine((3, 8, 4, 8), (3, 2, 4, 3))) == "the one-launch CUDA kernel"  # K3V3, K8V2, K4V4, K8V3
     assert describe(engine((3, 2, 4, 2), (2, 2, 8, 2))) == (
         "the one-launch CUDA kernel on 3 layers (K2V2 x 2, K3V2 x 1), the Triton kernel on the 1 layer stored at "
-        "K4V8 x 1 (the CUDA kernel reads values at 2, 3 or 4 bits)")
+        f"K4V8 x 1 {reads}")
     mixed = describe(engine((3, 2, 4), (8, 3, 2), (None, 1024, None)))
     assert mixed == ("the one-launch CUDA kernel on 2 layers (K2V3 x 1, K4V2 x 1), the Triton kernel on the 1 "
-                     "layer stored at K3V8 x 1 (the CUDA kernel reads values at 2, 3 or 4 bits)")
+                     f"layer stored at K3V8 x 1 {reads}")
     assert describe(engine((3, 4), (8, 8))) == ("the Triton kernel on every layer: the 2 layers stored at K3V8 x 1, "
-                                                "K4V8 x 1 (the CUDA kernel reads values at 2, 3 or 4 bits)")
+                                                f"K4V8 x 1 {reads}")
+    if 5 not in int2_cuda.KEY_BITS:  # without a 5-bit key variant of the CUDA kernel, K5 layers take Triton
+        assert describe(engine((5, 4, 5), (2, 2, 8))) == (
+            "the one-launch CUDA kernel on 1 layer (K4V2 x 1), the Triton kernel on the 2 layers stored at K5V2 x 1, "
+            f"K5V8 x 1 {reads}")
 
 
 def test_warm_up_runs_every_stage_and_leaves_no_trace(model, tokenizer, small_rotations):

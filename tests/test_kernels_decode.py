@@ -49,8 +49,8 @@ def small_geoms(widths=(2, 2)):
                        sink_size=64, recent_size=64, k_bits=(k,), v_bits=(v,))
 
 
-# keys and values at their own widths (PoolGeometry.k_bits / v_bits: 3 and 4 bits beside INT2)
-WIDTHS = [(2, 2), (3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2)]
+# keys and values at their own widths (PoolGeometry.k_bits / v_bits: 3, 4, 5 and 8 bits beside INT2)
+WIDTHS = [(2, 2), (3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2), (5, 2)]
 
 
 def width_ids(value):
@@ -227,10 +227,10 @@ def test_int2_decode_head_dim_256(group, centering):
             assert out[0].abs().max() == 0  # empty sequence
 
 
-@pytest.mark.parametrize("widths", [(2, 2), (3, 4), (4, 3)])
+@pytest.mark.parametrize("widths", [(2, 2), (3, 4), (4, 3), (5, 3)])
 def test_int2_decode_variants_agree(widths):
-    """Tile sizes, warps, key-load orientation and the PTX code conversion give the same result; INT3 and INT4 keys
-    in both orientations (``kt``)."""
+    """Tile sizes, warps, key-load orientation and the PTX code conversion give the same result; INT3, INT4 and INT5
+    keys in both orientations (``kt``)."""
     from oscar_kv.kernels.decode import int2_decode
 
     geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=128, group_size=128, page_size=16,
@@ -449,6 +449,37 @@ def test_layers_at_other_widths_take_the_triton_kernel(monkeypatch):
     assert decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 4))
     assert decode._use_cuda(None, cuda, geom, 4, None, widths=(8, 3))
     assert not decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 8))
+
+
+def test_five_bit_keys_take_the_cuda_kernel_where_it_lists_them(monkeypatch):
+    """Keys at 5 bits (allocation.KEY_WIDTHS) are read by the Triton kernels; the CUDA kernel takes a K5 layer only
+    where int2_cuda.KEY_BITS lists 5.  Without it the layer takes Triton and says why (under
+    OSCAR_KV_INT2_KERNEL=cuda too), a call that asks for CUDA raises, and int2_cuda.decode refuses the rows before
+    launching."""
+    from oscar_kv.kernels import decode, int2_cuda
+
+    geom = PoolGeometry(num_layers=2, num_kv_heads=2, head_dim=64, group_size=64, page_size=16, sink_size=16,
+                        recent_size=32, k_bits=(5, 4), v_bits=(2, 2))
+    monkeypatch.setattr(int2_cuda, "unsupported", lambda *args: None)  # as on an H100
+    monkeypatch.setattr(decode, "INTERPRET", False)
+    cuda = torch.device("cuda")
+    assert decode.int2_kernel_choice(cuda, geom, 4, widths=(4, 2)) == ("cuda", None)
+    if 5 in int2_cuda.KEY_BITS:
+        assert decode.int2_kernel_choice(cuda, geom, 4, widths=(5, 2)) == ("cuda", None)
+        return
+    assert int2_cuda.width_error(5, 2) is not None and "K5V2" in int2_cuda.width_error(5, 2)
+    assert decode.int2_kernel_choice(cuda, geom, 4, widths=(5, 2)) == ("triton", decode.stored_width_reason(5, 2))
+    with pytest.raises(ValueError, match="cannot run this call: layer stored at K5V2"):
+        decode.int2_kernel_choice(cuda, geom, 4, backend="cuda", widths=(5, 2))
+    monkeypatch.setenv(decode.INT2_KERNEL_ENV, "cuda")
+    assert decode.int2_kernel_choice(cuda, geom, 4, widths=(5, 2))[0] == "triton"
+    monkeypatch.undo()
+    one = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size=64, page_size=16, sink_size=16,
+                       recent_size=32, k_bits=(5,), v_bits=(2,))
+    pool, batch, rot = build_pool(one, [100], torch.Generator().manual_seed(8))
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(ValueError, match="K5V2"):  # widths read off the code rows: 40 bytes at head dim 64
+        int2_cuda.decode(q, rot, pool.layer(0), one, batch, torch.empty_like(q), 1, 128, 0.1)
 
 
 def _check_query_dtypes_and_shared_rotation(pool, batch, rot, q, against_triton=False):

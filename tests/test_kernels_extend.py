@@ -79,8 +79,8 @@ def geom_b(widths=(2, 2)):  # D = 128, G = 64 (two groups), P = 32
                         sink_size=64, recent_size=64, k_bits=widths[:1], v_bits=widths[1:])
 
 
-# keys and values at their own widths (PoolGeometry.k_bits / v_bits: 3, 4 and 8 bits beside INT2)
-WIDTHS = [(2, 2), (3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2)]
+# keys and values at their own widths (PoolGeometry.k_bits / v_bits: 3, 4, 5 and 8 bits beside INT2)
+WIDTHS = [(2, 2), (3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2), (5, 2)]
 
 
 def geom_gpu():  # Qwen3-8B attention: 8 KV heads, D = G = 128, P = 16, S0 = 64, W = 256

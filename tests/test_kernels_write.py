@@ -69,7 +69,7 @@ CASES = [(64, 64, 16), (128, 32, 32), (256, 256, 16)] + ([(128, 128, 16), (128, 
 MODES = ["prerotated", "signed-perm", "bf16-input", "rescaled"]
 # keys and values at their own widths (PoolGeometry.k_bits / v_bits): each pair at head dim 64 and 128, the modes
 # taking turns (INT2 runs every case and mode above)
-WIDTHS = [(3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2), (8, 4)]
+WIDTHS = [(3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2), (8, 4), (5, 2), (5, 3)]
 WIDTH_CASES = [(d, 32, 16, MODES[(i + j) % len(MODES)], w) for i, w in enumerate(WIDTHS)
                for j, d in enumerate((64, 128))]
 
@@ -126,7 +126,7 @@ def _one_sided_rows(d, g, gen):
 
 
 @pytest.mark.parametrize("widths,rescale", [((2, 2), (0.0, 0.0)), ((2, 3), (1.0, 0.5)), ((3, 4), (0.0, 0.0)),
-                                            ((4, 8), (0.25, 1.0)), ((8, 2), (0.0, 0.0))])
+                                            ((4, 8), (0.25, 1.0)), ((8, 2), (0.0, 0.0)), ((5, 4), (0.5, 0.0))])
 def test_write_one_sided_and_zero_groups(widths, rescale):
     """Groups that do not straddle zero and zero rows, written and migrated: the reference's codes, scales and zero
     points bit for bit, and the grid rule's ends: an all-positive group has zero point 0, an all-negative one 2^F L

@@ -30,7 +30,7 @@ def geometry(d, g, p, heads=2, sink=None, recent=64, widths=(2, 2)):
 
 
 # keys and values at their own widths beside INT2 (PoolGeometry.k_bits / v_bits)
-WIDTHS = [(3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2)]
+WIDTHS = [(3, 2), (4, 2), (3, 3), (2, 4), (4, 4), (8, 2), (5, 3)]
 
 
 def hit_case(geom, gen, gqa, hist=None, chunk=None):
@@ -67,7 +67,7 @@ def test_materialize_writes_the_history_as_stored(d, g, p, live, rotary, widths)
     """Scratch rows = history as stored (INT2 dequantized per group, BF16 windows) then the chunk, keys with
     RoPE_p(mu_pre) @ R_K added, to within one float16 rounding; groups of several sequences at their rows.
     ``rotary``: RoPE on the first half of each head only (rotate-half or interleaved pairs).  ``widths``: keys and
-    values stored at 2, 3 or 4 bits (dequantized as quant.py does)."""
+    values stored at their own widths (dequantized as quant.py does)."""
     geom = geometry(d, g, p, widths=widths)
     gen = torch.Generator().manual_seed(d + g + p)
     c = hit_case(geom, gen, gqa=2)

@@ -33,6 +33,8 @@ def test_keys_and_values_count_at_their_own_widths():
     assert k3v2 == pytest.approx((bits_per_element(32768, 128, 128, bits=3) + bits_per_element(32768, 128, 128)) / 2)
     # D = G = 64: 0.375 bit of metadata per element on each side
     assert bits_per_element(10**9, 64, 64, k_bits=[4], v_bits=[2]) == pytest.approx(3.375, abs=1e-4)
+    # 5-bit keys: (5 + 2) / 2 + 0.1875 at D = G = 128 past the windows
+    assert bits_per_element(10**9, 128, 128, k_bits=[5], v_bits=[2]) == pytest.approx(3.6875, abs=1e-4)
     with pytest.raises(ValueError):
         bits_per_element(4096, 64, k_bits=[2, 2], v_bits=[2])
 

@@ -82,6 +82,15 @@ def test_wider_layers_count_their_own_codes():
     assert g.quant_page_bytes == 3 * 16 * (29 * 38 + 70)
 
 
+def test_five_bit_keys_count_five_eighths_of_the_head_dim():
+    """INT5 rows are an INT4 plane (D/2 bytes) and a high-bit plane (D/8): 5D/8 bytes, 40 at head dim 64."""
+    g = smol(k_bits=(5,) * 30, v_bits=(2,) * 30)
+    assert g.quant_bytes_per_token() == 64 * (5 + 2) // 8 + 6 == 62
+    assert g.kernel_error() is None and g.width_summary() == "K5V2 x 30"
+    pool = PagedKVPool.allocate(g, 2, 1)
+    assert pool.k_codes.shape[-1] == 40 and pool.v_codes.shape[-1] == 16
+
+
 def test_default_is_an_int2_cache():
     g = PoolGeometry(num_layers=2, num_kv_heads=1)
     assert g.k_bits == (2, 2) and g.quantizes
@@ -113,7 +122,9 @@ def test_settings_no_pool_can_use():
     (dict(head_dim=96, group_size=96), "head dim must be a power of two >= 32, got 96"),
     (dict(group_size=8), "group size 8 must divide head dim 64 and be >= D/4 = 16"),
     (dict(page_size=8), "page size must be 16, 32 or 64, got 8"),
-    (dict(k_bits=(2,) * 29 + (5,)), "the kernels read 2, 3, 4 and 8-bit codes"),
+    (dict(k_bits=(2,) * 29 + (6,)), "layers at K6V6 (the kernels read keys at 2, 3, 4, 5 or 8 bits, values at 2, 3, 4 "
+                                    "or 8)"),
+    (dict(v_bits=(2,) * 29 + (5,)), "layers at K2V5 (the kernels read keys at 2, 3, 4, 5 or 8 bits"),
     (dict(window_dtype=torch.float16), "the kernels read BF16 windows"),
 ])
 def test_kernel_error_says_why(changes, why):

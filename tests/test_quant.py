@@ -13,7 +13,7 @@ def outlier_rows(n=256, d=128, seed=0):
     return x
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 def test_pack_unpack_round_trip(bits):
     codes = torch.randint(0, 1 << bits, (5, 7, 128), dtype=torch.uint8)
     packed = pack_codes(codes, bits)
@@ -30,13 +30,26 @@ def test_int3_is_an_int2_plane_then_a_high_bit_plane():
     assert packed[:, 4:].tolist() == [[0b11001100, 0b11001100]]
 
 
+def test_int5_is_an_int4_plane_then_a_high_bit_plane():
+    codes = torch.arange(16, dtype=torch.uint8).view(1, 16) * 2 + torch.tensor([0, 1] * 8, dtype=torch.uint8)
+    codes = codes.clamp(max=31)  # D = 16: codes 0, 3, 4, 7, ..., 31 (channels 8-15 reach the fifth bit)
+    packed = pack_codes(codes, 5)
+    assert packed.shape[-1] == 10  # 8 bytes of nibbles + 2 bytes of high bits
+    # the INT4 plane: byte j holds channel j in the low nibble, channel j + 8 in the high nibble
+    assert torch.equal(packed[:, :8], pack_codes(codes & 15, 4))
+    assert packed[0, 1].item() == (codes[0, 1] & 15) | ((codes[0, 9] & 15) << 4)
+    # the high-bit plane: byte j holds channel j + 2k in bit k (channels 8-15 have it set)
+    assert packed[:, 8:].tolist() == [[0b11110000, 0b11110000]]
+    assert torch.equal(unpack_codes(packed, 5), codes)
+
+
 def test_int2_bit_layout_is_stride_packed():
     codes = torch.tensor([[0, 1, 2, 3, 3, 2, 1, 0]], dtype=torch.uint8)
     # byte 0 holds channels 0, 2, 4, 6 (codes 0, 2, 3, 1) in bit pairs 0-1, 2-3, 4-5, 6-7
     assert pack_codes(codes, 2).tolist() == [[0 | 2 << 2 | 3 << 4 | 1 << 6, 1 | 3 << 2 | 2 << 4 | 0 << 6]]
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("group", [32, 128])
 def test_reconstruction_error_is_within_half_a_step(bits, group):
     x = outlier_rows()
@@ -51,9 +64,9 @@ def test_reconstruction_error_is_within_half_a_step(bits, group):
 
 def test_more_bits_less_error():
     x = outlier_rows()
-    errs = [float((fake_quantize(x, b, 128) - x).norm()) for b in (2, 3, 4, 8)]
-    # steps shrink with the levels: 3 -> 7 -> 15 -> 255
-    assert errs[0] > 1.8 * errs[1] and errs[1] > 2 * errs[2] and errs[2] > 15 * errs[3]
+    errs = [float((fake_quantize(x, b, 128) - x).norm()) for b in (2, 3, 4, 5, 8)]
+    # steps shrink with the levels: 3 -> 7 -> 15 -> 31 -> 255
+    assert errs[0] > 1.8 * errs[1] and errs[1] > 2 * errs[2] and errs[2] > 1.9 * errs[3] and errs[3] > 7 * errs[4]
 
 
 def test_clip_clamps_the_largest_magnitudes_symmetrically():
@@ -90,9 +103,10 @@ def test_group_must_divide_head_dim():
     with pytest.raises(ValueError, match="divide"):
         quantize_rows(torch.randn(2, 128), 2, 48)
     with pytest.raises(ValueError, match="bits"):
-        quantize_rows(torch.randn(2, 128), 5, 128)
-    with pytest.raises(ValueError, match="multiple of 8 for 3-bit packing"):
-        quantize_rows(torch.randn(2, 12), 3, 12)
+        quantize_rows(torch.randn(2, 128), 6, 128)
+    for bits in (3, 5):  # the high-bit plane packs 8 channels a byte
+        with pytest.raises(ValueError, match=f"multiple of 8 for {bits}-bit packing"):
+            quantize_rows(torch.randn(2, 12), bits, 12)
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -130,7 +144,7 @@ def test_rescale_is_bounded_and_leaves_constant_rows_exact():
     assert 1.0 < ratio <= 2.0  # clipped at half the row: a large but bounded correction
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 def test_the_zero_point_grid_covers_every_group(bits):
     """Within half a step everywhere, whether the group straddles zero, lies above it or below it (zero point 0 or
     its largest), and a zero row is stored as zeros."""
@@ -159,7 +173,8 @@ def test_grid_metadata_takes_the_zero_point_needing_the_smaller_scale():
     assert scale[0].item() == 1.0 and scale[1].item() == pytest.approx(134.4 / 130, rel=1e-6)
 
 
-def test_minimum_is_exact_in_float32():
-    q = quantize_rows(torch.randn(32, 64) * 100, 3, 32)
-    exact = -(q.scale.double() * q.zero.double()) * 2.0 ** -fraction_bits(3)
+@pytest.mark.parametrize("bits", [3, 5])
+def test_minimum_is_exact_in_float32(bits):
+    q = quantize_rows(torch.randn(32, 64) * 100, bits, 32)
+    exact = -(q.scale.double() * q.zero.double()) * 2.0 ** -fraction_bits(bits)
     assert torch.equal(q.minimum.double(), exact)

@@ -10,7 +10,7 @@ The quantity to bound is therefore each KV head's key *logit noise*
 
 with C_Q the second moment of the (post-RoPE) queries of the head's GQA group, which calibration already has.  It is
 a property of the model's queries and keys at a width, measured on held-back text, not a constant chosen on one
-model.  Every width {2, 3, 4, 8} is measured with clips fitted at that width (an INT2 clip shrinks what a 4-bit code
+model.  Every width {2, 3, 4, 5, 8} is measured with clips fitted at that width (an INT2 clip shrinks what a 4-bit code
 would keep).
 
 Values, in the same units.  A key whose logit is off by d moves the attention output by p d (v - o) (p its
@@ -37,9 +37,11 @@ import torch
 
 from .memory import bits_per_element
 
-# 8 bits: the few layers whose keys are still noisy at 4 (Gemma 3 270M's global layers: 0.36-0.44 nats^2 at 4 bits,
-# ~0.002 at 8; benchmarks/NOTES.md, run D1)
-KEY_WIDTHS = (2, 3, 4, 8)
+# 5 and 8 bits: the few layers whose keys are still noisy at 4.  One bit more mostly does, where 8 cost four
+# (benchmarks/NOTES.md, run Z1: Qwen2.5's layer 0 keys 0.46 nats^2 at 4 bits, 0.128 at 5; Gemma 3 270M's global
+# layers 5 and 11, 0.36-0.44 at 4 in run D1, 0.088 and 0.111 at 5; the default tolerance is 0.3), so the widening
+# passes 5 before 8; 8 (~0.002 on those layers) stays for keys still noisy at 5 and for KL targets that ask for more
+KEY_WIDTHS = (2, 3, 4, 5, 8)
 # values: 2-4 bits (4 bits kept every value's accuracy that 8 did on Gemma 3 270M: run D1)
 VALUE_WIDTHS = (2, 3, 4)
 

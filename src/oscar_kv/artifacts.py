@@ -8,7 +8,8 @@ Tensors (float32 unless noted; H = KV heads, or 1 when one rotation is shared pe
                                                      (rope.py); zeros when keys are centered by k_mean only
   k_clip [L, Hkv], v_clip [L, Hkv]                   clip ratios used for INT2 rows
   k_bits [L], v_bits [L] int32                       storage precision of each layer's quantized keys / values
-                                                     (2, 3, 4 or 8; 16 on both: the layer is not quantized).
+                                                     (keys 2, 3, 4, 5 or 8, values 2, 3, 4 or 8; 16 on both: the
+                                                     layer is not quantized).
                                                      Artifacts written before keys and values could differ hold
                                                      one ``layer_bits`` [L] for both; loading reads it so.
 
@@ -45,7 +46,8 @@ TENSOR_FILE = "rotations.safetensors"
 MANIFEST_FILE = "manifest.json"
 DEFAULT_K_CLIP = 0.96
 DEFAULT_V_CLIP = 0.92
-STORED_BITS = (2, 3, 4, 8, 16)  # widths of a layer's quantized keys / values (16: not quantized)
+# widths of a layer's quantized keys / values (16: not quantized); 5 bits is a key width only (allocation.KEY_WIDTHS)
+STORED_BITS = {"k_bits": (2, 3, 4, 5, 8, 16), "v_bits": (2, 3, 4, 8, 16)}
 
 
 class ArtifactError(OscarKVError, ValueError):
@@ -193,10 +195,10 @@ class Rotations:
             for name in (f"{which}_mean",) + tuple(n for n, _ in extra):
                 if not torch.isfinite(getattr(self, name)).all():
                     raise ArtifactError(f"{name} contains NaN or Inf")
-        for name in ("k_bits", "v_bits"):
+        for name, allowed in STORED_BITS.items():
             bits = getattr(self, name)
-            if tuple(bits.shape) != (L,) or not set(bits.tolist()) <= set(STORED_BITS):
-                raise ArtifactError(f"{name} must hold one of {', '.join(map(str, STORED_BITS))} per layer")
+            if tuple(bits.shape) != (L,) or not set(bits.tolist()) <= set(allowed):
+                raise ArtifactError(f"{name} must hold one of {', '.join(map(str, allowed))} per layer")
         if ((self.k_bits == 16) != (self.v_bits == 16)).any():
             raise ArtifactError("a layer stores both keys and values at 16 bits or neither (k_bits / v_bits)")
         if self.group_size <= 0 or D % self.group_size:

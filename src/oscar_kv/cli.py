@@ -79,9 +79,9 @@ def calibrate(
     probe_tokens: int = typer.Option(512, help="Held-back tokens (after the calibration text) on which clip ratios "
                                      "and key centering are chosen; capped by the model's context."),
     key_bits: str = typer.Option(
-        "auto", metavar="auto|2|3|4|8", help="Bits per stored key. 'auto' measures each layer's key logit noise (the "
-        "variance of a query's logit error over far keys, nats^2, on held-back text, clips fitted per width) at 2, 3, "
-        "4 and 8 bits, and widens the noisiest layers first until every layer is within --key-noise or --kv-bits is "
+        "auto", metavar="auto|2|3|4|5|8", help="Bits per stored key. 'auto' measures each layer's key logit noise "
+        "(the variance of a query's logit error over far keys, nats^2, on held-back text, clips fitted per width) at 2, "
+        "3, 4, 5 and 8 bits, and widens the noisiest layers first until every layer is within --key-noise or --kv-bits is "
         "spent. Long-context retrieval fails on key noise first (a noisy far key outbids the needle). The manifest's "
         "calibration.widths records every layer's noise per width and the reason for the choice."),
     value_bits: str = typer.Option(

@@ -1,4 +1,4 @@
-"""Reference (torch) quantizer for KV rows: clip, asymmetric INT2/INT3/INT4/INT8, packing.
+"""Reference (torch) quantizer for KV rows: clip, asymmetric INT2/INT3/INT4/INT5/INT8, packing.
 
 This module is the specification the Triton kernels are tested against.
 
@@ -11,19 +11,25 @@ Layout of one quantized row (one token x one KV head, D channels, group size G):
   * INT3 codes are two bit planes, ``3 * D / 8`` bytes: first the low two bits of every code, stride-packed as
     INT2 (``D / 4`` bytes), then the high bit, stride-packed as 1-bit codes (``D / 8`` bytes: byte j holds channel
     ``j + k * D/8`` in bit k).  A kernel reads the INT2 plane as it reads INT2 and adds 4 x the high bit.
+  * INT5 codes (keys only: allocation.KEY_WIDTHS) are two bit planes, ``5 * D / 8`` bytes: first the low four bits
+    of every code, stride-packed as INT4 (``D / 2`` bytes: byte j holds channel j in the low nibble and channel
+    ``j + D/2`` in the high nibble), then the high (fifth) bit, stride-packed as 1-bit codes as INT3's high plane
+    (``D / 8`` bytes: byte j holds channel ``j + m * D/8`` in bit m).  So ``pack_codes(codes, 5)`` is
+    ``cat(pack_codes(codes & 15, 4), pack_codes(codes >> 4, 1))``; a kernel reads the INT4 plane as it reads INT4
+    and adds 16 x the high bit.  INT3 and INT5 need a head dim that is a multiple of 8 (their high-bit plane).
   * scale and zero point per group of G contiguous channels (``D // G`` of each per row): a float16 scale s and a
     uint8 zero point z in units of 2^-F of the scale, F = ``fraction_bits(bits)`` (8 - bits below 8 bits, 0 at 8).
     x_hat = s * (code - z 2^-F); the group's minimum is -s z 2^-F.  24 metadata bits a group (a float16 minimum
     took 32).
 
 The zero point (``grid_metadata``).  The group's range is widened to hold 0 (lo = min(x, 0), hi = max(x, 0)); with
-zmax = 2^F L (L = 2^bits - 1 levels) the exact zero point t = zmax (-lo) / (hi - lo) is rounded down and up, each
-candidate z gets the least scale whose grid reaches both ends, max((-lo) 2^F / z, hi 2^F / (zmax - z)), and the
-candidate needing the smaller scale wins (the floor on a tie).  The grid covers the group, a zero group is stored
-exactly (scale 0) and nothing is shared between a group's channels: the only cost against a float16 minimum is the
-scale's growth, at most 1 / (1 - 2^(1-F) / L) (+1.05% at 2 bits).  benchmarks/NOTES.md, run Z1: key and value
-noise +0.1-0.6% at the median, 7-24% less at 8 bits (a float16 minimum's rounding is an offset shared by the
-group).  Every step is one IEEE float32 operation (products by powers of two and integers below 2^8 are exact, the
+zmax = 2^F L (L = 2^bits - 1 levels; below 8 bits zmax = 2^8 - 2^F fits a uint8, 248 at 5 bits) the exact zero point
+t = zmax (-lo) / (hi - lo) is rounded down and up, each candidate z gets the least scale whose grid reaches both ends,
+max((-lo) 2^F / z, hi 2^F / (zmax - z)), and the candidate needing the smaller scale wins (the floor on a tie).  The
+grid covers the group, a zero group is stored exactly (scale 0) and nothing is shared between a group's channels: the
+only cost against a float16 minimum is the scale's growth, at most 1 / (1 - 2^(1-F) / L) (+1.05% at 2 bits).
+benchmarks/NOTES.md, run Z1: key and value noise +0.1-0.6% at the median, 7-24% less at 8 bits (a float16 minimum's
+rounding is an offset shared by the group).  Every step is one IEEE float32 operation (products by powers of two and integers below 2^8 are exact, the
 divisions are tensor by tensor), so the write kernel reproduces it bit for bit on every device.  s z 2^-F is exact
 in float32 (11 x 8 significant bits), so x_hat = s (c - z 2^-F) = c s + minimum is one rounding whichever way a
 kernel computes it.
@@ -50,7 +56,7 @@ import torch
 from .errors import ConfigError, NonFiniteActivations
 
 METADATA_DTYPE = torch.float16
-SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 5, 8)
 _F16_MAX = 65504.0
 RESCALE_RANGE = (0.5, 2.0)
 
@@ -99,7 +105,7 @@ def check_geometry(head_dim: int, group_size: int, bits: int) -> None:
         raise ConfigError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
     if group_size <= 0 or head_dim % group_size != 0:
         raise ConfigError(f"group size {group_size} must divide the head dim {head_dim}")
-    multiple = 8 if bits == 3 else 8 // bits  # INT3's high-bit plane packs 8 channels per byte
+    multiple = 8 if bits in (3, 5) else 8 // bits  # INT3's and INT5's high-bit planes pack 8 channels per byte
     if head_dim % multiple != 0:
         raise ConfigError(f"head dim {head_dim} must be a multiple of {multiple} for {bits}-bit packing")
 
@@ -134,10 +140,11 @@ def clip_rows(x: torch.Tensor, ratio: float | torch.Tensor) -> torch.Tensor:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Stride-pack integer codes (last dim D) into uint8, ``8 // bits`` codes per byte (INT3: two bit planes)."""
-    if bits == 3:
-        codes = codes.to(torch.uint8)
-        return torch.cat([pack_codes(codes & 3, 2), pack_codes(codes >> 2, 1)], dim=-1)
+    """Stride-pack integer codes (last dim D) into uint8, ``8 // bits`` codes per byte (INT3, INT5: two bit planes,
+    the low 2 / 4 bits as INT2 / INT4, then the high bit)."""
+    if bits in (3, 5):
+        codes, low = codes.to(torch.uint8), bits - 1
+        return torch.cat([pack_codes(codes & ((1 << low) - 1), low), pack_codes(codes >> low, 1)], dim=-1)
     per_byte = 8 // bits
     if per_byte == 1:
         return codes.to(torch.uint8)
@@ -151,9 +158,10 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: uint8 [..., D*bits/8] -> uint8 codes [..., D]."""
-    if bits == 3:
-        d = packed.shape[-1] * 8 // 3
-        return unpack_codes(packed[..., :d // 4], 2) | (unpack_codes(packed[..., d // 4:], 1) << 2)
+    if bits in (3, 5):
+        d, low = packed.shape[-1] * 8 // bits, bits - 1
+        plane = d * low // 8  # bytes of the low plane
+        return unpack_codes(packed[..., :plane], low) | (unpack_codes(packed[..., plane:], 1) << low)
     per_byte = 8 // bits
     if per_byte == 1:
         return packed
@@ -203,7 +211,7 @@ def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
 
     Args:
         x: rows to quantize; NaN or Inf raises NonFiniteActivations.
-        bits: 2, 3, 4 or 8.
+        bits: 2, 3, 4, 5 or 8.
         group_size: channels sharing one scale / zero point (default: the whole row).
         clip_ratio: see :func:`clip_rows`.
         rescale: the strength g of the scale rescale (module docstring); 0: none.

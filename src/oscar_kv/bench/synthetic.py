@@ -8,8 +8,8 @@ own ``k_bits`` / ``v_bits``):
 * none of them: every layer at K2V2, the INT2 default (what older results were measured at);
 * ``--key-bits B`` / ``--value-bits B``: every layer's keys / values at B bits (the other side at 2);
 * ``--kv-bits X``: a mixed allocation like calibrate's (``kv_bits_allocation``): values at ``--value-bits`` (2), keys
-  at two adjacent widths, K3 and K4 for X between the all-K3 and the all-K4 cost (about 2.78 and 3.28 bits at 128K
-  tokens; K2 and K3 below), as many layers at the wider one as keep the mean stored bits per element at the largest
+  at two adjacent widths of the kernels' key widths (2, 3, 4, 5, 8), K3 and K4 for X between the all-K3 and the all-K4
+  cost (about 2.78 and 3.28 bits at 128K tokens; K2 and K3 below, K4 and K5 or K5 and K8 above), as many layers at the wider one as keep the mean stored bits per element at the largest
   ``--contexts`` within X (memory.bits_per_element: BF16 windows and scales and zero points counted), spread evenly over
   the layers.  Calibrate picks which layers by their key noise; decode speed depends only on how many.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.layout import KERNEL_WIDTHS
+from ..kernels.layout import KERNEL_KEY_WIDTHS, KERNEL_VALUE_WIDTHS
 from ..memory import bits_per_element
 from ..rope import DEFAULT_PAIRS, keep_pairs, random_pairs
 
@@ -91,13 +91,14 @@ def spread(n: int, num_layers: int) -> list[bool]:
 def kv_bits_allocation(kv_bits: float, num_layers: int, context: int, head_dim: int, group_size: int | None = None,
                        sink_size: int = 64, recent_size: int = 256, value_bits: int = 2) -> list[int]:
     """The keys' widths of the synthetic ``--kv-bits`` allocation (module docstring): two adjacent widths lo < hi of
-    KERNEL_WIDTHS, lo the widest whose all-layer cost at ``context`` tokens is within ``kv_bits``, and as many layers
-    at hi (spread evenly) as keep the mean stored bits per element within it.  ValueError outside [all-K2, all-K4]."""
+    KERNEL_KEY_WIDTHS, lo the widest whose all-layer cost at ``context`` tokens is within ``kv_bits``, and as many
+    layers at hi (spread evenly) as keep the mean stored bits per element within it.  ValueError outside [all-K2,
+    all-K8]."""
     def cost(k_bits):
         return bits_per_element(context, head_dim, group_size, 2, sink_size, recent_size, k_bits=k_bits,
                                 v_bits=[value_bits] * num_layers)
 
-    widths = sorted(KERNEL_WIDTHS)
+    widths = sorted(KERNEL_KEY_WIDTHS)
     flat = {w: cost([w] * num_layers) for w in widths}
     eps = 1e-9
     if not flat[widths[0]] - eps <= kv_bits <= flat[widths[-1]] + eps:
@@ -118,12 +119,13 @@ def kv_bits_allocation(kv_bits: float, num_layers: int, context: int, head_dim: 
 
 def add_width_arguments(ap) -> None:
     """``--key-bits``, ``--value-bits`` and ``--kv-bits`` (module docstring)."""
-    ap.add_argument("--key-bits", type=int, choices=KERNEL_WIDTHS, default=None,
+    ap.add_argument("--key-bits", type=int, choices=KERNEL_KEY_WIDTHS, default=None,
                     help="every layer's keys at this width (the synthetic or hadamard artifact; default 2)")
-    ap.add_argument("--value-bits", type=int, choices=KERNEL_WIDTHS, default=None,
+    ap.add_argument("--value-bits", type=int, choices=KERNEL_VALUE_WIDTHS, default=None,
                     help="every layer's values at this width (default 2)")
     ap.add_argument("--kv-bits", type=float, default=None,
-                    help="a mixed allocation like calibrate's: keys at K3 / K4 (K2 / K3 below the all-K3 cost), as "
+                    help="a mixed allocation like calibrate's: keys at K3 / K4 (K2 / K3 below the all-K3 cost, K4 / K5 "
+                         "or K5 / K8 above the all-K4 cost), as "
                          "many layers at the wider width, spread evenly, as keep the mean stored bits per element "
                          "at the largest context within X; values at --value-bits")
 

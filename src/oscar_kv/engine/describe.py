@@ -80,9 +80,9 @@ class EngineDescription:
 
     def int2_decode_description(self) -> str:
         """The decode kernel(s) for the start-up line: one for every layer, or where some layers are stored at widths
-        the CUDA kernel does not read (kernels/int2_cuda.WIDTHS: keys at 2, 3, 4 or 8 bits, values at 2, 3 or 4) and
-        the others take the CUDA kernel, which layers take which."""
-        from ..kernels.int2_cuda import VALUE_BITS, WIDTHS
+        the CUDA kernel does not read (kernels/int2_cuda.WIDTHS) and the others take the CUDA kernel, which layers take
+        which."""
+        from ..kernels.int2_cuda import KEY_BITS, VALUE_BITS, WIDTHS
 
         spec = self.pool.geometry
         kernel, why = self.int2_decode_kernel()
@@ -97,8 +97,10 @@ class EngineDescription:
         def widths(ids):
             return width_summary(*zip(*(spec.layer_widths(i) for i in ids)))
 
-        reads = f"{', '.join(map(str, VALUE_BITS[:-1]))} or {VALUE_BITS[-1]}"
-        wide = f"the {layers(len(wider))} stored at {widths(wider)} (the CUDA kernel reads values at {reads} bits)"
+        def reads(bits):
+            return f"{', '.join(map(str, bits[:-1]))} or {bits[-1]}"
+        wide = (f"the {layers(len(wider))} stored at {widths(wider)} (the CUDA kernel reads keys at {reads(KEY_BITS)} "
+                f"bits, values at {reads(VALUE_BITS)})")
         if not on_cuda:
             return f"the Triton kernel on every layer: {wide}"
         return f"the one-launch CUDA kernel on {layers(len(on_cuda))} ({widths(on_cuda)}), the Triton kernel on {wide}"

@@ -1,4 +1,4 @@
-"""Building blocks shared by the Triton attention kernels (decode.py, extend.py): code unpacking (INT2, INT3, INT4),
+"""Building blocks shared by the Triton attention kernels (decode.py, extend.py): code unpacking (INT2 to INT8),
 per-group scores and values over the codes, the BF16 window range, the matmul helper, the position-aware (RoPE)
 logits, the split plan and the merge of split partials, and the constants and device queries they use.  The
 arithmetic over the codes is described in decode.py's docstring.
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._compat import install_interpreter_shim
-from .layout import KERNEL_WIDTHS
+from .layout import KERNEL_KEY_WIDTHS, KERNEL_VALUE_WIDTHS, kernel_widths_text
 from .tuning import TUNING
 
 install_interpreter_shim()
@@ -69,6 +69,8 @@ def code_slices(ptrs, mask, ch, BITS: tl.constexpr, D: tl.constexpr, USE_ASM: tl
             j of slice k (quant.py: byte j' holds channel j' + m D/8 in bit m): + 4^(k+1) where set.
       INT4: bytes j and D/4 + j hold channels j, D/4 + j in their low nibbles and D/2 + j, 3D/4 + j in their high
             nibbles; nibble c goes to c * 4^k by a shift (0, 2, 0, 2 after the high nibble's built-in 16).
+      INT5: the INT4 plane as INT4, plus the high-bit plane at byte D/2 + j % (D/8), bit 2k + j // (D/8) for channel
+            j of slice k (as INT3's, after D/2 bytes of nibbles): + 16 * 4^k where set, so c = nibble + 16 h.
       INT8: byte k D/4 + j holds channel j of slice k; shifted by 2k.
     """
     if BITS == 2:
@@ -91,6 +93,18 @@ def code_slices(ptrs, mask, ch, BITS: tl.constexpr, D: tl.constexpr, USE_ASM: tl
         c1 = (((up & 15) << 2).to(tl.float16) + 1024.0).to(tl.float16)
         c2 = ((lo & 240).to(tl.float16) + 1024.0).to(tl.float16)
         c3 = (((up & 240) << 2).to(tl.float16) + 1024.0).to(tl.float16)
+    elif BITS == 5:
+        D4: tl.constexpr = D // 4
+        D8: tl.constexpr = D // 8
+        lo = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        up = tl.load(ptrs + D4, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(ptrs + (2 * D4 - ch + ch % D8), mask=mask, other=0).to(tl.int32)
+        hi = hi >> (ch // D8)  # bit 2k of this now holds the high bit of slice k
+        # nibble + 16 h, times 4^k: at most 31 * 64, a multiple of 4^k (exact)
+        c0 = (((lo & 15) | ((hi & 1) << 4)).to(tl.float16) + 1024.0).to(tl.float16)
+        c1 = ((((up & 15) << 2) | ((hi & 4) << 4)).to(tl.float16) + 1024.0).to(tl.float16)
+        c2 = (((lo & 240) | ((hi & 16) << 4)).to(tl.float16) + 1024.0).to(tl.float16)
+        c3 = ((((up & 240) << 2) | ((hi & 64) << 4)).to(tl.float16) + 1024.0).to(tl.float16)
     else:  # INT8: byte k D/4 + j holds channel j of slice k
         D4: tl.constexpr = D // 4
         c0 = (tl.load(ptrs, mask=mask, other=0).to(tl.int32).to(tl.float16) + 1024.0).to(tl.float16)
@@ -294,9 +308,9 @@ def kernel_widths(geom, layer: int) -> tuple[int, int]:
     if not geom.quantizes:
         return 2, 2
     widths = geom.layer_widths(layer)
-    if any(b not in KERNEL_WIDTHS for b in widths):
+    if widths[0] not in KERNEL_KEY_WIDTHS or widths[1] not in KERNEL_VALUE_WIDTHS:
         raise ValueError(f"layer {layer} stores keys / values at {widths[0]} / {widths[1]} bits; the kernels read "
-                         f"{', '.join(map(str, KERNEL_WIDTHS))}-bit codes")
+                         f"{kernel_widths_text()}")
     return widths
 
 

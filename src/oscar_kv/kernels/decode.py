@@ -27,13 +27,14 @@ cores see the raw masked bytes; scale and min are applied per token in float32. 
 interpreter the same values are made with ordinary integer ops.  Keys are loaded transposed ([D/4, N]) so
 the MMA's key operand needs no register transpose.  Performance notes: benchmarks/NOTES.md.
 
-Keys and values at 3 or 4 bits (a layer's ``PoolGeometry.layer_widths``; K_BITS / V_BITS are constexprs, so the
-INT2 kernel compiles to the same SASS as before): ``common.code_slices`` turns either width into the same four
-float16 slices 1024 + c*4^k (exact up to c = 15), so the scores, values and offset corrections above are unchanged.
-INT3 reads its INT2 plane as INT2 (the PTX conversion included) and adds the high-bit plane as + 4^(k+1) where set
-(4 code steps: 4 x scale once scaled); INT4 shifts its nibbles into place with integer ops.  Values at another width
-than the keys address their own rows (V_ROWS).  The CUDA kernel reads keys at 2, 3, 4 or 8 bits with values at 2, 3
-or 4 (int2_cuda.WIDTHS); layers with values at 8 bits take this one (int2_kernel_choice).
+Keys and values at 3, 4 or 8 bits, keys at 5 (a layer's ``PoolGeometry.layer_widths``; K_BITS / V_BITS are
+constexprs, so the INT2 kernel compiles to the same SASS as before): ``common.code_slices`` turns every width into the
+same four float16 slices 1024 + c*4^k (exact up to c = 255), so the scores, values and offset corrections above are
+unchanged.  INT3 reads its INT2 plane as INT2 (the PTX conversion included) and adds the high-bit plane as + 4^(k+1)
+where set (4 code steps: 4 x scale once scaled); INT4 shifts its nibbles into place with integer ops; INT5 reads its
+INT4 plane as INT4 and adds its high-bit plane as + 16 * 4^k where set.  Values at another width than the keys address
+their own rows (V_ROWS).  The CUDA kernel reads the widths int2_cuda.WIDTHS lists; layers at other widths (values at
+8 bits, say) take this one (int2_kernel_choice).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ ROTATE_IN_KERNEL_MAX_DIM = 128
 # The history tile of layers whose codes unpack into more live registers than INT2's (a side at 4 bits, or values at
 # 3): at the INT2 default of 256 tokens their sm_90 builds spill 220-460 bytes a thread under the 128-register cap
 # (INT2 and K3V2: 40 at D = G = 128), at 128 tokens at most 48 (sm_90 builds read with cuobjdump -res-usage, D = 64
-# and 128; not yet timed on a GPU)
+# and 128; not yet timed on a GPU).  Keys at 5 bits hold INT4's two code tensors and one more (the high bits): taken
+# as wide too (neither built nor timed on a GPU)
 WIDE_CODES_BLOCK_N = 128
 
 # the register cap holds the position-aware term up to this many pairs (benchmarks/NOTES.md, "cost vs pairs, with
@@ -182,7 +184,7 @@ def _int2_decode_kernel(Q, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, PO, PL, A
         NG: tl.constexpr = D // G
         KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row
         VCB: tl.constexpr = D * V_BITS // 8
-        # rows start at multiples of the largest power of two dividing KCB / VCB (3D/8 at INT3: D/8)
+        # rows start at multiples of the largest power of two dividing KCB / VCB (3D/8 at INT3, 5D/8 at INT5: D/8)
         K_ALIGN: tl.constexpr = KCB & -KCB
         V_ALIGN: tl.constexpr = VCB & -VCB
         # 2^-F, the unit of the zero points (F = quant.fraction_bits: 8 - bits, 0 at 8 bits)
@@ -423,7 +425,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         window: the layer's sliding window (the query sees the last ``window`` tokens); None or 0: the whole
             sequence.  The history splits then cover only the window's part of the INT2 history.  Layers stored at
             widths the CUDA kernel does not read (``pool.geometry.layer_widths(layer)`` not in int2_cuda.WIDTHS:
-            values at 8 bits) run the Triton kernel.
+            values at 8 bits, keys at 5 until it reads them) run the Triton kernel.
         out: the output, written in place; None: a new tensor.
     Shapes:
         q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D].
@@ -443,7 +445,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     num_warps = num_warps or (TUNING.decode_num_warps_d256 if d > 128 else TUNING.decode_num_warps)
     if rope is not None and max_seq_len is None:
         max_seq_len = int(batch.seq_lens.max()) if bsz else 0
-    wide = widths[0] == 4 or widths[1] > 2
+    wide = widths[0] in (4, 5) or widths[1] > 2
     block_n = block_n or max(g.page_size, WIDE_CODES_BLOCK_N if wide else TUNING.decode_block_n)
     if block_n % g.page_size:
         raise ValueError("block_n must be a multiple of the page size")
@@ -510,9 +512,9 @@ def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: t
     ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
     "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
     None.  ``widths``: the layer's (key, value) code widths (both kernels take sliding windows).  A layer stored at
-    widths the CUDA kernel does not read (int2_cuda.WIDTHS: keys at 2, 3, 4 or 8 bits, values at 2, 3 or 4; so values
-    at 8 bits) takes Triton where the model's other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda included; only a call
-    that itself asks for "cuda" raises.  The engine reports the choice at start-up;
+    widths the CUDA kernel does not read (not in int2_cuda.WIDTHS, e.g. values at 8 bits, or keys at 5 where its
+    KEY_BITS does not list them) takes Triton where the model's other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda
+    included; only a call that itself asks for "cuda" raises (int2_cuda.width_error says why).  The engine reports the choice at start-up;
     ``int2_decode`` makes it per call."""
     from . import int2_cuda
 

@@ -19,7 +19,8 @@ and decode's merge kernel combines the partial outputs by their log-sum-exp.
 Per program, one online softmax (base 2, float32) over, in this order:
   1. the INT2 history, read as in decode.py (codes -> float16 1024 + c*4^k with the 4^k folded into the
      query slice, per-token scale/min applied in float32, the min from the zero point there; no dequantized tile
-     is ever built; keys and values at the layer's widths, 2, 3, 4 or 8 bits, through common.code_slices), except
+     is ever built; keys and values at the layer's widths, layout.KERNEL_KEY_WIDTHS / KERNEL_VALUE_WIDTHS,
+     through common.code_slices), except
      that the values' 1024 offset is removed from the MMA accumulator tile by tile, not once at the end (a
      program may read 100K+ tokens: see _int2_history).  Its four per-slice accumulators are folded and
      concatenated into the [BLOCK_M, D] accumulator afterwards, so they are not live during the rest;
@@ -81,7 +82,7 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Ks, Kz, Vc, Vs,
     NG: tl.constexpr = D // G
     KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row
     VCB: tl.constexpr = D * V_BITS // 8
-    # rows start at multiples of the largest power of two dividing KCB / VCB (3D/8 at INT3: D/8)
+    # rows start at multiples of the largest power of two dividing KCB / VCB (3D/8 at INT3, 5D/8 at INT5: D/8)
     K_ALIGN: tl.constexpr = KCB & -KCB
     V_ALIGN: tl.constexpr = VCB & -VCB
     # 2^-F, the unit of the zero points (F = quant.fraction_bits: 8 - bits, 0 at 8 bits)

@@ -14,9 +14,10 @@ be a multiple of P), in two pools:
 
 * **INT2 pool** for history pages, codes and 16-bit metadata in separate tensors::
 
-      k_codes, v_codes  uint8   [L, NQ, H, P, D*b/8]  b-bit codes (b = 2, 3, 4 or 8, keys and values each
-                                                      at their own width), stride-packed as in quant.py
-                                                      (INT2: byte j holds channels j, j+D/4, j+D/2, j+3D/4)
+      k_codes, v_codes  uint8   [L, NQ, H, P, D*b/8]  b-bit codes (b = 2, 3, 4, 5 or 8 for keys, 2, 3, 4 or 8
+                                                      for values, each side at its own width), stride-packed as
+                                                      in quant.py (INT2: byte j holds channels j, j+D/4, j+D/2,
+                                                      j+3D/4; INT3 / INT5: an INT2 / INT4 plane, then the high bits)
       k_scale, v_scale  float16 [L, NQ, H, P, NG]     NG = D/G groups: each group's scale s
       k_zero,  v_zero   uint8   [L, NQ, H, P, NG]     its zero point z; x_hat = s * (code - z 2^-F), F =
                                                       quant.fraction_bits(b) (quant.py: 24 bits a group)
@@ -75,9 +76,18 @@ METADATA_BYTES_PER_GROUP = 3
 POOL_TENSORS = ("k_codes", "v_codes", "k_scale", "v_scale", "k_zero", "v_zero", "k_win", "v_win")
 # A geometry that names no bits per layer is an INT2 cache.
 KERNEL_BITS = 2
-# The code widths the Triton kernels read and write, keys and values each (the CUDA decode kernel reads keys at 2, 3, 4
-# or 8 bits and values at 2, 3 or 4: decode.int2_kernel_choice).  kernel_error names layers at any other width.
-KERNEL_WIDTHS = (2, 3, 4, 8)
+# The code widths the Triton kernels read and write: keys at 2, 3, 4, 5 or 8 bits, values at 2, 3, 4 or 8 (5 bits is a
+# key width only: allocation.KEY_WIDTHS).  The CUDA decode kernel reads fewer (int2_cuda.WIDTHS; a layer it does not
+# read runs the Triton kernel: decode.int2_kernel_choice).  kernel_error names layers at any other width.
+KERNEL_KEY_WIDTHS = (2, 3, 4, 5, 8)
+KERNEL_VALUE_WIDTHS = (2, 3, 4, 8)
+
+
+def kernel_widths_text() -> str:
+    """The Triton kernels' widths in words, for errors: "keys at 2, 3, 4, 5 or 8 bits, values at 2, 3, 4 or 8"."""
+    def words(widths):
+        return f"{', '.join(map(str, widths[:-1]))} or {widths[-1]}"
+    return f"keys at {words(KERNEL_KEY_WIDTHS)} bits, values at {words(KERNEL_VALUE_WIDTHS)}"
 
 
 @dataclass(frozen=True)
@@ -137,10 +147,11 @@ class PoolGeometry:
     def kernel_error(self) -> str | None:
         """None when the Triton/CUDA kernels can address this pool, else why not."""
         d, g, p = self.head_dim, self.group_size, self.page_size
-        if self.quantizes and any(b not in KERNEL_WIDTHS for b in self.k_bits + self.v_bits):
+        if self.quantizes:
             widths = "/".join(f"K{k}V{v}" for k, v in sorted(set(zip(self.k_bits, self.v_bits)))
-                              if k not in KERNEL_WIDTHS or v not in KERNEL_WIDTHS)
-            return f"the artifact stores layers at {widths} (the kernels read 2, 3, 4 and 8-bit codes)"
+                              if k not in KERNEL_KEY_WIDTHS or v not in KERNEL_VALUE_WIDTHS)
+            if widths:
+                return f"the artifact stores layers at {widths} (the kernels read {kernel_widths_text()})"
         if d % 4 or d % g or g < d // 4:
             return f"group size {g} must divide head dim {d} and be >= D/4 = {d // 4}"
         if d & (d - 1) or d < 32:

@@ -3,8 +3,8 @@ Specification: reference.extend_reference (the same semantics as extend.int2_ext
 
 Per sequence and layer, one Triton pass writes the sequence's keys and values of positions [0, n) into a
 contiguous float16 scratch in the rotated space: positions before the chunk as stored (INT2 pages dequantized,
-keys and values each at the layer's width of 2, 3, 4 or 8 bits; sink / recent BF16 pages copied), then the chunk's
-own keys and values exactly as given; keys get the position-aware offset RoPE_p(mu_pre) @ R_K added back
+keys and values each at the layer's width, 2, 3, 4, 5 (keys) or 8 bits; sink / recent BF16 pages copied), then the
+chunk's own keys and values exactly as given; keys get the position-aware offset RoPE_p(mu_pre) @ R_K added back
 (rope.py), as codec.LayerCodec.restore_offsets does.  Then the rotated queries attend over [history | chunk]
 (chunk_attention.py: cuDNN over the history and the chunk, merged by log-sum-exp, or one flash call with a
 lower-right mask).  Nothing about the attention
@@ -61,15 +61,18 @@ SCRATCH_DTYPE = torch.float16
 # ------------------------------------------------------------------------------------------ kernel
 @triton.jit
 def _codes(Codes, crow, is_q, D: tl.constexpr, BITS: tl.constexpr):
-    """float32 [BLOCK, D] codes of the rows at Codes + crow (quant.py's stride packing at BITS = 2, 3, 4 or 8)."""
+    """float32 [BLOCK, D] codes of the rows at Codes + crow (quant.py's stride packing at BITS = 2, 3, 4, 5 or 8)."""
     offs_d = tl.arange(0, D)
-    if BITS == 3:  # an INT2 plane (D/4 bytes), then the high bits: byte D/4 + j holds channel j + m D/8 in bit m
-        D4: tl.constexpr = D // 4
+    if BITS == 3 or BITS == 5:
+        # an INT2 / INT4 plane (LW = D (BITS - 1) / 8 bytes), then the high bits: byte LW + j holds channel j + m D/8
+        # in bit m
+        LB: tl.constexpr = BITS - 1
+        LW: tl.constexpr = D * LB // 8
         D8: tl.constexpr = D // 8
-        low = tl.load(Codes + crow[:, None] + (offs_d % D4)[None, :], mask=is_q[:, None], other=0)
-        high = tl.load(Codes + crow[:, None] + D4 + (offs_d % D8)[None, :], mask=is_q[:, None], other=0)
-        code = ((low >> (2 * (offs_d // D4)).to(tl.uint8)[None, :]) & 3) | \
-            (((high >> (offs_d // D8).to(tl.uint8)[None, :]) & 1) << 2)
+        low = tl.load(Codes + crow[:, None] + (offs_d % LW)[None, :], mask=is_q[:, None], other=0)
+        high = tl.load(Codes + crow[:, None] + LW + (offs_d % D8)[None, :], mask=is_q[:, None], other=0)
+        code = ((low >> (LB * (offs_d // LW)).to(tl.uint8)[None, :]) & ((1 << LB) - 1)) | \
+            (((high >> (offs_d // D8).to(tl.uint8)[None, :]) & 1) << LB)
     else:  # byte j of a row holds channels j + k W at bits k BITS (W = D BITS / 8 bytes a row)
         W: tl.constexpr = D * BITS // 8
         raw = tl.load(Codes + crow[:, None] + (offs_d % W)[None, :], mask=is_q[:, None], other=0)

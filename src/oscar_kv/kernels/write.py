@@ -5,7 +5,7 @@ center and rotate K by R_K (float32), then per token and KV head either store BF
 clip + quantize + pack into an INT2 page (values arrive rotated).  ``migrate_pages``: one launch for all
 layers and all migrating requests, quantizing whole BF16 recent pages into INT2 pages.
 
-The quantizer reproduces quant.quantize_rows bit for bit at 2, 3, 4 or 8 bits (keys and values each at their layer's
+The quantizer reproduces quant.quantize_rows bit for bit at 2, 3, 4, 5 or 8 bits (keys and values each at their layer's
 width, ``PoolGeometry.layer_widths``; a constexpr, so the INT2 kernel compiles as it did): clip threshold = the
 floor(c*D)-th smallest |x| of the row (a sort), each group's min/max in float32, then quant.grid_metadata's rule
 step for step (``_grid_metadata``): the range widened to hold 0, the exact zero point t = 2^F L (-lo) / (hi - lo)
@@ -16,8 +16,8 @@ by a tensor, which torch rounds correctly on every device (CUDA: div.rn) and the
 ``tl.math.div_rn``; no division by a scalar remains, which torch would do through a reciprocal on CUDA.  Masked
 denominators are replaced by 1 before dividing, as torch's code does.  Then
 scale16 = float16(min(scale, 65504)) rounded half to even (``_f16_rne``), zero point z stored as uint8, code =
-round-half-even(x / scale16 + z 2^-F) clamped to [0, L] (scale16 0 -> /1), packed as quant.pack_codes does (INT3:
-an INT2 plane, then a plane of high bits).  A zero scale is stored as +0.0, as torch's rule gives it.
+round-half-even(x / scale16 + z 2^-F) clamped to [0, L] (scale16 0 -> /1), packed as quant.pack_codes does (INT3 /
+INT5: an INT2 / INT4 plane, then a plane of high bits).  A zero scale is stored as +0.0, as torch's rule gives it.
 
 With a rescale strength g > 0 (quant.py: the artifact's ``rescale``) the scale is then multiplied by 1 + g (alpha - 1),
 alpha = <x, x> / <x, x_hat> over the unclipped group, x_hat = code scale16 - scale16 z 2^-F (exact in float64); the
@@ -129,7 +129,7 @@ def _stride_pack(code, ROWS: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
 def _quantize_rows_store(x, clip_idx, rmask, Codes, Scale, Zero, crow, mrow,
                          D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr,
                          RESCALE: tl.constexpr, strength, BITS: tl.constexpr = 2):
-    """Clip/quantize/pack x [ROWS, D] float32 to BITS-bit codes (2, 3, 4 or 8) and store the codes at Codes+crow
+    """Clip/quantize/pack x [ROWS, D] float32 to BITS-bit codes (2, 3, 4, 5 or 8) and store the codes at Codes+crow
     (D*BITS/8 bytes a row), the float16 scales at Scale+mrow and the uint8 zero points at Zero+mrow (NG a row)."""
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
@@ -174,6 +174,12 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Scale, Zero, crow, mrow,
     elif BITS == 4:
         packed = _stride_pack(tl.reshape(code, [ROWS, D]), ROWS, D, 4)
         tl.store(Codes + crow[:, None] + tl.arange(0, D // 2)[None, :], packed, mask=rmask[:, None])
+    elif BITS == 5:  # the low four bits as INT4, then the high bits at one bit a channel
+        D8: tl.constexpr = D // 8
+        low = _stride_pack(tl.reshape(code & 15, [ROWS, D]), ROWS, D, 4)
+        high = _stride_pack(tl.reshape(code >> 4, [ROWS, D]), ROWS, D, 1)
+        tl.store(Codes + crow[:, None] + tl.arange(0, D // 2)[None, :], low, mask=rmask[:, None])
+        tl.store(Codes + crow[:, None] + D // 2 + tl.arange(0, D8)[None, :], high, mask=rmask[:, None])
     else:  # INT8: byte j holds channel j
         code = tl.reshape(code, [ROWS, D]).to(tl.uint8)
         tl.store(Codes + crow[:, None] + tl.arange(0, D)[None, :], code, mask=rmask[:, None])
