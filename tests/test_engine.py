@@ -515,10 +515,9 @@ def test_keys_and_values_at_mixed_widths_run_the_kernels_with_the_torch_paths_to
 
 
 def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read():
-    """LLMEngine.describe's decode part where the CUDA kernel runs (here as on an H100): it reads keys at 2, 3, 4 or
-    8 bits and values at 2, 3 or 4 (kernels/int2_cuda.WIDTHS), windowed or not; layers at other widths (values at 8
-    bits, keys at 5 while int2_cuda.KEY_BITS does not list them) are named as taking Triton; when no layer is left for
-    CUDA, Triton serves all."""
+    """LLMEngine.describe's decode part where the CUDA kernel runs (here as on an H100): it reads keys at 2, 3, 4, 5
+    or 8 bits and values at 2, 3 or 4 (kernels/int2_cuda.WIDTHS), windowed or not; layers at other widths (values at
+    8 bits) are named as taking Triton; when no layer is left for CUDA, Triton serves all."""
     from types import SimpleNamespace
 
     from oscar_kv.kernels import int2_cuda
@@ -526,7 +525,7 @@ def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read()
     def words(bits):
         return f"{', '.join(map(str, bits[:-1]))} or {bits[-1]}"
     reads = f"(the CUDA kernel reads keys at {words(int2_cuda.KEY_BITS)} bits, values at {words(int2_cuda.VALUE_BITS)})"
-    assert set(int2_cuda.KEY_BITS) >= {2, 3, 4, 8} and int2_cuda.VALUE_BITS == (2, 3, 4)
+    assert int2_cuda.KEY_BITS == (2, 3, 4, 5, 8) and int2_cuda.VALUE_BITS == (2, 3, 4)
 
     def engine(k_bits, v_bits, windows=None):
         def choice(widths=(2, 2)):
@@ -548,10 +547,9 @@ def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read()
                      f"layer stored at K3V8 x 1 {reads}")
     assert describe(engine((3, 4), (8, 8))) == ("the Triton kernel on every layer: the 2 layers stored at K3V8 x 1, "
                                                 f"K4V8 x 1 {reads}")
-    if 5 not in int2_cuda.KEY_BITS:  # without a 5-bit key variant of the CUDA kernel, K5 layers take Triton
-        assert describe(engine((5, 4, 5), (2, 2, 8))) == (
-            "the one-launch CUDA kernel on 1 layer (K4V2 x 1), the Triton kernel on the 2 layers stored at K5V2 x 1, "
-            f"K5V8 x 1 {reads}")
+    assert describe(engine((5, 4, 5), (2, 2, 8))) == (
+        "the one-launch CUDA kernel on 2 layers (K4V2 x 1, K5V2 x 1), the Triton kernel on the 1 layer stored at "
+        f"K5V8 x 1 {reads}")
 
 
 def test_warm_up_runs_every_stage_and_leaves_no_trace(model, tokenizer, small_rotations):

@@ -341,7 +341,8 @@ def test_bf16_decode_sliding_window():
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
 @pytest.mark.parametrize("d,page_size,widths", [(128, 16, (2, 2)), (128, 32, (3, 2)), (64, 16, (8, 2)),
-                                                (128, 16, (8, 2)), (128, 32, (2, 3)), (64, 16, (4, 4))], ids=width_ids)
+                                                (128, 16, (8, 2)), (128, 32, (2, 3)), (64, 16, (4, 4)),
+                                                (128, 16, (5, 2))], ids=width_ids)
 def test_cuda_decode_sliding_window(d, page_size, widths):
     """The CUDA kernel's sliding-window variant (int2_decode.cu, SLIDING) against the float64 reference and Triton:
     windows of 1 token to longer than every sequence, their first token in the sink, the INT2 history (32K and 128K
@@ -451,37 +452,6 @@ def test_layers_at_other_widths_take_the_triton_kernel(monkeypatch):
     assert not decode._use_cuda(None, cuda, geom, 4, None, widths=(4, 8))
 
 
-def test_five_bit_keys_take_the_cuda_kernel_where_it_lists_them(monkeypatch):
-    """Keys at 5 bits (allocation.KEY_WIDTHS) are read by the Triton kernels; the CUDA kernel takes a K5 layer only
-    where int2_cuda.KEY_BITS lists 5.  Without it the layer takes Triton and says why (under
-    OSCAR_KV_INT2_KERNEL=cuda too), a call that asks for CUDA raises, and int2_cuda.decode refuses the rows before
-    launching."""
-    from oscar_kv.kernels import decode, int2_cuda
-
-    geom = PoolGeometry(num_layers=2, num_kv_heads=2, head_dim=64, group_size=64, page_size=16, sink_size=16,
-                        recent_size=32, k_bits=(5, 4), v_bits=(2, 2))
-    monkeypatch.setattr(int2_cuda, "unsupported", lambda *args: None)  # as on an H100
-    monkeypatch.setattr(decode, "INTERPRET", False)
-    cuda = torch.device("cuda")
-    assert decode.int2_kernel_choice(cuda, geom, 4, widths=(4, 2)) == ("cuda", None)
-    if 5 in int2_cuda.KEY_BITS:
-        assert decode.int2_kernel_choice(cuda, geom, 4, widths=(5, 2)) == ("cuda", None)
-        return
-    assert int2_cuda.width_error(5, 2) is not None and "K5V2" in int2_cuda.width_error(5, 2)
-    assert decode.int2_kernel_choice(cuda, geom, 4, widths=(5, 2)) == ("triton", decode.stored_width_reason(5, 2))
-    with pytest.raises(ValueError, match="cannot run this call: layer stored at K5V2"):
-        decode.int2_kernel_choice(cuda, geom, 4, backend="cuda", widths=(5, 2))
-    monkeypatch.setenv(decode.INT2_KERNEL_ENV, "cuda")
-    assert decode.int2_kernel_choice(cuda, geom, 4, widths=(5, 2))[0] == "triton"
-    monkeypatch.undo()
-    one = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size=64, page_size=16, sink_size=16,
-                       recent_size=32, k_bits=(5,), v_bits=(2,))
-    pool, batch, rot = build_pool(one, [100], torch.Generator().manual_seed(8))
-    q = torch.randn(1, 4, 64)
-    with pytest.raises(ValueError, match="K5V2"):  # widths read off the code rows: 40 bytes at head dim 64
-        int2_cuda.decode(q, rot, pool.layer(0), one, batch, torch.empty_like(q), 1, 128, 0.1)
-
-
 def _check_query_dtypes_and_shared_rotation(pool, batch, rot, q, against_triton=False):
     """The CUDA kernel with float32 / float16 queries, one rotation shared by the heads or none (keys stored
     unrotated), against the float64 reference (and Triton)."""
@@ -584,9 +554,9 @@ def test_cuda_int2_decode_adds_the_position_aware_key_offset(d, sink, live, scal
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
-@pytest.mark.parametrize("d,widths", [(d, w) for d in (128, 64) for w in ((2, 2), (3, 2), (4, 2), (8, 2))] + [
-    (128, (2, 3)), (128, (4, 3)), (128, (8, 3)), (128, (3, 4)),  # values at 3 and 4 bits (VBITS)
-    (64, (2, 3)), (64, (3, 3)), (64, (4, 4)), (64, (8, 4))], ids=width_ids)
+@pytest.mark.parametrize("d,widths", [(d, w) for d in (128, 64) for w in ((2, 2), (3, 2), (4, 2), (5, 2), (8, 2))] + [
+    (128, (2, 3)), (128, (4, 3)), (128, (8, 3)), (128, (3, 4)), (128, (5, 3)),  # values at 3 and 4 bits (VBITS)
+    (64, (2, 3)), (64, (3, 3)), (64, (4, 4)), (64, (8, 4)), (64, (5, 4))], ids=width_ids)
 def test_cuda_decode_reads_3_and_4_bit_keys(d, widths):
     """The CUDA kernel's key and value variants (int2_decode.cu, KBITS and VBITS: the INT3 high-bit plane, the INT4
     upper bytes and the INT8 key bytes turned into the INT2 variant's MMA operands) beside INT2, head dim 128 and 64,
@@ -631,10 +601,10 @@ def test_cuda_decode_reads_3_and_4_bit_keys(d, widths):
 
 @pytest.mark.skipif(not GPU, reason="the CUDA INT2 kernel runs on a GPU only")
 @pytest.mark.parametrize("d,sink,live,scale,widths", [
-    (*case, w) for w in ((3, 2), (4, 2), (8, 2))
+    (*case, w) for w in ((3, 2), (4, 2), (5, 2), (8, 2))
     for case in ((128, 64, 32, 20.0), (128, 48, 3, 900.0), (64, 48, 12, 300.0))
 ] + [(128, 64, 32, 20.0, (2, 4)), (128, 48, 3, 900.0, (8, 3)), (128, 64, 12, 300.0, (4, 3)),
-     (64, 48, 12, 300.0, (3, 3))], ids=width_ids)
+     (64, 48, 12, 300.0, (3, 3)), (128, 64, 12, 300.0, (5, 3))], ids=width_ids)
 def test_cuda_decode_of_3_and_4_bit_keys_adds_the_position_aware_key_offset(d, sink, live, scale, widths):
     """Per-position key centering (rope_terms) in the 3- and 4-bit key and value variants: 8 .. 32 visited pairs,
     |mu_pre| up to 900, a sink that ends mid-step, window-only and long sequences, GQA 3 / 8, a page bound past the
@@ -670,6 +640,7 @@ def test_cuda_decode_of_3_and_4_bit_keys_adds_the_position_aware_key_offset(d, s
     (128, (2, 2), None, 1024), (128, (2, 2), 8, 1024), (128, (3, 2), 32, 512),  # sliding windows (5 of 6 layers)
     # values at 3 and 4 bits (Gemma 3 270M's calibration default: K4V3 x 10, K8V3 x 5, K3V3 x 1, ...)
     (128, (4, 3), None, None), (128, (8, 3), 8, 512), (256, (3, 4), None, 1024), (128, (2, 4), 32, None),
+    (128, (5, 2), None, None), (128, (5, 3), 16, 512), (256, (5, 2), 8, None),  # 5-bit keys (Gemma's layers 5, 11)
 ], ids=width_ids)
 def test_cuda_decode_head_dim_256(group, widths, live, window):
     """Head dim 256 in the CUDA kernel (int2_decode.cu, D = 256: NG = 2 metadata groups at G = 128, two logit and

@@ -425,7 +425,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         window: the layer's sliding window (the query sees the last ``window`` tokens); None or 0: the whole
             sequence.  The history splits then cover only the window's part of the INT2 history.  Layers stored at
             widths the CUDA kernel does not read (``pool.geometry.layer_widths(layer)`` not in int2_cuda.WIDTHS:
-            values at 8 bits, keys at 5 until it reads them) run the Triton kernel.
+            values at 8 bits) run the Triton kernel.
         out: the output, written in place; None: a new tensor.
     Shapes:
         q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D].
@@ -512,8 +512,7 @@ def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: t
     ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
     "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
     None.  ``widths``: the layer's (key, value) code widths (both kernels take sliding windows).  A layer stored at
-    widths the CUDA kernel does not read (not in int2_cuda.WIDTHS, e.g. values at 8 bits, or keys at 5 where its
-    KEY_BITS does not list them) takes Triton where the model's other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda
+    widths the CUDA kernel does not read (not in int2_cuda.WIDTHS: values at 8 bits) takes Triton where the model's other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda
     included; only a call that itself asks for "cuda" raises (int2_cuda.width_error says why).  The engine reports the choice at start-up;
     ``int2_decode`` makes it per call."""
     from . import int2_cuda
