@@ -16,7 +16,7 @@ scored at the extended lengths.  ``--tasks`` adds ``longgen`` (greedy generation
 ``--gen-tokens``) to the default kl, niah, niah_multikey.
 
 Candidates (``--candidates``, comma-separated): ``default`` (what ``oscar-kv calibrate`` writes), ``k2`` / ``k3`` /
-``k4`` / ``k8`` (every layer's keys at that width; ``k4v3``, ``k4v4``: values wider too), ``bX`` (widths chosen by the key noise under a budget of X bits per
+``k4`` / ``k5`` / ``k8`` (every layer's keys at that width; ``k4v3``, ``k4v4``: values wider too), ``bX`` (widths chosen by the key noise under a budget of X bits per
 element at the model's context, no tolerance), ``nX`` (tolerance X nats^2, no budget), ``mX`` (calibrated with the
 default tolerance and ``--max-kl X``: widened past the tolerance until the KL measured on held-back text is at most
 X), ``fX`` (``--key-noise 0 --max-kl X``: no tolerance, the fewest widenings from the narrowest widths whose KL is at
@@ -56,7 +56,7 @@ def candidate_widths(name: str, default: Rotations, seq_len: int) -> tuple[list[
     layers = default.geometry.num_layers
     if name == "default":
         return None
-    match = re.fullmatch(r"k([2348])(?:v([2348]))?", name)
+    match = re.fullmatch(r"k([23458])(?:v([2348]))?", name)
     if match:
         return [int(match[1])] * layers, [int(match[2] or 2)] * layers
     if name[0] in "mf":
@@ -112,7 +112,7 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     print(f"{spec}: calibrated in {time.perf_counter() - t0:.0f} s; default: "
           f"{default.manifest['calibration']['widths']['reason']}", flush=True)
     first, *rest = candidates
-    config = EvalConfig(methods=["bf16", "kivi-2", "oscar"], tasks=args.tasks.split(","), gen_tokens=args.gen_tokens,
+    config = EvalConfig(methods=[*filter(None, args.baselines.split(",")), "oscar"], tasks=args.tasks.split(","), gen_tokens=args.gen_tokens,
                         text=args.text,
                         context_lengths=contexts, niah_samples=args.niah_samples, ablations=False,
                         compare={f"oscar-{name}": artifacts[name] for name in rest})
@@ -155,6 +155,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gen-tokens", type=int, default=1024)
     parser.add_argument("--text", default=None, help="evaluation text (eval --text): 'stdlib:' for contexts past the "
                         "shipped corpus's ~43K tokens")
+    parser.add_argument("--baselines", default="bf16,kivi-2",
+                        help="methods scored beside the candidates (bf16 always: the KL's reference; 'bf16' alone skips "
+                        "KIVI-2, whose rows repeat on the same prompts)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)

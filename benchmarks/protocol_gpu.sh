@@ -119,6 +119,14 @@ PY
         d18) wait_for qwen
           step d18 --model qwen2.5-coder-1.5b@yarn4:65536,131072 --niah-samples 6 --text stdlib: \
             --candidates default ;;
+        # runs D19-D21 (2026-11-29): 5-bit keys; KIVI-2's rows repeat D17's / PR2's on the same prompts
+        d19) wait_for qwen
+          step d19 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --candidates default --baselines bf16 ;;
+        d20) wait_for gemma
+          step d20 --model gemma3-270m:8192,16384,32768 --tasks kl --candidates default,m0.05,f0.05 ;;
+        d21) wait_for qwen
+          step d21 --model qwen2.5-coder-1.5b:32768 --niah-samples 10 --baselines bf16 \
+            --candidates default,k2,b2.5,b2.7,k3,b3.2,k4,k5 ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
