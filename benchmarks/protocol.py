@@ -19,7 +19,7 @@ Candidates (``--candidates``, comma-separated): ``default`` (what ``oscar-kv cal
 ``k4`` / ``k5`` / ``k8`` (every layer's keys at that width; ``k4v3``, ``k4v4``: values wider too), ``bX`` (widths chosen by the key noise under a budget of X bits per
 element at the model's context, no tolerance), ``nX`` (tolerance X nats^2, no budget), ``mX`` (calibrated with the
 default tolerance and ``--max-kl X``: widened past the tolerance until the KL measured on held-back text is at most
-X), ``fX`` (``--key-noise 0 --max-kl X``: no tolerance, the fewest widenings from the narrowest widths whose KL is at
+X), ``aX`` (the default plus ``--max-answer-kl X``: widened until the needle probe's answer KL is at most X), ``tX`` (``calibrate --key-noise X``: keys and values allocated at tolerance X, then the default KL check), ``fX`` (``--key-noise 0 --max-kl X``: no tolerance, the fewest widenings from the narrowest widths whose KL is at
 most X).  The first candidate is the `oscar` row.
 """
 
@@ -47,7 +47,8 @@ from oscar_kv.memory import bits_per_element
 from oscar_kv.models import load_model
 from oscar_kv.probe import fit_clip_ratios
 
-METRICS = ("bits_per_element", "kl", "top1_agreement", "niah", "niah_multikey", "gen_kl", "gen_first_divergence")
+METRICS = ("bits_per_element", "kl", "top1_agreement", "niah", "niah_multikey", "niah_multikey_answer_kl",
+           "niah_multikey_answer_nll", "gen_kl", "gen_first_divergence")
 
 
 def candidate_widths(name: str, default: Rotations, seq_len: int) -> tuple[list[int], list[int]] | None:
@@ -59,8 +60,8 @@ def candidate_widths(name: str, default: Rotations, seq_len: int) -> tuple[list[
     match = re.fullmatch(r"k([23458])(?:v([2348]))?", name)
     if match:
         return [int(match[1])] * layers, [int(match[2] or 2)] * layers
-    if name[0] in "mf":
-        raise ValueError("mX and fX candidates are calibrated, not derived (run_model)")
+    if name[0] in "mfta":
+        raise ValueError("mX, fX, tX and aX candidates are calibrated, not derived (run_model)")
     recorded = default.manifest["calibration"]["widths"]
     noise = {int(w): n for w, n in recorded["key_noise_by_width"].items()}
     tolerance, budget = (None, float(name[1:])) if name[0] == "b" else (float(name[1:]), None)
@@ -101,6 +102,10 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
         if name[0] in "mf":  # a KL target (f: without the tolerance): calibrate measures the KL itself
             kl_settings = replace(settings, max_kl=float(name[1:]), **({"key_noise": None} if name[0] == "f" else {}))
             rot = calibrate(model, tokenizer, kl_settings, progress=False)
+        elif name[0] == "t":  # calibrate's own allocation at another tolerance: values widen with the keys
+            rot = calibrate(model, tokenizer, replace(settings, key_noise=float(name[1:])), progress=False)
+        elif name[0] == "a":  # the default plus the needle probe's answer KL target
+            rot = calibrate(model, tokenizer, replace(settings, max_answer_kl=float(name[1:])), progress=False)
         else:
             widths = candidate_widths(name, default, max_len)
             rot = default if widths is None else with_widths(default, *widths, probe)
@@ -133,9 +138,11 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
 
 def markdown(rows: list[dict]) -> str:
     fmt = {"bits_per_element": "{:.3f}", "kl": "{:.4f}", "top1_agreement": "{:.3f}", "niah": "{:.2f}",
-           "niah_multikey": "{:.2f}", "gen_kl": "{:.4f}", "gen_first_divergence": "{:.0f}"}
+           "niah_multikey": "{:.2f}", "niah_multikey_answer_kl": "{:.4f}", "niah_multikey_answer_nll": "{:.3f}",
+           "gen_kl": "{:.4f}", "gen_first_divergence": "{:.0f}"}
     heads = {"bits_per_element": "bits", "kl": "KL", "top1_agreement": "top-1", "niah": "NIAH",
-             "niah_multikey": "multi-key", "gen_kl": "gen KL", "gen_first_divergence": "gen tokens before divergence"}
+             "niah_multikey": "multi-key", "niah_multikey_answer_kl": "multi-key answer KL",
+             "niah_multikey_answer_nll": "multi-key answer NLL", "gen_kl": "gen KL", "gen_first_divergence": "gen tokens before divergence"}
     shown = [m for m in METRICS if any(r.get(m) is not None for r in rows)]
     lines = ["| model | context | method | " + " | ".join(heads[m] for m in shown) + " |",
              "|---|---|---|" + "---|" * len(shown)]

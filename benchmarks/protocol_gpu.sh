@@ -127,6 +127,10 @@ PY
         d21) wait_for qwen
           step d21 --model qwen2.5-coder-1.5b:32768 --niah-samples 10 --baselines bf16 \
             --candidates default,k2,b2.5,b2.7,k3,b3.2,k4,k5 ;;
+        # run D24: does the teacher-forced answer KL track multi-key accuracy across widths? (30 prompts, 16K)
+        d24) wait_for qwen
+          step d24 --model qwen2.5-coder-1.5b:16384 --tasks niah_multikey --niah-samples 30 --baselines bf16 \
+            --candidates default,a0.1,a0.03,t0.1,k4,k4v3,k4v4,k8,k8v4 ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;

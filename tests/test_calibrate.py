@@ -257,21 +257,27 @@ def test_the_kl_search_takes_the_fewest_widenings_that_meet_the_target():
                            [0.0] * 20, 2.0 + n / 40, "", steps=n)
 
     choice, measured = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
-                                       lambda: {"kl": kl_at[state["n"]]}, max_kl=0.1, progress=False)
+                                       lambda: {"kl": kl_at[state["n"]]}, targets={"kl": 0.1}, progress=False)
     chosen = sum(choice.k_bits) - 40
     assert chosen == 9 and kl_at[chosen] <= 0.1 < kl_at[chosen - 1]
     assert all(v["kl"] > 0.1 for n, v in measured.items() if n < chosen)
     assert len(measured) <= 7 and "the fewest widenings (9)" in choice.reason
     _, unmet = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
-                               lambda: {"kl": kl_at[state["n"]]}, max_kl=1e-3, progress=False)
+                               lambda: {"kl": kl_at[state["n"]]}, targets={"kl": 1e-3}, progress=False)
     assert list(unmet) == [40]  # the widest end is measured first; when it misses, nothing else is
     # with a noise tolerance, the search starts at its point: met there, one measurement; else beyond it only
     choice, measured = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
-                                       lambda: {"kl": kl_at[state["n"]]}, max_kl=0.1, progress=False, start=12)
+                                       lambda: {"kl": kl_at[state["n"]]}, targets={"kl": 0.1}, progress=False, start=12)
     assert list(measured) == [12] and sum(choice.k_bits) - 40 == 12 and "tolerance's 12 widening(s)" in choice.reason
     choice, measured = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
-                                       lambda: {"kl": kl_at[state["n"]]}, max_kl=0.1, progress=False, start=4)
+                                       lambda: {"kl": kl_at[state["n"]]}, targets={"kl": 0.1}, progress=False, start=4)
     assert sum(choice.k_bits) - 40 == 9 and min(measured) == 4
+    # two measures: the step meets both (the answer KL here needs 19 widenings), and both are recorded
+    choice, measured = search_kl_steps(allocation, lambda c: state.update(n=sum(c.k_bits) - 40),
+                                       lambda: {"kl": kl_at[state["n"]], "answer_kl": 2 * kl_at[state["n"]]},
+                                       targets={"kl": 0.1, "answer_kl": 0.1}, progress=False)
+    assert sum(choice.k_bits) - 40 == 19 and all(set(v) >= {"kl", "answer_kl"} for v in measured.values())
+    assert "KL 0.05 <= 0.1, answer KL 0.1 <= 0.1" in choice.reason
 
 
 def test_a_kl_target_out_of_reach_takes_the_widest_widths_and_says_so(model, tokenizer):
@@ -285,6 +291,42 @@ def test_a_kl_target_out_of_reach_takes_the_widest_widths_and_says_so(model, tok
     *_, (step, measured) = widths["kl_by_step"].items()
     assert len(widths["kl_by_step"]) <= 2 and step == 6 * rot.geometry.num_layers and measured["kl"] > 1e-9
     assert measured["bits_per_element"] == widths["bits_per_element"]
+
+
+def test_an_answer_kl_target_measures_the_needle_probe(model, tokenizer):
+    """--max-answer-kl alone: the needle probe's answer KL is measured along the same path; out of reach it takes the
+    widest widths and says so, within reach of the tolerance's widths one measurement keeps them; inspect shows it."""
+    from oscar_kv.cli import _width_map
+
+    unmet = calibrate(model, tokenizer, CalibrationSettings(**{**SMALL, "max_answer_kl": 1e-9},
+                                                            needle_probe_tokens=1024), progress=False)
+    widths = unmet.manifest["calibration"]["widths"]
+    assert widths["max_answer_kl"] == 1e-9 and widths["max_kl"] is None and "not met" in widths["reason"]
+    assert set(unmet.k_bits.tolist()) == {8} and set(unmet.v_bits.tolist()) == {4}
+    assert widths["needle_probe_tokens"] <= 1024
+    assert all("answer_kl" in p and "kl" not in p for p in widths["kl_by_step"].values())
+    met = calibrate(model, tokenizer, CalibrationSettings(**{**SMALL, "max_answer_kl": 100.0},
+                                                          needle_probe_tokens=1024), progress=False)
+    widths = met.manifest["calibration"]["widths"]
+    (step, measured), = widths["kl_by_step"].items()
+    assert "tolerance's" in widths["reason"] and "answer KL" in widths["reason"] and measured["answer_kl"] > 0
+    assert "answer KL 100 on needle prompts of" in _width_map(widths)
+
+
+def test_the_needle_probe_asks_for_a_number_it_holds(tokenizer):
+    from oscar_kv.calibrate import needle_probe
+    from oscar_kv.calibration_settings import NEEDLE_PROBE_PROMPTS
+    from oscar_kv.corpus import load_calibration_text
+
+    texts, _ = load_calibration_text()
+    prompts = needle_probe(tokenizer, texts, CalibrationSettings(needle_probe_tokens=2048), 8192)
+    assert len(prompts) == NEEDLE_PROBE_PROMPTS
+    for ids, start in prompts:
+        assert 1500 < ids.shape[1] <= 2048
+        number = tokenizer.decode(ids[0, start:]).strip()
+        assert len(number) == 7 and number.isdigit()
+        assert number in tokenizer.decode(ids[0, :start - 40])  # the needle is in the haystack, before the question
+    assert len({tokenizer.decode(ids[0, start:]) for ids, start in prompts}) == NEEDLE_PROBE_PROMPTS
 
 
 def test_the_kl_probe_is_the_models_context_up_to_32k(tokenizer):
@@ -302,3 +344,7 @@ def test_a_kl_target_refuses_what_it_cannot_do():
         CalibrationSettings(max_kl=0)
     with pytest.raises(ConfigError, match="at least 1024 tokens"):
         CalibrationSettings(max_kl=0.05, kl_probe_tokens=100)
+    with pytest.raises(ConfigError, match="answer KL target must be > 0"):
+        CalibrationSettings(max_answer_kl=0)
+    with pytest.raises(ConfigError, match="needle probe needs at least 1024 tokens"):
+        CalibrationSettings(max_answer_kl=0.1, needle_probe_tokens=512)

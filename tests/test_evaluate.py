@@ -183,6 +183,38 @@ def test_needles_through_the_serving_engine_agree_with_the_reference_path(model,
     assert "oscar@engine" in (tmp_path / "results.md").read_text()
 
 
+def test_needle_answer_scores_beside_the_greedy_answers(model, tokenizer, rotations, tmp_path):
+    """NIAH's teacher-forced answer scores (tasks.answer_log_probs): where BF16's greedy answer is the needle, the
+    expected answer's tokens are its argmax at every teacher-forced position; BF16 against itself has answer KL 0;
+    INT2 without rotation moves the answer more than OSCAR; the harness reports both scores for both tasks."""
+    from oscar_kv.evaluate import tasks
+    from oscar_kv.evaluate.harness import evaluation_text
+
+    geometry = AttentionGeometry.of(model.config)
+    prompt = tasks.niah_prompt(tokenizer, evaluation_text(None)[:40000], 1024, 0.3, "4827361")
+    kv = tasks.haystack_kv(model, prompt.haystack)
+    bf16 = standard_scheme("bf16", geometry, rotations, CacheSettings())
+    answer = tokenizer(" " + prompt.answer, add_special_tokens=False).input_ids
+    assert "4827361" in tasks.niah_answer(model, tokenizer, bf16, kv, prompt.question)
+    log_probs = tasks.answer_log_probs(model, bf16, kv, prompt.question, answer)
+    assert log_probs.shape == (len(answer), model.config.vocab_size)
+    assert log_probs.argmax(-1).tolist() == answer
+    assert tasks.needle_scores(log_probs, answer, log_probs) == {
+        "answer_nll": pytest.approx(float(-log_probs.gather(-1, torch.tensor(answer)[:, None]).sum())),
+        "answer_kl": pytest.approx(0.0, abs=1e-6)}
+
+    config = EvalConfig(methods=["bf16", "naive-int2", "oscar"], tasks=["niah", "niah_multikey"],
+                        context_lengths=[1024], niah_samples=2, ablations=False)
+    m = run_eval(model, tokenizer, rotations, config, tmp_path, progress=False)["methods"]
+    print("\nanswer KL / NLL:", {n: (round(r["niah_multikey_answer_kl"]["1024"], 4),
+                                   round(r["niah_multikey_answer_nll"]["1024"], 3)) for n, r in m.items()})
+    for row in m.values():
+        assert {"niah_answer_kl", "niah_answer_nll", "niah_multikey_answer_kl", "niah_multikey_answer_nll"} <= set(row)
+    assert m["bf16"]["niah_multikey_answer_kl"]["1024"] == pytest.approx(0.0, abs=1e-6)
+    assert m["naive-int2"]["niah_multikey_answer_kl"]["1024"] > m["oscar"]["niah_multikey_answer_kl"]["1024"] > 0
+    assert "multi-key answer KL" in (tmp_path / "results.md").read_text()
+
+
 def test_served_answers_refuse_a_scheme_the_engine_does_not_serve(model, tokenizer, rotations):
     from oscar_kv.evaluate.served import served_answers
 

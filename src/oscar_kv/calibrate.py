@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 from .activations import LayerSample, capture_samples, observing, run_layers
 from .allocation import KEY_WIDTHS, VALUE_WIDTHS
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
-from .calibration_settings import KL_PROBE_MAX_TOKENS, CalibrationSettings
+from .calibration_settings import (KL_PROBE_MAX_TOKENS, NEEDLE_PROBE_MAX_TOKENS, NEEDLE_PROBE_PROMPTS,
+                                   CalibrationSettings)
 from .corpus import CorpusError, load_calibration_text
 from .errors import ConfigError
 from .models import AttentionGeometry
@@ -43,7 +44,7 @@ from .probe import layer_error
 from .rope import (RopeTable, RopeUnsupported, keep_pairs, layer_rope_tables, mean_phase, pair_counts,
                    remove_rope, rotate_half, rotated_only)
 from .rotation import compose
-from .width_choice import choose_widths, kl_measure
+from .width_choice import choose_widths, kl_measure, needle_measure
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +249,37 @@ def kl_probe(tokenizer, texts: list[str], settings: CalibrationSettings, max_len
     return sequences[-1]
 
 
+def needle_probe(tokenizer, texts: list[str], settings: CalibrationSettings, max_len: int
+                 ) -> list[tuple[torch.Tensor, int]]:
+    """The prompts ``--max-answer-kl`` measures on (width_choice.needle_measure): NEEDLE_PROBE_PROMPTS keyed needle
+    prompts (four keyed numbers in a haystack, a question for one: evaluate.tasks.multikey_prompt, as `eval`'s
+    multi-key task builds them, with other seeds) of about min(context, ``settings.needle_probe_tokens``) tokens,
+    their haystacks cut from the text after the fitting sequences and the probe, each followed by its expected
+    answer: [(ids int64 [1, T], the index where the answer starts)]."""
+    from .evaluate.tasks import multikey_prompt
+
+    length = min(settings.needle_probe_tokens or NEEDLE_PROBE_MAX_TOKENS, max_len)
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False).input_ids)
+    held = tokenizer.decode(ids[settings.calib_tokens + settings.probe_tokens:], skip_special_tokens=True)
+    need = 8 * length  # characters: a haystack of `length` tokens with room to spare
+    if len(held) < 2 * need:
+        log.warning("the text after the fitting sequences is short for the needle probe: its haystacks repeat it")
+        held = "\n\n".join([held] * math.ceil(2 * need / max(len(held), 1)))
+    prompts = []
+    for i in range(NEEDLE_PROBE_PROMPTS):
+        start = i * (len(held) - need) // max(NEEDLE_PROBE_PROMPTS - 1, 1)
+        prompt = multikey_prompt(tokenizer, held[start:start + need], length - 16, seed=NEEDLE_PROBE_SEED + i)
+        answer = tokenizer(" " + prompt.answer, add_special_tokens=False).input_ids  # after "... is"
+        prompts.append((torch.tensor([prompt.haystack + prompt.question + answer]),
+                        len(prompt.haystack) + len(prompt.question)))
+    return prompts
+
+
+NEEDLE_PROBE_SEED = 7_000_000  # not eval's needle seeds (0 + context + i): the probe's needles are other numbers
+
+
 def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, calib_data: list[str] | None = None,
               progress: bool = True, tp: TensorParallel = SINGLE, device: str | None = None) -> Rotations | None:
     """Fit the OSCAR rotations for ``model`` and return them (not yet saved).
@@ -265,12 +297,11 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
         The Rotations with their manifest; None on ranks other than 0.
     """
     settings = settings or CalibrationSettings()
-    if settings.max_kl is not None and tp.size > 1:
+    if (settings.max_kl is not None or settings.max_answer_kl is not None) and tp.size > 1:
         # the KL probe runs the whole model in one process: under --tp the widths are the tolerance's alone
-        log.warning("the KL check (--max-kl %g) needs the whole model in one process: skipped under --tp %d; the "
-                    "widths are the key-noise tolerance's (calibrate without --tp to check them)", settings.max_kl,
-                    tp.size)
-        settings = dataclasses.replace(settings, max_kl=None)
+        log.warning("the KL check (--max-kl / --max-answer-kl) needs the whole model in one process: skipped under "
+                    "--tp %d; the widths are the key-noise tolerance's (calibrate without --tp to check them)", tp.size)
+        settings = dataclasses.replace(settings, max_kl=None, max_answer_kl=None)
     geometry = AttentionGeometry.of(model.config)
     fingerprint = model_fingerprint(model)  # of the whole weights, as serving checks them
     if tp.size > 1:
@@ -328,10 +359,21 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     if kl_ids is not None and progress:  # a forward at 32K is seconds on a GPU, up to an hour on a small CPU
         tqdm.write(f"calibrate: KL check on {kl_ids.shape[1]} held-back tokens: one unquantized forward, then one per "
                    f"point of the widening path measured (--kl-probe-tokens shortens them)")
-    kl = kl_measure(model, kl_ids) if kl_ids is not None else None
+    measures = [kl_measure(model, kl_ids)] if kl_ids is not None else []
+    needles = needle_probe(tokenizer, texts, settings, max_len) if settings.max_answer_kl is not None and allocated \
+        else None
+    if needles:
+        if progress:
+            tqdm.write(f"calibrate: answer KL check on {len(needles)} keyed needle prompts of "
+                       f"{needles[0][0].shape[1]} tokens: one forward each per point of the widening path measured")
+        measures.append(needle_measure(model, needles))
+    kl = (lambda rot: {name: value for measure in measures for name, value in measure(rot).items()}) \
+        if measures else None
     widths = choose_widths(rotations, stats.query_moments(), settings, probe, max_len, progress, kl)
     if kl_ids is not None:
         widths["kl_probe_tokens"] = int(kl_ids.shape[1])
+    if needles:
+        widths["needle_probe_tokens"] = max(int(ids.shape[1]) for ids, _ in needles)
     say(f"widths: {rotations.width_summary()} ({widths['bits_per_element']:.3f} bits per element at {max_len} "
         f"tokens; {widths['reason']})" + (", clip ratios fitted at each width" if settings.clip == "fit" else ""))
     table = error_table(rotations, probe)

@@ -33,6 +33,12 @@ DEFAULT_MAX_KL = 0.01
 # --kl-probe-tokens shortens it).  Longer contexts take the 32K measurement.
 KL_PROBE_MAX_TOKENS = 32768
 DEFAULT_KV_BITS: float | None = None
+# The needle probe of --max-answer-kl: NEEDLE_PROBE_PROMPTS keyed needle prompts (four keyed numbers, a question for
+# one) of min(context, NEEDLE_PROBE_MAX_TOKENS) tokens cut from held-back text; one teacher-forced forward each per
+# measurement.  Off by default: whether its answer KL predicts multi-key accuracy across models is not yet shown
+# (benchmarks/NOTES.md, runs D22-D23: values at 2 bits lose keyed retrieval that KL over text does not see).
+NEEDLE_PROBE_PROMPTS = 8
+NEEDLE_PROBE_MAX_TOKENS = 16384
 
 
 @dataclass
@@ -76,6 +82,10 @@ class CalibrationSettings:
     # is at most max_kl (None: no KL check; ignored where both sides' widths are fixed)
     max_kl: float | None = DEFAULT_MAX_KL
     kl_probe_tokens: int | None = None
+    # beside (or instead of) max_kl: the most mean KL against the unquantized model over the answer tokens of the
+    # needle probe (None: not measured); the same widening path and bisection
+    max_answer_kl: float | None = None
+    needle_probe_tokens: int | None = None  # None: min(context, NEEDLE_PROBE_MAX_TOKENS)
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:
@@ -102,7 +112,13 @@ class CalibrationSettings:
             raise ConfigError(f"the KL target must be > 0 nats, got {self.max_kl}")
         if self.kl_probe_tokens is not None and not (type(self.kl_probe_tokens) is int and self.kl_probe_tokens >= 1024):
             raise ConfigError(f"the KL probe needs at least 1024 tokens, got {self.kl_probe_tokens!r}")
-        if self.key_bits == "auto" and self.key_noise is None and self.kv_bits is None and self.max_kl is None:
+        if self.max_answer_kl is not None and not self.max_answer_kl > 0:
+            raise ConfigError(f"the answer KL target must be > 0 nats, got {self.max_answer_kl}")
+        if self.needle_probe_tokens is not None and not (type(self.needle_probe_tokens) is int
+                                                         and self.needle_probe_tokens >= 1024):
+            raise ConfigError(f"the needle probe needs at least 1024 tokens, got {self.needle_probe_tokens!r}")
+        if (self.key_bits == "auto" and self.key_noise is None and self.kv_bits is None and self.max_kl is None
+                and self.max_answer_kl is None):
             raise ConfigError("key bits 'auto' needs a key noise tolerance, a bit budget or a KL target")
         if self.calib_tokens < 16 or self.seq_len < 16:
             raise ConfigError("calibration needs at least 16 tokens")

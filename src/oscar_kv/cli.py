@@ -109,6 +109,15 @@ def calibrate(
         None, min=1024, help="With --max-kl: the tokens the KL is measured over (default: the model's context, at "
         "most 32768: KL grows with the context; one forward per measurement, seconds on a GPU, minutes to an hour for a "
         "1B+ model on a CPU, where a shorter probe trades fidelity for time)."),
+    max_answer_kl: Optional[float] = typer.Option(
+        None, min=0.0, help="Beside (or with --max-kl 0, instead of) the KL check: the most mean KL against the "
+        "unquantized model over the answer tokens of 8 keyed needle prompts (four keyed numbers in a haystack of "
+        "--needle-probe-tokens, a question for one) cut from held-back text; the same widening path and bisection. "
+        "Multi-key retrieval can fail where the KL over ordinary text is small (values at 2 bits: benchmarks/NOTES.md, "
+        "runs D22-D23). Off by default: how far it predicts multi-key accuracy is still being measured."),
+    needle_probe_tokens: Optional[int] = typer.Option(
+        None, min=1024, help="With --max-answer-kl: each needle prompt's length (default: the model's context, at "
+        "most 16384)."),
     key_rescale: float = typer.Option(
         0.5, min=0.0, max=1.0, help="Share of the clip's shrink of each INT2 key row along itself that its float16 scale "
         "undoes (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "
@@ -142,13 +151,14 @@ def calibrate(
                                        value_bits=_width_or_auto(value_bits, "--value-bits"),
                                        key_noise=key_noise or None, kv_bits=kv_bits,
                                        kl_probe_tokens=kl_probe_tokens, key_rescale=key_rescale,
+                                       max_answer_kl=max_answer_kl or None, needle_probe_tokens=needle_probe_tokens,
                                        value_rescale=value_rescale,
                                        # not given: the library's default; 0: no KL check
                                        **({} if max_kl is None else {"max_kl": max_kl or None}))
     except ValueError as exc:
         _fail(user_message(exc))
-    if max_kl and settings.key_bits != "auto" and settings.value_bits != "auto":
-        _fail("--max-kl chooses widths: it needs --key-bits auto or --value-bits auto")
+    if (max_kl or max_answer_kl) and settings.key_bits != "auto" and settings.value_bits != "auto":
+        _fail("--max-kl and --max-answer-kl choose widths: they need --key-bits auto or --value-bits auto")
     if tp > 1 and not parallel.launched():
         _start_ranks(model, tp)
     try:
@@ -190,8 +200,14 @@ def _width_map(widths: dict) -> str:
     if measured:  # the --max-kl check: every point of the widening path it measured, in bits order
         on = f"{widths['kl_probe_tokens']} held-back tokens" if "kl_probe_tokens" in widths else "held-back text"
         points = sorted(measured.values(), key=lambda p: p["bits_per_element"])
-        lines.insert(1, f"KL check (target {widths['max_kl']:g}, on {on}): "
-                        + ", ".join(f"{p['bits_per_element']:.3f} bits -> KL {p['kl']:.4f}" for p in points))
+        targets = [f"KL {widths['max_kl']:g} on {on}"] if widths.get("max_kl") is not None else []
+        if widths.get("max_answer_kl") is not None:
+            targets.append(f"answer KL {widths['max_answer_kl']:g} on needle prompts of "
+                           f"{widths.get('needle_probe_tokens', '?')} tokens")
+        shown = [(name, label) for name, label in (("kl", "KL"), ("answer_kl", "answer KL")) if name in points[0]]
+        lines.insert(1, f"KL check (target {', '.join(targets)}): " + ", ".join(
+            f"{p['bits_per_element']:.3f} bits -> " + ", ".join(f"{label} {p[name]:.4f}" for name, label in shown)
+            for p in points))
         chosen = [p for p in points if p["bits_per_element"] == widths["bits_per_element"] and "kl_by_position" in p]
         if chosen:  # does KL still grow at the probe's end? (a longer context then has more)
             lines.insert(2, "  at the chosen widths, KL by position (positions up to): " + ", ".join(

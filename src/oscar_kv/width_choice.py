@@ -44,7 +44,7 @@ def value_noise(rot: Rotations, sample: LayerSample, layer: int) -> torch.Tensor
 
 
 def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettings, probe: list[LayerSample],
-                  seq_len: int, progress: bool = True, kl: Callable[[Rotations], float] | None = None) -> dict:
+                  seq_len: int, progress: bool = True, kl: Callable[[Rotations], dict] | None = None) -> dict:
     """Set ``rot``'s key and value widths (allocation.py) and, with fitted clips, each side's clips at its width.
 
     Every candidate width of each side (keys: KEY_WIDTHS, values: VALUE_WIDTHS, or the one width asked for) is
@@ -53,10 +53,12 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
         rot: the fitted rotations (centering settled), changed in place.
         c_q: the query second moments per layer and KV head, float64 [L, Hkv, D, D] (Statistics.query_moments):
             they weigh the key errors.
-        settings: the calibration's settings (key_bits, value_bits, key_noise, kv_bits, max_kl, clip).
+        settings: the calibration's settings (key_bits, value_bits, key_noise, kv_bits, max_kl, max_answer_kl,
+            clip).
         probe: one held-back LayerSample per layer.
         seq_len: the context the bit budget is counted at (the model's).
-        kl: with ``settings.max_kl``, the KL against the unquantized model of an artifact (search_kl_steps).
+        kl: with ``settings.max_kl`` or ``max_answer_kl``, an artifact's measures against the unquantized model:
+            {"kl": ...} (kl_measure) and / or {"answer_kl": ...} (needle_measure), as search_kl_steps takes them.
     Returns:
         The manifest's record: the widths, each candidate's noise per layer, the chosen noise, the bits per
         element and the reason (and with max_kl, every KL measured on the way).
@@ -96,14 +98,14 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
         bits = bits_per_element(seq_len, g.head_dim, rot.group_size, 2, k_bits=k_bits, v_bits=v_bits)
         choice = WidthChoice(k_bits, noise[candidates[0]], round(bits, 4), "requested", 0, v_bits,
                              v_noise[v_candidates[0]])
-    elif settings.max_kl is not None:
+    elif kl_targets(settings):
         if kl is None:
             raise ValueError("a KL target needs the KL measure (calibrate passes it)")
         # the tolerance's widenings are the first steps of the same path: with both, the search starts there
         start = allocate(tolerance=settings.key_noise).steps if settings.key_noise is not None else 0
         choice, measured = search_kl_steps(lambda n: allocate(tolerance=None, steps=n),
                                            lambda c: use(c.k_bits, c.v_bits), lambda: kl(rot),
-                                           settings.max_kl, progress, start)
+                                           kl_targets(settings), progress, start)
     else:
         choice = allocate(tolerance=settings.key_noise)
     use(choice.k_bits, choice.v_bits)
@@ -121,23 +123,32 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
                                       for n in (32768, 131072)}}
     if measured is not None:
         record["max_kl"] = settings.max_kl
+        if settings.max_answer_kl is not None:
+            record["max_answer_kl"] = settings.max_answer_kl
         record["kl_by_step"] = measured
     return record
 
 
+def kl_targets(settings: CalibrationSettings) -> dict[str, float]:
+    """The measures the widths must meet and their targets: {"kl": max_kl, "answer_kl": max_answer_kl}, each where
+    it is set (empty: no check)."""
+    targets = {"kl": settings.max_kl, "answer_kl": settings.max_answer_kl}
+    return {name: target for name, target in targets.items() if target is not None}
+
+
 def search_kl_steps(allocation: Callable[[int], WidthChoice], use: Callable[[WidthChoice], None],
-                    kl: Callable[[], dict], max_kl: float, progress: bool = True, start: int = 0):
-    """The fewest widenings along the noise order (allocation.py), at least ``start``, whose measured KL is at most
-    ``max_kl``.
+                    kl: Callable[[], dict], targets: dict[str, float], progress: bool = True, start: int = 0):
+    """The fewest widenings along the noise order (allocation.py), at least ``start``, whose measures are all within
+    their ``targets`` (the KL on held-back text, the answer KL of the needle probe).
 
     KL falls as layers widen (each bit divides a layer's key noise by 3-4: benchmarks/NOTES.md, and the noise ranks
     allocations as KL does), so a bisection over the step count measures ~log2(2L) artifacts, not every one.
     Args:
         allocation: the WidthChoice after n widenings (its bits stay within the budget: the path ends there).
         use: sets the artifact's widths (and their clips) to a WidthChoice's.
-        kl: the KL of the artifact as it is set now: {"kl": value, ...}; the other entries (kl_measure's
-            "kl_by_position") are kept with the step.
-        max_kl: the target.
+        kl: the measures of the artifact as it is set now: {"kl": value, "answer_kl": value, ...}; the other
+            entries (kl_measure's "kl_by_position") are kept with the step.
+        targets: {measure: the most it may be} (kl_targets).
     Returns:
         (the WidthChoice, {step: {"bits_per_element", "kl", ...kl's other entries}} for every step measured).
     """
@@ -146,39 +157,62 @@ def search_kl_steps(allocation: Callable[[int], WidthChoice], use: Callable[[Wid
     start = min(start, widest)
     measured: dict[int, dict] = {}
 
-    def measure(n: int) -> float:
+    def shown(n: int, sign: str = "<=") -> str:  # "KL 0.0086 <= 0.01, answer KL 0.21 <= 0.3"
+        return ", ".join(f"{name.replace('_', ' ').replace('kl', 'KL')} {measured[n][name]:.4g} {sign} {target:g}"
+                         for name, target in targets.items())
+
+    def meets(n: int) -> bool:
         choice = allocation(n)
         use(choice)
         result = kl()
-        value = result["kl"]
-        measured[n] = {"bits_per_element": choice.bits_per_element, "kl": round(value, 6),
-                       **{k: v for k, v in result.items() if k != "kl"}}
+        measured[n] = {"bits_per_element": choice.bits_per_element,
+                       **{k: round(v, 6) if k in targets else v for k, v in result.items()}}
         if progress:
-            print(f"  KL search: {n} widening(s), {choice.bits_per_element:.3f} bits per element: KL {value:.4f}",
-                  flush=True)
-        return value
+            print(f"  KL search: {n} widening(s), {choice.bits_per_element:.3f} bits per element: "
+                  + ", ".join(f"{name} {result[name]:.4f}" for name in targets), flush=True)
+        return all(result[name] <= target for name, target in targets.items())
 
-    if start and measure(start) <= max_kl:  # the usual case with a tolerance: one measurement
-        reason = (f"the key noise tolerance's {start} widening(s) meet the KL target: measured KL "
-                  f"{measured[start]['kl']:.4g} <= {max_kl:g}")
+    if start and meets(start):  # the usual case with a tolerance: one measurement
+        reason = f"the key noise tolerance's {start} widening(s) meet the KL target: measured {shown(start)}"
         return _with_reason(allocation(start), reason), measured
-    if measure(widest) > max_kl:
-        reason = (f"the KL target {max_kl:g} is not met within the budget or the widest widths "
-                  f"(KL {measured[widest]['kl']:.4g} with {widest} widenings)")
+    if not meets(widest):
+        reason = (f"the KL target is not met within the budget or the widest widths ({shown(widest, 'against')} "
+                  f"with {widest} widenings)")
         return _with_reason(last, reason), measured
-    lo, hi = start - 1 if start else -1, widest  # KL(lo) > max_kl (or lo is below the path), KL(hi) <= max_kl
+    lo, hi = start - 1 if start else -1, widest  # lo misses a target (or is below the path), hi meets them all
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if measure(mid) <= max_kl:
+        if meets(mid):
             hi = mid
         else:
             lo = mid
-    reason = f"the fewest widenings ({hi}) whose measured KL {measured[hi]['kl']:.4g} is within {max_kl:g}"
+    reason = f"the fewest widenings ({hi}) whose measured {shown(hi)}"
     return _with_reason(allocation(hi), reason), measured
 
 
 def _with_reason(choice: WidthChoice, reason: str) -> WidthChoice:
     return dataclasses.replace(choice, reason=reason)
+
+
+def needle_measure(model, prompts: list[tuple[torch.Tensor, int]]) -> Callable[[Rotations], dict]:
+    """The measure of ``--max-answer-kl``: an artifact's mean KL(unquantized || artifact's cache) over the answer
+    tokens of keyed needle prompts (calibrate.needle_probe: (ids [1, T], where the answer starts)), each simulated in
+    one teacher-forced forward: {"answer_kl": mean over prompts}.  Retrieval through many similar needles fails where
+    this grows, while the KL over ordinary text stays small (benchmarks/NOTES.md, runs D22-D23)."""
+    from .cache import CacheSettings, unprepare_model
+    from .evaluate.schemes import standard_scheme
+    from .evaluate.tasks import answer_reference, simulated_answer_kl
+
+    references = [answer_reference(model, ids, start) for ids, start in prompts]
+    geometry = AttentionGeometry.of(model.config)
+
+    def measure(rot: Rotations) -> dict:
+        scheme = standard_scheme("oscar", geometry, rot, CacheSettings())
+        values = [simulated_answer_kl(model, scheme, ids, start, ref) for (ids, start), ref in zip(prompts, references)]
+        unprepare_model(model)
+        return {"answer_kl": sum(values) / len(values)}
+
+    return measure
 
 
 def kl_measure(model, ids: torch.Tensor) -> Callable[[Rotations], dict]:

@@ -264,13 +264,19 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
             t0 = time.perf_counter()
             reference = [] if config.engine_only else scored  # the schemes the reference path answers for
             hits = {s.name: [] for s in reference}
+            needle = {s.name: [] for s in reference}  # teacher-forced answer scores (tasks.needle_scores)
             prompts = list(_needle_prompts(tokenizer, text, ctx, config, multikey=task == "niah_multikey"))
             for prompt in prompts if reference else []:
                 kv = tasks.haystack_kv(model, prompt.haystack)
+                answer = tokenizer(" " + prompt.answer, add_special_tokens=False).input_ids  # after "... is"
+                log_probs = {}
                 for scheme in reference:
                     hits[scheme.name].append(prompt.answer in tasks.niah_answer(model, tokenizer, scheme, kv,
                                                                                  prompt.question))
-                del kv
+                    log_probs[scheme.name] = tasks.answer_log_probs(model, scheme, kv, prompt.question, answer)
+                for name, lp in log_probs.items():
+                    needle[name].append(tasks.needle_scores(lp, answer, log_probs.get("bf16")))
+                del kv, log_probs
             if config.served:
                 for name in (s.name for s in scored if s.name in SERVED_SCHEMES):
                     answers = served_answers(model, tokenizer, oscar, name, prompts, config.page_size,
@@ -280,6 +286,10 @@ def run_eval(model, tokenizer, oscar: Rotations, config: EvalConfig, output: str
                     hits[f"{name}@engine"] = [p.answer in a for p, a in zip(prompts, answers)]
             for name, h in hits.items():
                 results["methods"][name].setdefault(task, {})[key] = sum(h) / len(h)
+            for name, scores in needle.items():
+                for metric in scores[0] if scores else ():
+                    results["methods"][name].setdefault(f"{task}_{metric}", {})[key] = \
+                        sum(s[metric] for s in scores) / len(scores)
             timings[f"{task}@{ctx}"] = round(time.perf_counter() - t0, 1)
         # longgen: the KL task's first text window is the prompt, BF16's greedy continuation the reference
         if "longgen" in config.tasks:

@@ -14,7 +14,9 @@ SUITE_COLUMNS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multik
 
 COLUMNS = (("bits_per_element", "bits/elem", "{:.3f}"), ("kl", "KL vs bf16", "{:.4f}"),
            ("top1_agreement", "top-1", "{:.3f}"), ("ppl", "ppl", "{:.3f}"), ("niah", "NIAH", "{:.2f}"),
-           ("niah_multikey", "multi-key NIAH", "{:.2f}"),
+           ("niah_multikey", "multi-key NIAH", "{:.2f}"), ("niah_answer_kl", "NIAH answer KL", "{:.4f}"),
+           ("niah_multikey_answer_kl", "multi-key answer KL", "{:.4f}"),
+           ("niah_multikey_answer_nll", "multi-key answer NLL", "{:.3f}"),
            ("attn_error_mean", "attn err", "{:.4f}"), ("gen_kl", "gen KL vs bf16", "{:.4f}"),
            ("gen_top1", "gen top-1", "{:.3f}"),
            ("gen_first_divergence", "gen tokens before divergence", "{:d}"),

@@ -76,6 +76,26 @@ def kl_and_ppl(model, scheme: Scheme, ids: torch.Tensor, ref_hidden: torch.Tenso
             "kl_by_position": {str(end): total / n for end, (total, n) in sorted(bins.items())}}
 
 
+@torch.no_grad()
+def answer_reference(model, ids: torch.Tensor, answer_start: int) -> torch.Tensor:
+    """The exact model's log-probabilities (float32 [A, vocab]) of the positions that predict ``ids[0,
+    answer_start:]`` (the A tokens of a needle prompt's expected answer): simulated_answer_kl's reference."""
+    hidden = reference_hidden(model, ids)[answer_start - 1:-1]
+    return torch.log_softmax(model.lm_head(hidden).float(), -1)
+
+
+@torch.no_grad()
+def simulated_answer_kl(model, scheme: Scheme, ids: torch.Tensor, answer_start: int, reference: torch.Tensor) -> float:
+    """Mean KL(exact || scheme) over a needle prompt's answer tokens (``ids[0, answer_start:]``), the scheme's cache
+    simulated over one teacher-forced forward of the whole prompt (as kl_and_ppl): calibrate's needle probe.
+    ``reference``: answer_reference of the same ids."""
+    cache = prepare(model, scheme)
+    with simulating(model, cache):
+        hidden = model.model(ids.to(model.device), use_cache=False).last_hidden_state[0, answer_start - 1:-1]
+    log_probs = torch.log_softmax(model.lm_head(hidden).float(), -1)
+    return float((reference.exp() * (reference - log_probs)).sum(-1).mean())
+
+
 def _add_to_bins(bins: dict[int, list[float]], values: torch.Tensor, first: int) -> None:
     """Add ``values`` (positions first, first + 1, ...) into the power-of-two position bins [end / 2, end)."""
     last, end = first + values.shape[0], 2
@@ -261,6 +281,29 @@ def greedy_answer(model, tokenizer, scheme: Scheme, kv, question: list[int], max
             break
         ids = torch.tensor([[token]], device=model.device)
     return tokenizer.decode(out, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def answer_log_probs(model, scheme: Scheme, kv, question: list[int], answer: list[int]) -> torch.Tensor:
+    """Teacher-forced log-probabilities (float32 [len(answer), vocab]) of the positions that predict each token of
+    the expected ``answer``, with the question then the answer through the scheme's cache after the stored haystack
+    ``kv``.  A retrieval score with no sampling in it: where greedy decoding gets a needle right or wrong, these say
+    by how much (needle_scores)."""
+    cache = stored_cache(model, scheme, kv)
+    ids = torch.tensor([question + answer[:-1]], device=model.device)
+    logits = model(ids, **cache_kwargs(model, cache)).logits[0, len(question) - 1:]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def needle_scores(log_probs: torch.Tensor, answer: list[int], reference: torch.Tensor | None) -> dict[str, float]:
+    """A needle answer's teacher-forced scores (answer_log_probs): "answer_nll", the answer's negative
+    log-likelihood in nats (all its tokens), and with the exact model's ``reference`` log-probs "answer_kl", the
+    mean KL(reference || this) over the answer's tokens."""
+    target = torch.tensor(answer, device=log_probs.device)[:, None]
+    scores = {"answer_nll": float(-log_probs.gather(-1, target).sum())}
+    if reference is not None:
+        scores["answer_kl"] = float((reference.exp() * (reference - log_probs)).sum(-1).mean())
+    return scores
 
 
 def needle_numbers(count: int, seed: int) -> list[str]:
