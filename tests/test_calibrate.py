@@ -310,7 +310,7 @@ def test_an_answer_kl_target_measures_the_needle_probe(model, tokenizer):
     widths = met.manifest["calibration"]["widths"]
     (step, measured), = widths["kl_by_step"].items()
     assert "tolerance's" in widths["reason"] and "answer KL" in widths["reason"] and measured["answer_kl"] > 0
-    assert "answer KL 100 on needle prompts of" in _width_map(widths)
+    assert "answer KL 100, on needle prompts of" in _width_map(widths)
 
 
 def test_the_needle_probe_asks_for_a_number_it_holds(tokenizer):

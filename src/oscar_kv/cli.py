@@ -158,7 +158,8 @@ def calibrate(
     except ValueError as exc:
         _fail(user_message(exc))
     if (max_kl or max_answer_kl) and settings.key_bits != "auto" and settings.value_bits != "auto":
-        _fail("--max-kl and --max-answer-kl choose widths: they need --key-bits auto or --value-bits auto")
+        _fail(f"{'--max-kl' if max_kl else '--max-answer-kl'} chooses widths: it needs --key-bits auto or "
+              "--value-bits auto")
     if tp > 1 and not parallel.launched():
         _start_ranks(model, tp)
     try:
@@ -200,12 +201,12 @@ def _width_map(widths: dict) -> str:
     if measured:  # the --max-kl check: every point of the widening path it measured, in bits order
         on = f"{widths['kl_probe_tokens']} held-back tokens" if "kl_probe_tokens" in widths else "held-back text"
         points = sorted(measured.values(), key=lambda p: p["bits_per_element"])
-        targets = [f"KL {widths['max_kl']:g} on {on}"] if widths.get("max_kl") is not None else []
+        targets = [f"{widths['max_kl']:g}, on {on}"] if widths.get("max_kl") is not None else []
         if widths.get("max_answer_kl") is not None:
-            targets.append(f"answer KL {widths['max_answer_kl']:g} on needle prompts of "
+            targets.append(f"answer KL {widths['max_answer_kl']:g}, on needle prompts of "
                            f"{widths.get('needle_probe_tokens', '?')} tokens")
         shown = [(name, label) for name, label in (("kl", "KL"), ("answer_kl", "answer KL")) if name in points[0]]
-        lines.insert(1, f"KL check (target {', '.join(targets)}): " + ", ".join(
+        lines.insert(1, f"KL check (target {'; '.join(targets)}): " + ", ".join(
             f"{p['bits_per_element']:.3f} bits -> " + ", ".join(f"{label} {p[name]:.4f}" for name, label in shown)
             for p in points))
         chosen = [p for p in points if p["bits_per_element"] == widths["bits_per_element"] and "kl_by_position" in p]
