@@ -15,12 +15,15 @@ A model name with ``@yarnF`` is loaded with YaRN rope scaling by F (``models.loa
 scored at the extended lengths.  ``--tasks`` adds ``longgen`` (greedy generation through each cache,
 ``--gen-tokens``) to the default kl, niah, niah_multikey.
 
-Candidates (``--candidates``, comma-separated): ``default`` (what ``oscar-kv calibrate`` writes), ``k2`` / ``k3`` /
-``k4`` / ``k5`` / ``k8`` (every layer's keys at that width; ``k4v3``, ``k4v4``: values wider too), ``bX`` (widths chosen by the key noise under a budget of X bits per
-element at the model's context, no tolerance), ``nX`` (tolerance X nats^2, no budget), ``mX`` (calibrated with the
-default tolerance and ``--max-kl X``: widened past the tolerance until the KL measured on held-back text is at most
-X), ``aX`` (the default plus ``--max-answer-kl X``: widened until the needle probe's answer KL is at most X), ``tX`` (``calibrate --key-noise X``: keys and values allocated at tolerance X, then the default KL check), ``fX`` (``--key-noise 0 --max-kl X``: no tolerance, the fewest widenings from the narrowest widths whose KL is at
-most X).  The first candidate is the `oscar` row.
+Candidates (``--candidates``, comma-separated): ``default`` (what ``oscar-kv calibrate`` writes: the tolerance, the KL
+check and the answer KL check), ``k2`` / ``k3`` / ``k4`` / ``k5`` / ``k8`` (every layer's keys at that width; ``k4v3``,
+``k4v4``: values wider too), ``bX`` (widths chosen by the key noise under a budget of X bits per element at the model's
+context, no tolerance), ``nX`` (tolerance X nats^2, no budget), ``mX`` (the default tolerance and ``--max-kl X``, no
+answer KL check: widened past the tolerance until the KL measured on held-back text is at most X), ``aX`` (the default
+with ``--max-answer-kl X``: widened until the needle probe's answer KL is at most X), ``tX`` (``calibrate --key-noise
+X``: keys and values allocated at tolerance X, then the default's checks), ``fX`` (``--key-noise 0 --max-kl X``, no
+answer KL check: no tolerance, the fewest widenings from the narrowest widths whose KL is at most X).  The first
+candidate is the `oscar` row.
 """
 
 from __future__ import annotations
@@ -100,11 +103,12 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     artifacts = {}
     for name in candidates:
         if name[0] in "mf":  # a KL target (f: without the tolerance): calibrate measures the KL itself
-            kl_settings = replace(settings, max_kl=float(name[1:]), **({"key_noise": None} if name[0] == "f" else {}))
+            kl_settings = replace(settings, max_kl=float(name[1:]), max_answer_kl=None,
+                                  **({"key_noise": None} if name[0] == "f" else {}))
             rot = calibrate(model, tokenizer, kl_settings, progress=False)
         elif name[0] == "t":  # calibrate's own allocation at another tolerance: values widen with the keys
             rot = calibrate(model, tokenizer, replace(settings, key_noise=float(name[1:])), progress=False)
-        elif name[0] == "a":  # the default plus the needle probe's answer KL target
+        elif name[0] == "a":  # the default with another answer KL target
             rot = calibrate(model, tokenizer, replace(settings, max_answer_kl=float(name[1:])), progress=False)
         else:
             widths = candidate_widths(name, default, max_len)

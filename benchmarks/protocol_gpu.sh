@@ -130,7 +130,11 @@ PY
         # run D24: does the teacher-forced answer KL track multi-key accuracy across widths? (30 prompts, 16K)
         d24) wait_for qwen
           step d24 --model qwen2.5-coder-1.5b:16384 --tasks niah_multikey --niah-samples 30 --baselines bf16 \
-            --candidates default,a0.1,a0.03,t0.1,k4,k4v3,k4v4,k8,k8v4 ;;
+            --candidates default,a0.1,k4,k3v3,k4v3,k4v4,k8v4 ;;
+        # run D25: calibrate's needle probe with the answer KL target that D24 ties to multi-key within 0.10 of BF16
+        d25) wait_for qwen
+          step d25 --model qwen2.5-coder-1.5b:16384 --tasks niah_multikey --niah-samples 30 --baselines bf16 \
+            --candidates a0.01,a0.02 ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;

@@ -53,7 +53,8 @@ def rotations(smol, tmp_path_factory):
     from oscar_kv.calibration_settings import CalibrationSettings
 
     lm, tok = smol
-    rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=2048, probe_tokens=1024, max_kl=None), progress=False)
+    settings = CalibrationSettings(calib_tokens=2048, probe_tokens=1024, max_kl=None, max_answer_kl=None)
+    rot = calibrate(lm, tok, settings, progress=False)
     unprepare_model(lm)
     directory = tmp_path_factory.mktemp("artifact")
     rot.save(directory)

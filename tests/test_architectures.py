@@ -90,8 +90,8 @@ def test_cache_equivalences_and_calibration(arch, tokenizer, held_out_ids):
     ids = held_out_ids[:, :200]
     ref = model(ids, **cache_kwargs(model, DynamicCache(config=model.config))).logits
 
-    rot = calibrate(model, tokenizer, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None),
-                    progress=False)
+    rot = calibrate(model, tokenizer, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None,
+                                                          max_answer_kl=None), progress=False)
     unprepare_model(model)
     geometry = AttentionGeometry.of(model.config)
     rot.validate(geometry)

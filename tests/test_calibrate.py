@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from oscar_kv.rotation import orthogonality_error
 from oscar_kv.width_choice import search_kl_steps
 
 # no KL check unless a test asks (its default probe is an 8K-token forward: minutes on a 2-core CPU)
-SMALL = dict(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None)
+SMALL = dict(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None, max_answer_kl=None)
 
 
 def test_artifact_is_valid_and_describes_itself(rotations, model):
@@ -229,7 +230,7 @@ def test_bad_width_settings():
     with pytest.raises(ValueError, match="value bits"):
         CalibrationSettings(value_bits=5)  # 5 bits is a key width only
     with pytest.raises(ValueError, match="needs a key noise tolerance, a bit budget or a KL target"):
-        CalibrationSettings(key_noise=None, kv_bits=None, max_kl=None)
+        CalibrationSettings(key_noise=None, kv_bits=None, max_kl=None, max_answer_kl=None)
     # the KL target alone: the fewest widenings from every part at its narrowest that meet it
     assert CalibrationSettings(key_noise=None, max_kl=0.05).key_noise is None
     with pytest.raises(ValueError, match="bit budget must lie"):
@@ -303,7 +304,7 @@ def test_an_answer_kl_target_measures_the_needle_probe(model, tokenizer):
     widths = unmet.manifest["calibration"]["widths"]
     assert widths["max_answer_kl"] == 1e-9 and widths["max_kl"] is None and "not met" in widths["reason"]
     assert set(unmet.k_bits.tolist()) == {8} and set(unmet.v_bits.tolist()) == {4}
-    assert widths["needle_probe_tokens"] <= 1024
+    assert widths["needle_probe_tokens"] <= 1024 and widths["needle_prompts_answered"] == "6 of 8"
     assert all("answer_kl" in p and "kl" not in p for p in widths["kl_by_step"].values())
     met = calibrate(model, tokenizer, CalibrationSettings(**{**SMALL, "max_answer_kl": 100.0},
                                                           needle_probe_tokens=1024), progress=False)
@@ -311,6 +312,47 @@ def test_an_answer_kl_target_measures_the_needle_probe(model, tokenizer):
     (step, measured), = widths["kl_by_step"].items()
     assert "tolerance's" in widths["reason"] and "answer KL" in widths["reason"] and measured["answer_kl"] > 0
     assert "answer KL 100, on needle prompts of" in _width_map(widths)
+
+
+def test_the_answer_kl_counts_only_the_needles_the_model_finds(model, tokenizer):
+    """A prompt counts when the unquantized model's most likely answer tokens are the expected ones: not when the
+    expected number is not in the haystack."""
+    from oscar_kv.calibrate import needle_probe
+    from oscar_kv.corpus import load_calibration_text
+    from oscar_kv.width_choice import answered_needles
+
+    texts, _ = load_calibration_text()
+    prompts = needle_probe(tokenizer, texts, CalibrationSettings(**SMALL, needle_probe_tokens=1024), 8192)
+    answered = answered_needles(model, prompts)
+    assert 4 <= len(answered) < len(prompts)  # SmolLM2 finds 6 of these 8 at 1K (1 of 8 at 4K)
+    for ids, start, reference in answered:
+        assert reference.shape[0] == ids.shape[1] - start
+    ids, start, _ = answered[0]
+    (other, other_start), = [(i, s) for i, s in prompts if not torch.equal(i[0, s:], ids[0, start:])][:1]
+    elsewhere = torch.cat([ids[:, :start], other[:, other_start:]], 1)  # a number the haystack does not hold
+    assert answered_needles(model, [(elsewhere, start)]) == []
+
+
+def test_a_model_that_finds_no_needle_skips_the_answer_kl_check(tokenizer):
+    """A random-weight model answers none of the needle prompts: the widths are the other rules' (the manifest says
+    0 of 8), and with no other rule calibrate refuses before choosing any."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from oscar_kv.cli import _width_map
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048)
+    random_model = LlamaForCausalLM(config).eval()
+    settings = CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None)
+    assert settings.max_answer_kl == 0.01  # the default
+    rot = calibrate(random_model, tokenizer, settings, progress=False)
+    widths = rot.manifest["calibration"]["widths"]
+    assert widths["needle_prompts_answered"] == "0 of 8" and "max_answer_kl" not in widths
+    assert "noise is within 0.3" in widths["reason"] and "kl_by_step" not in widths
+    assert "answer KL check skipped: the model answers 0 of 8 needle prompts of" in _width_map(widths)
+    with pytest.raises(ConfigError, match="answers none of its 8 needle prompts"):
+        calibrate(random_model, tokenizer, dataclasses.replace(settings, key_noise=None), progress=False)
 
 
 def test_the_needle_probe_asks_for_a_number_it_holds(tokenizer):

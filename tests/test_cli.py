@@ -14,12 +14,14 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def artifact_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "rot"
-    # the default KL check on a short probe (the default probe, the model's 8K context, takes minutes on a 2-core CPU)
+    # the default KL and answer KL checks on short probes (the defaults, the model's 8K context, take minutes on a
+    # 2-core CPU)
     result = runner.invoke(app, ["calibrate", "--model", "smollm2-135m", "--calib-tokens", "512", "--seq-len", "256",
-                                 "--kl-probe-tokens", "1024", "--output-dir", str(out)])
+                                 "--kl-probe-tokens", "1024", "--needle-probe-tokens", "1024", "--output-dir", str(out)])
     assert result.exit_code == 0, result.output
     assert "calibrated on 512 tokens" in result.output
     assert "KL check on 1024 held-back tokens" in result.output  # said before the forwards, which can be long
+    assert "answer KL check on 8 keyed needle prompts of" in result.output
     return out
 
 
@@ -31,7 +33,9 @@ def test_calibrate_writes_an_artifact(artifact_dir):
     # the default checks the tolerance's widths against the KL target, and records every KL it measured
     widths = json.loads((artifact_dir / "manifest.json").read_text())["calibration"]["widths"]
     assert widths["max_kl"] == 0.01 and widths["kl_by_step"] and widths["kl_probe_tokens"] == 1024
-    assert all(v["kl"] > 0 for v in widths["kl_by_step"].values())
+    assert widths["max_answer_kl"] == 0.01 and 900 < widths["needle_probe_tokens"] <= 1024
+    assert re.fullmatch(r"[1-8] of 8", widths["needle_prompts_answered"])
+    assert all(v["kl"] > 0 and v["answer_kl"] >= 0 for v in widths["kl_by_step"].values())
 
 
 def test_inspect_prints_geometry_and_validation(artifact_dir):
@@ -42,7 +46,8 @@ def test_inspect_prints_geometry_and_validation(artifact_dir):
     # the key-centering choice of --key-centering auto and what it measured
     assert "key centering chosen" in result.output and '"probe_error"' in result.output
     # the KL check's measurements, with the probe's length
-    assert re.search(r"KL check \(target 0.01, on 1024 held-back tokens\): \d\.\d{3} bits -> KL 0\.\d{4}", result.output)
+    assert re.search(r"KL check \(target 0.01, on 1024 held-back tokens; answer KL 0.01, on needle prompts of \d+ "
+                     r"tokens, [1-8] of 8 answered\): \d\.\d{3} bits -> KL 0\.\d{4}, answer KL \d\.\d{4}", result.output)
     assert re.search(r"KL by position \(positions up to\): 1024 0\.\d{4}", result.output)
 
 
@@ -62,7 +67,9 @@ def test_calibrate_refuses_bad_widths_before_loading_anything(tmp_path):
     for args, says in ((["--key-bits", "abc"], "--key-bits takes 'auto' or a whole number"),
                        (["--key-bits", "6"], "key bits must be 'auto' or one of (2, 3, 4, 5, 8), got 6"),
                        (["--value-bits", "5"], "value bits must be 'auto' or one of (2, 3, 4), got 5"),
-                       (["--key-noise", "0", "--max-kl", "0"], "needs a key noise tolerance, a bit budget or a KL"),
+                       (["--key-noise", "0", "--max-kl", "0", "--max-answer-kl", "0"],
+                        "needs a key noise tolerance, a bit budget or a KL"),
+                       (["--max-answer-kl", "-1"], "--max-answer-kl"),
                        (["--value-bits", "9"], "value bits must be 'auto' or one of (2, 3, 4), got 9"),
                        (["--max-kl", "-1"], "--max-kl"),
                        (["--max-kl", "0.05", "--key-bits", "4", "--value-bits", "2"], "--max-kl chooses widths"),
@@ -239,6 +246,8 @@ def test_calibrate_help_defaults_are_the_library_defaults():
     for name in ("key_noise", "kv_bits", "value_bits"):
         assert params[name].default.default == getattr(lib, name), name
     assert params["key_bits"].default.default == str(lib.key_bits)
+    for name in ("max_kl", "max_answer_kl"):  # not given: the library's default, which --help spells out
+        assert params[name].default.show_default == f"{getattr(lib, name):g}", name
 
 
 def test_help_imports_neither_torch_nor_transformers():

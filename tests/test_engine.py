@@ -25,8 +25,8 @@ def small_rotations(smol):
     from oscar_kv.calibration_settings import CalibrationSettings
 
     lm, tok = smol
-    rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None),
-                    progress=False)
+    rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None,
+                                                 max_answer_kl=None), progress=False)
     unprepare_model(lm)
     return rot
 
@@ -39,7 +39,8 @@ def constant_rotations(smol):
 
     lm, tok = smol
     rot = calibrate(lm, tok, CalibrationSettings(calib_tokens=512, seq_len=256, probe_tokens=128,
-                                                 key_centering="constant", max_kl=None), progress=False)
+                                                 key_centering="constant", max_kl=None, max_answer_kl=None),
+                    progress=False)
     unprepare_model(lm)
     return rot
 

@@ -144,7 +144,7 @@ def test_the_engine_serves_the_family_through_the_executor(arch, tokenizer, held
     model = _model(arch)
     model.generation_config.eos_token_id = None
     rot = calibrate(model, tokenizer, CalibrationSettings(calib_tokens=256, seq_len=128, probe_tokens=64, max_kl=None,
-                                                          key_centering="rope"), progress=False)
+                                                          max_answer_kl=None, key_centering="rope"), progress=False)
     unprepare_model(model)
     assert rot.k_rope_mean is not None and rot.v_mean.abs().max() > 0
     prompts = [held_out_ids[0, :100].tolist(), held_out_ids[0, 300:340].tolist()]

@@ -69,7 +69,8 @@ def llama4(tmp_path_factory, tokenizer):
     directory = tmp_path_factory.mktemp("llama4")
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    rotations = calibrate(model, tokenizer, CalibrationSettings(calib_tokens=1024, max_kl=None), progress=False)
+    settings = CalibrationSettings(calib_tokens=1024, max_kl=None, max_answer_kl=None)
+    rotations = calibrate(model, tokenizer, settings, progress=False)
     rotations.save(directory / "rotations")
     return directory
 

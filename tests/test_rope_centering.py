@@ -11,7 +11,7 @@ from oscar_kv.calibration_settings import CalibrationSettings
 from oscar_kv.models import AttentionGeometry
 from oscar_kv.rope import RopeTable, apply_rope, keep_pairs, kernel_pairs, key_offsets, mean_phase, remove_rope
 
-SMALL = dict(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None)
+SMALL = dict(calib_tokens=512, seq_len=256, probe_tokens=128, max_kl=None, max_answer_kl=None)
 
 
 def test_rope_table_is_the_models_rope(model):

@@ -44,7 +44,7 @@ from .probe import layer_error
 from .rope import (RopeTable, RopeUnsupported, keep_pairs, layer_rope_tables, mean_phase, pair_counts,
                    remove_rope, rotate_half, rotated_only)
 from .rotation import compose
-from .width_choice import choose_widths, kl_measure, needle_measure
+from .width_choice import answered_needles, choose_widths, kl_measure, needle_measure
 
 log = logging.getLogger(__name__)
 
@@ -362,18 +362,31 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     measures = [kl_measure(model, kl_ids)] if kl_ids is not None else []
     needles = needle_probe(tokenizer, texts, settings, max_len) if settings.max_answer_kl is not None and allocated \
         else None
+    answered, width_settings = [], settings
     if needles:
+        length = max(int(ids.shape[1]) for ids, _ in needles)
         if progress:
-            tqdm.write(f"calibrate: answer KL check on {len(needles)} keyed needle prompts of "
-                       f"{needles[0][0].shape[1]} tokens: one forward each per point of the widening path measured")
-        measures.append(needle_measure(model, needles))
+            tqdm.write(f"calibrate: answer KL check on {len(needles)} keyed needle prompts of {length} tokens: the "
+                       "unquantized model's answers first, then one forward per answered prompt and point of the "
+                       "widening path measured (--needle-probe-tokens shortens them)")
+        answered = answered_needles(model, needles)
+        say(f"the unquantized model answers {len(answered)} of {len(needles)} needle prompts"
+            + ("" if answered else ": no answer KL check (no retrieval to keep)"))
+        if answered:
+            measures.append(needle_measure(model, answered))
+        elif settings.max_kl is None and settings.key_noise is None and settings.kv_bits is None:
+            raise ConfigError(f"the answer KL target is the only width rule, and the model answers none of its "
+                              f"{len(needles)} needle prompts of {length} tokens: add --key-noise, --kv-bits or --max-kl")
+        else:
+            width_settings = dataclasses.replace(settings, max_answer_kl=None)
     kl = (lambda rot: {name: value for measure in measures for name, value in measure(rot).items()}) \
         if measures else None
-    widths = choose_widths(rotations, stats.query_moments(), settings, probe, max_len, progress, kl)
+    widths = choose_widths(rotations, stats.query_moments(), width_settings, probe, max_len, progress, kl)
     if kl_ids is not None:
         widths["kl_probe_tokens"] = int(kl_ids.shape[1])
     if needles:
-        widths["needle_probe_tokens"] = max(int(ids.shape[1]) for ids, _ in needles)
+        widths["needle_probe_tokens"] = length
+        widths["needle_prompts_answered"] = f"{len(answered)} of {len(needles)}"
     say(f"widths: {rotations.width_summary()} ({widths['bits_per_element']:.3f} bits per element at {max_len} "
         f"tokens; {widths['reason']})" + (", clip ratios fitted at each width" if settings.clip == "fit" else ""))
     table = error_table(rotations, probe)

@@ -33,10 +33,16 @@ DEFAULT_MAX_KL = 0.01
 # --kl-probe-tokens shortens it).  Longer contexts take the 32K measurement.
 KL_PROBE_MAX_TOKENS = 32768
 DEFAULT_KV_BITS: float | None = None
-# The needle probe of --max-answer-kl: NEEDLE_PROBE_PROMPTS keyed needle prompts (four keyed numbers, a question for
-# one) of min(context, NEEDLE_PROBE_MAX_TOKENS) tokens cut from held-back text; one teacher-forced forward each per
-# measurement.  Off by default: whether its answer KL predicts multi-key accuracy across models is not yet shown
-# (benchmarks/NOTES.md, runs D22-D23: values at 2 bits lose keyed retrieval that KL over text does not see).
+# The answer KL the widths must also meet: the mean KL against the unquantized model over the answer tokens of the
+# needle probe below.  Multi-key retrieval fails where the KL over ordinary text stays small (Qwen2.5-Coder-1.5B at
+# 16K: text KL 0.0065, multi-key 0.73 against BF16's 0.93); across eight widths the evaluation's answer KL ordered
+# multi-key accuracy with Spearman -0.96, and a 0.01 target (the text KL's own) chose 3.30 bits at 32K that keep
+# multi-key within 0.10 of BF16 (0.83), where the text KL alone chose 2.98 (benchmarks/NOTES.md, runs D24-D25).
+DEFAULT_MAX_ANSWER_KL = 0.01
+# The needle probe: NEEDLE_PROBE_PROMPTS keyed needle prompts (four keyed numbers, a question for one) of
+# min(context, NEEDLE_PROBE_MAX_TOKENS) tokens cut from held-back text; one teacher-forced forward per prompt the
+# model answers and measurement, after one unquantized forward each for the model's own answers (seconds on a GPU; on a 2-core CPU
+# ~30 s per 8K prompt of SmolLM2-135M, whose default calibration takes 34 minutes with it, 2.3 without).
 NEEDLE_PROBE_PROMPTS = 8
 NEEDLE_PROBE_MAX_TOKENS = 16384
 
@@ -84,7 +90,7 @@ class CalibrationSettings:
     kl_probe_tokens: int | None = None
     # beside (or instead of) max_kl: the most mean KL against the unquantized model over the answer tokens of the
     # needle probe (None: not measured); the same widening path and bisection
-    max_answer_kl: float | None = None
+    max_answer_kl: float | None = DEFAULT_MAX_ANSWER_KL
     needle_probe_tokens: int | None = None  # None: min(context, NEEDLE_PROBE_MAX_TOKENS)
 
     def __post_init__(self):

@@ -110,14 +110,16 @@ def calibrate(
         "most 32768: KL grows with the context; one forward per measurement, seconds on a GPU, minutes to an hour for a "
         "1B+ model on a CPU, where a shorter probe trades fidelity for time)."),
     max_answer_kl: Optional[float] = typer.Option(
-        None, min=0.0, help="Beside (or with --max-kl 0, instead of) the KL check: the most mean KL against the "
-        "unquantized model over the answer tokens of 8 keyed needle prompts (four keyed numbers in a haystack of "
-        "--needle-probe-tokens, a question for one) cut from held-back text; the same widening path and bisection. "
-        "Multi-key retrieval can fail where the KL over ordinary text is small (values at 2 bits: benchmarks/NOTES.md, "
-        "runs D22-D23). Off by default: how far it predicts multi-key accuracy is still being measured."),
+        None, min=0.0, show_default="0.01", help="Beside the KL check: the most mean KL against the unquantized model "
+        "over the answer tokens of 8 keyed needle prompts (four keyed numbers in a haystack of --needle-probe-tokens, "
+        "a question for one) cut from held-back text; the same widening path and bisection, every target met. "
+        "Multi-key retrieval fails where the KL over ordinary text is small; this score orders multi-key accuracy "
+        "(benchmarks/NOTES.md, runs D24-D25). 0 turns it off (the text KL alone: fewer bits, keyed retrieval may "
+        "suffer). One forward per prompt and measurement: seconds on a GPU, a few minutes per measurement for a "
+        "small model on a CPU (--needle-probe-tokens shortens them)."),
     needle_probe_tokens: Optional[int] = typer.Option(
-        None, min=1024, help="With --max-answer-kl: each needle prompt's length (default: the model's context, at "
-        "most 16384)."),
+        None, min=1024, help="The answer KL check's needle prompts: each one's length (default: the "
+        "model's context, at most 16384)."),
     key_rescale: float = typer.Option(
         0.5, min=0.0, max=1.0, help="Share of the clip's shrink of each INT2 key row along itself that its float16 scale "
         "undoes (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "
@@ -151,10 +153,11 @@ def calibrate(
                                        value_bits=_width_or_auto(value_bits, "--value-bits"),
                                        key_noise=key_noise or None, kv_bits=kv_bits,
                                        kl_probe_tokens=kl_probe_tokens, key_rescale=key_rescale,
-                                       max_answer_kl=max_answer_kl or None, needle_probe_tokens=needle_probe_tokens,
+                                       needle_probe_tokens=needle_probe_tokens,
                                        value_rescale=value_rescale,
                                        # not given: the library's default; 0: no KL check
-                                       **({} if max_kl is None else {"max_kl": max_kl or None}))
+                                       **({} if max_kl is None else {"max_kl": max_kl or None}),
+                                       **({} if max_answer_kl is None else {"max_answer_kl": max_answer_kl or None}))
     except ValueError as exc:
         _fail(user_message(exc))
     if (max_kl or max_answer_kl) and settings.key_bits != "auto" and settings.value_bits != "auto":
@@ -203,8 +206,9 @@ def _width_map(widths: dict) -> str:
         points = sorted(measured.values(), key=lambda p: p["bits_per_element"])
         targets = [f"{widths['max_kl']:g}, on {on}"] if widths.get("max_kl") is not None else []
         if widths.get("max_answer_kl") is not None:
+            answered = f", {widths['needle_prompts_answered']} answered" if "needle_prompts_answered" in widths else ""
             targets.append(f"answer KL {widths['max_answer_kl']:g}, on needle prompts of "
-                           f"{widths.get('needle_probe_tokens', '?')} tokens")
+                           f"{widths.get('needle_probe_tokens', '?')} tokens{answered}")
         shown = [(name, label) for name, label in (("kl", "KL"), ("answer_kl", "answer KL")) if name in points[0]]
         lines.insert(1, f"KL check (target {'; '.join(targets)}): " + ", ".join(
             f"{p['bits_per_element']:.3f} bits -> " + ", ".join(f"{label} {p[name]:.4f}" for name, label in shown)
@@ -213,6 +217,9 @@ def _width_map(widths: dict) -> str:
         if chosen:  # does KL still grow at the probe's end? (a longer context then has more)
             lines.insert(2, "  at the chosen widths, KL by position (positions up to): " + ", ".join(
                 f"{end} {v:.4f}" for end, v in chosen[0]["kl_by_position"].items()))
+    if widths.get("needle_prompts_answered", "").startswith("0 of"):
+        lines.insert(1, f"answer KL check skipped: the model answers {widths['needle_prompts_answered']} needle prompts "
+                        f"of {widths['needle_probe_tokens']} tokens")
     widest = max(map(int, by_width))
     for i, (k, v) in enumerate(zip(widths["k_bits"], widths["v_bits"])):
         noise = "  ".join(f"{by_width[w][i]:8.4f}" for w in by_width)

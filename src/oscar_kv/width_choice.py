@@ -194,21 +194,37 @@ def _with_reason(choice: WidthChoice, reason: str) -> WidthChoice:
     return dataclasses.replace(choice, reason=reason)
 
 
-def needle_measure(model, prompts: list[tuple[torch.Tensor, int]]) -> Callable[[Rotations], dict]:
+def answered_needles(model, prompts: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """The needle prompts (calibrate.needle_probe) whose expected answer the unquantized model itself gives (its most
+    likely token, teacher-forced, at every answer position), each with those positions' exact log-probabilities
+    (tasks.answer_reference): [(ids, where the answer starts, reference)].  Retrieval the model does not do is none a
+    cache can lose, and bits spent on the answer KL of a prompt it fails buy nothing (SmolLM2-135M finds a few
+    multi-key needles of ten at 8K, Qwen2.5-Coder-1.5B nine: benchmarks/NOTES.md)."""
+    from .evaluate.tasks import answer_reference
+
+    answered = []
+    for ids, start in prompts:
+        reference = answer_reference(model, ids, start)
+        if torch.equal(reference.argmax(-1).cpu(), ids[0, start:].cpu()):
+            answered.append((ids, start, reference))
+    return answered
+
+
+def needle_measure(model, answered: list[tuple[torch.Tensor, int, torch.Tensor]]) -> Callable[[Rotations], dict]:
     """The measure of ``--max-answer-kl``: an artifact's mean KL(unquantized || artifact's cache) over the answer
-    tokens of keyed needle prompts (calibrate.needle_probe: (ids [1, T], where the answer starts)), each simulated in
-    one teacher-forced forward: {"answer_kl": mean over prompts}.  Retrieval through many similar needles fails where
-    this grows, while the KL over ordinary text stays small (benchmarks/NOTES.md, runs D22-D23)."""
+    tokens of the keyed needle prompts the model answers (answered_needles), each simulated in one teacher-forced
+    forward: {"answer_kl": mean over prompts}.  Retrieval through many similar needles fails where this grows, while
+    the KL over ordinary text stays small; across widths it orders multi-key accuracy (benchmarks/NOTES.md, runs
+    D22-D25)."""
     from .cache import CacheSettings, unprepare_model
     from .evaluate.schemes import standard_scheme
-    from .evaluate.tasks import answer_reference, simulated_answer_kl
+    from .evaluate.tasks import simulated_answer_kl
 
-    references = [answer_reference(model, ids, start) for ids, start in prompts]
     geometry = AttentionGeometry.of(model.config)
 
     def measure(rot: Rotations) -> dict:
         scheme = standard_scheme("oscar", geometry, rot, CacheSettings())
-        values = [simulated_answer_kl(model, scheme, ids, start, ref) for (ids, start), ref in zip(prompts, references)]
+        values = [simulated_answer_kl(model, scheme, ids, start, ref) for ids, start, ref in answered]
         unprepare_model(model)
         return {"answer_kl": sum(values) / len(values)}
 

@@ -39,7 +39,7 @@ from ..cache import OscarCache, unprepare_model
 from ..hf_compat import cache_kwargs
 from .schemes import Scheme
 from .simulate import simulated_attention_from_forms, stored_forms
-from .tasks import LOGIT_CHUNK, fold_value_tensor, prepare, stored_cache
+from .tasks import LOGIT_CHUNK, fold_value_tensor, kl_divergence, prepare, stored_cache
 
 CONTINUATION_KEY = "oscar_kv_simulated_continuation"
 _active: list[OscarCache] = []
@@ -142,7 +142,7 @@ def step_scores(model, reference_hidden: torch.Tensor, hidden: torch.Tensor) -> 
     for c0 in range(0, hidden.shape[0], LOGIT_CHUNK):
         ref = torch.log_softmax(model.lm_head(reference_hidden[c0:c0 + LOGIT_CHUNK]).float(), -1)
         mine = torch.log_softmax(model.lm_head(hidden[c0:c0 + LOGIT_CHUNK]).float(), -1)
-        kl.append((ref.exp() * (ref - mine)).sum(-1).cpu())
+        kl.append(kl_divergence(ref, mine).cpu())
         agree.append((ref.argmax(-1) == mine.argmax(-1)).cpu())
     if not kl:
         return torch.zeros(0), torch.zeros(0, dtype=torch.bool)

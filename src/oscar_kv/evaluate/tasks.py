@@ -67,7 +67,7 @@ def kl_and_ppl(model, scheme: Scheme, ids: torch.Tensor, ref_hidden: torch.Tenso
         if s0 < c1:
             ref_lp = torch.log_softmax(model.lm_head(ref_hidden[s0:c1]).float(), -1)
             mine = lp[s0 - c0:]
-            per_position = (ref_lp.exp() * (ref_lp - mine)).sum(-1)
+            per_position = kl_divergence(ref_lp, mine)
             kl += float(per_position.sum())
             _add_to_bins(bins, per_position, s0 + 1)  # logits at index i predict position i + 1
             top1 += float((ref_lp.argmax(-1) == mine.argmax(-1)).sum())
@@ -93,7 +93,12 @@ def simulated_answer_kl(model, scheme: Scheme, ids: torch.Tensor, answer_start: 
     with simulating(model, cache):
         hidden = model.model(ids.to(model.device), use_cache=False).last_hidden_state[0, answer_start - 1:-1]
     log_probs = torch.log_softmax(model.lm_head(hidden).float(), -1)
-    return float((reference.exp() * (reference - log_probs)).sum(-1).mean())
+    return float(kl_divergence(reference, log_probs).mean())
+
+
+def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(reference || other) per row, from two float32 log-probability tensors [..., vocab]."""
+    return (reference.exp() * (reference - other)).sum(-1)
 
 
 def _add_to_bins(bins: dict[int, list[float]], values: torch.Tensor, first: int) -> None:
@@ -302,7 +307,7 @@ def needle_scores(log_probs: torch.Tensor, answer: list[int], reference: torch.T
     target = torch.tensor(answer, device=log_probs.device)[:, None]
     scores = {"answer_nll": float(-log_probs.gather(-1, target).sum())}
     if reference is not None:
-        scores["answer_kl"] = float((reference.exp() * (reference - log_probs)).sum(-1).mean())
+        scores["answer_kl"] = float(kl_divergence(reference, log_probs).mean())
     return scores
 
 
