@@ -135,6 +135,11 @@ PY
         d25) wait_for qwen
           step d25 --model qwen2.5-coder-1.5b:16384 --tasks niah_multikey --niah-samples 30 --baselines bf16 \
             --candidates a0.01,a0.02 ;;
+        # runs D26-D27 (next): the default with the answer KL check at every length; Gemma's probe answers (KL-only)
+        d26) wait_for qwen
+          step d26 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --baselines bf16 --candidates default ;;
+        d27) wait_for gemma
+          step d27 --model gemma3-270m:8192,16384,32768 --tasks kl --baselines bf16 --candidates default ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
