@@ -21,7 +21,7 @@ check and the answer KL check), ``k2`` / ``k3`` / ``k4`` / ``k5`` / ``k8`` (ever
 context, no tolerance), ``nX`` (tolerance X nats^2, no budget), ``mX`` (the default tolerance and ``--max-kl X``, no
 answer KL check: widened past the tolerance until the KL measured on held-back text is at most X), ``aX`` (the default
 with ``--max-answer-kl X``: widened until the needle probe's answer KL is at most X), ``tX`` (``calibrate --key-noise
-X``: keys and values allocated at tolerance X, then the default's checks), ``fX`` (``--key-noise 0 --max-kl X``, no
+X``: keys and values allocated at tolerance X, then the default's checks; ``t0``: no tolerance), ``fX`` (``--key-noise 0 --max-kl X``, no
 answer KL check: no tolerance, the fewest widenings from the narrowest widths whose KL is at most X).  The first
 candidate is the `oscar` row.
 """
@@ -107,7 +107,8 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
                                   **({"key_noise": None} if name[0] == "f" else {}))
             rot = calibrate(model, tokenizer, kl_settings, progress=False)
         elif name[0] == "t":  # calibrate's own allocation at another tolerance: values widen with the keys
-            rot = calibrate(model, tokenizer, replace(settings, key_noise=float(name[1:])), progress=False)
+            # t0: no tolerance (as `calibrate --key-noise 0`): the fewest widenings that meet the default's checks
+            rot = calibrate(model, tokenizer, replace(settings, key_noise=float(name[1:]) or None), progress=False)
         elif name[0] == "a":  # the default with another answer KL target
             rot = calibrate(model, tokenizer, replace(settings, max_answer_kl=float(name[1:])), progress=False)
         else:

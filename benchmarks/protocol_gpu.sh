@@ -140,6 +140,29 @@ PY
           step d26 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --baselines bf16 --candidates default ;;
         d27) wait_for gemma
           step d27 --model gemma3-270m:8192,16384,32768 --tasks kl --baselines bf16 --candidates default ;;
+        # runs D28-D29: SmolLM2 with the answer KL default (calibrated on the GPU: the same widths as the CPU's?);
+        # Qwen2.5 with no tolerance, only the two checks (calibrate --key-noise 0): fewer bits for the same answers?
+        d28) wait_for smol
+          step d28 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates default ;;
+        d29) wait_for qwen
+          step d29 --model qwen2.5-coder-1.5b:16384 --tasks niah_multikey --niah-samples 30 --baselines bf16 \
+            --candidates t0 ;;
+        # runs D30-D31: the checks measured in float32 on the GPU too (calibrate.float32_weights)
+        d30) wait_for smol
+          step d30 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates default ;;
+        d31) wait_for qwen
+          step d31 --model qwen2.5-coder-1.5b:16384 --tasks niah_multikey --niah-samples 30 --baselines bf16 \
+            --candidates default ;;
+        # run D32: the whole calibration in float32 (statistics too): SmolLM2's widths as the CPU's?
+        d32) wait_for smol
+          step d32 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates default ;;
+        # runs D33-D34 (next): today's default (checks in float32, the half rule) at every length, and with YaRN
+        d33) wait_for qwen
+          step d33 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --baselines bf16,kivi-2 \
+            --candidates default,t0 ;;
+        d34) wait_for qwen
+          step d34 --model qwen2.5-coder-1.5b@yarn4:65536,131072 --niah-samples 6 --text stdlib: --baselines bf16 \
+            --candidates default ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;

@@ -297,7 +297,7 @@ def test_a_kl_target_out_of_reach_takes_the_widest_widths_and_says_so(model, tok
 def test_an_answer_kl_target_measures_the_needle_probe(model, tokenizer):
     """--max-answer-kl alone: the needle probe's answer KL is measured along the same path; out of reach it takes the
     widest widths and says so, within reach of the tolerance's widths one measurement keeps them; inspect shows it."""
-    from oscar_kv.cli import _width_map
+    from oscar_kv.artifact_report import width_map
 
     unmet = calibrate(model, tokenizer, CalibrationSettings(**{**SMALL, "max_answer_kl": 1e-9},
                                                             needle_probe_tokens=1024), progress=False)
@@ -311,7 +311,7 @@ def test_an_answer_kl_target_measures_the_needle_probe(model, tokenizer):
     widths = met.manifest["calibration"]["widths"]
     (step, measured), = widths["kl_by_step"].items()
     assert "tolerance's" in widths["reason"] and "answer KL" in widths["reason"] and measured["answer_kl"] > 0
-    assert "answer KL 100, on needle prompts of" in _width_map(widths)
+    assert "answer KL 100, on needle prompts of" in width_map(widths)
 
 
 def test_the_answer_kl_counts_only_the_needles_the_model_finds(model, tokenizer):
@@ -338,7 +338,7 @@ def test_a_model_that_finds_no_needle_skips_the_answer_kl_check(tokenizer):
     0 of 8), and with no other rule calibrate refuses before choosing any."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from oscar_kv.cli import _width_map
+    from oscar_kv.artifact_report import width_map
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -350,9 +350,46 @@ def test_a_model_that_finds_no_needle_skips_the_answer_kl_check(tokenizer):
     widths = rot.manifest["calibration"]["widths"]
     assert widths["needle_prompts_answered"] == "0 of 8" and "max_answer_kl" not in widths
     assert "noise is within 0.3" in widths["reason"] and "kl_by_step" not in widths
-    assert "answer KL check skipped: the model answers 0 of 8 needle prompts of" in _width_map(widths)
-    with pytest.raises(ConfigError, match="answers none of its 8 needle prompts"):
+    assert "answer KL check skipped: the model answers 0 of 8 needle prompts of" in width_map(widths)
+    with pytest.raises(ConfigError, match="answers 0 of its 8 needle prompts"):
         calibrate(random_model, tokenizer, dataclasses.replace(settings, key_noise=None), progress=False)
+
+
+def test_the_answer_kl_check_needs_half_of_the_needles_answered(model, tokenizer):
+    """SmolLM2 answers 1 of the 8 needle prompts at 4K: a mean over one barely given answer is no measure (run D32),
+    so the widths are the other rules' and the manifest and inspect say why."""
+    from oscar_kv.artifact_report import width_map
+
+    rot = calibrate(model, tokenizer, CalibrationSettings(**{**SMALL, "max_answer_kl": 0.01}, needle_probe_tokens=4096),
+                    progress=False)
+    widths = rot.manifest["calibration"]["widths"]
+    assert widths["needle_prompts_answered"] == "1 of 8" and "max_answer_kl" not in widths
+    assert "kl_by_step" not in widths and "noise is within" in widths["reason"]
+    assert "answer KL check skipped: the model answers 1 of 8 needle prompts of" in width_map(widths)
+    assert "(the check needs half)" in width_map(widths)
+
+
+def test_the_checks_run_on_float32_weights_and_leave_the_model_as_it_was():
+    """calibrate.float32_weights: inside, every floating-point parameter is float32 (the checks then measure the
+    cache, not bfloat16's rounding); after, each is back in its dtype with the same bits; buffers are not touched."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from oscar_kv.calibrate import float32_weights
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with float32_weights(model):
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert model(ids).logits.dtype == torch.float32
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, before[name]), name
+    for name, b in model.named_buffers():
+        assert b.dtype == buffers[name].dtype and torch.equal(b, buffers[name]), name
 
 
 def test_the_needle_probe_asks_for_a_number_it_holds(tokenizer):

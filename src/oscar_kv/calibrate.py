@@ -19,6 +19,7 @@ and a validation table of per-layer attention error.  The settings are calibrati
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -33,8 +34,8 @@ from tqdm.auto import tqdm
 from .activations import LayerSample, capture_samples, observing, run_layers
 from .allocation import KEY_WIDTHS, VALUE_WIDTHS
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
-from .calibration_settings import (KL_PROBE_MAX_TOKENS, NEEDLE_PROBE_MAX_TOKENS, NEEDLE_PROBE_PROMPTS,
-                                   CalibrationSettings)
+from .calibration_settings import (KL_PROBE_MAX_TOKENS, NEEDLE_PROBE_MAX_TOKENS, NEEDLE_PROBE_MIN_ANSWERED,
+                                   NEEDLE_PROBE_PROMPTS, CalibrationSettings)
 from .corpus import CorpusError, load_calibration_text
 from .errors import ConfigError
 from .models import AttentionGeometry
@@ -355,38 +356,11 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
     centering = choose_key_centering(rotations, stats, settings, probe)
     say(f"key centering: {centering['chosen']}, {centering['pairs']} RoPE pairs")
     allocated = settings.key_bits == "auto" or settings.value_bits == "auto"  # else the KL target has no choice
-    kl_ids = kl_probe(tokenizer, texts, settings, max_len) if settings.max_kl is not None and allocated else None
-    if kl_ids is not None and progress:  # a forward at 32K is seconds on a GPU, up to an hour on a small CPU
-        tqdm.write(f"calibrate: KL check on {kl_ids.shape[1]} held-back tokens: one unquantized forward, then one per "
-                   f"point of the widening path measured (--kl-probe-tokens shortens them)")
-    measures = [kl_measure(model, kl_ids)] if kl_ids is not None else []
-    needles = needle_probe(tokenizer, texts, settings, max_len) if settings.max_answer_kl is not None and allocated \
-        else None
-    answered, width_settings = [], settings
-    if needles:
-        length = max(int(ids.shape[1]) for ids, _ in needles)
-        if progress:
-            tqdm.write(f"calibrate: answer KL check on {len(needles)} keyed needle prompts of {length} tokens: the "
-                       "unquantized model's answers first, then one forward per answered prompt and point of the "
-                       "widening path measured (--needle-probe-tokens shortens them)")
-        answered = answered_needles(model, needles)
-        say(f"the unquantized model answers {len(answered)} of {len(needles)} needle prompts"
-            + ("" if answered else ": no answer KL check (no retrieval to keep)"))
-        if answered:
-            measures.append(needle_measure(model, answered))
-        elif settings.max_kl is None and settings.key_noise is None and settings.kv_bits is None:
-            raise ConfigError(f"the answer KL target is the only width rule, and the model answers none of its "
-                              f"{len(needles)} needle prompts of {length} tokens: add --key-noise, --kv-bits or --max-kl")
-        else:
-            width_settings = dataclasses.replace(settings, max_answer_kl=None)
-    kl = (lambda rot: {name: value for measure in measures for name, value in measure(rot).items()}) \
-        if measures else None
-    widths = choose_widths(rotations, stats.query_moments(), width_settings, probe, max_len, progress, kl)
-    if kl_ids is not None:
-        widths["kl_probe_tokens"] = int(kl_ids.shape[1])
-    if needles:
-        widths["needle_probe_tokens"] = length
-        widths["needle_prompts_answered"] = f"{len(answered)} of {len(needles)}"
+    # the checks measure in float32 wherever the model runs: in bfloat16 they measured the forward's own rounding too
+    # (SmolLM2's widest widths 0.002 against 0.0001 on a CPU, a fifth of the 0.01 target; NOTES, runs D28-D31)
+    with float32_weights(model):
+        widths = _checked_widths(model, tokenizer, texts, settings, rotations, stats, probe, max_len, allocated,
+                                 progress, say)
     say(f"widths: {rotations.width_summary()} ({widths['bits_per_element']:.3f} bits per element at {max_len} "
         f"tokens; {widths['reason']})" + (", clip ratios fitted at each width" if settings.clip == "fit" else ""))
     table = error_table(rotations, probe)
@@ -403,6 +377,69 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, cal
         "validation": {"probe_tokens": int(probe_ids.shape[1]), "attention_relative_error": table},
     }
     return rotations
+
+
+@contextlib.contextmanager
+def float32_weights(model):
+    """The model's floating-point parameters in float32 for the block, then back in their own dtypes: a bfloat16 or
+    float16 value is exact in float32, so nothing changes the model afterwards (buffers such as RoPE frequencies stay
+    as they are)."""
+    dtypes = {name: p.dtype for name, p in model.named_parameters() if p.is_floating_point()}
+    narrow = {name for name, dtype in dtypes.items() if dtype != torch.float32}
+    params = dict(model.named_parameters())
+    for name in narrow:
+        params[name].data = params[name].data.float()
+    try:
+        yield
+    finally:
+        params = dict(model.named_parameters())
+        for name in narrow:
+            if name in params:
+                params[name].data = params[name].data.to(dtypes[name])
+
+
+def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rotations: Rotations, stats: Statistics,
+                    probe, max_len: int, allocated: bool, progress: bool, say) -> dict:
+    """choose_widths with the checks the settings ask for (the text KL and the needle prompts' answer KL, each
+    against the unquantized model): the manifest's widths record, with the probes' lengths and how many needle
+    prompts the model answers."""
+    kl_ids = kl_probe(tokenizer, texts, settings, max_len) if settings.max_kl is not None and allocated else None
+    if kl_ids is not None and progress:  # a forward at 32K is seconds on a GPU, up to an hour on a small CPU
+        tqdm.write(f"calibrate: KL check on {kl_ids.shape[1]} held-back tokens: one unquantized forward, then one per "
+                   f"point of the widening path measured (--kl-probe-tokens shortens them)")
+    measures = [kl_measure(model, kl_ids)] if kl_ids is not None else []
+    needles = needle_probe(tokenizer, texts, settings, max_len) if settings.max_answer_kl is not None and allocated \
+        else None
+    answered, width_settings = [], settings
+    if needles:
+        length = max(int(ids.shape[1]) for ids, _ in needles)
+        if progress:
+            tqdm.write(f"calibrate: answer KL check on {len(needles)} keyed needle prompts of {length} tokens: the "
+                       "unquantized model's answers first, then one forward per answered prompt and point of the "
+                       "widening path measured (--needle-probe-tokens shortens them)")
+        answered = answered_needles(model, needles)
+        enough = len(answered) >= NEEDLE_PROBE_MIN_ANSWERED
+        say(f"the unquantized model answers {len(answered)} of {len(needles)} needle prompts"
+            + ("" if enough else f": no answer KL check (it needs {NEEDLE_PROBE_MIN_ANSWERED}: over fewer, one "
+                                 "barely given answer carries the mean)"))
+        if enough:
+            measures.append(needle_measure(model, answered))
+        elif settings.max_kl is None and settings.key_noise is None and settings.kv_bits is None:
+            raise ConfigError(f"the answer KL target is the only width rule, and the model answers {len(answered)} of "
+                              f"its {len(needles)} needle prompts of {length} tokens (the check needs "
+                              f"{NEEDLE_PROBE_MIN_ANSWERED}): add --key-noise, --kv-bits or --max-kl, or a shorter "
+                              f"--needle-probe-tokens")
+        else:
+            width_settings = dataclasses.replace(settings, max_answer_kl=None)
+    kl = (lambda rot: {name: value for measure in measures for name, value in measure(rot).items()}) \
+        if measures else None
+    widths = choose_widths(rotations, stats.query_moments(), width_settings, probe, max_len, progress, kl)
+    if kl_ids is not None:
+        widths["kl_probe_tokens"] = int(kl_ids.shape[1])
+    if needles:
+        widths["needle_probe_tokens"] = length
+        widths["needle_prompts_answered"] = f"{len(answered)} of {len(needles)}"
+    return widths
 
 
 def fit_rotations(stats: Statistics, settings: CalibrationSettings, group_size: int) -> Rotations:

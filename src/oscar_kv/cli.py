@@ -6,7 +6,6 @@ parse a list) is in cli_common."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -112,7 +111,8 @@ def calibrate(
     max_answer_kl: Optional[float] = typer.Option(
         None, min=0.0, show_default="0.01", help="Beside the KL check: the most mean KL against the unquantized model "
         "over the answer tokens of 8 keyed needle prompts (four keyed numbers in a haystack of --needle-probe-tokens, "
-        "a question for one) cut from held-back text; the same widening path and bisection, every target met. "
+        "a question for one) cut from held-back text, over those the unquantized model answers (skipped where it "
+        "answers fewer than half); the same widening path and bisection, every target met. "
         "Multi-key retrieval fails where the KL over ordinary text is small; this score orders multi-key accuracy "
         "(benchmarks/NOTES.md, runs D24-D25). 0 turns it off (the text KL alone: fewer bits, keyed retrieval may "
         "suffer). One forward per prompt and measurement: seconds on a GPU, a few minutes per measurement for a "
@@ -190,93 +190,17 @@ def calibrate(
     typer.echo(f"calibrated on {cal['tokens']} tokens in {cal['seconds']} s; wrote {output_dir}")
 
 
-def _width_map(widths: dict) -> str:
-    """The manifest's width record as a per-layer bit map with each candidate width's key logit noise."""
-    by_width = widths["key_noise_by_width"]
-    at = ", ".join(f"{b:.3f} at {n}" for n, b in widths.get("bits_per_element_at", {}).items())
-    v_by_width = widths.get("value_noise_by_width", {})  # absent in artifacts from before values were allocated
-    lines = [f"\nwidths: {widths['bits_per_element']:.3f} bits per element at {widths['seq_len']} tokens ({at}); "
-             f"{widths['reason']}",
-             "layer  K  V  key logit noise (nats^2) at " + ", ".join(f"{w} bits" for w in by_width)
-             + (" | value output noise at " + ", ".join(f"{w} bits" for w in v_by_width) if v_by_width else "")
-             + "  chosen"]
-    measured = widths.get("kl_by_step")
-    if measured:  # the --max-kl check: every point of the widening path it measured, in bits order
-        on = f"{widths['kl_probe_tokens']} held-back tokens" if "kl_probe_tokens" in widths else "held-back text"
-        points = sorted(measured.values(), key=lambda p: p["bits_per_element"])
-        targets = [f"{widths['max_kl']:g}, on {on}"] if widths.get("max_kl") is not None else []
-        if widths.get("max_answer_kl") is not None:
-            answered = f", {widths['needle_prompts_answered']} answered" if "needle_prompts_answered" in widths else ""
-            targets.append(f"answer KL {widths['max_answer_kl']:g}, on needle prompts of "
-                           f"{widths.get('needle_probe_tokens', '?')} tokens{answered}")
-        shown = [(name, label) for name, label in (("kl", "KL"), ("answer_kl", "answer KL")) if name in points[0]]
-        lines.insert(1, f"KL check (target {'; '.join(targets)}): " + ", ".join(
-            f"{p['bits_per_element']:.3f} bits -> " + ", ".join(f"{label} {p[name]:.4f}" for name, label in shown)
-            for p in points))
-        chosen = [p for p in points if p["bits_per_element"] == widths["bits_per_element"] and "kl_by_position" in p]
-        if chosen:  # does KL still grow at the probe's end? (a longer context then has more)
-            lines.insert(2, "  at the chosen widths, KL by position (positions up to): " + ", ".join(
-                f"{end} {v:.4f}" for end, v in chosen[0]["kl_by_position"].items()))
-    if widths.get("needle_prompts_answered", "").startswith("0 of"):
-        lines.insert(1, f"answer KL check skipped: the model answers {widths['needle_prompts_answered']} needle prompts "
-                        f"of {widths['needle_probe_tokens']} tokens")
-    widest = max(map(int, by_width))
-    for i, (k, v) in enumerate(zip(widths["k_bits"], widths["v_bits"])):
-        noise = "  ".join(f"{by_width[w][i]:8.4f}" for w in by_width)
-        if v_by_width:
-            noise += "  |" + "  ".join(f"{v_by_width[w][i]:8.4f}" for w in v_by_width)
-        lines.append(f"{i:5d}  {k}  {v}  {noise}  {'#' * k}{'.' * (widest - k)} {widths['key_noise'][i]:.4f}")
-    return "\n".join(lines)
-
-
 @app.command()
 def inspect(directory: Path = typer.Argument(..., help="A rotation artifact directory.")):
     """Print an artifact's geometry, settings, eigen-spectrum summary and validation; exit 2 if it is bad."""
+    from .artifact_report import describe
     from .artifacts import ArtifactError, Rotations
-    from .calibrate import format_error_table
 
     try:
         rot = Rotations.load(directory)
     except ArtifactError as exc:
         _fail(f"bad artifact: {exc}")
-    m = rot.manifest
-    g = rot.geometry
-    typer.echo(f"artifact  {directory}  (format {m['format_version']}, sha256 {m['sha256'][:16]}...)")
-    typer.echo(f"model     {m.get('model', '?')}  fingerprint {m.get('fingerprint', '?')}")
-    typer.echo(f"geometry  {g.model_type}: {g.num_layers} layers, {g.num_attention_heads} query heads, "
-               f"{g.num_kv_heads} KV heads, head dim {g.head_dim}")
-    typer.echo(f"rotations {rot.scope}, group size {rot.group_size}, layer widths {rot.width_summary()}")
-    typer.echo(f"clip      K {rot.k_clip.min():.2f}-{rot.k_clip.max():.2f}, V {rot.v_clip.min():.2f}-{rot.v_clip.max():.2f}; "
-               f"rescale: keys {rot.k_rescale:g}, values {rot.v_rescale:g}")
-    typer.echo(f"centering keys {rot.key_centering}: |mu_K| mean {rot.k_mean.norm(dim=-1).mean():.3f}, |mu_pre| mean "
-               f"{rot.k_rope_mean.norm(dim=-1).mean():.3f}; |mu_V| mean {rot.v_mean.norm(dim=-1).mean():.3f}")
-    if rot.key_centering == "rope":
-        layout = rot.rotary_layout
-        lo, hi = layout.parts(rot.k_rope_mean)
-        live = (lo != 0) | (hi != 0)
-        partial = "" if layout.rotary_dim == g.head_dim else f" (RoPE on {layout.rotary_dim} of {g.head_dim} channels)"
-        typer.echo(f"          mu_pre kept in at most {int(live.sum(-1).max())} of {layout.rotated_pairs} channel "
-                   f"pairs per head{partial}")
-    choice = m.get("calibration", {}).get("key_centering_choice")
-    if choice:
-        typer.echo(f"          key centering chosen: {json.dumps(choice)}")
-    typer.echo("calibration " + json.dumps(m.get("calibration", {})))
-    typer.echo("\neigen-spectrum per layer (top eigenvalue share of the trace; top-8 share)")
-    typer.echo("layer   K top1   K top8   V top1   V top8")
-    for i in range(g.num_layers):
-        cells = []
-        for which in ("k", "v"):
-            lam = getattr(rot, f"{which}_eigenvalues")[i].clamp_min(0).mean(0)
-            total = float(lam.sum()) or 1.0
-            cells += [float(lam[0]) / total, float(lam[:8].sum()) / total]
-        typer.echo(f"{i:5d}  " + "  ".join(f"{c:7.3f}" for c in cells))
-    widths = m.get("calibration", {}).get("widths")
-    if widths:
-        typer.echo(_width_map(widths))
-    validation = m.get("validation")
-    if validation:
-        typer.echo(f"\nvalidation: INT2 attention relative error per layer (held-back {validation['probe_tokens']} tokens)")
-        typer.echo(format_error_table(validation["attention_relative_error"]))
+    typer.echo(describe(rot, directory))
 
 
 @app.command()
