@@ -22,7 +22,9 @@ context, no tolerance), ``nX`` (tolerance X nats^2, no budget), ``mX`` (the defa
 answer KL check: widened past the tolerance until the KL measured on held-back text is at most X), ``aX`` (the default
 with ``--max-answer-kl X``: widened until the needle probe's answer KL is at most X), ``tX`` (``calibrate --key-noise
 X``: keys and values allocated at tolerance X, then the default's checks; ``t0``: no tolerance), ``fX`` (``--key-noise 0 --max-kl X``, no
-answer KL check: no tolerance, the fewest widenings from the narrowest widths whose KL is at most X).  The first
+answer KL check: no tolerance, the fewest widenings from the narrowest widths whose KL is at most X), ``split`` (the
+default with ``--key-formats split``: split key widths among the candidates; ``splitX``: at tolerance X, ``split0``:
+none).  The first
 candidate is the `oscar` row.
 """
 
@@ -97,9 +99,11 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     settings = CalibrationSettings()
     print(f"{spec}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     t0 = time.perf_counter()
-    default = calibrate(model, tokenizer, settings, progress=False)
-    max_len = default.manifest["calibration"]["widths"]["seq_len"]
-    probe = held_back_probe(model, tokenizer, settings) if set(candidates) - {"default"} else None
+    calibrated = [n for n in candidates if n[0] in "mfta" or n.startswith("split")]  # each calibrates on its own
+    default = calibrate(model, tokenizer, settings, progress=False) if set(candidates) - set(calibrated) else None
+    derived = set(candidates) - set(calibrated) - {"default"}
+    max_len = default.manifest["calibration"]["widths"]["seq_len"] if default else None
+    probe = held_back_probe(model, tokenizer, settings) if derived else None
     artifacts = {}
     for name in candidates:
         if name[0] in "mf":  # a KL target (f: without the tolerance): calibrate measures the KL itself
@@ -111,16 +115,20 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
             rot = calibrate(model, tokenizer, replace(settings, key_noise=float(name[1:]) or None), progress=False)
         elif name[0] == "a":  # the default with another answer KL target
             rot = calibrate(model, tokenizer, replace(settings, max_answer_kl=float(name[1:])), progress=False)
+        elif name.startswith("split"):  # the default's checks over plain and split key widths
+            tolerance = {"key_noise": float(name[5:]) or None} if name[5:] else {}
+            rot = calibrate(model, tokenizer, replace(settings, key_formats="split", **tolerance), progress=False)
         else:
             widths = candidate_widths(name, default, max_len)
             rot = default if widths is None else with_widths(default, *widths, probe)
         rot.save(directory / f"artifact_{name}")
         artifacts[name] = rot
-        bits = bits_per_element(max_len, rot.geometry.head_dim, rot.group_size, k_bits=rot.k_bits.tolist(),
+        max_len = max_len or rot.manifest["calibration"]["widths"]["seq_len"]
+        bits = bits_per_element(max_len, rot.geometry.head_dim, rot.group_size, k_bits=rot.key_widths(),
                                 v_bits=rot.v_bits.tolist())
         print(f"{spec} {name}: {rot.width_summary()} ({bits:.3f} bits at {max_len})", flush=True)
-    print(f"{spec}: calibrated in {time.perf_counter() - t0:.0f} s; default: "
-          f"{default.manifest['calibration']['widths']['reason']}", flush=True)
+    print(f"{spec}: calibrated in {time.perf_counter() - t0:.0f} s"
+          + (f"; default: {default.manifest['calibration']['widths']['reason']}" if default else ""), flush=True)
     first, *rest = candidates
     config = EvalConfig(methods=[*filter(None, args.baselines.split(",")), "oscar"], tasks=args.tasks.split(","), gen_tokens=args.gen_tokens,
                         text=args.text,

@@ -163,6 +163,14 @@ PY
         d34) wait_for qwen
           step d34 --model qwen2.5-coder-1.5b@yarn4:65536,131072 --niah-samples 6 --text stdlib: --baselines bf16 \
             --candidates default ;;
+        # runs D35-D37: split key widths (calibrate --key-formats split) with the default's checks
+        d35) wait_for qwen
+          step d35 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --baselines bf16,kivi-2 \
+            --candidates split ;;
+        d36) wait_for smol
+          step d36 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates split ;;
+        d37) wait_for gemma
+          step d37 --model gemma3-270m:8192,16384,32768 --tasks kl --baselines bf16 --candidates split ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;

@@ -209,7 +209,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     Returns:
         |out - exact| / |exact| over the scored queries.
     """
-    from .quant import fake_quantize  # local: quant is the lower layer
+    from .quant import fake_quantize, fake_quantize_width  # local: quant is the lower layer
 
     hq, hkv = sample.q.shape[0], sample.k.shape[0]
     t = sample.k.shape[1]
@@ -224,7 +224,7 @@ def quantized_attention_error(sample: LayerSample, k_rotation, v_rotation, k_mea
     s, last, future, quantized = _served_windows(t, nq, sink_size, recent_size, sample.window, sample.device)
     k_q, v_q = k_rot.clone(), v_rot.clone()
     if quantize_keys:
-        k_q[:, s:last] = fake_quantize(k_rot[:, s:last], bits, group_size, k_clip[:, None].float(), rescale[0])
+        k_q[:, s:last] = fake_quantize_width(k_rot[:, s:last], bits, group_size, k_clip[:, None].float(), rescale[0])
     if quantize_values:
         v_q[:, s:last] = fake_quantize(v_rot[:, s:last], bits if value_bits is None else value_bits, group_size,
                                        v_clip[:, None].float(), rescale[1])

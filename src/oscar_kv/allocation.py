@@ -27,6 +27,15 @@ The rule: every part (a layer's keys, or its values) starts at the narrowest wid
 none is left or the next widening would take the mean stored bits per element past ``budget`` (at the model's
 context, windows and metadata counted: memory.bits_per_element).  Widening the worst first keeps the largest noise as
 small as the budget allows (a single retrieval head that drowns its needle fails the answer).
+
+Split keys (``calibrate --key-formats split``).  The logit error weighs each rotated key direction by the queries'
+energy along it (C_Q's eigenvalue), and a few directions hold most of it; one width a row spends the same bits on all.
+A split width (quant.SplitWidth) stores the top 1/8, 1/4 or 1/2 of the eigen-directions (rotation.compose_split) at
+3-8 bits and the rest at 2-4, each part one group.  Each layer's candidates are then every plain and split width
+measured on it, ordered by stored bits, keeping only those quieter than every narrower one on that layer (its own
+bits-vs-noise front); the widening walks each layer's front.  Measured before it was built (benchmarks/NOTES.md,
+run S1): at a tolerance of 0.1 nats^2 the keys' mean stored bits fell from 4.19 to 3.13 on Qwen2.5-Coder-1.5B and from
+4.44 to 3.81 on SmolLM2-135M; no plain 3- or 4-bit width is on any Qwen2.5 layer's front.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .memory import bits_per_element
+from .memory import GROUP_METADATA_BITS, bits_per_element
+from .quant import SplitWidth
 
 # 5 and 8 bits: the few layers whose keys are still noisy at 4.  One bit more mostly does, where 8 cost four
 # (benchmarks/NOTES.md, run Z1: Qwen2.5's layer 0 keys 0.46 nats^2 at 4 bits, 0.128 at 5; Gemma 3 270M's global
@@ -44,6 +54,48 @@ from .memory import bits_per_element
 KEY_WIDTHS = (2, 3, 4, 5, 8)
 # values: 2-4 bits (4 bits kept every value's accuracy that 8 did on Gemma 3 270M: run D1)
 VALUE_WIDTHS = (2, 3, 4)
+
+
+# split key widths, as fractions of the head dim and (wide part, narrow part) bits: run S1's menu
+SPLIT_FRACTIONS = (8, 4, 2)  # hi_dims = D // f
+SPLIT_BITS = ((3, 2), (4, 2), (5, 2), (4, 3), (5, 3), (8, 2), (8, 3), (5, 4), (8, 4))
+
+
+def split_widths(head_dim: int) -> list[SplitWidth]:
+    """The split key widths calibration measures for a head dim (those whose parts pack)."""
+    out = []
+    for f in SPLIT_FRACTIONS:
+        for hi, lo in SPLIT_BITS:
+            w = SplitWidth(lo, head_dim // f, hi)
+            try:
+                w.check(head_dim)
+            except ValueError:
+                continue
+            out.append(w)
+    return out
+
+
+def stored_bits(width: int | SplitWidth, head_dim: int, group_size: int) -> float:
+    """Bits per element a quantized row costs at a width: codes and scale / zero point."""
+    if isinstance(width, SplitWidth):
+        return width.code_bits(head_dim) + 2 * GROUP_METADATA_BITS / head_dim
+    return width + GROUP_METADATA_BITS / group_size
+
+
+def widening_paths(table: dict, layers: int, head_dim: int, group_size: int) -> list[list]:
+    """Per layer, the widths the widening walks, narrowest first (module docstring): plain widths in order; with
+    split widths among them, each layer's own front (a width is kept only if quieter than the last one kept)."""
+    order = sorted(table, key=lambda w: stored_bits(w, head_dim, group_size))
+    if not any(isinstance(w, SplitWidth) for w in order):
+        return [order] * layers
+    paths = []
+    for i in range(layers):
+        path = []
+        for w in order:
+            if not path or table[w][i] < table[path[-1]][i]:
+                path.append(w)
+        paths.append(path)
+    return paths
 
 
 def key_logit_noise(keys: torch.Tensor, stored: torch.Tensor, c_q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -83,7 +135,7 @@ def value_output_noise(values: torch.Tensor, stored: torch.Tensor) -> torch.Tens
 class WidthChoice:
     """What ``allocate_widths`` chose and why (recorded in the manifest)."""
 
-    k_bits: list[int]
+    k_bits: list[int | SplitWidth]
     noise: list[float]  # the chosen key width's logit noise per layer (worst KV head), nats^2
     bits_per_element: float  # mean stored bits per element at the budget's context
     reason: str
@@ -100,7 +152,8 @@ def allocate_key_widths(noise: dict[int, list[float]], v_bits: list[int], tolera
     widened first).
 
     Args:
-        noise: per candidate key width, every layer's key logit noise at it (worst KV head), nats^2.
+        noise: per candidate key width (bits, or a quant.SplitWidth), every layer's key logit noise at it (worst KV
+            head), nats^2.
         v_bits: the values' widths per layer when they are not allocated (they count against the budget).
         tolerance: stop once every part's noise is at most this; None: only the budget stops.
         budget: the most mean stored bits per element at ``seq_len`` tokens; None: no bound.
@@ -116,8 +169,8 @@ def allocate_key_widths(noise: dict[int, list[float]], v_bits: list[int], tolera
         raise ValueError("a width allocation needs a noise tolerance, a bit budget or a step count")
     layers = len(v_bits)
     sides = {"k": noise} if value_noise is None else {"k": noise, "v": value_noise}
-    widths = {side: sorted(table) for side, table in sides.items()}
-    chosen = {side: [widths[side][0]] * layers for side in sides}
+    paths = {side: widening_paths(table, layers, head_dim, group_size) for side, table in sides.items()}
+    chosen = {side: [paths[side][i][0] for i in range(layers)] for side in sides}
     if value_noise is None:
         chosen["v"] = list(v_bits)
 
@@ -146,7 +199,7 @@ def allocate_key_widths(noise: dict[int, list[float]], v_bits: list[int], tolera
             reason = f"every layer's {'key logit' if value_noise is None else 'key and value'} noise is within " \
                      f"{tolerance:g} nats^2"
             break
-        widenable = [p for p in above if chosen[p[0]][p[1]] != widths[p[0]][-1]]
+        widenable = [p for p in above if chosen[p[0]][p[1]] != paths[p[0]][p[1]][-1]]
         if not widenable:
             worst = max(above, key=current)
             reason = (f"{len(above)} part(s) at the widest width above the tolerance, the worst {name(worst)} with "
@@ -156,7 +209,7 @@ def allocate_key_widths(noise: dict[int, list[float]], v_bits: list[int], tolera
         worst = max(widenable, key=current)
         side, i = worst
         wider = {s: list(c) for s, c in chosen.items()}
-        wider[side][i] = widths[side][widths[side].index(chosen[side][i]) + 1]
+        wider[side][i] = paths[side][i][paths[side][i].index(chosen[side][i]) + 1]
         if budget is not None and cost(wider["k"], wider["v"]) > budget + 1e-9:
             reason = (f"the budget of {budget:g} bits per element is spent (widening {name(worst)}, noise "
                       f"{current(worst):.3g} nats^2, would cost {cost(wider['k'], wider['v']):.3f})")

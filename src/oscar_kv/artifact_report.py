@@ -87,9 +87,17 @@ def width_map(widths: dict) -> str:
         lines.insert(1, f"answer KL check skipped: the model answers {widths['needle_prompts_answered']} needle prompts "
                         f"of {widths['needle_probe_tokens']} tokens (the check needs half)")
     widest = max(map(int, by_width))
+    labels = widths.get("k_widths", widths["k_bits"])  # split keys (calibrate --key-formats split): "4x32+2"
+    if "k_widths" in widths:
+        lines.insert(1, "split keys: NxM+B stores M channels at N bits and the rest at B (the bar: the narrow part's "
+                        "bits, then + for the wide part's)")
+    pad = max(len(str(k)) for k in labels)
     for i, (k, v) in enumerate(zip(widths["k_bits"], widths["v_bits"])):
         noise = "  ".join(f"{by_width[w][i]:8.4f}" for w in by_width)
         if v_by_width:
             noise += "  |" + "  ".join(f"{v_by_width[w][i]:8.4f}" for w in v_by_width)
-        lines.append(f"{i:5d}  {k}  {v}  {noise}  {'#' * k}{'.' * (widest - k)} {widths['key_noise'][i]:.4f}")
+        label = str(labels[i])
+        wide = int(label.split("x")[0]) - k if "x" in label else 0
+        bar = "#" * k + "+" * wide + "." * max(widest - k - wide, 0)
+        lines.append(f"{i:5d}  {label:>{pad}}  {v}  {noise}  {bar} {widths['key_noise'][i]:.4f}")
     return "\n".join(lines)

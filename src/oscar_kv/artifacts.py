@@ -12,6 +12,9 @@ Tensors (float32 unless noted; H = KV heads, or 1 when one rotation is shared pe
                                                      layer is not quantized).
                                                      Artifacts written before keys and values could differ hold
                                                      one ``layer_bits`` [L] for both; loading reads it so.
+  k_hi_dims [L], k_hi_bits [L] int32                 split keys (quant.SplitWidth): the first k_hi_dims rotated
+                                                     key channels at k_hi_bits, the rest at k_bits; 0: not split.
+                                                     Written only when some layer is split.
 
 The manifest holds the format version, the model's attention geometry and fingerprint, the
 calibration settings, validation results, the quantizer's ``rescale`` strengths (``{"keys": g, "values": g}``,
@@ -33,9 +36,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .errors import OscarKVError
+from .errors import ConfigError, OscarKVError
 from .memory import width_summary
 from .models import AttentionGeometry, projection_rows
+from .quant import SplitWidth
 from .rope import RopeUnsupported, RotaryLayout, rotated_only
 from .rotation import ORTHOGONALITY_TOLERANCE, compose, orthogonality_error
 
@@ -85,10 +89,15 @@ class Rotations:
     # over the whole head
     rope_layout: RotaryLayout | None = None
     v_bits: torch.Tensor | None = None  # None: the keys' widths
+    # split keys (quant.SplitWidth): per layer, how many leading rotated key channels are stored at k_hi_bits (the
+    # rest at k_bits); 0: none.  None reads as zeros.
+    k_hi_dims: torch.Tensor | None = None
+    k_hi_bits: torch.Tensor | None = None
 
     TENSORS = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_mean", "v_mean",
                "k_clip", "v_clip", "k_bits", "v_bits")
     OPTIONAL_TENSORS = ("k_rope_mean",)  # absent from artifacts written before they existed
+    SPLIT_TENSORS = ("k_hi_dims", "k_hi_bits")  # written only by an artifact with split keys
     LEGACY_BITS = "layer_bits"  # one width per layer for keys and values, before they could differ
 
     def __post_init__(self):
@@ -96,22 +105,44 @@ class Rotations:
             self.k_rope_mean = torch.zeros_like(self.k_mean)
         if self.v_bits is None:
             self.v_bits = self.k_bits.clone()
+        for name in self.SPLIT_TENSORS:
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros_like(self.k_bits))
 
     def side_bits(self, layer: int) -> tuple[int, int]:
         """(key bits, value bits) of ``layer``'s quantized history."""
         return int(self.k_bits[layer]), int(self.v_bits[layer])
 
+    def key_split(self, layer: int) -> SplitWidth | None:
+        """``layer``'s split keys, None when every channel is stored at k_bits."""
+        m = int(self.k_hi_dims[layer])
+        return SplitWidth(int(self.k_bits[layer]), m, int(self.k_hi_bits[layer])) if m else None
+
+    def key_widths(self) -> list[int | SplitWidth]:
+        """Each layer's key width: its bits, or its SplitWidth."""
+        return [self.key_split(i) or int(b) for i, b in enumerate(self.k_bits.tolist())]
+
+    @property
+    def has_split_keys(self) -> bool:
+        return bool(self.k_hi_dims.any())
+
     def width_summary(self) -> str:
-        """The layers' widths in words, e.g. "K3V2 x 20, K4V2 x 4"."""
-        return width_summary(self.k_bits.tolist(), self.v_bits.tolist())
+        """The layers' widths in words, e.g. "K3V2 x 20, K4V2 x 4" (split keys: "K4x32+2V2")."""
+        return width_summary(self.key_widths(), self.v_bits.tolist())
 
     def set_bits(self, k_bits, v_bits=None) -> None:
-        """Set every layer's widths: a list / tensor per layer, or one number for all (``v_bits`` None: as keys)."""
+        """Set every layer's widths: a list per layer (of bits, or SplitWidth for keys) or tensor, or one number for
+        all (``v_bits`` None: as keys)."""
         L = self.geometry.num_layers
         as_tensor = lambda b: (torch.full((L,), int(b), dtype=torch.int32) if isinstance(b, int)  # noqa: E731
                                else torch.as_tensor(b, dtype=torch.int32).clone())
-        self.k_bits = as_tensor(k_bits)
-        self.v_bits = as_tensor(k_bits if v_bits is None else v_bits)
+        splits = [None] * L if isinstance(k_bits, (int, torch.Tensor)) else [
+            w if isinstance(w, SplitWidth) else None for w in k_bits]
+        plain = k_bits if not any(splits) else [w.bits if isinstance(w, SplitWidth) else w for w in k_bits]
+        self.k_bits = as_tensor(plain)
+        self.v_bits = as_tensor(plain if v_bits is None else v_bits)
+        self.k_hi_dims = torch.tensor([w.hi_dims if w else 0 for w in splits], dtype=torch.int32)
+        self.k_hi_bits = torch.tensor([w.hi_bits if w else 0 for w in splits], dtype=torch.int32)
 
     @property
     def key_centering(self) -> str:
@@ -133,7 +164,8 @@ class Rotations:
         return "per-layer" if self.k_rotation.shape[1] == 1 else "per-head"
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name).contiguous() for name in self.TENSORS + self.OPTIONAL_TENSORS}
+        split = self.SPLIT_TENSORS if self.has_split_keys else ()  # artifacts without them stay as they were
+        return {name: getattr(self, name).contiguous() for name in self.TENSORS + self.OPTIONAL_TENSORS + split}
 
     def rotation_for_head(self, which: str, layer: int, kv_head: int) -> torch.Tensor:
         """The [D, D] rotation of ``which`` ("k" or "v") for one layer and KV head."""
@@ -201,6 +233,16 @@ class Rotations:
                 raise ArtifactError(f"{name} must hold one of {', '.join(map(str, allowed))} per layer")
         if ((self.k_bits == 16) != (self.v_bits == 16)).any():
             raise ArtifactError("a layer stores both keys and values at 16 bits or neither (k_bits / v_bits)")
+        for name in self.SPLIT_TENSORS:
+            if tuple(getattr(self, name).shape) != (L,):
+                raise ArtifactError(f"{name} has shape {tuple(getattr(self, name).shape)}; expected [{L}]")
+        for layer in range(L):
+            split = self.key_split(layer)
+            if split is not None:
+                try:
+                    split.check(D)
+                except ConfigError as exc:
+                    raise ArtifactError(f"layer {layer}'s split keys: {exc}") from exc
         if self.group_size <= 0 or D % self.group_size:
             raise ArtifactError(f"group size {self.group_size} does not divide the head dim {D}")
         layout = self.rotary_layout
@@ -269,7 +311,7 @@ class Rotations:
             group_size = int(manifest["group_size"])
         except (KeyError, TypeError) as exc:
             raise ArtifactError(f"{manifest_path} lacks the model geometry or group size") from exc
-        optional = {t: tensors[t] for t in cls.OPTIONAL_TENSORS if t in tensors}
+        optional = {t: tensors[t] for t in cls.OPTIONAL_TENSORS + cls.SPLIT_TENSORS if t in tensors}
         rescale = manifest.get("rescale", {})
         if not isinstance(rescale, dict) or not all(
                 type(rescale.get(k, 0.0)) in (int, float) and 0 <= rescale.get(k, 0.0) <= 1 for k in ("keys", "values")):

@@ -30,7 +30,7 @@ from .config import CacheConfig
 from .folding import fold_values, restore_model
 from .memory import KVFootprint
 from .models import layer_windows
-from .quant import QuantizedRows
+from .quant import QuantizedRows, SplitRows, cat_rows
 
 ATTENTION_KEY = "oscar_kv"
 
@@ -57,7 +57,7 @@ class OscarCacheLayer(CacheLayerMixin):
         self.settings, self.codec = settings, codec
         self.window = window  # this layer's sliding window (models.layer_windows), None: it sees every position
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None
-        self.hist_k: QuantizedRows | None = None
+        self.hist_k: QuantizedRows | SplitRows | None = None
         self.hist_v: QuantizedRows | None = None
         self.seq_len = 0
         self.chunk = None  # (keys, values, start) of the forward in flight, read once by attention
@@ -120,8 +120,8 @@ class OscarCacheLayer(CacheLayerMixin):
             return
         new_k = self.codec.quantize_keys(self.recent_k[:, :, :n].float())
         new_v = self.codec.quantize_values(self.recent_v[:, :, :n].float())
-        self.hist_k = new_k if self.hist_k is None else _cat_rows(self.hist_k, new_k)
-        self.hist_v = new_v if self.hist_v is None else _cat_rows(self.hist_v, new_v)
+        self.hist_k = new_k if self.hist_k is None else cat_rows(self.hist_k, new_k, 2)
+        self.hist_v = new_v if self.hist_v is None else cat_rows(self.hist_v, new_v, 2)
         self.recent_k, self.recent_v = self.recent_k[:, :, n:].contiguous(), self.recent_v[:, :, n:].contiguous()
 
     @property
@@ -153,7 +153,7 @@ class OscarCacheLayer(CacheLayerMixin):
             start += length
         return ks, vs
 
-    def _dequantized_keys(self, rows: QuantizedRows, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+    def _dequantized_keys(self, rows: QuantizedRows | SplitRows, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
         """History keys [a, b) dequantized; KIVI-style keys are quantized per page, so whole pages are read."""
         p = self.codec.key_page
         if p is None:
@@ -173,11 +173,6 @@ class OscarCacheLayer(CacheLayerMixin):
 def _tokens(a: int, b: int) -> tuple:
     """The index of token rows [a, b) of [B, H, T, ...] tensors."""
     return slice(None), slice(None), slice(a, b)
-
-
-def _cat_rows(a: QuantizedRows, b: QuantizedRows) -> QuantizedRows:
-    return QuantizedRows(torch.cat([a.codes, b.codes], 2), torch.cat([a.scale, b.scale], 2),
-                         torch.cat([a.zero, b.zero], 2), a.bits, a.group_size)
 
 
 class OscarCache(Cache):

@@ -43,6 +43,11 @@ class KeyCentering(str, Enum):
     off = "off"
 
 
+class KeyFormats(str, Enum):
+    plain = "plain"
+    split = "split"
+
+
 KVDtype = Enum("KVDtype", {name: name for name in KV_CACHE_DTYPES}, type=str)  # what the generate() cache stores
 
 
@@ -83,6 +88,12 @@ def calibrate(
         "3, 4, 5 and 8 bits, and widens the noisiest layers first until every layer is within --key-noise or --kv-bits is "
         "spent. Long-context retrieval fails on key noise first (a noisy far key outbids the needle). The manifest's "
         "calibration.widths records every layer's noise per width and the reason for the choice."),
+    key_formats: KeyFormats = typer.Option(
+        KeyFormats.plain, help="With --key-bits auto: 'split' also lets a layer store its keys at two widths, the "
+        "queries' top 1/8, 1/4 or 1/2 of the rotated key directions wider than the rest (e.g. 4x32+2: 32 channels at "
+        "4 bits, 96 at 2), where that is quieter for the bits. Fewer bits for the same key noise (Qwen2.5: keys 3.1 "
+        "bits where plain widths need 4.2), but only the generate() cache and `oscar-kv eval` read such an artifact "
+        "yet: `serve` refuses it."),
     value_bits: str = typer.Option(
         "auto", metavar="auto|2|3|4", help="Bits per stored value. 'auto' measures each layer's value output noise "
         "(the values' squared error relative to their spread at 2, 3 and 4 bits, value clips fitted per width: a "
@@ -149,7 +160,7 @@ def calibrate(
                                        v_clip=v_clip, key_centering=key_centering.value, rope_pairs=rope_pairs,
                                        rope_horizon=rope_horizon,
                                        center_values=center_values, probe_tokens=probe_tokens,
-                                       key_bits=_width_or_auto(key_bits, "--key-bits"),
+                                       key_bits=_width_or_auto(key_bits, "--key-bits"), key_formats=key_formats.value,
                                        value_bits=_width_or_auto(value_bits, "--value-bits"),
                                        key_noise=key_noise or None, kv_bits=kv_bits,
                                        kl_probe_tokens=kl_probe_tokens, key_rescale=key_rescale,
@@ -512,7 +523,7 @@ def demo(
         typer.echo(result.text)
         typer.secho(memory_line(result), fg=typer.colors.CYAN)
     g = rot.geometry
-    bits = bits_per_element(131072, g.head_dim, rot.group_size, k_bits=rot.k_bits.tolist(), v_bits=rot.v_bits.tolist())
+    bits = bits_per_element(131072, g.head_dim, rot.group_size, k_bits=rot.key_widths(), v_bits=rot.v_bits.tolist())
     typer.echo(f"\nat 128K tokens this model's quantized cache ({rot.width_summary()}) would cost {bits:.3f} "
                f"bits/element (BF16: 16)")
 

@@ -24,7 +24,8 @@ from .artifacts import ArtifactError, Rotations
 from .config import KV_CACHE_BITS
 from .errors import ConfigError
 from .models import AttentionGeometry
-from .quant import QuantizedRows, dequantize_rows, quantize_rows
+from .quant import (QuantizedRows, SplitRows, SplitWidth, dequantize_rows, dequantize_split, quantize_rows,
+                    quantize_split)
 from .rope import RopeTable, RopeUnsupported, kernel_pairs, layer_rope_tables
 from .rotation import rotate
 
@@ -53,12 +54,17 @@ class LayerCodec:
     # kernels skip the rotation (computed once here: testing it on the device syncs)
     keys_as_is: bool = dataclasses.field(init=False, default=False)
     v_bits: int | None = None  # of the quantized history's values; None: as the keys
+    # keys at two widths (quant.SplitWidth; its ``bits`` is k_bits): the rotation puts the queries' top
+    # eigen-directions first (rotation.compose_split); None: every channel at k_bits
+    k_split: SplitWidth | None = None
 
     def __post_init__(self):
         if self.v_bits is None:
             self.v_bits = self.k_bits
         if (self.k_bits == 16) != (self.v_bits == 16):
             raise ConfigError(f"keys at {self.k_bits} bits and values at {self.v_bits}: a layer quantizes both or neither")
+        if self.k_split is not None and (self.k_split.bits != self.k_bits or self.key_page is not None):
+            raise ConfigError(f"split keys {self.k_split} need k_bits {self.k_split.bits} and per-token rows")
         eye = torch.eye(self.k_rotation.shape[-1], device=self.k_rotation.device)
         self.keys_as_is = (self.k_rope_mean is None and not bool(self.k_mean.any())
                            and bool((self.k_rotation == eye).all()))
@@ -120,8 +126,10 @@ class LayerCodec:
         return rotate(restored, self.k_rotation.to(keys.device).transpose(-1, -2)) + self.k_mean[:, None].to(keys.device)
 
     # ---- quantization --------------------------------------------------------------------------
-    def quantize_keys(self, rows: torch.Tensor) -> QuantizedRows:
+    def quantize_keys(self, rows: torch.Tensor) -> QuantizedRows | SplitRows:
         """Rotated keys as the history stores them; per channel over pages: rows [B, Hkv, N, D], N whole pages."""
+        if self.k_split is not None:
+            return quantize_split(rows, self.k_split, _clip_per_row(self.k_clip, rows), self.k_rescale)
         if self.key_page is None:
             return quantize_rows(rows, self.k_bits, self.group_size, _clip_per_row(self.k_clip, rows), self.k_rescale)
         b, h, n, d = rows.shape
@@ -132,7 +140,9 @@ class LayerCodec:
     def quantize_values(self, rows: torch.Tensor) -> QuantizedRows:
         return quantize_rows(rows, self.v_bits, self.group_size, _clip_per_row(self.v_clip, rows), self.v_rescale)
 
-    def dequantize_keys(self, q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize_keys(self, q: QuantizedRows | SplitRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if isinstance(q, SplitRows):
+            return dequantize_split(q, dtype)
         x = dequantize_rows(q, dtype)
         if self.key_page is None:
             return x
@@ -187,6 +197,12 @@ def validated_artifact(model, rotations: Rotations | None) -> Rotations:
     return rotations
 
 
+def _split_at(split: SplitWidth | None, least: int) -> SplitWidth | None:
+    """A layer's split keys when the cache's precision is at most its narrow part's; None when it is wider (the layer
+    then stores every channel at that precision; the rotation stays, as any rotation may)."""
+    return split if split is not None and least <= split.bits else None
+
+
 def shared_ropes(codecs: list["LayerCodec"]) -> list[RopeTable]:
     """The RoPE tables of the codecs that center keys per position (one object per RoPE the layers use)."""
     return list({id(c.rope): c.rope for c in codecs if c.k_rope_mean is not None}.values())
@@ -227,5 +243,6 @@ def layer_codecs(model, rotations: Rotations, kv_cache_dtype: str, group_size: i
             # contiguous once here: the write kernel takes R_K contiguous, and would copy it per layer and step
             rotations.k_rotation[i].float().contiguous(), rotations.k_mean[i].float(), rotations.k_clip[i].float(),
             rotations.v_clip[i].float(), rotations.k_rescale, rotations.v_rescale,
-            k_rope_mean if k_rope_mean.abs().max() > 0 else None, ropes[i], key_page=key_page, v_bits=width(v_bits)))
+            k_rope_mean if k_rope_mean.abs().max() > 0 else None, ropes[i], key_page=key_page, v_bits=width(v_bits),
+            k_split=None if key_page else _split_at(rotations.key_split(i), bits)))
     return codecs

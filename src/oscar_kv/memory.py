@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .quant import SplitWidth
+
 # Metadata bits per group of G channels: a float16 scale and a uint8 zero point (quant.py).
 GROUP_METADATA_BITS = 24
 
@@ -47,7 +49,8 @@ def bits_per_element(seq_len: int, head_dim: int, group_size: int | None = None,
     """Average stored bits per KV element at ``seq_len`` tokens (see the module docstring).
 
     ``k_bits`` / ``v_bits``: each layer's key / value width (the artifact's; ``bits`` is the least any side is
-    stored at, 16: nothing is quantized); None: ``bits`` everywhere (``v_bits`` None: as ``k_bits``).
+    stored at, 16: nothing is quantized; a key width may be a quant.SplitWidth: two groups a row); None: ``bits``
+    everywhere (``v_bits`` None: as ``k_bits``, whose split widths then count as their narrow part).
     ``key_group_size`` is the number of key elements sharing one scale / zero point when it differs
     from the values' (KIVI's per-channel keys: one per channel per page of tokens).  ``group_bits``: metadata bits
     per group.
@@ -56,12 +59,20 @@ def bits_per_element(seq_len: int, head_dim: int, group_size: int | None = None,
         raise ValueError("sequence length must be positive")
     group_size = group_size or min(head_dim, 128)
     k_bits = k_bits or [bits]
-    v_bits = v_bits or k_bits
+    v_bits = v_bits or [k.bits if isinstance(k, SplitWidth) else k for k in k_bits]
     windowed = min(seq_len, sink_size + recent_size)
     quantized = seq_len - windowed
     total = 0.0
     for kb, vb in zip(k_bits, v_bits, strict=True):
+        if isinstance(kb, SplitWidth) and bits <= kb.bits:  # two groups a row, each part at its width
+            stored = kb.code_bits(head_dim) + 2 * group_bits / head_dim
+            total += (windowed * window_bits + quantized * stored) / seq_len
+            kb = None
+        elif isinstance(kb, SplitWidth):  # a wider cache precision stores every channel at it
+            kb = kb.bits
         for b, group in ((kb, key_group_size or group_size), (vb, group_size)):
+            if b is None:
+                continue
             b = max(b, bits) if bits < 16 and b < 16 else 16
             if b >= 16:
                 total += window_bits

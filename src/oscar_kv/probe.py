@@ -22,8 +22,9 @@ PROBE_SINK, PROBE_RECENT = 64, 0
 
 def layer_error(rot: Rotations, sample: LayerSample, layer: int, k_clip=None, v_clip=None, **kwargs) -> float:
     """The probe's attention error of ``layer`` with each side stored at the artifact's width (16: at 2, as the
-    validation table compares schemes at INT2)."""
+    validation table compares schemes at INT2; split keys at their SplitWidth)."""
     k_bits, v_bits = (b if b < 16 else 2 for b in rot.side_bits(layer))
+    k_bits = rot.key_split(layer) or k_bits
     return quantized_attention_error(
         sample, rot.k_rotation[layer], rot.v_rotation[layer],
         sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer]), rot.v_mean[layer],

@@ -300,3 +300,80 @@ def _clips(ratio: float | torch.Tensor) -> bool:
     if isinstance(ratio, torch.Tensor):
         return bool((ratio < 1.0).any())
     return ratio < 1.0
+
+
+@dataclass(frozen=True)
+class SplitWidth:
+    """Keys stored at two widths (allocation.py, "Split keys"): the first ``hi_dims`` channels of a rotated row (the
+    queries' top eigen-directions, rotation.compose_split) at ``hi_bits``, the other ``D - hi_dims`` at ``bits``;
+    each part is one group with its own scale and zero point."""
+
+    bits: int
+    hi_dims: int
+    hi_bits: int
+
+    def __str__(self) -> str:  # e.g. "4x32+2": 32 channels at 4 bits, the rest at 2
+        return f"{self.hi_bits}x{self.hi_dims}+{self.bits}"
+
+    def code_bits(self, head_dim: int) -> float:
+        """Mean code bits per element of a row (metadata not counted)."""
+        return (self.hi_dims * self.hi_bits + (head_dim - self.hi_dims) * self.bits) / head_dim
+
+    def check(self, head_dim: int) -> None:
+        """Raise ConfigError unless both parts pack (quant.check_geometry) and the first part is the wider."""
+        if not 0 < self.hi_dims < head_dim or self.hi_bits <= self.bits:
+            raise ConfigError(f"a split key width needs 0 < hi_dims < {head_dim} and hi_bits > bits, got {self}")
+        check_geometry(self.hi_dims, self.hi_dims, self.hi_bits)
+        check_geometry(head_dim - self.hi_dims, head_dim - self.hi_dims, self.bits)
+
+
+@dataclass
+class SplitRows:
+    """Rows stored at a SplitWidth: the first part's QuantizedRows and the rest's (each one group per row)."""
+
+    hi: QuantizedRows
+    lo: QuantizedRows
+
+    @property
+    def width(self) -> SplitWidth:
+        return SplitWidth(self.lo.bits, self.hi.head_dim, self.hi.bits)
+
+    def nbytes(self) -> int:
+        return self.hi.nbytes() + self.lo.nbytes()
+
+    def select(self, index) -> "SplitRows":
+        return SplitRows(self.hi.select(index), self.lo.select(index))
+
+
+def quantize_split(x: torch.Tensor, width: SplitWidth, clip_ratio: float | torch.Tensor = 1.0,
+                   rescale: float = 0.0) -> SplitRows:
+    """Quantize each row's two parts at their widths, each clipped at ``clip_ratio`` of its own |x| (quantize_rows).
+
+    Shapes:
+        x: [..., D]; clip_ratio as quantize_rows takes it.
+    """
+    width.check(x.shape[-1])
+    m = width.hi_dims
+    return SplitRows(quantize_rows(x[..., :m], width.hi_bits, m, clip_ratio, rescale),
+                     quantize_rows(x[..., m:], width.bits, x.shape[-1] - m, clip_ratio, rescale))
+
+
+def dequantize_split(q: SplitRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The rows [..., D] in ``dtype``: both parts dequantized, side by side."""
+    return torch.cat([dequantize_rows(q.hi, dtype), dequantize_rows(q.lo, dtype)], -1)
+
+
+def cat_rows(a: QuantizedRows | SplitRows, b: QuantizedRows | SplitRows, dim: int) -> QuantizedRows | SplitRows:
+    """Two stores of rows joined along ``dim`` (e.g. tokens)."""
+    if isinstance(a, SplitRows):
+        return SplitRows(cat_rows(a.hi, b.hi, dim), cat_rows(a.lo, b.lo, dim))
+    return QuantizedRows(torch.cat([a.codes, b.codes], dim), torch.cat([a.scale, b.scale], dim),
+                         torch.cat([a.zero, b.zero], dim), a.bits, a.group_size)
+
+
+def fake_quantize_width(x: torch.Tensor, width: int | SplitWidth, group_size: int | None = None,
+                        clip_ratio: float | torch.Tensor = 1.0, rescale: float = 0.0) -> torch.Tensor:
+    """fake_quantize at a plain width, or both parts of a SplitWidth (``group_size`` applies to plain widths)."""
+    if isinstance(width, SplitWidth):
+        return dequantize_split(quantize_split(x, width, clip_ratio, rescale), x.dtype)
+    return fake_quantize(x, width, group_size, clip_ratio, rescale)

@@ -138,6 +138,31 @@ def compose(cov: torch.Tensor | None, dim: int, group_size: int, composition: st
     return u @ bit_reversal_placement(lam) @ h, lam
 
 
+def spread_hadamard(dim: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """An orthogonal [dim, dim] mix that gives every output channel about the same share of each input rank: with
+    dim = b k (b the largest power of two dividing dim), input j goes to block j mod k, then a Hadamard of order b
+    mixes each block (a power-of-two dim: one Hadamard)."""
+    block = dim & -dim
+    blocks = dim // block
+    order = torch.tensor([(j % blocks) * block + j // blocks for j in range(dim)])
+    place = torch.zeros(dim, dim, dtype=torch.float64)
+    place[torch.arange(dim), order] = 1.0  # row j (input rank j) -> channel order[j]
+    return (place @ block_hadamard(dim, block)).to(dtype)
+
+
+def compose_split(cov: torch.Tensor, dim: int, hi_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key rotation of split keys (quant.SplitWidth): U with its ``hi_dims`` leading eigen-directions mixed
+    among themselves into the first channels and the rest among themselves into the others (spread_hadamard each),
+    so each part is one quantization group whose channels share its energy evenly.
+
+    Returns:
+        (R float64 [D, D], eigenvalues float64 [D] descending).
+    """
+    lam, u = eigh_descending(cov)
+    mix = torch.block_diag(spread_hadamard(hi_dims), spread_hadamard(dim - hi_dims))
+    return u @ mix, lam
+
+
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """x @ R per head: the one torch rotation of keys, queries and values (transposed: back).
 

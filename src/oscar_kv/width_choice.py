@@ -11,14 +11,14 @@ import torch
 
 from .activations import LayerSample, per_head
 from .allocation import (KEY_WIDTHS, VALUE_WIDTHS, WidthChoice, allocate_key_widths, key_logit_noise,
-                         value_output_noise)
+                         split_widths, value_output_noise)
 from .artifacts import Rotations
 from .calibration_settings import CalibrationSettings
 from .memory import bits_per_element
 from .models import AttentionGeometry
 from .probe import PROBE_SINK, fit_clip_ratios
-from .quant import fake_quantize
-from .rotation import rotate
+from .quant import SplitWidth, fake_quantize
+from .rotation import compose_split, rotate
 
 
 def key_noise(rot: Rotations, c_q: torch.Tensor, sample: LayerSample, layer: int) -> torch.Tensor:
@@ -41,6 +41,62 @@ def value_noise(rot: Rotations, sample: LayerSample, layer: int) -> torch.Tensor
     stored = fake_quantize(values, int(rot.v_bits[layer]), rot.group_size,
                            rot.v_clip[layer][:, None].float().to(sample.device), rot.v_rescale)
     return value_output_noise(values, stored).cpu()
+
+
+# the clip ratios a split width's keys are tried at (one per KV head for both parts, the quietest kept): the
+# key logit noise chooses them, not the attention error the plain widths' clips are fitted by
+# (probe.fit_clip_ratios), which would run every one of the ~27 split widths through the attention
+SPLIT_CLIPS = (1.0, 0.995, 0.99, 0.98, 0.96, 0.94, 0.92, 0.9, 0.85)
+
+
+def split_rotations(rot: Rotations, c_q: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{hi_dims: float32 [L, H, D, D]}: the split keys' rotation (rotation.compose_split) of every layer and head for
+    each split the menu has (per-layer artifacts: of the heads' mean query moment, as fit_rotations does)."""
+    g = rot.geometry
+    shared = rot.k_rotation.shape[1] == 1
+    out = {}
+    for m in sorted({w.hi_dims for w in split_widths(g.head_dim)}):
+        r = torch.empty_like(rot.k_rotation)
+        for layer in range(g.num_layers):
+            covs = c_q[layer].mean(0, keepdim=True) if shared else c_q[layer]
+            for h in range(covs.shape[0]):
+                r[layer, h] = compose_split(covs[h], g.head_dim, m)[0].float()
+        out[m] = r
+    return out
+
+
+def measure_split_widths(rot: Rotations, c_q: torch.Tensor, probe: list[LayerSample],
+                         rotations: dict[int, torch.Tensor]) -> tuple[dict, dict]:
+    """Every split width's key logit noise per layer (worst KV head) at its quietest clip of SPLIT_CLIPS per head.
+
+    Returns:
+        ({SplitWidth: [noise per layer]}, {SplitWidth: float32 [L, Hkv] clip ratios}).
+    """
+    g = rot.geometry
+    widths = split_widths(g.head_dim)
+    noise = {w: [] for w in widths}
+    clips = {w: torch.empty(g.num_layers, g.num_kv_heads) for w in widths}
+    for layer in range(g.num_layers):
+        sample = probe[layer]
+        centered = sample.k - sample.key_offset(rot.k_mean[layer], rot.k_rope_mean[layer])
+        for m, rotation in rotations.items():
+            r = per_head(rotation[layer], g.num_kv_heads, sample.device)
+            keys = rotate(centered, r)[:, PROBE_SINK:]
+            c_rot = r.double().transpose(-1, -2) @ c_q[layer].to(sample.device, torch.float64) @ r.double()
+            errors = {}  # (part, bits, clip) -> the part's stored error
+            parts = [("hi", b) for b in {w.hi_bits for w in widths}] + [("lo", b) for b in {w.bits for w in widths}]
+            for part, bits in parts:
+                x = keys[..., :m] if part == "hi" else keys[..., m:]
+                for c in SPLIT_CLIPS:
+                    errors[part, bits, c] = x - fake_quantize(x, bits, x.shape[-1], c, rot.k_rescale)
+            for w in (w for w in widths if w.hi_dims == m):
+                per_clip = torch.stack([  # [clips, Hkv]
+                    key_logit_noise(torch.cat([errors["hi", w.hi_bits, c], errors["lo", w.bits, c]], -1),
+                                    torch.zeros_like(keys), c_rot, sample.scale) for c in SPLIT_CLIPS])
+                best, which = per_clip.min(0)
+                noise[w].append(float(best.max()))
+                clips[w][layer] = torch.tensor([SPLIT_CLIPS[j] for j in which.tolist()])
+    return noise, clips
 
 
 def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettings, probe: list[LayerSample],
@@ -75,6 +131,13 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
             fit_clip_ratios(rot, probe, progress, sides=("k",))
         clips[width] = rot.k_clip.clone()
         noise[width] = [float(key_noise(rot, c_q[i], probe[i], i).max()) for i in layers]
+    plain_rotation = rot.k_rotation.clone()
+    split_rotation: dict[int, torch.Tensor] = {}
+    if settings.key_formats == "split":
+        split_rotation = split_rotations(rot, c_q)
+        split_noise, split_clips = measure_split_widths(rot, c_q, probe, split_rotation)
+        noise.update(split_noise)
+        clips.update(split_clips)
     for width in v_candidates:
         rot.set_bits(candidates[0], width)
         if settings.clip == "fit":
@@ -82,9 +145,12 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
         v_clips[width] = rot.v_clip.clone()
         v_noise[width] = [float(value_noise(rot, probe[i], i).max()) for i in layers]
 
-    def use(k_bits: list[int], v_bits: list[int]) -> None:
+    def use(k_bits: list[int | SplitWidth], v_bits: list[int]) -> None:
         rot.set_bits(k_bits, v_bits)
         rot.k_clip = torch.stack([clips[w][i] for i, w in enumerate(k_bits)])
+        if split_rotation:  # a split layer's keys are stored in its split rotation
+            rot.k_rotation = torch.stack([split_rotation[w.hi_dims][i] if isinstance(w, SplitWidth)
+                                          else plain_rotation[i] for i, w in enumerate(k_bits)])
         rot.v_clip = torch.stack([v_clips[w][i] for i, w in enumerate(v_bits)])
 
     def allocate(**bounds) -> WidthChoice:
@@ -110,7 +176,8 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
         choice = allocate(tolerance=settings.key_noise)
     use(choice.k_bits, choice.v_bits)
     allocated = len(candidates) > 1 or len(v_candidates) > 1
-    record = {"k_bits": choice.k_bits, "v_bits": choice.v_bits, "key_noise": choice.noise,
+    record = {"k_bits": [w.bits if isinstance(w, SplitWidth) else w for w in choice.k_bits],
+              "v_bits": choice.v_bits, "key_noise": choice.noise,
               "key_noise_by_width": {str(w): [round(n, 5) for n in noise[w]] for w in candidates},
               "value_noise": [round(v_noise[w][i], 5) for i, w in enumerate(choice.v_bits)],
               "value_noise_by_width": {str(w): [round(n, 5) for n in v_noise[w]] for w in v_candidates},
@@ -121,6 +188,10 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
               "bits_per_element_at": {str(n): round(bits_per_element(n, g.head_dim, rot.group_size, 2,
                                                                      k_bits=choice.k_bits, v_bits=choice.v_bits), 4)
                                       for n in (32768, 131072)}}
+    if split_rotation:
+        record["k_widths"] = [str(w) for w in choice.k_bits]
+        record["split_key_noise_by_width"] = {str(w): [round(n, 5) for n in noise[w]] for w in noise
+                                              if isinstance(w, SplitWidth)}
     if measured is not None:
         record["max_kl"] = settings.max_kl
         if settings.max_answer_kl is not None:

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from ..codec import layer_codecs, shared_ropes, validated_artifact
-from ..config import EngineConfig
+from ..config import KV_CACHE_BITS, EngineConfig
 from ..errors import ConfigError, RequestError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
@@ -80,6 +80,13 @@ class LLMEngine(EngineDescription):
             raise ConfigError("logit softcapping (Gemma 2) is not supported: the engine's attention and sampling "
                               "would leave it out")
         rotations = validated_artifact(model, rotations)
+        least = KV_CACHE_BITS[config.kv_cache_dtype]
+        splits = map(rotations.key_split, range(rotations.geometry.num_layers))
+        if any(w is not None and least <= w.bits for w in splits):
+            raise ConfigError(f"the artifact stores some layers' keys at two widths ({rotations.width_summary()}; "
+                              "calibrate --key-formats split): the generate() cache and `oscar-kv eval` read them, "
+                              "the serving engine's kernels do not yet; serve an artifact calibrated with the plain "
+                              "key formats (the default)")
         fold_values(model, rotations.v_rotation, rotations.v_mean, tag=rotations)  # values are born rotated
         codecs = layer_codecs(model, rotations, config.kv_cache_dtype, config.group_size)
         geometry = rotations.geometry

@@ -48,7 +48,7 @@ class Scheme:
         rot = self.rotations
         kivi = s.key_axis == "channel"
         return bits_per_element(seq_len, geometry.head_dim, group, s.bits, s.sink_size, s.recent_size,
-                                k_bits=rot.k_bits.tolist() if rot is not None else None,
+                                k_bits=rot.key_widths() if rot is not None else None,
                                 v_bits=rot.v_bits.tolist() if rot is not None else None,
                                 key_group_size=s.page_size if kivi else None,
                                 group_bits=KIVI_GROUP_BITS if kivi else GROUP_METADATA_BITS)

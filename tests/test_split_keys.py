@@ -1,0 +1,226 @@
+"""Split key widths (quant.SplitWidth, ``calibrate --key-formats split``): the quantizer, the rotation, the artifact,
+the bit count, the widening paths, the generate() cache, calibration, and the engine's refusal."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from oscar_kv.allocation import allocate_key_widths, split_widths, stored_bits, widening_paths
+from oscar_kv.artifacts import ArtifactError, Rotations
+from oscar_kv.cache import OscarCacheLayer, CacheSettings, oscar_attention
+from oscar_kv.calibration_settings import CalibrationSettings
+from oscar_kv.codec import LayerCodec
+from oscar_kv.errors import ConfigError
+from oscar_kv.evaluate.simulate import simulated_attention_from_forms, stored_forms
+from oscar_kv.memory import bits_per_element
+from oscar_kv.quant import (SplitRows, SplitWidth, cat_rows, dequantize_split, fake_quantize, quantize_rows,
+                            quantize_split)
+from oscar_kv.rotation import compose_split, orthogonality_error, spread_hadamard
+
+
+def test_a_split_row_is_its_two_parts_quantized_each_as_one_group():
+    x = torch.randn(3, 2, 5, 64, generator=torch.Generator().manual_seed(0)) * torch.linspace(3, 0.2, 64)
+    w = SplitWidth(2, 16, 4)
+    q = quantize_split(x, w, 0.95, 0.5)
+    assert isinstance(q, SplitRows) and q.width == w
+    assert q.hi.codes.shape[-1] == 16 * 4 // 8 and q.lo.codes.shape[-1] == 48 * 2 // 8
+    assert q.hi.scale.shape[-1] == 1 and q.lo.scale.shape[-1] == 1
+    expect = torch.cat([fake_quantize(x[..., :16], 4, 16, 0.95, 0.5), fake_quantize(x[..., 16:], 2, 48, 0.95, 0.5)], -1)
+    assert torch.equal(dequantize_split(q), expect)
+    # the wide part is the more exact one, the whole row closer than at the narrow width alone
+    err = (dequantize_split(q) - x).pow(2)
+    assert err[..., :16].mean() < err[..., 16:].mean()
+    assert q.nbytes() == quantize_rows(x[..., :16], 4, 16).nbytes() + quantize_rows(x[..., 16:], 2, 48).nbytes()
+
+
+def test_split_rows_select_and_join_along_tokens():
+    x = torch.randn(1, 2, 10, 32, generator=torch.Generator().manual_seed(1))
+    w = SplitWidth(3, 8, 5)
+    whole = quantize_split(x, w)
+    joined = cat_rows(quantize_split(x[:, :, :4], w), quantize_split(x[:, :, 4:], w), 2)
+    assert torch.equal(dequantize_split(joined), dequantize_split(whole))
+    index = (slice(None), slice(None), slice(2, 7))
+    assert torch.equal(dequantize_split(whole.select(index)), dequantize_split(whole)[:, :, 2:7])
+
+
+@pytest.mark.parametrize("bad", [SplitWidth(2, 0, 4), SplitWidth(2, 64, 4), SplitWidth(4, 16, 4),
+                                 SplitWidth(2, 16, 4).__class__(3, 12, 5)])
+def test_a_split_that_cannot_be_stored_is_refused(bad):
+    with pytest.raises(ConfigError):
+        bad.check(64)
+
+
+def test_the_split_menu_packs_at_every_supported_head_dim():
+    for d in (64, 128, 256):
+        menu = split_widths(d)
+        assert menu and {w.hi_dims for w in menu} == {d // 8, d // 4, d // 2}
+        for w in menu:
+            w.check(d)
+
+
+def test_the_split_rotation_keeps_the_top_directions_in_the_first_channels():
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(64, 64, generator=g, dtype=torch.float64)
+    cov = a @ a.T
+    r, lam = compose_split(cov, 64, 16)
+    assert orthogonality_error(r) < 1e-12
+    # C_Q in the rotated basis: no weight between the parts, and the first part holds the top 16 eigenvalues
+    c = r.T @ cov @ r
+    assert c[:16, 16:].abs().max() < 1e-8 * c.abs().max()
+    assert torch.allclose(torch.diagonal(c)[:16].sum(), lam[:16].sum())
+    # within a part every channel carries about the same energy (spread, not sorted)
+    for n in (16, 48, 56, 112):
+        m = spread_hadamard(n)
+        assert orthogonality_error(m) < 1e-12
+        share = m.pow(2)[: n // 2].sum(0)  # the upper half of the ranks' weight on each channel
+        assert torch.allclose(share, torch.full_like(share, 0.5), atol=0.15)
+
+
+def test_split_bits_count_both_groups():
+    w = SplitWidth(2, 32, 5)
+    assert w.code_bits(128) == (32 * 5 + 96 * 2) / 128
+    assert stored_bits(w, 128, 128) == w.code_bits(128) + 48 / 128
+    long = bits_per_element(10 ** 9, 128, 128, 2, k_bits=[w], v_bits=[2])
+    assert long == pytest.approx((w.code_bits(128) + 48 / 128 + 2 + 24 / 128) / 2, abs=1e-5)
+    # a wider cache precision stores every channel at it
+    assert bits_per_element(4096, 128, 128, 4, k_bits=[w], v_bits=[2]) == bits_per_element(4096, 128, 128, 4,
+                                                                                            k_bits=[4], v_bits=[4])
+
+
+def test_each_layer_widens_along_its_own_front():
+    a, b = SplitWidth(2, 16, 4), SplitWidth(2, 32, 4)
+    table = {2: [1.0, 1.0], a: [0.5, 1.2], b: [0.3, 0.2], 3: [0.4, 0.25], 4: [0.1, 0.05]}
+    paths = widening_paths(table, 2, 128, 128)
+    assert paths[0] == [2, a, b, 4]  # 3 costs more than b and is noisier: off layer 0's front
+    assert paths[1] == [2, b, 4]  # a is noisier than 2 on layer 1
+    assert widening_paths({2: [1.0], 3: [2.0], 4: [0.1]}, 1, 128, 128) == [[2, 3, 4]]  # plain widths: as before
+    choice = allocate_key_widths(table, [2, 2], 0.35, None, 32768, 128, 128)
+    assert choice.k_bits == [b, b] and choice.noise == [0.3, 0.2]
+
+
+def _rotations(layers=2, heads=2, d=32, splits=None):
+    g = torch.Generator().manual_seed(4)
+    from oscar_kv.models import AttentionGeometry
+
+    geometry = AttentionGeometry(num_layers=layers, num_attention_heads=2 * heads, num_kv_heads=heads, head_dim=d,
+                                 model_type="llama")
+    rot = Rotations.data_free(geometry, "hadamard")
+    rot.k_rotation = torch.linalg.qr(torch.randn(layers, heads, d, d, generator=g, dtype=torch.float64))[0].float()
+    rot.k_eigenvalues = torch.zeros(layers, heads, d)
+    if splits:
+        rot.set_bits(splits)
+    return rot
+
+
+def test_an_artifact_with_split_keys_saves_loads_and_says_so(tmp_path):
+    w = SplitWidth(2, 8, 4)
+    rot = _rotations(splits=[w, 3])
+    assert rot.key_widths() == [w, 3] and rot.width_summary() == "K3V3 x 1, K4x8+2V2 x 1"
+    rot.save(tmp_path / "a")
+    back = Rotations.load(tmp_path / "a")
+    assert back.key_widths() == [w, 3] and back.has_split_keys
+    plain = _rotations()
+    plain.save(tmp_path / "b")  # no split: the file holds no split tensors, as before they existed
+    from safetensors.torch import load_file
+
+    assert "k_hi_dims" not in load_file(str(tmp_path / "b" / "rotations.safetensors"))
+    assert Rotations.load(tmp_path / "b").key_widths() == [2, 2]
+
+
+@pytest.mark.parametrize("hi_dims,hi_bits,message", [(8, 2, "hi_bits > bits"), (8, 16, "bits must be one of"),
+                                                     (32, 4, "0 < hi_dims"), (6, 4, "multiple")])
+def test_an_artifact_with_a_bad_split_is_refused(hi_dims, hi_bits, message):
+    rot = _rotations(splits=[SplitWidth(2, 8, 4), 2])
+    rot.k_hi_dims[0], rot.k_hi_bits[0] = hi_dims, hi_bits
+    with pytest.raises(ArtifactError, match=message):
+        rot.validate()
+
+
+def test_split_keys_through_the_cache_equal_the_simulation():
+    """One token at a time through the generate() cache's layer vs the one-pass simulation the evaluation runs."""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, t, d = 4, 2, 90, 32
+    q = torch.randn(1, hq, t, d, generator=g)
+    k = torch.randn(1, hkv, t, d, generator=g) * torch.linspace(4, 0.2, d)
+    v = torch.randn(1, hkv, t, d, generator=g)
+    rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, dtype=torch.float64))[0].float()
+    settings = CacheSettings("int2", sink_size=8, recent_size=16, page_size=8, window_dtype=torch.float32)
+
+    def new_layer():
+        return OscarCacheLayer(settings, LayerCodec(2, d, rot, torch.zeros(hkv, d), torch.full((hkv,), 0.95),
+                                                    torch.full((hkv,), 0.9), 0.5, k_split=SplitWidth(2, 8, 4)))
+
+    class Attention(torch.nn.Module):
+        layer_idx = 0
+
+    layer = new_layer()
+    outs = []
+    for i in range(t):
+        layer.update(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        outs.append(oscar_attention(Attention(), q[:, :, i:i + 1], layer, layer, None)[0])
+    assert isinstance(layer.hist_k, SplitRows) and layer.history_len > 0
+    real = torch.cat(outs, 1).transpose(1, 2)
+    sim_layer = new_layer()
+    sim = simulated_attention_from_forms(sim_layer, q, stored_forms(sim_layer, k, v))
+    assert torch.allclose(real, sim, atol=1e-5), (real - sim).abs().max()
+    plain = dataclasses.replace(sim_layer.codec, k_split=None)
+    assert not torch.equal(plain.dequantize_keys(plain.quantize_keys(k)), sim_layer.codec.dequantize_keys(
+        sim_layer.codec.quantize_keys(k)))
+
+
+def test_split_keys_need_the_allocation():
+    with pytest.raises(ConfigError, match="key bits 'auto'"):
+        CalibrationSettings(key_formats="split", key_bits=4)
+    with pytest.raises(ConfigError, match="key formats"):
+        CalibrationSettings(key_formats="mixed")
+
+
+@pytest.fixture(scope="module")
+def split_artifact(smol, tmp_path_factory):
+    """SmolLM2 calibrated with split key widths (the tolerance alone), saved and reloaded."""
+    from oscar_kv.cache import unprepare_model
+    from oscar_kv.calibrate import calibrate
+
+    lm, tok = smol
+    settings = CalibrationSettings(calib_tokens=2048, key_formats="split", max_kl=None, max_answer_kl=None)
+    rot = calibrate(lm, tok, settings, progress=False)
+    unprepare_model(lm)
+    directory = tmp_path_factory.mktemp("split")
+    rot.save(directory)
+    return Rotations.load(directory)
+
+
+def test_calibration_splits_keys_where_that_costs_fewer_bits_for_the_noise(split_artifact):
+    rot = split_artifact
+    widths = rot.manifest["calibration"]["widths"]
+    assert rot.has_split_keys and widths["k_widths"] == [str(w) for w in rot.key_widths()]
+    assert all(n <= 0.3 for n in widths["key_noise"])
+    # the same tolerance over the plain widths alone, from the same measured noise, costs more
+    g = rot.geometry
+    plain = {int(w): n for w, n in widths["key_noise_by_width"].items()}
+    values = {int(w): n for w, n in widths["value_noise_by_width"].items()}
+    alone = allocate_key_widths(plain, [2] * g.num_layers, 0.3, None, widths["seq_len"], g.head_dim,
+                                rot.group_size, value_noise=values)
+    assert widths["bits_per_element"] < alone.bits_per_element - 0.1
+    assert orthogonality_error(rot.k_rotation) < 1e-5
+
+
+def test_generate_reads_split_keys_and_serve_refuses_them(smol, split_artifact, tokenizer):
+    from oscar_kv.cache import OscarCache, unprepare_model
+    from oscar_kv.config import EngineConfig
+    from oscar_kv.engine.engine import LLMEngine
+    from oscar_kv.hf_compat import cache_kwargs
+
+    lm, _ = smol
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    cache = OscarCache(lm, split_artifact, CacheSettings("int2", sink_size=4, recent_size=8, page_size=4))
+    out = lm.generate(ids, max_new_tokens=24, do_sample=False, **cache_kwargs(lm, cache))
+    layer = cache.layers[0]
+    assert out.shape[1] == ids.shape[1] + 24 and layer.history_len > 0
+    assert any(isinstance(l.hist_k, SplitRows) for l in cache.layers)
+    unprepare_model(lm)
+    before = lm.model.layers[0].self_attn.v_proj.weight.clone()
+    with pytest.raises(ConfigError, match="two widths"):
+        LLMEngine(lm, tokenizer, split_artifact, EngineConfig())
+    assert torch.equal(lm.model.layers[0].self_attn.v_proj.weight, before)  # refused before folding: nothing lost
