@@ -167,6 +167,8 @@ PY
         d35) wait_for qwen
           step d35 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --baselines bf16,kivi-2 \
             --candidates split ;;
+        d38) wait_for qwen  # D35 at 32K only (D35 ran out of GPU memory beside D36 / D37)
+          step d38 --model qwen2.5-coder-1.5b:32768 --niah-samples 10 --baselines bf16 --candidates split ;;
         d36) wait_for smol
           step d36 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates split ;;
         d37) wait_for gemma

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from oscar_kv.allocation import allocate_key_widths, split_widths, stored_bits, widening_paths
+from oscar_kv.allocation import WidthChoice, allocate_key_widths, split_widths, stored_bits, widening_paths
 from oscar_kv.artifacts import ArtifactError, Rotations
 from oscar_kv.cache import OscarCacheLayer, CacheSettings, oscar_attention
 from oscar_kv.calibration_settings import CalibrationSettings
@@ -17,6 +17,7 @@ from oscar_kv.memory import bits_per_element
 from oscar_kv.quant import (SplitRows, SplitWidth, cat_rows, dequantize_split, fake_quantize, quantize_rows,
                             quantize_split)
 from oscar_kv.rotation import compose_split, orthogonality_error, spread_hadamard
+from oscar_kv.width_choice import cheapest_meeting
 
 
 def test_a_split_row_is_its_two_parts_quantized_each_as_one_group():
@@ -169,11 +170,24 @@ def test_split_keys_through_the_cache_equal_the_simulation():
         sim_layer.codec.quantize_keys(k)))
 
 
-def test_split_keys_need_the_allocation():
+def test_split_keys_need_the_allocation_and_auto_needs_a_kl_check():
     with pytest.raises(ConfigError, match="key bits 'auto'"):
         CalibrationSettings(key_formats="split", key_bits=4)
     with pytest.raises(ConfigError, match="key formats"):
         CalibrationSettings(key_formats="mixed")
+    with pytest.raises(ConfigError, match="needs a KL target"):
+        CalibrationSettings(key_formats="auto", max_kl=None, max_answer_kl=None)
+
+
+def test_auto_keeps_the_fewest_bits_that_meet_the_kl_check():
+    def path(bits, steps, kl):
+        return WidthChoice([2], [0.1], bits, "", steps), {steps: {"kl": kl, "bits_per_element": bits}}
+
+    targets = {"kl": 0.01}
+    assert cheapest_meeting({"plain": path(3.3, 5, 0.008), "split": path(2.8, 7, 0.009)}, targets) == "split"
+    assert cheapest_meeting({"plain": path(3.3, 5, 0.008), "split": path(2.8, 7, 0.02)}, targets) == "plain"
+    assert cheapest_meeting({"plain": path(3.3, 5, 0.02), "split": path(3.5, 7, 0.009)}, targets) == "split"
+    assert cheapest_meeting({"plain": path(3.3, 5, 0.02), "split": path(2.8, 7, 0.03)}, targets) == "plain"
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +238,32 @@ def test_generate_reads_split_keys_and_serve_refuses_them(smol, split_artifact, 
     with pytest.raises(ConfigError, match="two widths"):
         LLMEngine(lm, tokenizer, split_artifact, EngineConfig())
     assert torch.equal(lm.model.layers[0].self_attn.v_proj.weight, before)  # refused before folding: nothing lost
+
+
+def test_calibrate_auto_walks_both_formats_through_the_kl_check(smol):
+    """--key-formats auto: the plain and the split paths each meet the KL target at their fewest widenings, the
+    artifact keeps the cheaper, the manifest and inspect say both."""
+    from oscar_kv.artifact_report import width_map
+    from oscar_kv.cache import unprepare_model
+    from oscar_kv.calibrate import calibrate
+
+    lm, tok = smol
+    settings = CalibrationSettings(calib_tokens=2048, key_formats="auto", max_kl=0.02, max_answer_kl=None,
+                                   kl_probe_tokens=1024)
+    rot = calibrate(lm, tok, settings, progress=False)
+    unprepare_model(lm)
+    widths = rot.manifest["calibration"]["widths"]
+    formats = widths["key_formats"]
+    assert set(formats["paths"]) == {"plain", "split"}
+    meeting = {n: p for n, p in formats["paths"].items() if p["kl"] <= 0.02}
+    assert formats["chosen"] == min(meeting, key=lambda n: meeting[n]["bits_per_element"])
+    assert widths["bits_per_element"] == formats["paths"][formats["chosen"]]["bits_per_element"]
+    assert rot.has_split_keys == (formats["chosen"] == "split")
+    assert "key formats auto: " + formats["chosen"] in width_map(widths)
+
+
+def test_the_benchmarks_refuse_split_keys(split_artifact):
+    from oscar_kv.bench.synthetic import load_rotations
+
+    with pytest.raises(SystemExit, match="split keys"):
+        load_rotations(split_artifact.source, split_artifact.geometry)

@@ -33,9 +33,10 @@ energy along it (C_Q's eigenvalue), and a few directions hold most of it; one wi
 A split width (quant.SplitWidth) stores the top 1/8, 1/4 or 1/2 of the eigen-directions (rotation.compose_split) at
 3-8 bits and the rest at 2-4, each part one group.  Each layer's candidates are then every plain and split width
 measured on it, ordered by stored bits, keeping only those quieter than every narrower one on that layer (its own
-bits-vs-noise front); the widening walks each layer's front.  Measured before it was built (benchmarks/NOTES.md,
-run S1): at a tolerance of 0.1 nats^2 the keys' mean stored bits fell from 4.19 to 3.13 on Qwen2.5-Coder-1.5B and from
-4.44 to 3.81 on SmolLM2-135M; no plain 3- or 4-bit width is on any Qwen2.5 layer's front.
+bits-vs-noise front); the widening walks each layer's front.  At a tolerance of 0.1 nats^2 the keys' mean stored bits
+fall from 4.33 to 3.48 on Qwen2.5-Coder-1.5B and from 4.44 to 3.88 on SmolLM2-135M (benchmarks/NOTES.md, run S1).  The
+noise ranks widths within a family, not plain against split: at the same noise the split widths cost more KL on
+SmolLM2 and Gemma 3 (runs D36-D38), so calibrate's ``--key-formats auto`` lets the KL check choose the family.
 """
 
 from __future__ import annotations

@@ -88,6 +88,12 @@ def width_map(widths: dict) -> str:
                         f"of {widths['needle_probe_tokens']} tokens (the check needs half)")
     widest = max(map(int, by_width))
     labels = widths.get("k_widths", widths["k_bits"])  # split keys (calibrate --key-formats split): "4x32+2"
+    formats = widths.get("key_formats")
+    if formats:  # calibrate --key-formats auto: both paths through the KL check
+        lines.insert(1, f"key formats auto: {formats['chosen']} ({formats['reason']}): " + "; ".join(
+            f"{name} {p['bits_per_element']:.3f} bits" + "".join(f", {k.replace('_', ' ').replace('kl', 'KL')} "
+                                                                 f"{p[k]:.4f}" for k in ("kl", "answer_kl") if k in p)
+            for name, p in formats["paths"].items()))
     if "k_widths" in widths:
         lines.insert(1, "split keys: NxM+B stores M channels at N bits and the rest at B (the bar: the narrow part's "
                         "bits, then + for the wide part's)")

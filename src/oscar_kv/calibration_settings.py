@@ -15,7 +15,7 @@ from .quant import check_rescale
 
 SCOPES = ("per-head", "per-layer")
 KEY_CENTERINGS = ("auto", "rope", "constant", "off")
-KEY_FORMATS = ("plain", "split")
+KEY_FORMATS = ("plain", "split", "auto")
 # The key logit noise (nats^2, allocation.py) every layer is widened to, and the most mean stored bits per element at
 # the model's context the widening may spend.  0.3 on the protocol (benchmarks/NOTES.md, "Issue 34: keys get the bits
 # they need"): SmolLM2 and Qwen2.5-Coder-1.5B keep BF16's NIAH and multi-key NIAH within one prompt of ten at 4K-32K,
@@ -84,8 +84,10 @@ class CalibrationSettings:
     # keys' widths: "auto" lets the allocation (allocation.py) choose per layer from KEY_WIDTHS, or one width for all
     key_bits: int | str = "auto"
     # "split" adds split key widths to "auto"'s candidates (allocation.py, "Split keys"): a layer's keys may store
-    # the queries' top eigen-directions wider than the rest; "plain": one width a row.  The serving engine's kernels
-    # read plain widths only (engine.py refuses an artifact with split keys)
+    # the queries' top eigen-directions wider than the rest; "plain": one width a row; "auto": both paths through the
+    # KL check, the fewer bits that meet it (the key noise ranks widths within a family, not plain against split:
+    # benchmarks/NOTES.md, runs D36-D38).  The serving engine's kernels read plain widths only (engine.py refuses an
+    # artifact with split keys)
     key_formats: str = "plain"
     # values' widths: "auto" allocates them with the keys (allocation.py: the value output noise, in the keys' units)
     value_bits: int | str = "auto"
@@ -120,8 +122,11 @@ class CalibrationSettings:
             raise ConfigError(f"key bits must be 'auto' or one of {KEY_WIDTHS}, got {self.key_bits!r}")
         if self.key_formats not in KEY_FORMATS:
             raise ConfigError(f"key formats must be one of {KEY_FORMATS}, got {self.key_formats!r}")
-        if self.key_formats == "split" and self.key_bits != "auto":
+        if self.key_formats != "plain" and self.key_bits != "auto":
             raise ConfigError("split key widths are chosen by the allocation: they need key bits 'auto'")
+        if self.key_formats == "auto" and self.max_kl is None and self.max_answer_kl is None:
+            raise ConfigError("key formats 'auto' compares plain and split widths by the KL check: it needs a KL "
+                              "target (max_kl or max_answer_kl)")
         if self.value_bits != "auto" and self.value_bits not in VALUE_WIDTHS:
             raise ConfigError(f"value bits must be 'auto' or one of {VALUE_WIDTHS}, got {self.value_bits!r}")
         if self.key_noise is not None and not self.key_noise > 0:

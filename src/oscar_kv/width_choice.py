@@ -133,7 +133,7 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
         noise[width] = [float(key_noise(rot, c_q[i], probe[i], i).max()) for i in layers]
     plain_rotation = rot.k_rotation.clone()
     split_rotation: dict[int, torch.Tensor] = {}
-    if settings.key_formats == "split":
+    if settings.key_formats in ("split", "auto"):
         split_rotation = split_rotations(rot, c_q)
         split_noise, split_clips = measure_split_widths(rot, c_q, probe, split_rotation)
         noise.update(split_noise)
@@ -153,27 +153,43 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
                                           else plain_rotation[i] for i, w in enumerate(k_bits)])
         rot.v_clip = torch.stack([v_clips[w][i] for i, w in enumerate(v_bits)])
 
-    def allocate(**bounds) -> WidthChoice:
-        return allocate_key_widths(noise, [v_candidates[0]] * g.num_layers, budget=settings.kv_bits,
+    def allocate(table: dict, **bounds) -> WidthChoice:
+        return allocate_key_widths(table, [v_candidates[0]] * g.num_layers, budget=settings.kv_bits,
                                    seq_len=seq_len, head_dim=g.head_dim, group_size=rot.group_size,
                                    value_noise=v_noise if len(v_candidates) > 1 else None, **bounds)
 
-    measured = None
-    if len(candidates) == 1 and len(v_candidates) == 1:
-        k_bits, v_bits = [candidates[0]] * g.num_layers, [v_candidates[0]] * g.num_layers
-        bits = bits_per_element(seq_len, g.head_dim, rot.group_size, 2, k_bits=k_bits, v_bits=v_bits)
-        choice = WidthChoice(k_bits, noise[candidates[0]], round(bits, 4), "requested", 0, v_bits,
-                             v_noise[v_candidates[0]])
-    elif kl_targets(settings):
+    def choose(table: dict) -> tuple[WidthChoice, dict | None]:
+        """The widths over ``table``'s key candidates, and every KL measured on the way (None: no check)."""
+        if len(candidates) == 1 and len(v_candidates) == 1:
+            k_bits, v_bits = [candidates[0]] * g.num_layers, [v_candidates[0]] * g.num_layers
+            bits = bits_per_element(seq_len, g.head_dim, rot.group_size, 2, k_bits=k_bits, v_bits=v_bits)
+            return WidthChoice(k_bits, noise[candidates[0]], round(bits, 4), "requested", 0, v_bits,
+                               v_noise[v_candidates[0]]), None
+        if not kl_targets(settings):
+            return allocate(table, tolerance=settings.key_noise), None
         if kl is None:
             raise ValueError("a KL target needs the KL measure (calibrate passes it)")
         # the tolerance's widenings are the first steps of the same path: with both, the search starts there
-        start = allocate(tolerance=settings.key_noise).steps if settings.key_noise is not None else 0
-        choice, measured = search_kl_steps(lambda n: allocate(tolerance=None, steps=n),
-                                           lambda c: use(c.k_bits, c.v_bits), lambda: kl(rot),
-                                           kl_targets(settings), progress, start)
+        start = allocate(table, tolerance=settings.key_noise).steps if settings.key_noise is not None else 0
+        return search_kl_steps(lambda n: allocate(table, tolerance=None, steps=n),
+                               lambda c: use(c.k_bits, c.v_bits), lambda: kl(rot), kl_targets(settings), progress,
+                               start)
+
+    plain = {w: noise[w] for w in candidates}
+    formats = {"plain": plain} if not split_rotation else {"split": noise} if settings.key_formats == "split" else {
+        "plain": plain, "split": noise}
+    if len(formats) > 1 and not kl_targets(settings):  # the key noise does not rank the two families: keep plain
+        formats = {"plain": plain}
+        say_auto = "no KL check ran (the key noise alone does not rank plain against split widths): plain widths"
     else:
-        choice = allocate(tolerance=settings.key_noise)
+        say_auto = None
+    paths = {}
+    for name, table in formats.items():
+        if progress and len(formats) > 1:
+            print(f"  key formats {name}:", flush=True)
+        paths[name] = choose(table)
+    chosen = cheapest_meeting(paths, kl_targets(settings))
+    choice, measured = paths[chosen]
     use(choice.k_bits, choice.v_bits)
     allocated = len(candidates) > 1 or len(v_candidates) > 1
     record = {"k_bits": [w.bits if isinstance(w, SplitWidth) else w for w in choice.k_bits],
@@ -188,6 +204,13 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
               "bits_per_element_at": {str(n): round(bits_per_element(n, g.head_dim, rot.group_size, 2,
                                                                      k_bits=choice.k_bits, v_bits=choice.v_bits), 4)
                                       for n in (32768, 131072)}}
+    if settings.key_formats == "auto":
+        record["key_formats"] = {"chosen": chosen, "reason": say_auto or (
+            f"of the widths meeting the KL check, the fewest bits per element at {seq_len} tokens" if len(paths) > 1
+            else ""), "paths": {name: {"bits_per_element": c.bits_per_element, "reason": c.reason,
+                                        **{k: v for k, v in (m or {}).get(c.steps, {}).items()
+                                           if k in ("kl", "answer_kl")}}
+                                 for name, (c, m) in paths.items()}}
     if split_rotation:
         record["k_widths"] = [str(w) for w in choice.k_bits]
         record["split_key_noise_by_width"] = {str(w): [round(n, 5) for n in noise[w]] for w in noise
@@ -198,6 +221,18 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
             record["max_answer_kl"] = settings.max_answer_kl
         record["kl_by_step"] = measured
     return record
+
+
+def cheapest_meeting(paths: dict[str, tuple[WidthChoice, dict | None]], targets: dict[str, float]) -> str:
+    """The name of the path whose widths meet every KL target (as measured at its chosen step) with the fewest bits
+    per element; with none meeting them, the first path's ("plain")."""
+    def meets(choice: WidthChoice, measured: dict | None) -> bool:
+        if measured is None or choice.steps not in measured:
+            return measured is None
+        return all(measured[choice.steps][name] <= target for name, target in targets.items())
+
+    meeting = [name for name, (c, m) in paths.items() if meets(c, m)]
+    return min(meeting, key=lambda name: paths[name][0].bits_per_element) if meeting else next(iter(paths))
 
 
 def kl_targets(settings: CalibrationSettings) -> dict[str, float]:

@@ -231,6 +231,9 @@ def load_rotations(spec: str | None, geometry, validate: bool = True, rope_pairs
     if (g.num_kv_heads, g.head_dim) != (geometry.num_kv_heads, geometry.head_dim) or \
             (validate and g.as_dict() != geometry.as_dict()):
         raise SystemExit(f"--rotations {spec}: the artifact is for {g.as_dict()}, the benchmark runs {geometry.as_dict()}")
+    if rot.has_split_keys:  # the benchmarks time the engine's kernels, which read one width a row
+        raise SystemExit(f"--rotations {spec}: the artifact stores split keys ({rot.width_summary()}); the kernels "
+                         "the benchmarks time read plain widths only")
     return rot
 
 

@@ -78,11 +78,12 @@ def standard_scheme(name: str, geometry: AttentionGeometry, oscar: Rotations, ba
         return Scheme(name, Rotations.data_free(geometry, "identity", group),
                       replace(base, sink_size=0, recent_size=KIVI_RESIDUAL, page_size=KIVI_GROUP, key_axis="channel"),
                       f"per-channel keys over {KIVI_GROUP}-token groups, per-token values, {KIVI_RESIDUAL}-token FP16 residual")
+    artifact = f"the artifact {oscar.source or 'given'} ({oscar.width_summary()})"
     if name == "oscar":
-        return Scheme(name, oscar, base, "the shipped artifact")
+        return Scheme(name, oscar, base, artifact)
     if name == EQUAL_WINDOWS:
         return Scheme(name, oscar, replace(base, sink_size=KIVI_RESIDUAL // 2, recent_size=KIVI_RESIDUAL // 2),
-                      f"the shipped artifact with KIVI-2's {KIVI_RESIDUAL} BF16 tokens (half sink, half recent)")
+                      f"{artifact} with KIVI-2's {KIVI_RESIDUAL} BF16 tokens (half sink, half recent)")
     raise ConfigError(f"unknown method {name!r}; methods are {', '.join(STANDARD + (EQUAL_WINDOWS,))}")
 
 
