@@ -10,6 +10,22 @@ def rel_err(out, want):
     return ((out.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def assert_pools_equal(a, b):
+    """Two pools (layout.PagedKVPool) hold the same codes, scales and zero points bit for bit, and the same windows
+    (on the GPU bit for bit; under the interpreter, which truncates float32 -> bfloat16, one ulp apart at most; NaN
+    where neither was written)."""
+    for name in ("k_codes", "v_codes", "k_scale", "v_scale", "k_zero", "v_zero"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name  # scales: bits
+    for name in ("k_win", "v_win"):
+        x, y = getattr(a, name), getattr(b, name)
+        if GPU:  # round-to-nearest-even float32 -> bfloat16 on both sides
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16)), name
+        else:
+            assert torch.allclose(x.float(), y.float(), rtol=2 ** -7, atol=0, equal_nan=True), name
+
+
 def outlier_rows(n, h, d, gen, device=DEV, scale=1.0):
     """Random rows with a few channels 10-50x larger (realistic KV outliers)."""
     x = torch.randn(n, h, d, generator=gen) * scale

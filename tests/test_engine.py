@@ -525,7 +525,8 @@ def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read()
 
     def words(bits):
         return f"{', '.join(map(str, bits[:-1]))} or {bits[-1]}"
-    reads = f"(the CUDA kernel reads keys at {words(int2_cuda.KEY_BITS)} bits, values at {words(int2_cuda.VALUE_BITS)})"
+    reads = (f"(the CUDA kernel reads keys at {words(int2_cuda.KEY_BITS)} bits, values at "
+             f"{words(int2_cuda.VALUE_BITS)}, one width a row)")
     assert int2_cuda.KEY_BITS == (2, 3, 4, 5, 8) and int2_cuda.VALUE_BITS == (2, 3, 4)
 
     def engine(k_bits, v_bits, windows=None):

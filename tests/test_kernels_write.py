@@ -15,8 +15,7 @@ from oscar_kv.kernels import reference as ref  # noqa: E402
 from oscar_kv.kernels.layout import POOL_TENSORS, PagedKVPool, PoolGeometry, clip_indices, metadata_slot  # noqa: E402
 from oscar_kv.quant import fraction_bits, unpack_codes  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-GPU = DEV == "cuda"
+from kernel_utils import DEV, GPU, assert_pools_equal  # noqa: E402
 
 
 def outliers(n, h, d, gen, dtype=torch.float32):
@@ -42,18 +41,6 @@ def pools(geom, nq, nw):
     a = PagedKVPool.allocate(geom, nq, nw, device=DEV)
     b = PagedKVPool.allocate(geom, nq, nw, device=DEV)
     return a, b
-
-
-def assert_pools_equal(a, b):
-    for name in ("k_codes", "v_codes", "k_scale", "v_scale", "k_zero", "v_zero"):
-        x, y = getattr(a, name), getattr(b, name)
-        assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name  # scales: bits
-    for name in ("k_win", "v_win"):
-        x, y = getattr(a, name), getattr(b, name)
-        if GPU:  # round-to-nearest-even float32 -> bfloat16 on both sides
-            assert torch.equal(x.view(torch.int16), y.view(torch.int16)), name
-        else:  # Triton's interpreter truncates float32 -> bfloat16: one ulp apart at most
-            assert torch.allclose(x.float(), y.float(), rtol=2 ** -7, atol=0), name
 
 
 def assert_metadata_close(a, b, rtol):

@@ -1,7 +1,8 @@
 """Split key widths (quant.SplitWidth, ``calibrate --key-formats split``): the quantizer, the rotation, the artifact,
-the bit count, the widening paths, the generate() cache, calibration, and the engine's refusal."""
+the bit count, the widening paths, the generate() cache, calibration, the serving engine (torch and Triton paths)."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -220,10 +221,8 @@ def test_calibration_splits_keys_where_that_costs_fewer_bits_for_the_noise(split
     assert orthogonality_error(rot.k_rotation) < 1e-5
 
 
-def test_generate_reads_split_keys_and_serve_refuses_them(smol, split_artifact, tokenizer):
+def test_generate_reads_split_keys(smol, split_artifact, tokenizer):
     from oscar_kv.cache import OscarCache, unprepare_model
-    from oscar_kv.config import EngineConfig
-    from oscar_kv.engine.engine import LLMEngine
     from oscar_kv.hf_compat import cache_kwargs
 
     lm, _ = smol
@@ -234,10 +233,49 @@ def test_generate_reads_split_keys_and_serve_refuses_them(smol, split_artifact, 
     assert out.shape[1] == ids.shape[1] + 24 and layer.history_len > 0
     assert any(isinstance(l.hist_k, SplitRows) for l in cache.layers)
     unprepare_model(lm)
-    before = lm.model.layers[0].self_attn.v_proj.weight.clone()
-    with pytest.raises(ConfigError, match="two widths"):
-        LLMEngine(lm, tokenizer, split_artifact, EngineConfig())
-    assert torch.equal(lm.model.layers[0].self_attn.v_proj.weight, before)  # refused before folding: nothing lost
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET"),
+                    reason="the CPU engine's Triton kernels run under TRITON_INTERPRET=1 only")
+def test_the_engine_serves_split_keys_with_the_torch_paths_tokens(smol, split_artifact, tokenizer):
+    """The split artifact in the serving engine: the pool stores each split layer's rows with their tail
+    (kernels/split_keys.py) and counts those bytes; the Triton engine (interpreted: write_kv, migrate_pages, the
+    materialized and extend prefill paths, decode) gives the torch reference engine's greedy tokens, and start-up
+    names the widths.  A 95-token prompt in chunks of 64 and 31 over a 16 + 32 window leaves quantized pages and
+    migrates one while decoding."""
+    pytest.importorskip("triton")
+    from oscar_kv.cache import unprepare_model
+    from oscar_kv.config import EngineConfig
+    from oscar_kv.corpus import DEFAULT_CORPUS
+    from oscar_kv.engine.engine import LLMEngine
+    from oscar_kv.engine.sequence import SamplingParams
+    from oscar_kv.kernels.split_keys import row_bytes
+
+    lm, _ = smol
+    rot = split_artifact
+    ids = tokenizer(DEFAULT_CORPUS.read_text()[1000:2600]).input_ids[:95]
+    tokens = {}
+    for backend in ("torch", "triton"):
+        engine = LLMEngine(lm, tokenizer, rot, EngineConfig(kv_cache_memory=0.1, max_model_len=1024, sink_size=16,
+                                                            recent_size=32, max_num_batched_tokens=64,
+                                                            attention_backend=backend))
+        g = engine.pool.geometry
+        assert g.key_widths() == rot.key_widths() and g.has_split_keys
+        for i, width in enumerate(g.key_widths()):
+            want = row_bytes(width, g.head_dim) if isinstance(width, SplitWidth) else g.head_dim * width // 8
+            assert engine.pool.k_codes[i].shape[-1] == want == g.code_bytes(i)[0]
+        if backend == "triton":
+            assert engine.kernel_status is None and engine.runner.kernels is not None
+            assert f"layer widths {g.width_summary()}" in "\n".join(engine.describe())
+            assert "x" in g.width_summary()  # e.g. K4x16+2V2
+        engine.add_request("r", ids, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
+        outputs = []
+        while engine.has_work():
+            outputs += [t for out in engine.step() for t in out.token_ids]
+        tokens[backend] = outputs
+        assert engine.pool.all_free() and engine.pool.quant.cached > 0  # quantized pages were written and kept
+        unprepare_model(lm)
+    assert len(tokens["torch"]) == 3 and tokens["triton"] == tokens["torch"], tokens
 
 
 def test_calibrate_auto_walks_both_formats_through_the_kl_check(smol):
@@ -262,8 +300,33 @@ def test_calibrate_auto_walks_both_formats_through_the_kl_check(smol):
     assert "key formats auto: " + formats["chosen"] in width_map(widths)
 
 
-def test_the_benchmarks_refuse_split_keys(split_artifact):
-    from oscar_kv.bench.synthetic import load_rotations
+def test_the_benchmarks_take_split_keys(split_artifact):
+    """bench attention / decode time an artifact's split layers as the engine stores them (a pair per width, the
+    pool's bytes counted), and --key-bits takes a split width for the synthetic artifact."""
+    import argparse
 
-    with pytest.raises(SystemExit, match="split keys"):
-        load_rotations(split_artifact.source, split_artifact.geometry)
+    from oscar_kv.bench.floors import read_bytes
+    from oscar_kv.bench.synthetic import add_width_arguments, layer_geometry, load_rotations, width_pairs, \
+        widths_record
+    from oscar_kv.kernels.split_keys import row_bytes
+
+    rot = load_rotations(split_artifact.source, split_artifact.geometry)
+    pairs = width_pairs(rot.key_widths(), rot.v_bits.tolist())
+    assert sum(len(layers) for layers in pairs.values()) == rot.geometry.num_layers
+    assert any(isinstance(k, SplitWidth) for k, _ in pairs)
+    record = widths_record(rot, 8192, 64, 256)
+    assert "(" in record["label"] and record["k_bits"] == [str(w) if isinstance(w, SplitWidth) else w
+                                                         for w in rot.key_widths()]
+    width = SplitWidth(2, 16, 4)
+    geom = layer_geometry(width, 2)
+    assert geom.k_split == (width,) and geom.code_bytes(0) == (row_bytes(width, 128), 32)
+    read = read_bytes(geom, 1, 32768)
+    plain = read_bytes(layer_geometry(2, 2), 1, 32768)
+    tokens = geom.int2_pages_for(32768) * geom.page_size * geom.num_kv_heads
+    assert read["codes"] - plain["codes"] == tokens * 16 * 2 // 8  # the upper bits of 16 channels
+    assert read["metadata"] - plain["metadata"] == tokens * 3  # the second group's scale and zero point
+    ap = argparse.ArgumentParser()
+    add_width_arguments(ap)
+    assert ap.parse_args(["--key-bits", "4x16+2"]).key_bits == width
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--key-bits", "4x16+9"])

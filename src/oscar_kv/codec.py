@@ -27,6 +27,7 @@ from .models import AttentionGeometry
 from .quant import (QuantizedRows, SplitRows, SplitWidth, dequantize_rows, dequantize_split, quantize_rows,
                     quantize_split)
 from .rope import RopeTable, RopeUnsupported, kernel_pairs, layer_rope_tables
+from .kernels import split_keys
 from .rotation import rotate
 
 
@@ -152,10 +153,39 @@ class LayerCodec:
     def dequantize_values(self, q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_rows(q, dtype)
 
-    def stored_rows(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, which: str) -> QuantizedRows:
-        """Rows of ``which`` ("k" or "v") read back from a pool: packed codes, scales and zero points."""
+    def stored_rows(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    which: str) -> QuantizedRows | SplitRows:
+        """Rows of ``which`` ("k" or "v") read back from a pool: packed codes, scales and zero points (split keys
+        as kernels/split_keys.py lays them out)."""
+        if which == "k" and self.k_split is not None:
+            return split_keys.unpack(codes, scale, zero, self.k_split, self._head_dim(codes))
         bits = self.k_bits if which == "k" else self.v_bits
         return QuantizedRows(codes, scale, zero, bits, self.group_size)
+
+    def store_codes(self, pages: torch.Tensor, index: tuple, codes: torch.Tensor, which: str) -> None:
+        """Write rows of codes (``pool_rows``) into a pool's pages [N, H, P, bytes] of ``which`` at ``index``
+        (split keys: each page's plain rows, then its tails, kernels/split_keys.py)."""
+        if which == "k" and self.k_split is not None:
+            split_keys.store_rows(pages, index, codes, self.k_split, self._head_dim(pages))
+        else:
+            pages[index] = codes
+
+    def load_codes(self, pages: torch.Tensor, index: tuple, which: str) -> torch.Tensor:
+        """Rows of codes read from a pool's pages at ``index`` (``store_codes``' inverse)."""
+        if which == "k" and self.k_split is not None:
+            return split_keys.load_rows(pages, index, self.k_split, self._head_dim(pages))
+        return pages[index]
+
+    def _head_dim(self, pages: torch.Tensor) -> int:
+        return split_keys.head_dim_of(self.k_split, pages.shape[-1])
+
+    @staticmethod
+    def pool_rows(q: QuantizedRows | SplitRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, scale, zero) of quantized rows as a pool stores them (split keys: kernels/split_keys.py; their
+        scale and zero point fill group 0)."""
+        if isinstance(q, SplitRows):
+            return split_keys.pack(q)
+        return q.codes, q.scale, q.zero
 
 
 def stored_attention(q_rot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,

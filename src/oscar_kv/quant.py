@@ -327,6 +327,20 @@ class SplitWidth:
         check_geometry(head_dim - self.hi_dims, head_dim - self.hi_dims, self.bits)
 
 
+def parse_key_width(text: str) -> int | SplitWidth:
+    """A key width as written: bits ("3") or a split width ("4x16+2": 16 channels at 4 bits, the rest at 2);
+    ValueError otherwise (the split's fit to a head dim is SplitWidth.check's)."""
+    try:
+        if "x" not in text:
+            return int(text)
+        wide, rest = text.split("x")
+        dims, narrow = rest.split("+")
+        return SplitWidth(int(narrow), int(dims), int(wide))
+    except ValueError:
+        raise ValueError(f"a key width is bits (e.g. 3) or a split width WIDExCHANNELS+NARROW (e.g. 4x16+2), "
+                         f"not {text!r}") from None
+
+
 @dataclass
 class SplitRows:
     """Rows stored at a SplitWidth: the first part's QuantizedRows and the rest's (each one group per row)."""

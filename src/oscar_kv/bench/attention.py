@@ -95,7 +95,8 @@ def width_entry(pair, layers, ms, kernel_ms, kernel, geom, bs, ctx, bw, ref_ms, 
     """One row of the per-width table: time, bytes by kind, GB/s and share of the copy bandwidth, and the ratios to
     the K2V2 kernel and the best BF16 at the same shape."""
     rb = read_bytes(geom, bs, ctx)
-    entry = dict(widths=pair_label(*pair), k_bits=pair[0], v_bits=pair[1], layers=len(layers), kernel=kernel[0],
+    k_bits = pair[0] if isinstance(pair[0], int) else str(pair[0])  # a split width as written, e.g. "4x16+2"
+    entry = dict(widths=pair_label(*pair), k_bits=k_bits, v_bits=pair[1], layers=len(layers), kernel=kernel[0],
                  kernel_note=kernel[1], ms=ms, kernel_ms=kernel_ms, read=rb, **extra)
     entry.update(against_copy(rb["total"], ms, bw))
     if ms:
@@ -129,7 +130,7 @@ def time_widths(art, layer: int, row: dict, q, device, gen, inv_freq, bw: float)
     ctx, bs = row["context"], row["batch"]
     gqa = GEOMETRY["num_q_heads"] // GEOMETRY["num_kv_heads"]
     best = row.get("best_bf16_ms")
-    pairs = width_pairs(art.k_bits.tolist(), art.v_bits.tolist())
+    pairs = width_pairs(art.key_widths(), art.v_bits.tolist())
     entries = []
     for pair in [(2, 2)] + [p for p in pairs if p != (2, 2)]:
         layers = pairs.get(pair, [])
@@ -137,7 +138,7 @@ def time_widths(art, layer: int, row: dict, q, device, gen, inv_freq, bw: float)
         rope = _layer_rope(art, i, inv_freq, ctx, device)
         ref_ms = row.get("int2_rope_ms") if rope is not None and row.get("int2_rope_ms") else row["int2_ms"]
         geom = layer_geometry(*pair)
-        kernel = int2_kernel_choice(device, geom, gqa, rope, q.dtype, None, pair)
+        kernel = int2_kernel_choice(device, geom, gqa, rope, q.dtype, None, geom.layer_widths(0), geom.has_split_keys)
         extra = dict(layer=i, centering="rope" if rope is not None else art.key_centering)
         if pair == (2, 2):  # the INT2 columns' call
             entries.append(width_entry(pair, layers, ref_ms, row.get("int2_rope_kernel_ms" if rope is not None
@@ -227,7 +228,7 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
     result["rotations"] = dict(source=rotations or "synthetic", layer=layer, key_centering=art.key_centering,
                                manifest=art.manifest.get("calibration", {}))
     inv_freq = 1e6 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # Qwen3's RoPE base
-    pair_geoms = [layer_geometry(*p) for p in width_pairs(art.k_bits.tolist(), art.v_bits.tolist())]
+    pair_geoms = [layer_geometry(*p) for p in width_pairs(art.key_widths(), art.v_bits.tolist())]
     for ctx in contexts:
         for bs in batch_sizes:
             need = bf16_bytes(geom, bs, ctx) + max(int2_bytes(g, bs, ctx) for g in [geom] + pair_geoms)
@@ -348,6 +349,7 @@ def bench_write_path(geom, device, batch_sizes: list[int]) -> dict:
     h, d, p = geom.num_kv_heads, geom.head_dim, geom.page_size
     layers = GEOMETRY["num_layers"]
     g36 = dataclasses.replace(geom, num_layers=layers, k_bits=geom.k_bits[:1] * layers, v_bits=geom.v_bits[:1] * layers,
+                              k_split=geom.k_split[:1] * layers,
                               layer_windows=geom.layer_windows[:1] * layers)
     pool = PagedKVPool.allocate(g36, 4096, 4096, device=device)
     _fill_pool(pool)

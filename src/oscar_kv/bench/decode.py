@@ -132,13 +132,13 @@ def run(args) -> dict:
     if auto and not is_k2v2(rotations):
         schemes.append(MIXED)
     if not auto and MIXED not in schemes and not is_k2v2(rotations):
-        print(f"note: the artifact's widths ({widths_label(rotations.k_bits.tolist(), rotations.v_bits.tolist())}) are "
+        print(f"note: the artifact's widths ({widths_label(rotations.key_widths(), rotations.v_bits.tolist())}) are "
               "not timed: --kv-cache-dtype has no mixed (int2 runs every layer at K2V2)", flush=True)
     if MIXED in schemes and is_k2v2(rotations):
         raise SystemExit("--kv-cache-dtype mixed: the artifact stores every layer at K2V2, as int2 does; pass "
                          "--key-bits / --value-bits / --kv-bits, or a --rotations directory with other widths")
     artifacts = scheme_rotations(rotations)  # each scheme's widths: int2 K2V2, mixed the artifact's
-    widths = {s: "BF16" if s == "bf16" else widths_label(artifacts[s].k_bits.tolist(), artifacts[s].v_bits.tolist())
+    widths = {s: "BF16" if s == "bf16" else widths_label(artifacts[s].key_widths(), artifacts[s].v_bits.tolist())
               for s in schemes}
     # Every batch starts from a prefilled sequence and decodes at most this many tokens past it.
     grow = 1 + args.warmup_steps + max(args.decode_steps, args.throughput_steps) + SYNCED_STEPS + args.breakdown_steps \

@@ -39,7 +39,7 @@ def scheme_rotations(rotations) -> dict:
 
 
 def is_k2v2(rotations) -> bool:
-    return bool((rotations.k_bits == 2).all() and (rotations.v_bits == 2).all())
+    return bool((rotations.k_bits == 2).all() and (rotations.v_bits == 2).all()) and not rotations.has_split_keys
 
 
 def pool_geometry(scheme: str, geometry, page_size: int, sink: int, recent: int, rotations=None):
@@ -48,14 +48,16 @@ def pool_geometry(scheme: str, geometry, page_size: int, sink: int, recent: int,
     from ..kernels.layout import PoolGeometry
 
     n = geometry.num_layers
+    split = None
     if scheme == "bf16":
         k_bits = v_bits = (16,) * n
     elif rotations is None:
         k_bits = v_bits = (2,) * n
     else:
         k_bits, v_bits = tuple(rotations.k_bits.tolist()), tuple(rotations.v_bits.tolist())
+        split = tuple(rotations.key_split(i) for i in range(n))
     return PoolGeometry(n, geometry.num_kv_heads, geometry.head_dim, min(geometry.head_dim, 128), page_size, sink,
-                        recent, k_bits, torch.bfloat16, v_bits=v_bits)
+                        recent, k_bits, torch.bfloat16, v_bits=v_bits, k_split=split)
 
 
 def max_batch(plan, length: int) -> tuple[int, str]:

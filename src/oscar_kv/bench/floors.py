@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.split_keys import TAIL_METADATA_BYTES
 from .timing import _bench
 
 
@@ -46,10 +47,12 @@ def read_bytes(geom, bs: int, ctx: int, layer: int = 0, num_q_heads: int | None 
     """What one decode call over a full-attention layer reads for ``bs`` sequences of ``ctx`` tokens, by kind:
     ``codes`` (keys and values at the layer's widths), ``metadata`` (float16 scale and uint8 zero point per group, both
     sides), ``window`` (BF16 sink and recent rows), ``query_output`` (the BF16 query and output) and ``total``."""
-    h, d = geom.num_kv_heads, geom.head_dim
+    h = geom.num_kv_heads
     quant = geom.int2_pages_for(ctx) * geom.page_size
     per_token = geom.quant_bytes_per_token(layer)
-    code_bytes = d * sum(geom.layer_widths(layer)) // 8 if geom.quantizes else 0
+    # a split key row's tail holds one group's scale and zero point: metadata, not codes
+    tail_metadata = TAIL_METADATA_BYTES if geom.quantizes and geom.k_split[layer] is not None else 0
+    code_bytes = sum(geom.code_bytes(layer)) - tail_metadata if geom.quantizes else 0
     out = dict(codes=bs * h * quant * code_bytes, metadata=bs * h * quant * (per_token - code_bytes),
                window=bs * h * (ctx - quant) * geom.window_bytes_per_token(),
                query_output=query_output_bytes(geom, bs, num_q_heads))

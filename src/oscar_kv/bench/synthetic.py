@@ -16,10 +16,15 @@ own ``k_bits`` / ``v_bits``):
 
 from __future__ import annotations
 
+import argparse
+
 import torch
+
+from ..artifacts import ArtifactError
 
 from ..kernels.layout import KERNEL_KEY_WIDTHS, KERNEL_VALUE_WIDTHS
 from ..memory import bits_per_element
+from ..quant import SplitWidth, parse_key_width
 from ..rope import DEFAULT_PAIRS, keep_pairs, random_pairs
 
 GEOMETRY = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, group_size=128, page_size=16, sink_size=64,
@@ -32,13 +37,15 @@ def use_head_dim(head_dim: int) -> None:
     GEOMETRY.update(head_dim=head_dim, group_size=min(head_dim, 128))
 
 
-def layer_geometry(k_bits: int = 2, v_bits: int | None = None):
-    """The pool geometry of one Qwen3-8B layer (GEOMETRY) with keys / values at these widths (default K2V2), as
-    every attention benchmark times it."""
+def layer_geometry(k_bits=2, v_bits: int | None = None):
+    """The pool geometry of one Qwen3-8B layer (GEOMETRY) with keys / values at these widths (default K2V2; keys may be
+    a quant.SplitWidth), as every attention benchmark times it."""
     from ..kernels.layout import PoolGeometry
 
+    split = k_bits if isinstance(k_bits, SplitWidth) else None
+    k_bits = split.bits if split is not None else k_bits
     v_bits = k_bits if v_bits is None else v_bits
-    return PoolGeometry(num_layers=1, k_bits=(k_bits,), v_bits=(v_bits,),
+    return PoolGeometry(num_layers=1, k_bits=(k_bits,), v_bits=(v_bits,), k_split=(split,),
                         **{k: GEOMETRY[k] for k in ("num_kv_heads", "head_dim", "group_size", "page_size",
                                                     "sink_size", "recent_size")})
 
@@ -59,28 +66,40 @@ def pair_label(k_bits: int, v_bits: int) -> str:
     return f"K{k_bits}V{v_bits}"
 
 
+def _width(b):
+    """A width as the benchmarks key it: an int, or a quant.SplitWidth as it is."""
+    return b if isinstance(b, SplitWidth) else int(b)
+
+
+def _width_order(b) -> tuple:
+    """Plain widths in ascending order, then split ones by (narrow bits, channels, wide bits)."""
+    return (1, b.bits, b.hi_dims, b.hi_bits) if isinstance(b, SplitWidth) else (0, b, 0, 0)
+
+
 def widths_label(k_bits, v_bits) -> str:
-    """Each side's widths over the layers, e.g. "K3x21 K4x7 / V2" (a side at one width: no count); "BF16" when no
-    layer is quantized."""
-    k_bits, v_bits = [int(b) for b in k_bits], [int(b) for b in v_bits]
-    if all(b >= 16 for b in k_bits + v_bits):
+    """Each side's widths over the layers, e.g. "K3x21 K4x7 / V2" (a side at one width: no count; a split key width
+    in parentheses: "K(4x16+2)x9"); "BF16" when no layer is quantized."""
+    k_bits, v_bits = [_width(b) for b in k_bits], [int(b) for b in v_bits]
+    if all(not isinstance(b, SplitWidth) and b >= 16 for b in k_bits + v_bits):
         return "BF16"
 
-    def side(prefix: str, bits: list[int]) -> str:
-        widths = sorted(set(bits))
+    def side(prefix: str, bits: list) -> str:
+        widths = sorted(set(bits), key=_width_order)
+        name = {w: f"({w})" if isinstance(w, SplitWidth) else str(w) for w in widths}
         if len(widths) == 1:
-            return f"{prefix}{widths[0]}"
-        return " ".join(f"{prefix}{b}x{bits.count(b)}" for b in widths)
+            return f"{prefix}{name[widths[0]]}"
+        return " ".join(f"{prefix}{name[b]}x{bits.count(b)}" for b in widths)
 
     return f"{side('K', k_bits)} / {side('V', v_bits)}"
 
 
-def width_pairs(k_bits, v_bits) -> dict[tuple[int, int], list[int]]:
-    """The layers of each distinct (key bits, value bits) pair, pairs in ascending order."""
-    out: dict[tuple[int, int], list[int]] = {}
-    for i, pair in enumerate(zip((int(b) for b in k_bits), (int(b) for b in v_bits))):
+def width_pairs(k_bits, v_bits) -> dict[tuple, list[int]]:
+    """The layers of each distinct (key width, value bits) pair, pairs in ascending order (key widths: ints or
+    quant.SplitWidth)."""
+    out: dict[tuple, list[int]] = {}
+    for i, pair in enumerate(zip((_width(b) for b in k_bits), (int(b) for b in v_bits))):
         out.setdefault(pair, []).append(i)
-    return dict(sorted(out.items()))
+    return dict(sorted(out.items(), key=lambda item: (_width_order(item[0][0]), item[0][1])))
 
 
 def spread(n: int, num_layers: int) -> list[bool]:
@@ -119,8 +138,10 @@ def kv_bits_allocation(kv_bits: float, num_layers: int, context: int, head_dim: 
 
 def add_width_arguments(ap) -> None:
     """``--key-bits``, ``--value-bits`` and ``--kv-bits`` (module docstring)."""
-    ap.add_argument("--key-bits", type=int, choices=KERNEL_KEY_WIDTHS, default=None,
-                    help="every layer's keys at this width (the synthetic or hadamard artifact; default 2)")
+    ap.add_argument("--key-bits", type=_key_width, default=None,
+                    help="every layer's keys at this width (the synthetic or hadamard artifact; default 2): "
+                         f"{', '.join(map(str, KERNEL_KEY_WIDTHS))}, or split keys WIDExCHANNELS+NARROW, e.g. 4x16+2 "
+                         "(16 channels at 4 bits, the rest at 2; calibrate --key-formats)")
     ap.add_argument("--value-bits", type=int, choices=KERNEL_VALUE_WIDTHS, default=None,
                     help="every layer's values at this width (default 2)")
     ap.add_argument("--kv-bits", type=float, default=None,
@@ -128,6 +149,16 @@ def add_width_arguments(ap) -> None:
                          "or K5 / K8 above the all-K4 cost), as "
                          "many layers at the wider width, spread evenly, as keep the mean stored bits per element "
                          "at the largest context within X; values at --value-bits")
+
+
+def _key_width(text: str):
+    """--key-bits: a width the kernels read, plain or split (argparse reports the ValueError's message)."""
+    width = parse_key_width(text)
+    plain = width.bits if isinstance(width, SplitWidth) else width
+    if plain not in KERNEL_KEY_WIDTHS or isinstance(width, SplitWidth) and width.hi_bits > 8:
+        raise argparse.ArgumentTypeError(f"{text}: the kernels read keys at {', '.join(map(str, KERNEL_KEY_WIDTHS))} "
+                                         "bits (a split's narrow width among them, its wide one at most 8)")
+    return width
 
 
 def check_width_arguments(ap, a) -> None:
@@ -157,7 +188,12 @@ def apply_widths(rot, a, context: int, sink_size: int, recent_size: int) -> dict
         rule = (f"--kv-bits {kv_bits:g}: values at {v}, keys at two adjacent widths, as many layers at the wider "
                 f"(spread evenly) as keep the bits per element at {context} tokens within {kv_bits:g}")
     elif key_bits is not None or value_bits is not None:
-        rot.set_bits(key_bits or 2, value_bits or 2)
+        keys = [key_bits] * g.num_layers if isinstance(key_bits, SplitWidth) else key_bits or 2
+        try:
+            rot.set_bits(keys, value_bits or 2)
+            rot.validate()
+        except (ValueError, ArtifactError) as e:
+            raise SystemExit(f"--key-bits {key_bits}: {e}") from None
         rule = f"flat: keys at {key_bits or 2}, values at {value_bits or 2} on every layer"
     else:
         rule = "the artifact's k_bits / v_bits"
@@ -166,12 +202,16 @@ def apply_widths(rot, a, context: int, sink_size: int, recent_size: int) -> dict
 
 def widths_record(rot, context: int, sink_size: int, recent_size: int, rule: str = "the artifact's k_bits / v_bits"
                   ) -> dict:
-    k_bits, v_bits = rot.k_bits.tolist(), rot.v_bits.tolist()
+    k_bits, v_bits = rot.key_widths(), rot.v_bits.tolist()
     bits = bits_per_element(context, rot.geometry.head_dim, rot.group_size, 2, sink_size, recent_size,
                             k_bits=k_bits, v_bits=v_bits)
-    return dict(label=widths_label(k_bits, v_bits), rule=rule, k_bits=k_bits, v_bits=v_bits,
+    return dict(label=widths_label(k_bits, v_bits), rule=rule, k_bits=[_json_width(b) for b in k_bits], v_bits=v_bits,
                 layers={pair_label(*p): len(ls) for p, ls in width_pairs(k_bits, v_bits).items()},
                 bits_per_element=round(bits, 4), context=context)
+
+
+def _json_width(b):
+    return str(b) if isinstance(b, SplitWidth) else int(b)
 
 
 # ---------------------------------------------------------------------------------------------- artifacts
@@ -231,9 +271,6 @@ def load_rotations(spec: str | None, geometry, validate: bool = True, rope_pairs
     if (g.num_kv_heads, g.head_dim) != (geometry.num_kv_heads, geometry.head_dim) or \
             (validate and g.as_dict() != geometry.as_dict()):
         raise SystemExit(f"--rotations {spec}: the artifact is for {g.as_dict()}, the benchmark runs {geometry.as_dict()}")
-    if rot.has_split_keys:  # the benchmarks time the engine's kernels, which read one width a row
-        raise SystemExit(f"--rotations {spec}: the artifact stores split keys ({rot.width_summary()}); the kernels "
-                         "the benchmarks time read plain widths only")
     return rot
 
 

@@ -277,9 +277,10 @@ class TorchAttention:
         dst = _Rows.cat([plan.mig_dst, plan.q_writes])
         slots = metadata_slot(dst.off, pool.geometry.page_size)
         for q, side in ((codec.quantize_keys(qk), "k"), (codec.quantize_values(qv), "v")):
-            getattr(pool, f"{side}_codes")[li][dst.page, :, dst.off] = q.codes
-            for name in ("scale", "zero"):
-                getattr(pool, f"{side}_{name}")[li][dst.page, :, slots] = getattr(q, name)
+            codes, scale, zero = codec.pool_rows(q)
+            codec.store_codes(getattr(pool, f"{side}_codes")[li], (dst.page, slice(None), dst.off), codes, side)
+            for name, t in (("scale", scale), ("zero", zero)):  # split keys: group 0 (kernels/split_keys.py)
+                getattr(pool, f"{side}_{name}")[li][dst.page, :, slots, :t.shape[-1]] = t
 
     def _gather(self, li: int, win: _Rows, quant: _Rows):
         """History rows as float32: window rows followed by dequantized rows (two tensors each)."""
@@ -290,7 +291,8 @@ class TorchAttention:
             return _Joined(k_w, None), _Joined(v_w, None)
         codec = self.codecs[li]
         slots = metadata_slot(quant.off, pool.geometry.page_size)
-        k_q, v_q = (codec.stored_rows(getattr(pool, f"{side}_codes")[li][quant.page, :, quant.off],
+        k_q, v_q = (codec.stored_rows(codec.load_codes(getattr(pool, f"{side}_codes")[li],
+                                                       (quant.page, slice(None), quant.off), side),
                                       *(getattr(pool, f"{side}_{name}")[li][quant.page, :, slots]
                                         for name in ("scale", "zero")), side) for side in ("k", "v"))
         return _Joined(k_w, codec.dequantize_keys(k_q)), _Joined(v_w, codec.dequantize_values(v_q))

@@ -174,9 +174,9 @@ class PagePool:
         self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_zero, self.v_zero = [], [], [], [], [], []
         if g.quantizes:
             for layer in range(g.num_layers):
-                for bits, codes, scale, zero in zip(g.layer_widths(layer), (self.k_codes, self.v_codes),
-                                                    (self.k_scale, self.v_scale), (self.k_zero, self.v_zero)):
-                    codes.append(torch.empty(nq, h, p, d * bits // 8, dtype=torch.uint8, device=device))
+                for nbytes, codes, scale, zero in zip(g.code_bytes(layer), (self.k_codes, self.v_codes),
+                                                      (self.k_scale, self.v_scale), (self.k_zero, self.v_zero)):
+                    codes.append(torch.empty(nq, h, p, nbytes, dtype=torch.uint8, device=device))
                     scale.append(torch.empty(nq, h, p, ng, dtype=torch.float16, device=device))
                     zero.append(torch.empty(nq, h, p, ng, dtype=torch.uint8, device=device))
         self.window = PageAllocator(plan.window_pages, WINDOW)

@@ -88,19 +88,19 @@ class EngineDescription:
         kernel, why = self.int2_decode_kernel()
         if kernel != "cuda":
             return f"the Triton kernel ({why})"
-        on_cuda = [i for i in range(spec.num_layers) if spec.layer_widths(i) in WIDTHS]
+        on_cuda = [i for i in range(spec.num_layers) if spec.layer_widths(i) in WIDTHS and spec.k_split[i] is None]
         wider = [i for i in range(spec.num_layers) if i not in on_cuda]
         if not wider:
             return "the one-launch CUDA kernel"
         layers = lambda k: f"{k} layer" + "s" * (k != 1)  # noqa: E731
 
         def widths(ids):
-            return width_summary(*zip(*(spec.layer_widths(i) for i in ids)))
+            return width_summary([spec.key_widths()[i] for i in ids], [spec.v_bits[i] for i in ids])
 
         def reads(bits):
             return f"{', '.join(map(str, bits[:-1]))} or {bits[-1]}"
         wide = (f"the {layers(len(wider))} stored at {widths(wider)} (the CUDA kernel reads keys at {reads(KEY_BITS)} "
-                f"bits, values at {reads(VALUE_BITS)})")
+                f"bits, values at {reads(VALUE_BITS)}, one width a row)")
         if not on_cuda:
             return f"the Triton kernel on every layer: {wide}"
         return f"the one-launch CUDA kernel on {layers(len(on_cuda))} ({widths(on_cuda)}), the Triton kernel on {wide}"

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from ..codec import layer_codecs, shared_ropes, validated_artifact
-from ..config import KV_CACHE_BITS, EngineConfig
+from ..config import EngineConfig
 from ..errors import ConfigError, RequestError
 from ..folding import fold_values
 from ..kernels.layout import PoolGeometry
@@ -80,13 +80,6 @@ class LLMEngine(EngineDescription):
             raise ConfigError("logit softcapping (Gemma 2) is not supported: the engine's attention and sampling "
                               "would leave it out")
         rotations = validated_artifact(model, rotations)
-        least = KV_CACHE_BITS[config.kv_cache_dtype]
-        splits = map(rotations.key_split, range(rotations.geometry.num_layers))
-        if any(w is not None and least <= w.bits for w in splits):
-            raise ConfigError(f"the artifact stores some layers' keys at two widths ({rotations.width_summary()}; "
-                              "calibrate --key-formats split): the generate() cache and `oscar-kv eval` read them, "
-                              "the serving engine's kernels do not yet; serve an artifact calibrated with the plain "
-                              "key formats (the default)")
         fold_values(model, rotations.v_rotation, rotations.v_mean, tag=rotations)  # values are born rotated
         codecs = layer_codecs(model, rotations, config.kv_cache_dtype, config.group_size)
         geometry = rotations.geometry
@@ -107,7 +100,8 @@ class LLMEngine(EngineDescription):
                                      codecs[0].group_size, config.page_size, config.sink_size, config.recent_size,
                                      tuple(codec.k_bits for codec in self.codecs),
                                      layer_windows=layer_windows(model.config),
-                                     v_bits=tuple(codec.v_bits for codec in self.codecs))
+                                     v_bits=tuple(codec.v_bits for codec in self.codecs),
+                                     k_split=tuple(codec.k_split for codec in self.codecs))
         limit = getattr(model.config, "max_position_embeddings", None) or 8192
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
@@ -133,6 +127,13 @@ class LLMEngine(EngineDescription):
                                             rope_centered=any(codec.k_rope_mean is not None for codec in self.codecs))
         if config.attention_backend == "triton" and self.kernel_status is not None:
             raise ConfigError(f"attention_backend triton: {self.kernel_status}", "attention_backend")
+        if pool_geometry.has_split_keys and self.kernel_status is None and self.device.type == "cuda":
+            # never a silent slow path: the CUDA decode kernel reads one width a row
+            split = sum(s is not None for s in pool_geometry.k_split)
+            log.warning("%d of %d layers store split keys (%s): their decode attention runs the Triton kernel, "
+                        "3.4-4.8x the CUDA INT2 kernel's time and slower than BF16's on an H200 (benchmarks/NOTES.md, "
+                        "run S2); calibrate with --key-formats plain for the CUDA kernel's speed", split,
+                        pool_geometry.num_layers, pool_geometry.width_summary())
         if self.kernel_status is not None and self.device.type == "cuda" and config.attention_backend != "torch":
             # the torch reference materializes [heads, tokens] logits in float32: slow, and out of memory at
             # long context; say so once, at start-up, never silently

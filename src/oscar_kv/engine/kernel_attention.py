@@ -35,6 +35,7 @@ import torch
 from ..config import ATTENTION_BACKENDS
 from ..errors import ConfigError
 from ..kernels import TRITON_MISSING, triton_available
+from ..kernels import split_keys
 from ..kernels.layout import POOL_TENSORS, PagedBatch, PagedKVPool, clip_indices
 from ..kernels.tuning import TUNING
 from .block_pool import PagePool
@@ -110,18 +111,23 @@ class PoolView:
         if i not in self._layer_pools:
             t, g = self.layer(i), self.geometry
             one = dataclasses.replace(g, num_layers=1, k_bits=g.k_bits[i:i + 1], v_bits=g.v_bits[i:i + 1],
+                                      k_split=g.k_split[i:i + 1],
                                       layer_windows=g.layer_windows[i:i + 1])
             self._layer_pools[i] = PagedKVPool(one, *(t[n].unsqueeze(0) for n in POOL_TENSORS))
         return self._layer_pools[i]
 
     def clips(self, i: int, codec) -> tuple[torch.Tensor, torch.Tensor]:
-        """int32 [H] clip indices floor(c*D) of layer i's keys and values (quant.clip_rows' threshold rank),
-        computed once per layer (``codec``: its codec.LayerCodec)."""
+        """int32 [H] clip indices floor(c*D) of layer i's keys and values (quant.clip_rows' threshold rank; split
+        keys: [H, 2], each part's, kernels/split_keys.clip_indices), computed once per layer (``codec``: its
+        codec.LayerCodec)."""
         hit = self._clips.get(i)
         if hit is None or hit[0] is not codec:
             h, d = self.geometry.num_kv_heads, self.geometry.head_dim
             dev = self.pool.device
-            hit = (codec, clip_indices(codec.k_clip.to(dev), d, (h,)), clip_indices(codec.v_clip.to(dev), d, (h,)))
+            split = self.geometry.k_split[i]
+            keys = (split_keys.clip_indices(codec.k_clip.to(dev), split, d, (h,)) if split is not None
+                    else clip_indices(codec.k_clip.to(dev), d, (h,)))
+            hit = (codec, keys.to(dev), clip_indices(codec.v_clip.to(dev), d, (h,)))
             self._clips[i] = hit
         return hit[1], hit[2]
 

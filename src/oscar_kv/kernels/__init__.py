@@ -2,6 +2,7 @@
 
 Importing this package does not import Triton (a CPU install has none: README, Install); the kernel modules do,
 and only the GPU paths import them, after ``triton_available()`` or ``require_triton()``:
+  split_keys.py  the stored row of keys at two widths (quant.SplitWidth), in torch
   write.py    fused write path (rotate K, clip, quantize, pack, scatter) and page migration
   common.py   the attention kernels' shared jit helpers, split plan and merge
   decode.py   paged decode attention: INT2 mixed [sink | INT2 | recent] and the BF16 baseline

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._compat import install_interpreter_shim
+from . import split_keys
 from .layout import KERNEL_KEY_WIDTHS, KERNEL_VALUE_WIDTHS, kernel_widths_text
 from .tuning import TUNING
 
@@ -112,6 +113,107 @@ def code_slices(ptrs, mask, ch, BITS: tl.constexpr, D: tl.constexpr, USE_ASM: tl
         c2 = ((tl.load(ptrs + 2 * D4, mask=mask, other=0).to(tl.int32) << 4).to(tl.float16) + 1024.0).to(tl.float16)
         c3 = ((tl.load(ptrs + 3 * D4, mask=mask, other=0).to(tl.int32) << 6).to(tl.float16) + 1024.0).to(tl.float16)
     return c0, c1, c2, c3
+
+
+@triton.jit
+def split_tail_minimum(Kc, trow, valid, HI_BITS: tl.constexpr):
+    """(scale, minimum) float32 [N] of split key rows' first part, from the rows' tails at Kc + trow (split_keys.py):
+    the float16 scale's two bytes, then the zero point; minimum = -(scale z) 2^-F at HI_BITS, exact as
+    quant.stored_minimum."""
+    HI_FRAC: tl.constexpr = 1.0 / (1 << ((8 - HI_BITS) % 8))
+    b0 = tl.load(Kc + trow, mask=valid, other=0).to(tl.uint16)
+    b1 = tl.load(Kc + trow + 1, mask=valid, other=0).to(tl.uint16)
+    scale = (b0 | (b1 << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    zero = tl.load(Kc + trow + 2, mask=valid, other=0).to(tl.float32)
+    return scale, -(scale * zero) * HI_FRAC
+
+
+@triton.jit
+def split_upper(code, Kc, trows, ch, valid, k: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                HI_DIMS: tl.constexpr, HI_BITS: tl.constexpr):
+    """Slice k of split key rows read at the narrow width BITS (float16 1024 + c 4^k, code_slices) with the first
+    HI_DIMS channels' upper bits added from the planes in the rows' tails at Kc + trows (split_keys.py): 1024 + c_hi
+    4^k, exact as code_slices' INT8 (c_hi 4^k <= 255 * 64).  ``trows`` (tail offsets) and ``ch`` (the channel within
+    the slice) broadcast to the slice's orientation, as code_slices takes them; a slice past HI_DIMS comes back
+    unchanged."""
+    D4: tl.constexpr = D // 4
+    if k * D4 < HI_DIMS:
+        M8: tl.constexpr = HI_DIMS // 8  # bytes of one plane
+        c = k * D4 + ch
+        own = valid & (c < HI_DIMS)
+        base = Kc + trows + 3 + c % M8
+        up = (tl.load(base, mask=own, other=0).to(tl.int32) >> (c // M8)) & 1
+        for p in tl.static_range(1, HI_BITS - BITS):
+            up |= ((tl.load(base + p * M8, mask=own, other=0).to(tl.int32) >> (c // M8)) & 1) << p
+        code = (code + ((up << BITS) << (2 * k)).to(tl.float16)).to(tl.float16)
+    return code
+
+
+@triton.jit
+def split_upper_tile(Kc, trow, valid, HI_DIMS: tl.constexpr, UPPER: tl.constexpr):
+    """float16 [HI_DIMS, N]: the upper bits (code >> bits, < 2^UPPER) of split key rows' first HI_DIMS channels,
+    channel by channel, from the planes in the rows' tails at Kc + trow (split_keys.py): each plane read as its
+    HI_DIMS/8 bytes a row (byte j, bit k: channel j + k HI_DIMS/8), whose bits reshape to channel order."""
+    M8: tl.constexpr = HI_DIMS // 8
+    N: tl.constexpr = trow.shape[0]
+    offs_j = tl.arange(0, M8)
+    shift = tl.arange(0, 8)[:, None, None]
+    up = tl.zeros([8, M8, N], tl.int32)
+    for p in tl.static_range(UPPER):
+        raw = tl.load(Kc + trow[None, :] + (3 + p * M8) + offs_j[:, None], mask=valid[None, :], other=0)
+        up |= ((raw.to(tl.int32)[None, :, :] >> shift) & 1) << p
+    return tl.reshape(up, (HI_DIMS, N)).to(tl.float16)
+
+
+@triton.jit
+def split_key_query(qf0, qf1, o2, o3, t2s, t3s, D: tl.constexpr, HI_DIMS: tl.constexpr):
+    """A query's parts for split key rows (split_keys.py; the first part lies in slices 0-1, as it never passes D/2):
+    query slices 0 and 1 (float32 [M, D/4], scaled) each split into the first part's channels (qh0, qh1) and the
+    rest (ql0, ql1), float16 pre-divided by 4^k like the plain slices, with zeros elsewhere; slices 2 and 3 are the
+    rest's whole (o2, o3, t2s, t3s: their offsets and true sums).  Returns (qh0, qh1, ql0, ql1, oh, ol, th, tlo): the
+    parts, each part's offset 1024 sum(float16 slices) and true sum (for its minimum)."""
+    D4: tl.constexpr = D // 4
+    first0 = tl.arange(0, D4)[None, :] < HI_DIMS
+    first1 = (D4 + tl.arange(0, D4))[None, :] < HI_DIMS
+    th = tl.sum(tl.where(first0, qf0, 0.0), 1) + tl.sum(tl.where(first1, qf1, 0.0), 1)
+    tlo = tl.sum(tl.where(first0, 0.0, qf0), 1) + tl.sum(tl.where(first1, 0.0, qf1), 1) + t2s + t3s
+    qh0 = tl.where(first0, qf0, 0.0).to(tl.float16)
+    ql0 = tl.where(first0, 0.0, qf0).to(tl.float16)
+    qh1 = tl.where(first1, qf1 * 0.25, 0.0).to(tl.float16)
+    ql1 = tl.where(first1, 0.0, qf1 * 0.25).to(tl.float16)
+    oh = 1024.0 * (tl.sum(qh0.to(tl.float32), 1) + tl.sum(qh1.to(tl.float32), 1))
+    ol = 1024.0 * (tl.sum(ql0.to(tl.float32), 1) + tl.sum(ql1.to(tl.float32), 1)) + o2 + o3
+    return qh0, qh1, ql0, ql1, oh, ol, th, tlo
+
+
+@triton.jit
+def split_scores(qh0, qh1, ql0, ql1, ql2, ql3, oh, ol, th, tlo, qup, k0, k1, k2, k3, Kc, trow, offs_c, valid, Ks,
+                 Kz, mrow, D: tl.constexpr, BITS: tl.constexpr, HI_DIMS: tl.constexpr, HI_BITS: tl.constexpr,
+                 FRAC: tl.constexpr):
+    """[M, N] base-2 logits of a tile of split key rows (split_keys.py) read at the narrow width BITS as slices
+    k0..k3 [D/4, N], their tails at Kc + trow: the first part's channels (queries qh0, qh1: slices 0-1, as the first
+    part never passes D/2), their upper bits (one more MMA against ``qup``, float16 [M, HI_DIMS]: the query's first
+    HI_DIMS channels, scaled; below 16 channels added to slice 0's codes instead) scored against the tail's scale and
+    minimum, the rest against the layer's group 0.  Dots over a slice with no channel of a part are skipped."""
+    D4: tl.constexpr = D // 4
+    if HI_DIMS < 16:  # too few channels for an MMA of their own: the upper bits join slice 0's codes
+        k0 = split_upper(k0, Kc, trow[None, :], offs_c[:, None], valid[None, :], 0, D, BITS, HI_DIMS, HI_BITS)
+    hs, hn = split_tail_minimum(Kc, trow, valid, HI_BITS)
+    ls = tl.load(Ks + mrow, mask=valid, other=0.0).to(tl.float32)
+    ln = -(ls * tl.load(Kz + mrow, mask=valid, other=0).to(tl.float32)) * FRAC  # the minimum, exact
+    raw_h = tl.dot(qh0, k0)
+    if D4 < HI_DIMS:
+        raw_h = tl.dot(qh1, k1, raw_h)
+    if HI_DIMS >= 16:  # the upper bits' share, 2^BITS q . up, exact products in the float32 accumulator
+        raw_h += (1 << BITS) * tl.dot(qup, split_upper_tile(Kc, trow, valid, HI_DIMS, HI_BITS - BITS))
+    raw_l = tl.dot(ql3, k3)
+    raw_l = tl.dot(ql2, k2, raw_l)
+    if 2 * D4 > HI_DIMS:
+        raw_l = tl.dot(ql1, k1, raw_l)
+    if D4 > HI_DIMS:
+        raw_l = tl.dot(ql0, k0, raw_l)
+    return (hs[None, :] * (raw_h - oh[:, None]) + hn[None, :] * th[:, None] +
+            ls[None, :] * (raw_l - ol[:, None]) + ln[None, :] * tlo[:, None])
 
 
 @triton.jit
@@ -312,6 +414,18 @@ def kernel_widths(geom, layer: int) -> tuple[int, int]:
         raise ValueError(f"layer {layer} stores keys / values at {widths[0]} / {widths[1]} bits; the kernels read "
                          f"{kernel_widths_text()}")
     return widths
+
+
+def key_split(geom, layer: int, k_codes: torch.Tensor | None = None) -> tuple[int, int, int]:
+    """(HI_DIMS, HI_BITS, K_TAIL) of ``layer``'s keys, the kernels' split constexprs: the channels at the wider width,
+    its bits and the bytes of a row's tail (split_keys.py), or (0, key bits, 0) where every channel is at one width.
+    ``k_codes``: the layer's key pages, checked to hold each page's rows contiguously (ValueError otherwise)."""
+    split = geom.k_split[layer] if geom.quantizes else None
+    if split is None:
+        return 0, kernel_widths(geom, layer)[0], 0
+    if k_codes is not None:
+        split_keys.tile_views(k_codes, split, geom.head_dim)
+    return split.hi_dims, split.hi_bits, split_keys.tail_bytes(split)
 
 
 def group_metadata(layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -48,8 +48,9 @@ import triton.language as tl
 from ._compat import install_interpreter_shim
 from .tuning import TUNING, kernel_choice
 from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, code_slices, grp_scores, grp_values, group_metadata,
-                     kernel_widths, load_rope_ab, meta_slot, merge, num_sms, own_value_rows, rope_args, rope_logits_tiled,
-                     split_plan, unpack4, window_tokens)
+                     kernel_widths, key_split, load_rope_ab, meta_slot, merge, num_sms, own_value_rows, rope_args,
+                     rope_logits_tiled, split_key_query, split_plan, split_scores, unpack4,
+                     window_tokens)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -137,7 +138,8 @@ def _int2_decode_kernel(Q, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, PO, PL, A
                         GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                         USE_ASM: tl.constexpr, F32DOT: tl.constexpr, KT: tl.constexpr, ROPE: tl.constexpr,
                         R: tl.constexpr, SLIDING: tl.constexpr, K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2,
-                        V_ROWS: tl.constexpr = False):
+                        V_ROWS: tl.constexpr = False, K_HI_DIMS: tl.constexpr = 0, K_HI_BITS: tl.constexpr = 2,
+                        K_TAIL: tl.constexpr = 0):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -182,7 +184,7 @@ def _int2_decode_kernel(Q, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, PO, PL, A
         # ---- quantized history tokens [start, end) counted from the sink's end (start, end: multiples of P)
         D4: tl.constexpr = D // 4
         NG: tl.constexpr = D // G
-        KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row
+        KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row (split keys: their tails follow the page's rows)
         VCB: tl.constexpr = D * V_BITS // 8
         # rows start at multiples of the largest power of two dividing KCB / VCB (3D/8 at INT3, 5D/8 at INT5: D/8)
         K_ALIGN: tl.constexpr = KCB & -KCB
@@ -209,6 +211,12 @@ def _int2_decode_kernel(Q, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, PO, PL, A
         t1s = tl.sum(qf1, 1)
         t2s = tl.sum(qf2, 1)
         t3s = tl.sum(qf3, 1)
+        if K_HI_DIMS > 0:  # split keys: the query's parts (common.split_key_query)
+            qh0, qh1, ql0, ql1, oh, ol, th, tlo = split_key_query(qf0, qf1, o2, o3, t2s, t3s, D, K_HI_DIMS)
+            qup = qh0
+            if K_HI_DIMS >= 16:  # the first part's channels at once, for its upper bits (common.split_scores)
+                qup = (tl.load(qrow + tl.arange(0, K_HI_DIMS)[None, :], mask=hm, other=0.0).to(tl.float32)
+                       * qk_scale).to(tl.float16)
         a0 = tl.zeros([H_PAD, D4], tl.float32)
         a1 = tl.zeros([H_PAD, D4], tl.float32)
         a2 = tl.zeros([H_PAD, D4], tl.float32)
@@ -238,6 +246,9 @@ def _int2_decode_kernel(Q, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, PO, PL, A
                 valid = valid & (offs >= lo - SINK)
             phys = tl.load(bt_row + SINK_PAGES + offs // P, mask=valid, other=0).to(tl.int64)
             crow = tl.multiple_of(phys * stride_cp + head_c + (offs % P) * KCB, K_ALIGN)
+            trow = crow
+            if K_HI_DIMS > 0:  # split keys: the rows' tails follow the page's P rows (split_keys.py)
+                trow = phys * stride_cp + head_c + P * KCB + (offs % P) * K_TAIL
             if V_ROWS:  # values at another width (or in a tensor with other strides) than the keys
                 vrow = tl.multiple_of(phys * stride_vcp + h.to(tl.int64) * stride_vch + (offs % P) * VCB, V_ALIGN)
             else:
@@ -264,7 +275,11 @@ def _int2_decode_kernel(Q, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, PO, PL, A
                 k1 = tl.trans(k1)
                 k2 = tl.trans(k2)
                 k3 = tl.trans(k3)
-            if NG == 1:
+            if K_HI_DIMS > 0:  # the first part's channels gain their upper bits; two groups' scores
+                sc = bias[None, :] + split_scores(qh0, qh1, ql0, ql1, q2, q3, oh, ol, th, tlo, qup, k0, k1, k2, k3, Kc,
+                                                  trow, offs_c, valid, Ks, Kz, mrow, D, K_BITS, K_HI_DIMS, K_HI_BITS,
+                                                  K_FRAC)
+            elif NG == 1:
                 ks = tl.load(Ks + mrow, mask=valid, other=0.0).to(tl.float32)
                 kn = -(ks * tl.load(Kz + mrow, mask=valid, other=0).to(tl.float32)) * K_FRAC  # the minimum, exact
                 raw = tl.dot(q0, k0)
@@ -439,20 +454,21 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     if d != g.head_dim or hq % h:
         raise ValueError("query shape does not match the pool geometry")
     widths = kernel_widths(g, layer)
+    hi_dims, hi_bits, k_tail = key_split(g, layer, pool.layer(layer)["k_codes"])
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if max_int2_pages is None:
         max_int2_pages = int(batch.int2_pages.max()) if bsz else 0
     num_warps = num_warps or (TUNING.decode_num_warps_d256 if d > 128 else TUNING.decode_num_warps)
     if rope is not None and max_seq_len is None:
         max_seq_len = int(batch.seq_lens.max()) if bsz else 0
-    wide = widths[0] in (4, 5) or widths[1] > 2
+    wide = widths[0] in (4, 5) or widths[1] > 2 or hi_dims > 0
     block_n = block_n or max(g.page_size, WIDE_CODES_BLOCK_N if wide else TUNING.decode_block_n)
     if block_n % g.page_size:
         raise ValueError("block_n must be a multiple of the page size")
     if split_target is None:
         split_target = TUNING.decode_split_target_small if bsz * h <= 8 else TUNING.decode_split_target
     window = window or None
-    if _use_cuda(backend, q.device, g, gqa, rope, q.dtype, widths):
+    if _use_cuda(backend, q.device, g, gqa, rope, q.dtype, widths, split=hi_dims > 0):
         from . import int2_cuda
 
         # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
@@ -498,6 +514,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_N=block_n,
         BLOCK_W=block_w, USE_ASM=asm_enabled(q.device, use_asm), F32DOT=INTERPRET, KT=kt, ROPE=on, R=r,
         SLIDING=window is not None, K_BITS=widths[0], V_BITS=widths[1], V_ROWS=own_value_rows(kc, vc, widths),
+        K_HI_DIMS=hi_dims, K_HI_BITS=hi_bits, K_TAIL=k_tail,
         num_warps=num_warps, num_stages=num_stages, **extra)
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
     return merge(po, pl, out)
@@ -507,7 +524,8 @@ INT2_KERNEL_ENV = "OSCAR_KV_INT2_KERNEL"  # "auto" (default) | "cuda" | "triton"
 
 
 def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: torch.dtype = torch.bfloat16,
-                       backend: str | None = None, widths: tuple[int, int] = (2, 2)) -> tuple[str, str | None]:
+                       backend: str | None = None, widths: tuple[int, int] = (2, 2),
+                       split: bool = False) -> tuple[str, str | None]:
     """Which kernel decode attention runs for a layer of this pool: ("cuda", None), the one-launch CUDA kernel, or
     ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
     "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
@@ -517,8 +535,8 @@ def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: t
     ``int2_decode`` makes it per call."""
     from . import int2_cuda
 
-    readable = tuple(widths) in int2_cuda.WIDTHS
-    own = stored_width_reason(*widths) if not readable else None
+    readable = tuple(widths) in int2_cuda.WIDTHS and not split
+    own = (SPLIT_KEYS_REASON if split else stored_width_reason(*widths)) if not readable else None
     if own is not None and backend == "cuda":
         raise ValueError(f"the CUDA INT2 kernel cannot run this call: {own}")
 
@@ -532,6 +550,9 @@ def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: t
     return kernel, why
 
 
+SPLIT_KEYS_REASON = "keys at two widths (split keys) are read by the Triton kernel only"
+
+
 def stored_width_reason(k_bits: int, v_bits: int) -> str:
     """Why a layer stored at widths the CUDA kernel does not read (int2_cuda.WIDTHS) decodes with the Triton kernel."""
     from . import int2_cuda
@@ -540,8 +561,8 @@ def stored_width_reason(k_bits: int, v_bits: int) -> str:
 
 
 def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16,
-              widths: tuple[int, int] = (2, 2)) -> bool:
-    return int2_kernel_choice(device, geom, gqa, rope, dtype, backend, widths)[0] == "cuda"
+              widths: tuple[int, int] = (2, 2), split: bool = False) -> bool:
+    return int2_kernel_choice(device, geom, gqa, rope, dtype, backend, widths, split)[0] == "cuda"
 
 
 def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block_table: torch.Tensor,

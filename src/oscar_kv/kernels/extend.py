@@ -45,8 +45,9 @@ import triton.language as tl
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
 from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, cat4, code_slices, grp_scores, grp_values, meta_slot,
-                     group_metadata, kernel_widths, load_rope_ab, merge, mm, num_sms, own_value_rows, rope_args,
-                     rope_logits, softmax_step, split_plan, unpack4, window_tokens)
+                     group_metadata, kernel_widths, key_split, load_rope_ab, merge, mm, num_sms, own_value_rows,
+                     rope_args, rope_logits, softmax_step, split_key_query, split_plan, split_scores, unpack4,
+                     window_tokens)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -59,11 +60,13 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Ks, Kz, Vc, Vs,
                   BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, ra=None, rb=None, CS=None,
                   ROPE: tl.constexpr = False, PR=None, row_lo=None, SLIDING: tl.constexpr = False,
                   head_vc=None, stride_vcp=None, K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2,
-                  V_ROWS: tl.constexpr = False):
+                  V_ROWS: tl.constexpr = False, K_HI_DIMS: tl.constexpr = 0, K_HI_BITS: tl.constexpr = 2,
+                  K_TAIL: tl.constexpr = 0):
     """Online softmax over quantized history tokens [start, end), counted from the sink's end.
 
     qrow: pointers [M, 1] to the rotated float32 query rows.  SLIDING: row m sees only tokens >= row_lo[m]
-    (counted from the sink's end too).  Keys and values are K_BITS / V_BITS-bit codes (common.code_slices); with
+    (counted from the sink's end too).  Keys and values are K_BITS / V_BITS-bit codes (common.code_slices; with
+    K_HI_DIMS > 0 split key rows, their first K_HI_DIMS channels at K_HI_BITS, with tails of K_TAIL bytes); with
     V_ROWS the value codes' rows are addressed by head_vc / stride_vcp, else by the keys' offsets.  Scales (Ks, Vs)
     and zero points (Kz, Vz) share one row offset (head_m, stride_mp).  Returns (m_i,
     l_i, acc [M, D]) with acc the unnormalized output in the true value space (offsets removed, slices
@@ -80,7 +83,7 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Ks, Kz, Vc, Vs,
     """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
-    KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row
+    KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row (split keys: their tails follow the page's rows)
     VCB: tl.constexpr = D * V_BITS // 8
     # rows start at multiples of the largest power of two dividing KCB / VCB (3D/8 at INT3, 5D/8 at INT5: D/8)
     K_ALIGN: tl.constexpr = KCB & -KCB
@@ -109,6 +112,12 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Ks, Kz, Vc, Vs,
     t3s = tl.sum(qf3, 1)
     o_all = o0 + o1 + o2 + o3  # one group per head: the slices share scale and min
     t_all = t0s + t1s + t2s + t3s
+    if K_HI_DIMS > 0:  # split keys: the query's parts (common.split_key_query)
+        qh0, qh1, ql0, ql1, oh, ol, th, tlo = split_key_query(qf0, qf1, o2, o3, t2s, t3s, D, K_HI_DIMS)
+        qup = qh0
+        if K_HI_DIMS >= 16:  # the first part's channels at once, for its upper bits (common.split_scores)
+            qup = (tl.load(qrow + tl.arange(0, K_HI_DIMS)[None, :], mask=rmask, other=0.0).to(tl.float32)
+                   * qk_scale).to(tl.float16)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     a0 = tl.zeros([M, D4], tl.float32)
@@ -125,6 +134,9 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Ks, Kz, Vc, Vs,
         valid = offs < end
         phys = tl.load(bt_row + SINK_PAGES + offs // P, mask=valid, other=0).to(tl.int64)
         crow = tl.multiple_of(phys * stride_cp + head_c + (offs % P) * KCB, K_ALIGN)
+        trow = crow
+        if K_HI_DIMS > 0:  # split keys: the rows' tails follow the page's P rows (split_keys.py)
+            trow = phys * stride_cp + head_c + P * KCB + (offs % P) * K_TAIL
         if V_ROWS:
             vrow = tl.multiple_of(phys * stride_vcp + head_vc + (offs % P) * VCB, V_ALIGN)
         else:
@@ -139,7 +151,10 @@ def _int2_history(qrow, rmask, qk_scale, start, end, bt_row, Kc, Ks, Kz, Vc, Vs,
         else:
             k0, k1, k2, k3 = code_slices(Kc + crow[None, :] + offs_c[:, None], valid[None, :], offs_c[:, None],
                                          K_BITS, D, USE_ASM)
-        if NG == 1:
+        if K_HI_DIMS > 0:
+            sc = split_scores(qh0, qh1, ql0, ql1, q2, q3, oh, ol, th, tlo, qup, k0, k1, k2, k3, Kc, trow, offs_c, valid,
+                              Ks, Kz, mrow, D, K_BITS, K_HI_DIMS, K_HI_BITS, K_FRAC)
+        elif NG == 1:
             ks = tl.load(Ks + mrow, mask=valid, other=0.0).to(tl.float32)
             kn = -(ks * tl.load(Kz + mrow, mask=valid, other=0).to(tl.float32)) * K_FRAC  # the minimum, exact
             raw = tl.dot(q0, k0)
@@ -232,7 +247,8 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, N
                         GQA: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                         USE_ASM: tl.constexpr, F32DOT: tl.constexpr, SPLITQ: tl.constexpr,
                         PARTIAL: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, SLIDING: tl.constexpr,
-                        K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False):
+                        K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False,
+                        K_HI_DIMS: tl.constexpr = 0, K_HI_BITS: tl.constexpr = 2, K_TAIL: tl.constexpr = 0):
     tile = num_tiles - 1 - tl.program_id(0)  # last tiles of a chunk see the most keys: start them first
     b = tl.program_id(1)
     h = tl.program_id(2) // (num_splits + 1)
@@ -285,7 +301,8 @@ def _int2_extend_kernel(Q, Kn, Vn, CU, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, N
     m_i, l_i, acc = _int2_history(qrow, rmask, qk_scale, i_lo, i_hi, bt_row, Kc, Ks, Kz, Vc, Vs, Vz,
                                   h.to(tl.int64) * stride_ch, h.to(tl.int64) * stride_mh, stride_cp, stride_mp,
                                   M, D, G, P, SINK_PAGES, BLOCK_N, USE_ASM, ra, rb, CS, ROPE, pr,
-                                  row_lo_h, SLIDING, head_vc, stride_vcp, K_BITS, V_BITS, V_ROWS)
+                                  row_lo_h, SLIDING, head_vc, stride_vcp, K_BITS, V_BITS, V_ROWS, K_HI_DIMS,
+                                  K_HI_BITS, K_TAIL)
     # 2. BF16 sink and recent pages; the float32 query as bf16 hi + lo parts
     offs_d = tl.arange(0, D)
     qf = tl.load(qrow + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32) * qk_scale
@@ -407,6 +424,7 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
     if d != g.head_dim or hq % h or d < 64:
         raise ValueError("query shape does not match the pool geometry (or head dim < 64)")
     widths = kernel_widths(g, layer)
+    hi_dims, hi_bits, k_tail = key_split(g, layer, pool.layer(layer)["k_codes"])
     if k_new.shape != (t, h, d) or v_new.shape != (t, h, d):
         raise ValueError(f"k_new / v_new must be [{t}, {h}, {d}]")
     if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
@@ -465,5 +483,6 @@ def int2_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_se
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, GQA=gqa, H_PAD=h_pad, BLOCK_T=block_t,
         BLOCK_N=block_n, USE_ASM=asm_enabled(q.device, use_asm), F32DOT=INTERPRET, SPLITQ=split_query,
         PARTIAL=ns > 0, ROPE=on, R=r, SLIDING=window is not None, K_BITS=widths[0], V_BITS=widths[1],
-        V_ROWS=own_value_rows(kc, vc, widths), num_warps=num_warps, num_stages=num_stages)
+        V_ROWS=own_value_rows(kc, vc, widths), K_HI_DIMS=hi_dims, K_HI_BITS=hi_bits,
+        K_TAIL=k_tail, num_warps=num_warps, num_stages=num_stages)
     return merge(po, pl, out) if ns else out

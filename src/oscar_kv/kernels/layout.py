@@ -22,6 +22,10 @@ be a multiple of P), in two pools:
       k_zero,  v_zero   uint8   [L, NQ, H, P, NG]     its zero point z; x_hat = s * (code - z 2^-F), F =
                                                       quant.fraction_bits(b) (quant.py: 24 bits a group)
 
+  A layer whose keys are split (two widths a row, quant.SplitWidth: ``PoolGeometry.k_split``) stores longer key rows:
+  the row at its narrow width, then a tail with the wider part's scale, zero point and upper bits (split_keys.py);
+  its other part's scale and zero point are group 0 of k_scale / k_zero.
+
   One (page, head) tile is contiguous: P*D*b/8 code bytes (512 B at P=16, D=128, INT2), P*2*NG bytes of scales
   and P*NG zero points, so a decode program streams whole pages with 16-byte loads.  The scale and zero-point
   tensors have the same shape, so one stride (in elements) addresses both.  Within each 16 tokens of a page the
@@ -68,6 +72,8 @@ import torch
 
 from ..errors import ConfigError
 from ..memory import width_summary
+from ..quant import SplitWidth
+from .split_keys import row_bytes
 
 
 # A float16 scale and a uint8 zero point (quant.py).
@@ -97,6 +103,8 @@ class PoolGeometry:
     ``k_bits[l]`` / ``v_bits[l]``: bits per code of layer l's quantized key / value pages (default: 2 on every
     layer; ``v_bits`` None: as ``k_bits``).  16 on every layer is a plain cache in ``window_dtype``: window pages
     only, no sink, no quantized pages.
+    ``k_split[l]``: layer l's keys at two widths (quant.SplitWidth, whose narrow width is ``k_bits[l]``; their rows'
+    layout: split_keys.py), or None (default: every layer) where every channel is at ``k_bits[l]``.
     ``layer_windows[l]``: layer l's sliding window (a query at position p attends to keys in (p - window, p]), or
     None where it attends to the whole sequence (default: every layer; models.layer_windows).  Every layer
     stores every token: the windows change what attention reads, not the layout.  Settings that
@@ -117,6 +125,7 @@ class PoolGeometry:
     window_dtype: torch.dtype = torch.bfloat16
     layer_windows: tuple[int | None, ...] | None = None
     v_bits: tuple[int, ...] | None = None
+    k_split: tuple[SplitWidth | None, ...] | None = None
 
     def __post_init__(self):
         k_bits = (KERNEL_BITS,) * self.num_layers if self.k_bits is None else tuple(self.k_bits)
@@ -127,6 +136,16 @@ class PoolGeometry:
             if len(bits) != self.num_layers:
                 raise ValueError(f"{name} has {len(bits)} entries for {self.num_layers} layers")
         bits = k_bits + v_bits
+        splits = (None,) * self.num_layers if self.k_split is None else tuple(self.k_split)
+        object.__setattr__(self, "k_split", splits)
+        if len(splits) != self.num_layers:
+            raise ValueError(f"k_split has {len(splits)} entries for {self.num_layers} layers")
+        for layer, (split, kb) in enumerate(zip(splits, k_bits)):
+            if split is not None:
+                split.check(self.head_dim)
+                if split.bits != kb or split.hi_dims % 8:
+                    raise ValueError(f"layer {layer}'s split keys {split} need k_bits {split.bits} (not {kb}) and a "
+                                     "multiple of 8 channels at the wider width")
         windows = (None,) * self.num_layers if self.layer_windows is None else tuple(self.layer_windows)
         object.__setattr__(self, "layer_windows", windows)
         if len(windows) != self.num_layers:
@@ -152,6 +171,9 @@ class PoolGeometry:
                               if k not in KERNEL_KEY_WIDTHS or v not in KERNEL_VALUE_WIDTHS)
             if widths:
                 return f"the artifact stores layers at {widths} (the kernels read {kernel_widths_text()})"
+        if any(s is not None and (s.hi_dims > d // 2 or s.hi_dims & (s.hi_dims - 1)) for s in self.k_split):
+            return (f"split keys need a power of two channels, at most D/2 = {d // 2}, at the wider width "
+                    f"({self.width_summary()})")
         if d % 4 or d % g or g < d // 4:
             return f"group size {g} must divide head dim {d} and be >= D/4 = {d // 4}"
         if d & (d - 1) or d < 32:
@@ -164,7 +186,7 @@ class PoolGeometry:
 
     def as_bf16(self) -> "PoolGeometry":
         """The same pool stored without quantization (what a BF16 cache of these layers would hold)."""
-        return replace(self, k_bits=(16,) * self.num_layers, v_bits=(16,) * self.num_layers)
+        return replace(self, k_bits=(16,) * self.num_layers, v_bits=(16,) * self.num_layers, k_split=None)
 
     # ---- pages -----------------------------------------------------------------------------------
     @property
@@ -212,16 +234,30 @@ class PoolGeometry:
         group (0 in a BF16 cache)."""
         if not self.quantizes:
             return 0
-        codes = self.head_dim * (self.k_bits[layer] + self.v_bits[layer]) // 8
-        return codes + 2 * METADATA_BYTES_PER_GROUP * self.num_groups
+        return sum(self.code_bytes(layer)) + 2 * METADATA_BYTES_PER_GROUP * self.num_groups
+
+    def code_bytes(self, layer: int) -> tuple[int, int]:
+        """(key, value) bytes of one stored row of layer ``layer``'s codes (a split key row's tail included)."""
+        split = self.k_split[layer]
+        keys = row_bytes(split, self.head_dim) if split is not None else self.head_dim * self.k_bits[layer] // 8
+        return keys, self.head_dim * self.v_bits[layer] // 8
 
     def layer_widths(self, layer: int) -> tuple[int, int]:
-        """(key bits, value bits) of layer ``layer``'s quantized pages."""
+        """(key bits, value bits) of layer ``layer``'s quantized pages (split keys: the narrow width, which the
+        whole row is read at; ``k_split[layer]`` has the rest)."""
         return self.k_bits[layer], self.v_bits[layer]
 
+    def key_widths(self) -> list:
+        """Each layer's key width: its k_bits, or its quant.SplitWidth."""
+        return [s if s is not None else b for s, b in zip(self.k_split, self.k_bits)]
+
+    @property
+    def has_split_keys(self) -> bool:
+        return any(s is not None for s in self.k_split)
+
     def width_summary(self) -> str:
-        """The layers' widths in words, e.g. "K3V2 x 20, K4V2 x 4"."""
-        return width_summary(self.k_bits, self.v_bits)
+        """The layers' widths in words, e.g. "K3V2 x 20, K4V2 x 4" (split keys: "K4x16+2V2")."""
+        return width_summary(self.key_widths(), self.v_bits)
 
     @property
     def window_page_bytes(self) -> int:
@@ -281,7 +317,7 @@ class PagedKVPool:
         kernels; ValueError when they cannot address ``geom``.  ``fill_nan``: scales and windows start as NaN and
         zero points as 255 (tests: a read of an unwritten slot shows), else zeros."""
         why = geom.kernel_error()
-        if why is None and (len(set(geom.k_bits)) > 1 or len(set(geom.v_bits)) > 1):
+        if why is None and (len(set(geom.key_widths())) > 1 or len(set(geom.v_bits)) > 1):
             why = (f"a stacked pool holds every layer at one key width and one value width, not "
                    f"{geom.width_summary()} (allocate one pool per layer)")
         if why is not None:  # this pool exists for the kernels
@@ -289,7 +325,7 @@ class PagedKVPool:
         l, h, p, d, ng = geom.num_layers, geom.num_kv_heads, geom.page_size, geom.head_dim, geom.num_groups
         nq, nw = max(num_int2_pages, 1), max(num_window_pages, 1)
         # a BF16 cache (16 bits) gets INT2-sized placeholders the kernels never read
-        k_bytes, v_bytes = (d * b // 8 if b < 16 else d // 4 for b in geom.layer_widths(0))
+        k_bytes, v_bytes = geom.code_bytes(0) if geom.quantizes else (d // 4, d // 4)
         codes = lambda n: torch.zeros(l, nq, h, p, n, dtype=torch.uint8, device=device)  # noqa: E731
         fill = float("nan") if fill_nan else 0.0
         scale = lambda: torch.full((l, nq, h, p, ng), fill, dtype=torch.float16, device=device)  # noqa: E731

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ._compat import install_interpreter_shim
 from .chunk_attention import chunk_attention, prefill_attention_choice
-from .common import group_metadata, kernel_widths, meta_slot, own_value_rows
+from .common import group_metadata, kernel_widths, key_split, meta_slot, own_value_rows, split_tail_minimum
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
@@ -83,20 +83,40 @@ def _codes(Codes, crow, is_q, D: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _stored_rows(Codes, Scale, Zero, Win, Knew, phys, pos, chunk_row, is_q, is_w, is_new, head_c, head_m, head_w,
                  head_n, stride_cp, stride_mp, stride_wp, stride_nt,
-                 D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr = 2):
+                 D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr = 2,
+                 HI_DIMS: tl.constexpr = 0, HI_BITS: tl.constexpr = 2, TAIL: tl.constexpr = 0):
     """float32 [BLOCK, D] rows of one KV head: quantized rows (BITS-bit codes) dequantized (code * scale + min per
     group, min = -(scale * zero point) 2^-F in float32, exact as quant.stored_minimum), BF16 window rows, or chunk
-    rows, by the masks.  Scales and zero points share one row offset (head_m, stride_mp)."""
+    rows, by the masks.  Scales and zero points share one row offset (head_m, stride_mp).  HI_DIMS > 0: split key
+    rows (split_keys.py), the first HI_DIMS channels at HI_BITS, tails of TAIL bytes after each page's P rows."""
     NG: tl.constexpr = D // G
     FRAC: tl.constexpr = 1.0 / (1 << ((8 - BITS) % 8))  # 2^-F, F = quant.fraction_bits: 8 - bits, 0 at 8 bits
     offs_d = tl.arange(0, D)
     slot = pos % P
     crow = phys * stride_cp + head_c + slot * (D * BITS // 8)
     code = _codes(Codes, crow, is_q, D, BITS)
-    moff = (phys * stride_mp + head_m + meta_slot(slot) * NG)[:, None] + tl.arange(0, NG)[None, :]
-    scale = tl.load(Scale + moff, mask=is_q[:, None], other=0.0).to(tl.float32)
-    minimum = -(scale * tl.load(Zero + moff, mask=is_q[:, None], other=0).to(tl.float32)) * FRAC
-    deq = tl.reshape(tl.reshape(code, (BLOCK, NG, G)) * scale[:, :, None] + minimum[:, :, None], (BLOCK, D))
+    mrow = phys * stride_mp + head_m + meta_slot(slot) * NG
+    if HI_DIMS > 0:
+        # the first part's channels: their upper bits from the planes, their scale and minimum from the tail; the
+        # rest: group 0 of the layer's metadata
+        M8: tl.constexpr = HI_DIMS // 8  # bytes of one plane
+        first = (offs_d < HI_DIMS)[None, :]
+        trow = phys * stride_cp + head_c + P * (D * BITS // 8) + slot * TAIL  # after the page's P rows
+        planes = Codes + trow[:, None] + 3 + (offs_d % M8)[None, :]
+        up = tl.zeros([BLOCK, D], tl.int32)
+        for p in tl.static_range(HI_BITS - BITS):
+            bits = tl.load(planes + p * M8, mask=is_q[:, None] & first, other=0).to(tl.int32)
+            up |= ((bits >> (offs_d // M8)[None, :]) & 1) << p
+        code = code + (up << BITS).to(tl.float32)
+        hs, hn = split_tail_minimum(Codes, trow, is_q, HI_BITS)
+        ls = tl.load(Scale + mrow, mask=is_q, other=0.0).to(tl.float32)
+        ln = -(ls * tl.load(Zero + mrow, mask=is_q, other=0).to(tl.float32)) * FRAC
+        deq = tl.where(first, code * hs[:, None] + hn[:, None], code * ls[:, None] + ln[:, None])
+    else:
+        moff = mrow[:, None] + tl.arange(0, NG)[None, :]
+        scale = tl.load(Scale + moff, mask=is_q[:, None], other=0.0).to(tl.float32)
+        minimum = -(scale * tl.load(Zero + moff, mask=is_q[:, None], other=0).to(tl.float32)) * FRAC
+        deq = tl.reshape(tl.reshape(code, (BLOCK, NG, G)) * scale[:, :, None] + minimum[:, :, None], (BLOCK, D))
     wrow = phys * stride_wp + head_w + slot * D
     win = tl.load(Win + wrow[:, None] + offs_d[None, :], mask=is_w[:, None], other=0.0).to(tl.float32)
     new = tl.load(Knew + chunk_row[:, None] * stride_nt + head_n + offs_d[None, :], mask=is_new[:, None],
@@ -111,7 +131,8 @@ def _materialize_kernel(Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, HIST, NQ, CU, SEQ, R
                         window, stride_vcp, stride_vch, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
                         SINK_PAGES: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
                         HALF: tl.constexpr, SLIDING: tl.constexpr, K_BITS: tl.constexpr = 2,
-                        V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False):
+                        V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False, K_HI_DIMS: tl.constexpr = 0,
+                        K_HI_BITS: tl.constexpr = 2, K_TAIL: tl.constexpr = 0):
     """Program (block of positions, sequence of the group, KV head): positions [first, hist + chunk) of the
     sequence -> scratch rows ROW0 + position - first (keys with the position-aware offset when ROPE); first is 0,
     or with SLIDING the first position the chunk's first query sees, hist - window + 1 (window_start)."""
@@ -138,7 +159,7 @@ def _materialize_kernel(Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, HIST, NQ, CU, SEQ, R
     h64 = h.to(tl.int64)
     k = _stored_rows(Kc, Ks, Kz, Kw, Kn, phys, pos, chunk_row, is_q, is_w, is_new, h64 * stride_ch,
                      h64 * stride_mh, h64 * stride_wh, h64 * stride_knh, stride_cp, stride_mp, stride_wp, stride_knt,
-                     D, G, P, BLOCK, K_BITS)
+                     D, G, P, BLOCK, K_BITS, K_HI_DIMS, K_HI_BITS, K_TAIL)
     offs_d = tl.arange(0, D)
     if ROPE:
         # RoPE_p(mu_pre) @ R_K = sum over the kept pairs i of cos(p t_i) A_i + sin(p t_i) B_i (W rows: A | B),
@@ -317,6 +338,7 @@ def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.T
     if group.rows == 0:
         return
     k_bits, v_bits = kernel_widths(g, layer)
+    hi_dims, hi_bits, k_tail = key_split(g, layer, pool.layer(layer)["k_codes"])
     L = pool.layer(layer)
     kc, vc, kw, vw = L["k_codes"], L["v_codes"], L["k_win"], L["v_win"]
     ks, kz, vs, vz = group_metadata(L)
@@ -338,7 +360,8 @@ def materialize(pool: PagedKVPool, layer: int, batch: PagedBatch, k_new: torch.T
         k_out.stride(0), k_out.stride(1), group.window or 0, vc.stride(0), vc.stride(1),
         D=d, G=g.group_size, P=g.page_size, SINK_PAGES=g.sink_pages, BLOCK=BLOCK_ROWS, ROPE=rope is not None,
         R=r, HALF=d // 2, SLIDING=bool(group.window), K_BITS=k_bits, V_BITS=v_bits,
-        V_ROWS=own_value_rows(kc, vc, (k_bits, v_bits)),
+        V_ROWS=own_value_rows(kc, vc, (k_bits, v_bits)), K_HI_DIMS=hi_dims, K_HI_BITS=hi_bits,
+        K_TAIL=k_tail,
         num_warps=4 if d <= 64 else 8)  # [BLOCK, D] float32 tiles: 32 values a thread
 
 

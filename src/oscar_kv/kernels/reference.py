@@ -10,7 +10,8 @@ import torch
 
 from ..rope import apply_rope
 from ..rotation import rotate
-from ..quant import dequantize_rows, quantize_rows, QuantizedRows
+from ..quant import dequantize_rows, dequantize_split, quantize_rows, QuantizedRows
+from . import split_keys
 from .layout import PagedBatch, PagedKVPool, metadata_slot
 
 
@@ -45,6 +46,27 @@ def _quantize_heads(x: torch.Tensor, bits: int, group: int, clip_idx: torch.Tens
                          rescale)
 
 
+def _stored_rows(g, layer: int, side: str, x: torch.Tensor, clip_idx: torch.Tensor,
+                 rescale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scale, zero) of rows x [T, H, D] of one side ("k" or "v") as the layer stores them: at its width,
+    or split keys as split_keys.py lays them out (``clip_idx`` then [H, 2], split_keys.clip_indices)."""
+    split = g.k_split[layer] if side == "k" else None
+    if split is not None:
+        return split_keys.pack(split_keys.quantize_indexed(x, split, clip_idx, rescale))
+    qr = _quantize_heads(x, g.layer_widths(layer)[side == "v"], g.group_size, clip_idx, rescale)
+    return qr.codes, qr.scale, qr.zero
+
+
+def _store_codes(pool: PagedKVPool, layer: int, side: str, index: tuple, codes: torch.Tensor) -> None:
+    """Stored rows of one side into the layer's pages at ``index`` (split keys: each page's plain rows, then its
+    tails, split_keys.store_rows)."""
+    split = pool.geometry.k_split[layer] if side == "k" else None
+    if split is not None:
+        split_keys.store_rows(pool.k_codes[layer], index, codes, split, pool.geometry.head_dim)
+    else:
+        getattr(pool, f"{side}_codes")[(layer, *index)] = codes
+
+
 # ----------------------------------------------------------------------------------------- write
 def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor,
                     win_slot: torch.Tensor, int2_slot: torch.Tensor,
@@ -58,7 +80,8 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
 
     Keys are centered and rotated in float32; a token bound for a window page is stored as BF16,
     one bound for an INT2 page is clipped/quantized from the float32 row (quant.quantize_rows, keys and values
-    each at the layer's width, ``pool.geometry.layer_widths``; ``rescale``: its strength for keys and values).
+    each at the layer's width, ``pool.geometry.layer_widths``; split keys: split_keys.py, with ``clip_k_idx``
+    [Hkv, 2]; ``rescale``: its strength for keys and values).
 
     Shapes:
         k (post-RoPE), v (rotated): [T, Hkv, D]; win_slot, int2_slot: int32 [T]; k_rotation: [Hkv | 1, D, D];
@@ -81,35 +104,32 @@ def write_reference(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Ten
     qm = int2_slot.long() >= 0
     if qm.any():
         s = int2_slot.long()[qm]
-        k_bits, v_bits = g.layer_widths(layer)
-        for x, bits, side, idx, resc in ((kr, k_bits, "k", clip_k_idx, rescale[0]),
-                                         (vr, v_bits, "v", clip_v_idx, rescale[1])):
-            qr = _quantize_heads(x[qm], bits, g.group_size, idx, resc)
-            getattr(pool, f"{side}_codes")[layer, s // p, :, s % p] = qr.codes
-            for name, t in (("scale", qr.scale), ("zero", qr.zero)):
-                getattr(pool, f"{side}_{name}")[layer, s // p, :, metadata_slot(s % p, p)] = t
+        for x, side, idx, resc in ((kr, "k", clip_k_idx, rescale[0]), (vr, "v", clip_v_idx, rescale[1])):
+            stored = _stored_rows(g, layer, side, x[qm], idx, resc)
+            _store_codes(pool, layer, side, (s // p, slice(None), s % p), stored[0])
+            for name, t in zip(("scale", "zero"), stored[1:]):
+                getattr(pool, f"{side}_{name}")[layer, s // p, :, metadata_slot(s % p, p), :t.shape[-1]] = t
 
 
 def migrate_reference(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
                       clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor,
                       rescale: tuple[float, float] = (0.0, 0.0)) -> None:
     """Quantize whole window pages (all layers, each side at its layer's width) into INT2 pages.
-    clip_*_idx: int32 [L, H]."""
+    clip_*_idx: int32 [L, H] ([L, H, 2] for split keys: split_keys.clip_indices)."""
     g = pool.geometry
     src, dst = src_win_pages.long(), dst_int2_pages.long()
     for layer in range(g.num_layers):
-        k_bits, v_bits = g.layer_widths(layer)
-        for win, bits, side, idx, resc in ((pool.k_win, k_bits, "k", clip_k_idx, rescale[0]),
-                                           (pool.v_win, v_bits, "v", clip_v_idx, rescale[1])):
+        for win, side, idx, resc in ((pool.k_win, "k", clip_k_idx, rescale[0]), (pool.v_win, "v", clip_v_idx,
+                                                                                    rescale[1])):
             rows = win[layer, src].float().transpose(1, 2)  # [M, P, H, D]
-            qr = _quantize_heads(rows.reshape(-1, g.num_kv_heads, g.head_dim), bits, g.group_size, idx[layer],
-                                 resc)
+            stored = _stored_rows(g, layer, side, rows.reshape(-1, g.num_kv_heads, g.head_dim), idx[layer], resc)
             m, slots = rows.shape[0], metadata_slot(torch.arange(g.page_size), g.page_size)
-            getattr(pool, f"{side}_codes")[layer, dst] = qr.codes.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
-            for name, t in (("scale", qr.scale), ("zero", qr.zero)):
-                tile = torch.empty_like(t.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2))
-                tile[:, :, slots] = t.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)
-                getattr(pool, f"{side}_{name}")[layer, dst] = tile
+            page = lambda t: t.view(m, g.page_size, g.num_kv_heads, -1).transpose(1, 2)  # noqa: E731
+            _store_codes(pool, layer, side, (dst,), page(stored[0]))
+            for name, t in zip(("scale", "zero"), stored[1:]):
+                tile = torch.empty_like(page(t))
+                tile[:, :, slots] = page(t)
+                getattr(pool, f"{side}_{name}")[layer, dst, ..., :t.shape[-1]] = tile
 
 
 # ----------------------------------------------------------------------------------------- read
@@ -129,7 +149,12 @@ def gather_sequence(pool: PagedKVPool, layer: int, batch: PagedBatch, b: int) ->
                 codes = getattr(pool, f"{side}_codes")[layer, phys].transpose(0, 1)
                 scale, zero = (getattr(pool, f"{side}_{name}")[layer, phys][:, slots].transpose(0, 1)
                                for name in ("scale", "zero"))
-                out.append(dequantize_rows(QuantizedRows(codes, scale, zero, bits, g.group_size)))  # [P, H, D]
+                split = g.k_split[layer] if side == "k" else None
+                if split is not None:
+                    codes = split_keys.load_rows(pool.k_codes[layer], (phys,), split, g.head_dim).transpose(0, 1)
+                    out.append(dequantize_split(split_keys.unpack(codes, scale, zero, split, g.head_dim)))
+                else:
+                    out.append(dequantize_rows(QuantizedRows(codes, scale, zero, bits, g.group_size)))  # [P, H, D]
         else:
             ks.append(pool.k_win[layer, phys].transpose(0, 1).float())
             vs.append(pool.v_win[layer, phys].transpose(0, 1).float())

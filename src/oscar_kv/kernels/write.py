@@ -23,6 +23,12 @@ With a rescale strength g > 0 (quant.py: the artifact's ``rescale``) the scale i
 alpha = <x, x> / <x, x_hat> over the unclipped group, x_hat = code scale16 - scale16 z 2^-F (exact in float64); the
 zero point stays.  Float64 sums of exact products, so the order of the sums (the only difference from torch) moves
 alpha by ~1e-16 and its float32 rounding practically never.
+
+Split keys (``PoolGeometry.k_split``, constexprs K_HI_DIMS / K_HI_BITS, common.key_split; K_HI_DIMS = 0 compiles
+the plain path as before): each part of a row is one group quantized by the same steps at its own width, clipped at
+its own clip index among its own channels (``_quantize_split_store``: split_keys.quantize_indexed), and the row is
+stored as split_keys.py lays it out: the plain row at the narrow width among the page's P rows, its tail (byte by
+byte) after them.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from ..quant import check_rescale
 from ..rope import RotaryLayout
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
-from .common import INTERPRET, kernel_widths, meta_slot, own_value_rows
+from .common import INTERPRET, kernel_widths, key_split, meta_slot, own_value_rows
 from .layout import PagedKVPool
 
 install_interpreter_shim()
@@ -126,39 +132,19 @@ def _stride_pack(code, ROWS: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_store(x, clip_idx, rmask, Codes, Scale, Zero, crow, mrow,
-                         D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr,
-                         RESCALE: tl.constexpr, strength, BITS: tl.constexpr = 2):
-    """Clip/quantize/pack x [ROWS, D] float32 to BITS-bit codes (2, 3, 4, 5 or 8) and store the codes at Codes+crow
-    (D*BITS/8 bytes a row), the float16 scales at Scale+mrow and the uint8 zero points at Zero+mrow (NG a row)."""
-    NG: tl.constexpr = D // G
+def _alpha(num, den, strength):
+    """The rescale factor 1 + g (alpha - 1) in float32 of groups with float64 sums num = <x, x>, den = <x, x_hat>
+    (quant.rescaled_scale): alpha clamped to [0.5, 2], 1 where den <= 0."""
+    alpha = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 1.0)
+    alpha = tl.minimum(tl.maximum(alpha, 0.5), 2.0)
+    return (1.0 + (alpha - 1.0) * strength).to(tl.float32)  # float64: the float32 strength widens
+
+
+@triton.jit
+def _store_codes(code, rmask, Codes, crow, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Pack int32 codes of ROWS rows of D channels (any shape holding them in row order: [ROWS, D] or
+    [ROWS, NG, G]) at BITS bits as quant.pack_codes does and store them at Codes+crow (D*BITS/8 bytes a row)."""
     D4: tl.constexpr = D // 4
-    LEVELS: tl.constexpr = (1 << BITS) - 1
-    UNIT: tl.constexpr = 1.0 / (1 << (8 - BITS))  # 2^-F: the zero point's unit (exact)
-    exact = tl.reshape(x, [ROWS, NG, G])
-    tau = _clip_threshold(tl.abs(x), clip_idx, D, SORT)
-    x = tl.maximum(tl.minimum(x, tau[:, None]), -tau[:, None])
-    xg = tl.reshape(x, [ROWS, NG, G])
-    lo = tl.minimum(tl.maximum(tl.min(xg, 2), -65504.0), 65504.0)
-    hi = tl.minimum(tl.maximum(tl.max(xg, 2), -65504.0), 65504.0)
-    step, zf = _grid_metadata(lo, hi, BITS)
-    sc16 = _f16_rne(tl.minimum(step, 65504.0))
-    scf = sc16.to(tl.float32)
-    safe = tl.where(scf > 0, scf, 1.0)
-    # one rounding for the sum, as torch: z 2^-F is exact, so a contraction into an FMA changes nothing
-    y = tl.math.div_rn(xg, safe[:, :, None]) + (zf * UNIT)[:, :, None]
-    y = (y + 12582912.0) - 12582912.0  # round half to even (|y| << 2^22)
-    code = tl.minimum(tl.maximum(y, 0.0), 1.0 * LEVELS).to(tl.int32)
-    if RESCALE:
-        e64 = exact.to(tl.float64)
-        mnf = -(scf * zf) * UNIT  # the stored minimum, exact in float32 (quant.stored_minimum)
-        x_hat = code.to(tl.float64) * scf.to(tl.float64)[:, :, None] + mnf.to(tl.float64)[:, :, None]
-        num = tl.sum(e64 * e64, 2)
-        den = tl.sum(e64 * x_hat, 2)
-        alpha = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 1.0)
-        alpha = tl.minimum(tl.maximum(alpha, 0.5), 2.0)
-        alpha = (1.0 + (alpha - 1.0) * strength).to(tl.float32)  # float64: the float32 strength widens
-        sc16 = _rescaled(scf, alpha)  # the zero point stays
     if BITS == 2:
         code = tl.reshape(code, [ROWS, 4, D4])
         shift = (2 * tl.arange(0, 4))[None, :, None]
@@ -183,9 +169,121 @@ def _quantize_rows_store(x, clip_idx, rmask, Codes, Scale, Zero, crow, mrow,
     else:  # INT8: byte j holds channel j
         code = tl.reshape(code, [ROWS, D]).to(tl.uint8)
         tl.store(Codes + crow[:, None] + tl.arange(0, D)[None, :], code, mask=rmask[:, None])
+
+
+@triton.jit
+def _quantize_rows_store(x, clip_idx, rmask, Codes, Scale, Zero, crow, mrow,
+                         D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr,
+                         RESCALE: tl.constexpr, strength, BITS: tl.constexpr = 2):
+    """Clip/quantize/pack x [ROWS, D] float32 to BITS-bit codes (2, 3, 4, 5 or 8) and store the codes at Codes+crow
+    (D*BITS/8 bytes a row), the float16 scales at Scale+mrow and the uint8 zero points at Zero+mrow (NG a row)."""
+    NG: tl.constexpr = D // G
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    UNIT: tl.constexpr = 1.0 / (1 << (8 - BITS))  # 2^-F: the zero point's unit (exact)
+    exact = tl.reshape(x, [ROWS, NG, G])
+    tau = _clip_threshold(tl.abs(x), clip_idx, D, SORT)
+    x = tl.maximum(tl.minimum(x, tau[:, None]), -tau[:, None])
+    xg = tl.reshape(x, [ROWS, NG, G])
+    lo = tl.minimum(tl.maximum(tl.min(xg, 2), -65504.0), 65504.0)
+    hi = tl.minimum(tl.maximum(tl.max(xg, 2), -65504.0), 65504.0)
+    step, zf = _grid_metadata(lo, hi, BITS)
+    sc16 = _f16_rne(tl.minimum(step, 65504.0))
+    scf = sc16.to(tl.float32)
+    safe = tl.where(scf > 0, scf, 1.0)
+    # one rounding for the sum, as torch: z 2^-F is exact, so a contraction into an FMA changes nothing
+    y = tl.math.div_rn(xg, safe[:, :, None]) + (zf * UNIT)[:, :, None]
+    y = (y + 12582912.0) - 12582912.0  # round half to even (|y| << 2^22)
+    code = tl.minimum(tl.maximum(y, 0.0), 1.0 * LEVELS).to(tl.int32)
+    if RESCALE:
+        e64 = exact.to(tl.float64)
+        mnf = -(scf * zf) * UNIT  # the stored minimum, exact in float32 (quant.stored_minimum)
+        x_hat = code.to(tl.float64) * scf.to(tl.float64)[:, :, None] + mnf.to(tl.float64)[:, :, None]
+        sc16 = _rescaled(scf, _alpha(tl.sum(e64 * e64, 2), tl.sum(e64 * x_hat, 2), strength))  # the zero point stays
+    _store_codes(code, rmask, Codes, crow, ROWS, D, BITS)
     offs_g = tl.arange(0, NG)
     tl.store(Scale + mrow[:, None] + offs_g[None, :], sc16, mask=rmask[:, None])
     tl.store(Zero + mrow[:, None] + offs_g[None, :], zf.to(tl.int32).to(tl.uint8), mask=rmask[:, None])
+
+
+@triton.jit
+def _split_part(xc, own, BITS: tl.constexpr):
+    """One part of split rows as one group: (float16 scale, float32 scale, zero point as a float32 integer) of the
+    clipped rows xc [ROWS, D] over the channels where ``own`` ([1, D]) holds, at BITS, as _quantize_rows_store
+    computes a group's."""
+    lo = tl.minimum(tl.maximum(tl.min(tl.where(own, xc, float("inf")), 1), -65504.0), 65504.0)
+    hi = tl.minimum(tl.maximum(tl.max(tl.where(own, xc, float("-inf")), 1), -65504.0), 65504.0)
+    step, zf = _grid_metadata(lo, hi, BITS)
+    sc16 = _f16_rne(tl.minimum(step, 65504.0))
+    return sc16, sc16.to(tl.float32), zf
+
+
+@triton.jit
+def _split_rescaled(e64, code, own, scf, zf, strength, BITS: tl.constexpr):
+    """The rescaled float16 scale of one part of split rows (quant.rescaled_scale over the part's channels, where
+    ``own`` holds): e64 the unclipped rows in float64, code the int32 codes, scf / zf the part's metadata [ROWS]."""
+    UNIT: tl.constexpr = 1.0 / (1 << (8 - BITS))
+    mnf = -(scf * zf) * UNIT  # the stored minimum, exact in float32 (quant.stored_minimum)
+    x_hat = code.to(tl.float64) * scf.to(tl.float64)[:, None] + mnf.to(tl.float64)[:, None]
+    # the other part's channels add exact zeros: the sums are the part's
+    num = tl.sum(tl.where(own, e64 * e64, 0.0), 1)
+    den = tl.sum(tl.where(own, e64 * x_hat, 0.0), 1)
+    return _rescaled(scf, _alpha(num, den, strength))
+
+
+@triton.jit
+def _quantize_split_store(x, clip_hi, clip_lo, rmask, Codes, Scale, Zero, crow, trow, mrow,
+                          D: tl.constexpr, ROWS: tl.constexpr, SORT: tl.constexpr, RESCALE: tl.constexpr, strength,
+                          BITS: tl.constexpr, HI_DIMS: tl.constexpr, HI_BITS: tl.constexpr):
+    """split_keys.quantize_indexed + split_keys.pack of x [ROWS, D] float32 (split key rows, split_keys.py): the
+    first HI_DIMS channels clipped at their clip_hi-th smallest |x| and quantized as one group at HI_BITS, the rest
+    clipped at their clip_lo-th and quantized at BITS, each as _quantize_rows_store quantizes a group.  Stores at
+    Codes+crow the row at the plain width BITS (the first part's channels: the low BITS bits of their codes), at
+    Codes+trow its tail: the first part's float16 scale (2 bytes, little-endian) and zero point, and its
+    HI_BITS - BITS planes of upper bits (1 bit a channel); the second part's scale / zero point at Scale+mrow /
+    Zero+mrow (group 0)."""
+    LEVELS_HI: tl.constexpr = (1 << HI_BITS) - 1
+    LEVELS_LO: tl.constexpr = (1 << BITS) - 1
+    UNIT_HI: tl.constexpr = 1.0 / (1 << (8 - HI_BITS))  # 2^-F of each part (exact)
+    UNIT_LO: tl.constexpr = 1.0 / (1 << (8 - BITS))
+    M8: tl.constexpr = HI_DIMS // 8  # bytes of one plane
+    offs_d = tl.arange(0, D)
+    own = (offs_d < HI_DIMS)[None, :]  # the first part's channels
+    rest = (offs_d >= HI_DIMS)[None, :]
+    ax = tl.abs(x)
+    # each part's threshold among its own channels: the other part's rank above every finite |x|
+    tau_hi = _clip_threshold(tl.where(own, ax, float("inf")), clip_hi, D, SORT)
+    tau_lo = _clip_threshold(tl.where(own, float("inf"), ax), clip_lo, D, SORT)
+    tau = tl.where(own, tau_hi[:, None], tau_lo[:, None])
+    xc = tl.maximum(tl.minimum(x, tau), -tau)
+    sc16_hi, scf_hi, zf_hi = _split_part(xc, own, HI_BITS)
+    sc16_lo, scf_lo, zf_lo = _split_part(xc, rest, BITS)
+    scf = tl.where(own, scf_hi[:, None], scf_lo[:, None])
+    safe = tl.where(scf > 0, scf, 1.0)
+    # one rounding for the sum, as torch: z 2^-F is exact (_quantize_rows_store)
+    y = tl.math.div_rn(xc, safe) + tl.where(own, (zf_hi * UNIT_HI)[:, None], (zf_lo * UNIT_LO)[:, None])
+    y = (y + 12582912.0) - 12582912.0  # round half to even (|y| << 2^22)
+    code = tl.minimum(tl.maximum(y, 0.0), tl.where(own, 1.0 * LEVELS_HI, 1.0 * LEVELS_LO)).to(tl.int32)
+    if RESCALE:  # against the unclipped parts; the codes stay those of the unrescaled scales
+        e64 = x.to(tl.float64)
+        sc16_hi = _split_rescaled(e64, code, own, scf_hi, zf_hi, strength, HI_BITS)
+        sc16_lo = _split_rescaled(e64, code, rest, scf_lo, zf_lo, strength, BITS)
+    # the row at the plain width: the first part's low BITS bits; the second part's codes are < 2^BITS already
+    _store_codes(code & LEVELS_LO, rmask, Codes, crow, ROWS, D, BITS)
+    # the tail, byte by byte (its length may be odd): the first part's scale, zero point, upper-bit planes
+    sbits = sc16_hi.to(tl.int16, bitcast=True).to(tl.int32)
+    tl.store(Codes + trow, (sbits & 255).to(tl.uint8), mask=rmask)
+    tl.store(Codes + trow + 1, ((sbits >> 8) & 255).to(tl.uint8), mask=rmask)
+    tl.store(Codes + trow + 2, zf_hi.to(tl.int32).to(tl.uint8), mask=rmask)
+    # the first HI_DIMS columns as a [ROWS, HI_DIMS] tensor (HI_DIMS a power of two: block 0 of D / HI_DIMS)
+    NB: tl.constexpr = D // HI_DIMS
+    upper = tl.reshape(code >> BITS, [ROWS, NB, HI_DIMS])
+    upper = tl.sum(tl.where((tl.arange(0, NB) == 0)[None, :, None], upper, 0), 1)
+    offs_m = tl.arange(0, M8)
+    for p in tl.static_range(HI_BITS - BITS):
+        plane = _stride_pack((upper >> p) & 1, ROWS, HI_DIMS, 1)
+        tl.store(Codes + trow[:, None] + (3 + p * M8) + offs_m[None, :], plane, mask=rmask[:, None])
+    tl.store(Scale + mrow, sc16_lo, mask=rmask)  # group 0; the layer's other groups stay as they are
+    tl.store(Zero + mrow, zf_lo.to(tl.int32).to(tl.uint8), mask=rmask)
 
 
 @triton.jit
@@ -225,11 +323,12 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Ks, Kz, Vc, Vs
                   ROTATE: tl.constexpr, ROTATE_SLICED: tl.constexpr, CENTER: tl.constexpr,
                   ROPE_CENTER: tl.constexpr, SORT: tl.constexpr, RESCALE_K: tl.constexpr,
                   RESCALE_V: tl.constexpr, ROT_HALF: tl.constexpr = 0, INTERLEAVED: tl.constexpr = False,
-                  K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False):
+                  K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False,
+                  K_HI_DIMS: tl.constexpr = 0, K_HI_BITS: tl.constexpr = 2, K_TAIL: tl.constexpr = 0):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // G
-    KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row
+    KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row (split keys: their tails follow the page's P rows)
     VCB: tl.constexpr = D * V_BITS // 8
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = offs_t < T
@@ -240,6 +339,7 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Ks, Kz, Vc, Vs
     qmask = qs >= 0
     wrow = (ws // P) * stride_wp + h * stride_wh + (ws % P) * D
     crow = (qs // P) * stride_cp + h * stride_ch + (qs % P) * KCB
+    trow = (qs // P) * stride_cp + h * stride_ch + P * KCB + (qs % P) * K_TAIL  # split keys' tails
     if V_ROWS:  # values at another width (or in a tensor with other strides) than the keys
         vrow = (qs // P) * stride_vcp + h * stride_vch + (qs % P) * VCB
     else:
@@ -271,8 +371,12 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Ks, Kz, Vc, Vs
     # Quantizing sorts every row (the clip threshold): skipped unless a token of this block goes to INT2.
     # Decode tokens never do (they enter the recent window), so decode steps pay only the rotation and stores.
     if tl.max(qs) >= 0:
-        _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Ks, Kz, crow, mrow, D, G, BLOCK_T, SORT, RESCALE_K,
-                             GK, K_BITS)
+        if K_HI_DIMS > 0:  # the key clip indices: [H, 2], (first part, second part)
+            _quantize_split_store(k, tl.load(CK + 2 * h), tl.load(CK + 2 * h + 1), qmask, Kc, Ks, Kz, crow, trow,
+                                  mrow, D, BLOCK_T, SORT, RESCALE_K, GK, K_BITS, K_HI_DIMS, K_HI_BITS)
+        else:
+            _quantize_rows_store(k, tl.load(CK + h), qmask, Kc, Ks, Kz, crow, mrow, D, G, BLOCK_T, SORT, RESCALE_K,
+                                 GK, K_BITS)
         _quantize_rows_store(v, tl.load(CV + h), qmask, Vc, Vs, Vz, vrow, mrow, D, G, BLOCK_T, SORT, RESCALE_V,
                              GV, V_BITS)
 
@@ -283,12 +387,13 @@ def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Ks, Kz, Vc, Vs, Vz, H, GK, GV,
                     stride_ml, stride_mp, stride_mh, stride_vcl, stride_vcp, stride_vch,
                     D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, SORT: tl.constexpr,
                     RESCALE_K: tl.constexpr, RESCALE_V: tl.constexpr,
-                    K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False):
+                    K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False,
+                    K_HI_DIMS: tl.constexpr = 0, K_HI_BITS: tl.constexpr = 2, K_TAIL: tl.constexpr = 0):
     m = tl.program_id(0)
     h = tl.program_id(1)
     layer = tl.program_id(2).to(tl.int64)
     NG: tl.constexpr = D // G
-    KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row
+    KCB: tl.constexpr = D * K_BITS // 8  # code bytes per row (split keys: their tails follow the page's P rows)
     VCB: tl.constexpr = D * V_BITS // 8
     src = tl.load(SRC + m).to(tl.int64)
     dst = tl.load(DST + m).to(tl.int64)
@@ -297,14 +402,20 @@ def _migrate_kernel(SRC, DST, CK, CV, Kw, Vw, Kc, Ks, Kz, Vc, Vs, Vz, H, GK, GV,
     rmask = offs_t < P
     wrow = layer * stride_wl + src * stride_wp + h * stride_wh + offs_t * D
     crow = layer * stride_cl + dst * stride_cp + h * stride_ch + offs_t * KCB
+    trow = layer * stride_cl + dst * stride_cp + h * stride_ch + P * KCB + offs_t * K_TAIL  # split keys' tails
     if V_ROWS:  # values at another width (or in a tensor with other strides) than the keys
         vrow = layer * stride_vcl + dst * stride_vcp + h * stride_vch + offs_t * VCB
     else:
         vrow = crow
     mrow = layer * stride_ml + dst * stride_mp + h * stride_mh + meta_slot(offs_t) * NG  # scales, zero points alike
     k = tl.load(Kw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
-    _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Ks, Kz, crow, mrow, D, G, P, SORT,
-                         RESCALE_K, GK, K_BITS)
+    if K_HI_DIMS > 0:  # the key clip indices: [L, H, 2], (first part, second part)
+        ck = CK + (layer * H + h) * 2
+        _quantize_split_store(k, tl.load(ck), tl.load(ck + 1), rmask, Kc, Ks, Kz, crow, trow, mrow, D, P, SORT,
+                              RESCALE_K, GK, K_BITS, K_HI_DIMS, K_HI_BITS)
+    else:
+        _quantize_rows_store(k, tl.load(CK + layer * H + h), rmask, Kc, Ks, Kz, crow, mrow, D, G, P, SORT,
+                             RESCALE_K, GK, K_BITS)
     v = tl.load(Vw + wrow[:, None] + offs_d[None, :]).to(tl.float32)
     _quantize_rows_store(v, tl.load(CV + layer * H + h), rmask, Vc, Vs, Vz, vrow, mrow, D, G, P, SORT,
                          RESCALE_V, GV, V_BITS)
@@ -318,6 +429,26 @@ def _metadata_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
         raise ValueError(f"scale and zero-point tensors need one layout with contiguous rows, got strides "
                          f"{sorted(strides)} for shape {tuple(tensors[0].shape)}")
     return tensors[0].stride()
+
+
+def _key_split_args(g, layer: int, clip_k_idx: torch.Tensor, shape: tuple[int, ...],
+                    k_codes: torch.Tensor) -> tuple[int, int, int, torch.Tensor]:
+    """(K_HI_DIMS, K_HI_BITS, K_TAIL, the key clip indices as the kernel reads them) of ``layer``'s keys
+    (common.key_split, which checks the pages' layout).  Split keys take clip indices [*shape, 2]
+    (split_keys.clip_indices); ValueError otherwise, or where the wider part's channels are not a power of two (the
+    kernel cuts them out of a row as one block of D / hi_dims)."""
+    hi_dims, hi_bits, tail = key_split(g, layer, k_codes)
+    if hi_dims == 0:
+        return hi_dims, hi_bits, tail, clip_k_idx
+    split = g.k_split[layer]
+    if tuple(clip_k_idx.shape) != (*shape, 2):
+        raise ValueError(f"layer {layer} stores split keys ({split}): clip_k_idx must be int32 "
+                         f"{list((*shape, 2))}, each part's clip index (split_keys.clip_indices), "
+                         f"not {list(clip_k_idx.shape)}")
+    if hi_dims & (hi_dims - 1):
+        raise ValueError(f"the write kernels quantize split keys whose wider part is a power of two channels, not "
+                         f"{split}")
+    return hi_dims, hi_bits, tail, clip_k_idx.contiguous()
 
 
 def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, win_slot: torch.Tensor,
@@ -338,7 +469,8 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         k_rotation: R_K; None when keys arrive rotated.
         k_mean: the constant key offset subtracted before the rotation; None: none.
         clip_k_idx, clip_v_idx: per KV head, the index of the clip threshold in a row's ascending |x|
-            (layout.clip_indices).
+            (layout.clip_indices); split keys (``pool.geometry.k_split[layer]``): per KV head, each part's among
+            its own channels (split_keys.clip_indices).
         block_t: tokens per program.
         num_warps: default 8 with a rotation (its float32 D x D operand spills out of 4 warps' registers: 79 us
             a launch instead of 7 on an H200; benchmarks/NOTES.md, "Tensor parallelism on 2 x H200"), 16 with a
@@ -349,7 +481,7 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         rope_layout: the RoPE's channel pairs (rope.RotaryLayout, partial rotary); None: rotate-half over all D.
     Shapes:
         k, v: [T, Hkv, D]; win_slot, int2_slot: int32 [T]; k_rotation: [Hkv | 1, D, D]; k_mean: [Hkv, D];
-        clip_k_idx, clip_v_idx: int32 [Hkv]; k_rope: ([Hkv, D], [T, D], [T, D]).
+        clip_k_idx, clip_v_idx: int32 [Hkv] (split keys: clip_k_idx [Hkv, 2]); k_rope: ([Hkv, D], [T, D], [T, D]).
     """
     g = pool.geometry
     t, h, d = k.shape
@@ -360,6 +492,7 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
     kc, vc, kw, vw = L["k_codes"], L["v_codes"], L["k_win"], L["v_win"]
     ks, kz, vs, vz = L["k_scale"], L["k_zero"], L["v_scale"], L["v_zero"]
     stride_m = _metadata_strides(ks, kz, vs, vz)
+    hi_dims, hi_bits, k_tail, clip_k_idx = _key_split_args(g, layer, clip_k_idx, (h,), kc)
     if k_rotation is not None:
         r = k_rotation.float().contiguous()
         stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
@@ -380,38 +513,40 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
         ROT_HALF=(rope_layout.rotary_dim if rope_layout is not None else d) // 2,
         INTERLEAVED=rope_layout is not None and rope_layout.interleaved,
-        K_BITS=widths[0], V_BITS=widths[1], V_ROWS=own_value_rows(kc, vc, widths),
-        num_warps=num_warps or warps)
+        K_BITS=widths[0], V_BITS=widths[1], V_ROWS=own_value_rows(kc, vc, widths) or hi_dims > 0,
+        K_HI_DIMS=hi_dims, K_HI_BITS=hi_bits, K_TAIL=k_tail, num_warps=num_warps or warps)
 
 
 def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
                   clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, num_warps: int = TUNING.migrate_num_warps,
                   rescale: tuple[float, float] = (0.0, 0.0)) -> None:
     """Quantize full BF16 window pages into INT2 pages, every layer, one launch.  The caller then swaps the
-    block-table entries and frees the window pages.  The pool's layers are stacked, so they share one key width and
-    one value width (ValueError otherwise); the engine, whose layers may differ, migrates each layer's one-layer
-    pool (engine/attention.py).
+    block-table entries and frees the window pages.  The pool's layers are stacked, so they share one key width (split
+    keys included: ``PoolGeometry.key_widths``) and one value width (ValueError otherwise); the engine, whose layers
+    may differ, migrates each layer's one-layer pool (engine/attention.py).
 
     Args:
         pool: the pool.
         src_win_pages, dst_int2_pages: window page src_win_pages[m] is quantized into INT2 page
             dst_int2_pages[m].
-        clip_k_idx, clip_v_idx: per layer and KV head, as write_kv's.
+        clip_k_idx, clip_v_idx: per layer and KV head, as write_kv's (split keys: each part's).
         num_warps: Triton's.
         rescale: the quantizer's rescale strengths (keys, values), the same for every layer (quant.py).
     Shapes:
-        src_win_pages, dst_int2_pages: int32 [M]; clip_k_idx, clip_v_idx: int32 [L, Hkv].
+        src_win_pages, dst_int2_pages: int32 [M]; clip_k_idx, clip_v_idx: int32 [L, Hkv] (split keys: clip_k_idx
+        [L, Hkv, 2]).
     """
     g = pool.geometry
     m = src_win_pages.numel()
     if m == 0:
         return
-    if len(set(g.k_bits)) > 1 or len(set(g.v_bits)) > 1:
+    if len(set(g.key_widths())) > 1 or len(set(g.v_bits)) > 1:
         raise ValueError(f"one migration launch quantizes every layer at one key and one value width, not "
                          f"{g.width_summary()}: migrate each layer's pool (PoolView.layer_pool) on its own")
     widths = kernel_widths(g, 0)
     kw, kc, vc = pool.k_win, pool.k_codes, pool.v_codes
     stride_m = _metadata_strides(pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero)
+    hi_dims, hi_bits, k_tail, clip_k_idx = _key_split_args(g, 0, clip_k_idx, (g.num_layers, g.num_kv_heads), kc)
     _migrate_kernel[(m, g.num_kv_heads, g.num_layers)](
         src_win_pages, dst_int2_pages, clip_k_idx.contiguous(), clip_v_idx.contiguous(), pool.k_win, pool.v_win,
         pool.k_codes, pool.k_scale, pool.k_zero, pool.v_codes, pool.v_scale, pool.v_zero, g.num_kv_heads,
@@ -420,5 +555,5 @@ def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages
         stride_m[0], stride_m[1], stride_m[2], vc.stride(0), vc.stride(1), vc.stride(2),
         D=g.head_dim, G=g.group_size, P=g.page_size, SORT=not INTERPRET,
         RESCALE_K=rescale[0] > 0, RESCALE_V=rescale[1] > 0,
-        K_BITS=widths[0], V_BITS=widths[1], V_ROWS=own_value_rows(kc, vc, widths),
-        num_warps=num_warps)
+        K_BITS=widths[0], V_BITS=widths[1], V_ROWS=own_value_rows(kc, vc, widths) or hi_dims > 0,
+        K_HI_DIMS=hi_dims, K_HI_BITS=hi_bits, K_TAIL=k_tail, num_warps=num_warps)
