@@ -19,7 +19,8 @@ from cuda_int2_sweep import _fmt_phases, stamp_phases  # this folder's (the scri
 from oscar_kv.bench import synthetic as syn
 from oscar_kv.bench.timing import _bench_call
 from oscar_kv.kernels import int2_cuda
-from oscar_kv.kernels.decode import bf16_decode, int2_decode
+from oscar_kv.kernels.bf16_decode import bf16_decode
+from oscar_kv.kernels.decode import int2_decode
 
 
 def sweep(ctx: int, bs: int, targets, dev, gen) -> str:

@@ -98,7 +98,7 @@ def _cases(d: int, gqa: int, group: int):
     """(label, thunk) per kernel call the engine makes, at head dim d and quantization group size ``group``."""
     import torch
 
-    from oscar_kv.kernels import decode, extend, materialized_extend, write
+    from oscar_kv.kernels import bf16_decode, decode, extend, materialized_extend, write
     from oscar_kv.kernels.layout import PagedBatch, PagedKVPool, PoolGeometry
 
     # the PTX code conversion, as on a GPU (the wrappers turn it off for a CPU device)
@@ -129,11 +129,12 @@ def _cases(d: int, gqa: int, group: int):
     yield "migrate_pages", lambda: write.migrate_pages(pool, slots[:2], slots[:2], clip[None], clip[None])
     yield "int2_decode (Triton)", lambda: decode.int2_decode(q1, pool, 0, batch, rot, max_int2_pages=4,
                                                              backend="triton")
-    yield "bf16_decode (rotating)", lambda: decode.bf16_decode(q1, pool.k_win[0], pool.v_win[0], bt, batch.seq_lens,
-                                                               rot, page_size=p, max_seq_len=pages * p)
-    yield "bf16_decode (keys as is)", lambda: decode.bf16_decode(q1, pool.k_win[0], pool.v_win[0], bt,
-                                                                 batch.seq_lens, None, page_size=p,
-                                                                 max_seq_len=pages * p)
+    yield "bf16_decode (rotating)", lambda: bf16_decode.bf16_decode(q1, pool.k_win[0], pool.v_win[0], bt,
+                                                                    batch.seq_lens, rot, page_size=p,
+                                                                    max_seq_len=pages * p)
+    yield "bf16_decode (keys as is)", lambda: bf16_decode.bf16_decode(q1, pool.k_win[0], pool.v_win[0], bt,
+                                                                      batch.seq_lens, None, page_size=p,
+                                                                      max_seq_len=pages * p)
     yield "int2_extend", lambda: extend.int2_extend(qt, k, k, cu, pool, 0, batch, rot, max_seqlen=t,
                                                     max_int2_pages=4, num_splits=2)
     yield "int2_decode (rope, 8 pairs)", lambda: decode.int2_decode(q1, pool, 0, batch, rot, rope=rope,

@@ -174,8 +174,8 @@ def test_int2_decode_many_splits_and_prerotated_query():
 
 @pytest.mark.parametrize("d", [64, 256])
 def test_bf16_decode_matches_reference(d):
-    """With and without a key rotation; at head dim 256 the query is rotated before the launch (decode.py)."""
-    from oscar_kv.kernels.decode import bf16_decode
+    """With and without a key rotation; at head dim 256 the query is rotated before the launch (bf16_decode.py)."""
+    from oscar_kv.kernels.bf16_decode import bf16_decode
 
     geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=d, group_size=d, page_size=16, sink_size=0,
                         recent_size=16)
@@ -316,7 +316,7 @@ def test_int2_decode_sliding_window_with_the_position_aware_key_offset():
 
 def test_bf16_decode_sliding_window():
     """The BF16 paged decode with a window: its splits cover only the window (from the page of its first token)."""
-    from oscar_kv.kernels.decode import bf16_decode
+    from oscar_kv.kernels.bf16_decode import bf16_decode
 
     geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=64, group_size=64, page_size=16, sink_size=0,
                         recent_size=16)

@@ -172,7 +172,8 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
         raise SystemExit("the attention benchmark needs a CUDA GPU")
     import triton  # noqa: F401  (GPU only)
 
-    from ..kernels.decode import bf16_decode, int2_decode, int2_kernel_choice
+    from ..kernels.bf16_decode import bf16_decode
+    from ..kernels.decode import int2_decode, int2_kernel_choice
     from ..kernels.layout import PagedKVPool
 
     device = torch.device("cuda")

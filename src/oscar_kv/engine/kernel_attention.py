@@ -223,7 +223,8 @@ class DecodeStep:
     def attend(self, layer_idx: int, codec, query: torch.Tensor, keys=None, values=None,
                scaling: float | None = None) -> torch.Tensor:
         """query [1, Hq, B, D] (one token per sequence, already in the pool) -> [1, B, Hq, D]."""
-        from ..kernels.decode import bf16_decode, int2_decode
+        from ..kernels.bf16_decode import bf16_decode
+        from ..kernels.decode import int2_decode
 
         q = query[0].transpose(0, 1)  # [B, Hq, D]
         window = self.view.geometry.layer_windows[layer_idx]

@@ -5,7 +5,8 @@ and only the GPU paths import them, after ``triton_available()`` or ``require_tr
   split_keys.py  the stored row of keys at two widths (quant.SplitWidth), in torch
   write.py    fused write path (rotate K, clip, quantize, pack, scatter) and page migration
   common.py   the attention kernels' shared jit helpers, split plan and merge
-  decode.py   paged decode attention: INT2 mixed [sink | INT2 | recent] and the BF16 baseline
+  decode.py   paged decode attention: INT2 mixed [sink | INT2 | recent]
+  bf16_decode.py  the BF16 paged decode baseline, written the same way
   extend.py   chunked-prefill / prefix-hit attention over the paged history + the chunk itself
   materialized_extend.py  the same for long chunks: history copied to float16 once, then flash attention
   elementwise.py, gemv.py, gumbel.py  the executor's fused steps, its small-batch GEMV, sampling (the fused

@@ -375,6 +375,23 @@ def grp_values(p, vk, acc, n, alpha, Vs, Vz, mrow, valid, g: tl.constexpr, FRAC:
     return acc, n
 
 
+@triton.jit
+def store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                  col0, D_OUT: tl.constexpr, GQA: tl.constexpr, H_PAD: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """One split's normalized partial output (columns col0 .. col0 + D_OUT of the GQA group's rows) and, with
+    WRITE_LSE, its base-2 log-sum-exp (-inf where the split saw no key): what ``merge`` combines."""
+    offs_h = tl.arange(0, H_PAD)
+    hm = offs_h < GQA
+    qh = h * GQA + offs_h
+    ok = l_i > 0
+    o = acc / tl.where(ok, l_i, 1.0)[:, None]
+    offs_d = col0 + tl.arange(0, D_OUT)
+    tl.store(PO + b * stride_pob + qh[:, None] * stride_poh + s * stride_pos + offs_d[None, :], o, mask=hm[:, None])
+    if WRITE_LSE:
+        lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
+        tl.store(PL + b * stride_plb + qh * stride_plh + s, lse, mask=hm)
+
+
 @triton.jit(do_not_specialize=["NS"])  # the split count varies per step: one compile per BLOCK_S only
 def _merge_kernel(PO, PL, O, NS, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
                   D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -1,5 +1,5 @@
-"""Paged decode attention in Triton: INT2 mixed cache [BF16 sink | INT2 history | BF16 recent], and the
-BF16 paged baseline written the same way.  Specification: reference.decode_reference.
+"""Paged decode attention in Triton over the INT2 mixed cache [BF16 sink | INT2 history | BF16 recent] (the BF16
+paged baseline written the same way: bf16_decode.py).  Specification: reference.decode_reference.
 
 Work decomposition (both kernels): one program per (sequence, KV head, split).  A program loads the
 GQA group's query rows once, streams its token range page by page through the block table, and keeps an
@@ -49,15 +49,11 @@ from ._compat import install_interpreter_shim
 from .tuning import TUNING, kernel_choice
 from .common import (INTERPRET, LOG2E, asm_enabled, bf16_range, code_slices, grp_scores, grp_values, group_metadata,
                      kernel_widths, key_split, load_rope_ab, meta_slot, merge, num_sms, own_value_rows, rope_args,
-                     rope_logits_tiled, split_key_query, split_plan, split_scores, unpack4,
+                     rope_logits_tiled, split_key_query, split_plan, split_scores, store_partial, unpack4,
                      window_tokens)
 from .layout import PagedBatch, PagedKVPool
 
 install_interpreter_shim()
-
-# bf16_decode rotates the query in the kernel up to this head dim; above, its float32 D x D operand does not fit
-# an SM's shared memory (256 KiB at D = 256) and rotate_query runs first (benchmarks/kernel_smem.py)
-ROTATE_IN_KERNEL_MAX_DIM = 128
 
 # The history tile of layers whose codes unpack into more live registers than INT2's (a side at 4 bits, or values at
 # 3): at the INT2 default of 256 tokens their sm_90 builds spill 220-460 bytes a thread under the 128-register cap
@@ -69,65 +65,6 @@ WIDE_CODES_BLOCK_N = 128
 # the register cap holds the position-aware term up to this many pairs (benchmarks/NOTES.md, "cost vs pairs, with
 # and without the register cap")
 ROPE_CAPPED_PAIRS = 16
-
-@triton.jit
-def _load_query(Q, R, b, h, stride_qb, stride_qh, stride_rh, qk_scale,
-                D: tl.constexpr, GQA: tl.constexpr, H_PAD: tl.constexpr, ROTATE: tl.constexpr):
-    """The GQA group's query rows [H_PAD, D] float32, rotated by R[h] if asked, times qk_scale."""
-    offs_h = tl.arange(0, H_PAD)
-    offs_d = tl.arange(0, D)
-    qh = h * GQA + offs_h
-    q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :],
-                mask=(offs_h < GQA)[:, None], other=0.0).to(tl.float32)
-    if ROTATE:
-        r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
-        q = tl.dot(q, r, input_precision="ieee")
-    return q * qk_scale
-
-
-@triton.jit
-def _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                   col0, D_OUT: tl.constexpr, GQA: tl.constexpr, H_PAD: tl.constexpr, WRITE_LSE: tl.constexpr):
-    offs_h = tl.arange(0, H_PAD)
-    hm = offs_h < GQA
-    qh = h * GQA + offs_h
-    ok = l_i > 0
-    o = acc / tl.where(ok, l_i, 1.0)[:, None]
-    offs_d = col0 + tl.arange(0, D_OUT)
-    tl.store(PO + b * stride_pob + qh[:, None] * stride_poh + s * stride_pos + offs_d[None, :], o, mask=hm[:, None])
-    if WRITE_LSE:
-        lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
-        tl.store(PL + b * stride_plb + qh * stride_plh + s, lse, mask=hm)
-
-
-@triton.jit(do_not_specialize=["window"])  # one compile for every window size
-def _bf16_decode_kernel(Q, R, Kw, Vw, BT, SL, PO, PL, qk_scale,
-                        stride_qb, stride_qh, stride_rh, stride_wp, stride_wh, stride_bt,
-                        stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, chunk, window,
-                        D: tl.constexpr, P: tl.constexpr, GQA: tl.constexpr, H_PAD: tl.constexpr,
-                        BLOCK: tl.constexpr, ROTATE: tl.constexpr, F32DOT: tl.constexpr, SLIDING: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    seq_len = tl.load(SL + b)
-    q = _load_query(Q, R, b, h, stride_qb, stride_qh, stride_rh, qk_scale, D, GQA, H_PAD, ROTATE).to(tl.bfloat16)
-    m_i = tl.full([H_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([H_PAD], tl.float32)
-    acc = tl.zeros([H_PAD, D], tl.float32)
-    base = 0
-    row_lo = None
-    if SLIDING:  # the splits cover the window, from the page of its first token
-        lo = tl.maximum(seq_len - window, 0)
-        base = (lo // P) * P
-        row_lo = tl.zeros([H_PAD], tl.int32) + lo
-    start = base + s * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    m_i, l_i, acc = bf16_range(q, q, m_i, l_i, acc, start, end, BT + b * stride_bt, Kw, Vw,
-                                h.to(tl.int64) * stride_wh, stride_wp, D, P, BLOCK, F32DOT, False,
-                                row_lo=row_lo, SLIDING=SLIDING)
-    _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                   0, D, GQA, H_PAD, True)
-
 
 @triton.jit(do_not_specialize=["window"])  # one compile for every window size
 def _int2_decode_kernel(Q, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, PO, PL, AB, PR, BASE, STEPS, qk_scale,
@@ -178,8 +115,8 @@ def _int2_decode_kernel(Q, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, PO, PL, A
         m_i, l_i, acc = bf16_range(qh, ql, m_i, l_i, acc, tl.minimum(SINK + nq * P, seq_len), seq_len, bt_row,
                                     Kw, Vw, head_off, stride_wp, D, P, BLOCK_W, F32DOT, True, ra, rb, None, ROPE, pr,
                                     BASE, STEPS, True, row_lo, SLIDING)
-        _store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                       0, D, GQA, H_PAD, True)
+        store_partial(PO, PL, b, h, s, acc, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                      0, D, GQA, H_PAD, True)
     else:
         # ---- quantized history tokens [start, end) counted from the sink's end (start, end: multiples of P)
         D4: tl.constexpr = D // 4
@@ -330,26 +267,17 @@ def _int2_decode_kernel(Q, Kc, Ks, Kz, Vc, Vs, Vz, Kw, Vw, BT, SL, NQ, PO, PL, A
         a1 = a1 * 0.25 + n1[:, None]
         a2 = a2 * 0.0625 + n2[:, None]
         a3 = a3 * 0.015625 + n3[:, None]
-        _store_partial(PO, PL, b, h, s, a0, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                       0, D4, GQA, H_PAD, True)
-        _store_partial(PO, PL, b, h, s, a1, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                       D4, D4, GQA, H_PAD, False)
-        _store_partial(PO, PL, b, h, s, a2, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                       2 * D4, D4, GQA, H_PAD, False)
-        _store_partial(PO, PL, b, h, s, a3, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                       3 * D4, D4, GQA, H_PAD, False)
+        store_partial(PO, PL, b, h, s, a0, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                      0, D4, GQA, H_PAD, True)
+        store_partial(PO, PL, b, h, s, a1, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                      D4, D4, GQA, H_PAD, False)
+        store_partial(PO, PL, b, h, s, a2, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                      2 * D4, D4, GQA, H_PAD, False)
+        store_partial(PO, PL, b, h, s, a3, m_i, l_i, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                      3 * D4, D4, GQA, H_PAD, False)
 
 
 # ------------------------------------------------------------------------------------------ wrappers
-def _rotation_args(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads: int):
-    if k_rotation is None:
-        return q, 0, False
-    r = k_rotation.float().contiguous()
-    if r.shape[0] not in (1, num_kv_heads):
-        raise ValueError(f"k_rotation must have 1 or {num_kv_heads} heads, got {r.shape[0]}")
-    return r, (0 if r.shape[0] == 1 else r.stride(0)), True
-
-
 def compile_merges(device: torch.device, head_dim: int, max_splits: int = 2048) -> None:
     """Compile the merge kernel for every BLOCK_S up to ``max_splits`` (it follows the step's split count,
     so long contexts meet new ones mid-request otherwise): the server's warm-up calls this."""
@@ -563,56 +491,3 @@ def stored_width_reason(k_bits: int, v_bits: int) -> str:
 def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16,
               widths: tuple[int, int] = (2, 2), split: bool = False) -> bool:
     return int2_kernel_choice(device, geom, gqa, rope, dtype, backend, widths, split)[0] == "cuda"
-
-
-def bf16_decode(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, block_table: torch.Tensor,
-                seq_lens: torch.Tensor, k_rotation: torch.Tensor | None = None, sm_scale: float | None = None, *,
-                page_size: int, max_seq_len: int | None = None, num_splits: int | None = None,
-                block: int = TUNING.bf16_decode_block, num_warps: int = TUNING.bf16_decode_num_warps,
-                num_stages: int = TUNING.bf16_decode_num_stages, window: int | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """BF16 paged decode (the in-house baseline): every logical page of a sequence points into one BF16 pool.
-
-    Args:
-        q: the queries, unrotated if ``k_rotation`` is given.
-        k_win, v_win: one layer's pages.
-        block_table, seq_lens: the sequences' physical pages and lengths.
-        k_rotation: R_K, applied to q inside the kernel; None: q as it is.
-        sm_scale: default 1 / sqrt(D).
-        page_size: P.
-        max_seq_len: a host bound on seq_lens for the split plan; None: a device sync.
-        num_splits: unused (the split plan decides).
-        block, num_warps, num_stages: Triton tuning knobs (tokens per tile).
-        window: the layer's sliding window (the query sees the last ``window`` tokens; the splits cover only
-            those); None or 0: the whole sequence.
-        out: the output, written in place; None: a new tensor.
-    Shapes:
-        q, out: [B, Hq, D]; k_win, v_win: [N, Hkv, P, D]; block_table: int32 [B, max_pages]; seq_lens: int32 [B];
-        k_rotation: [Hkv | 1, D, D].
-    Returns:
-        [B, Hq, D] in q's dtype (``out`` when given).
-    """
-    bsz, hq, d = q.shape
-    h = k_win.shape[1]
-    gqa = hq // h
-    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max()) if bsz else 0
-    window = window or None
-    # with a window the splits start at its first token's page (the kernel's base)
-    ns, chunk = split_plan(window_tokens(max_seq_len, window, page_size), bsz * h,
-                           q.device, block)
-    out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
-    if d > ROTATE_IN_KERNEL_MAX_DIM and k_rotation is not None:
-        q, k_rotation = rotate_query(q, k_rotation, h), None  # float32
-    r, stride_rh, rotate = _rotation_args(q, k_rotation, h)
-    po = torch.empty(bsz, hq, ns, d, device=q.device, dtype=torch.float32)
-    pl = torch.empty(bsz, hq, ns, device=q.device, dtype=torch.float32)
-    h_pad = max(16, triton.next_power_of_2(gqa))
-    _bf16_decode_kernel[(bsz, h, ns)](
-        q, r, k_win, v_win, block_table, seq_lens, po, pl, sm_scale * LOG2E,
-        q.stride(0), q.stride(1), stride_rh, k_win.stride(0), k_win.stride(1), block_table.stride(0),
-        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), chunk, window or 0,
-        D=d, P=page_size, GQA=gqa, H_PAD=h_pad, BLOCK=block, ROTATE=rotate, F32DOT=INTERPRET,
-        SLIDING=window is not None, num_warps=num_warps, num_stages=num_stages)
-    return merge(po, pl, out)
