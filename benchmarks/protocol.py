@@ -24,7 +24,8 @@ with ``--max-answer-kl X``: widened until the needle probe's answer KL is at mos
 X``: keys and values allocated at tolerance X, then the default's checks; ``t0``: no tolerance), ``fX`` (``--key-noise 0 --max-kl X``, no
 answer KL check: no tolerance, the fewest widenings from the narrowest widths whose KL is at most X), ``split`` (the
 default with ``--key-formats split``: split key widths among the candidates; ``splitX``: at tolerance X, ``split0``:
-none).  The first
+none), ``auto`` (the default with ``--key-formats auto``: the plain and the split widths each through the checks, the
+fewer bits kept).  The first
 candidate is the `oscar` row.
 """
 
@@ -100,6 +101,7 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     print(f"{spec}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     t0 = time.perf_counter()
     calibrated = [n for n in candidates if n[0] in "mfta" or n.startswith("split")]  # each calibrates on its own
+    # ("auto" starts with "a", so it calibrates on its own too)
     default = calibrate(model, tokenizer, settings, progress=False) if set(candidates) - set(calibrated) else None
     derived = set(candidates) - set(calibrated) - {"default"}
     max_len = default.manifest["calibration"]["widths"]["seq_len"] if default else None
@@ -113,6 +115,8 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
         elif name[0] == "t":  # calibrate's own allocation at another tolerance: values widen with the keys
             # t0: no tolerance (as `calibrate --key-noise 0`): the fewest widenings that meet the default's checks
             rot = calibrate(model, tokenizer, replace(settings, key_noise=float(name[1:]) or None), progress=False)
+        elif name == "auto":  # the default's checks over both key formats, the fewer bits that meet them kept
+            rot = calibrate(model, tokenizer, replace(settings, key_formats="auto"), progress=False)
         elif name[0] == "a":  # the default with another answer KL target
             rot = calibrate(model, tokenizer, replace(settings, max_answer_kl=float(name[1:])), progress=False)
         elif name.startswith("split"):  # the default's checks over plain and split key widths

@@ -173,6 +173,18 @@ PY
           step d36 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates split ;;
         d37) wait_for gemma
           step d37 --model gemma3-270m:8192,16384,32768 --tasks kl --baselines bf16 --candidates split ;;
+        # runs D39-D42: calibrate --key-formats auto (plain and split widths through the default's checks) on every
+        # protocol model, KIVI-2 beside it on Qwen2.5 (the candidate for the default once served at speed: run SK3)
+        d39) wait_for qwen
+          step d39 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --baselines bf16,kivi-2 \
+            --candidates auto ;;
+        d40) wait_for qwen
+          step d40 --model qwen2.5-coder-1.5b@yarn4:65536,131072 --niah-samples 6 --text stdlib: --baselines bf16 \
+            --candidates auto ;;
+        d41) wait_for smol
+          step d41 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates auto ;;
+        d42) wait_for gemma
+          step d42 --model gemma3-270m:8192,16384,32768 --tasks kl --baselines bf16 --candidates auto ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;

@@ -12,6 +12,7 @@ from oscar_kv.engine.block_pool import PageAllocator, plan_pool
 from oscar_kv.generation import build_prompt, generate
 from oscar_kv.hf_compat import cache_kwargs
 from oscar_kv.kernels.layout import PoolGeometry
+from oscar_kv.quant import SplitWidth
 
 GREEDY = dict(temperature=0.0)
 
@@ -526,15 +527,15 @@ def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read()
     def words(bits):
         return f"{', '.join(map(str, bits[:-1]))} or {bits[-1]}"
     reads = (f"(the CUDA kernel reads keys at {words(int2_cuda.KEY_BITS)} bits, values at "
-             f"{words(int2_cuda.VALUE_BITS)}, one width a row)")
+             f"{words(int2_cuda.VALUE_BITS)}, split keys at D = 64 or 128 with the rest at 2, 3 or 4 bits)")
     assert int2_cuda.KEY_BITS == (2, 3, 4, 5, 8) and int2_cuda.VALUE_BITS == (2, 3, 4)
 
-    def engine(k_bits, v_bits, windows=None):
+    def engine(k_bits, v_bits, windows=None, split=None, head_dim=128):
         def choice(widths=(2, 2)):
             return "cuda", None
 
-        geom = PoolGeometry(num_layers=len(k_bits), num_kv_heads=2, k_bits=k_bits, v_bits=v_bits,
-                            layer_windows=windows)
+        geom = PoolGeometry(num_layers=len(k_bits), num_kv_heads=2, head_dim=head_dim, group_size=head_dim,
+                            k_bits=k_bits, v_bits=v_bits, layer_windows=windows, k_split=split)
         return SimpleNamespace(pool=SimpleNamespace(geometry=geom), int2_decode_kernel=choice)
 
     describe = LLMEngine.int2_decode_description
@@ -552,6 +553,12 @@ def test_the_start_up_line_names_the_layers_the_cuda_decode_kernel_cannot_read()
     assert describe(engine((5, 4, 5), (2, 2, 8))) == (
         "the one-launch CUDA kernel on 2 layers (K4V2 x 1, K5V2 x 1), the Triton kernel on the 1 layer stored at "
         f"K5V8 x 1 {reads}")
+    # split keys: read by the CUDA kernel at head dim 64 and 128, not at 256
+    split = (SplitWidth(2, 16, 4), None, SplitWidth(3, 64, 8))
+    assert describe(engine((2, 2, 3), (2, 2, 2), split=split)) == "the one-launch CUDA kernel"
+    assert describe(engine((2, 2), (2, 2), split=(SplitWidth(2, 32, 4), None), head_dim=256)) == (
+        f"the one-launch CUDA kernel on 1 layer (K2V2 x 1), the Triton kernel on the 1 layer stored at K4x32+2V2 x 1 "
+        f"{reads}")
 
 
 def test_warm_up_runs_every_stage_and_leaves_no_trace(model, tokenizer, small_rotations):

@@ -433,7 +433,7 @@ def test_layers_at_other_widths_take_the_triton_kernel(monkeypatch):
     monkeypatch.setattr(decode, "INTERPRET", False)
     cuda = torch.device("cuda")
     choices = [decode.int2_kernel_choice(cuda, geom, 4, widths=geom.layer_widths(i)) for i in range(9)]
-    assert choices == [("cuda", None)] * 8 + [("triton", decode.stored_width_reason(2, 8))]
+    assert choices == [("cuda", None)] * 8 + [("triton", int2_cuda.width_error(2, 8))]
     assert asked[:8] == list(zip(k_bits, v_bits))[:8]  # each layer's variant is what gets compiled (and may fail)
     assert "K2V8" in choices[8][1] and "values at 2, 3 or 4" in choices[8][1]
     assert set(int2_cuda.WIDTHS) == {(k, v) for k in (2, 3, 4, 5, 8) for v in (2, 3, 4)}

@@ -56,6 +56,10 @@ def build_pool(geom, seq_lens, gen, clip=(0.96, 0.92), int2_pages=None):
     return pool, batch, rot
 
 
+# decode kernels: on a GPU both the one-launch CUDA kernel and Triton's; off it Triton's, interpreted
+BACKENDS = ("cuda", "triton") if GPU else ("triton",)
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_decode_reads_split_keys(case):
     from oscar_kv.kernels.decode import int2_decode, int2_kernel_choice
@@ -67,18 +71,19 @@ def test_decode_reads_split_keys(case):
     pool, batch, rot = build_pool(geom, seq_lens, gen)
     q = torch.randn(len(seq_lens), 8, d, generator=gen).to(DEV, torch.bfloat16)
     want = ref.decode_reference(pool, 0, q, batch, rot)
-    out = torch.full_like(q, float("nan"))
-    int2_decode(q, pool, 0, batch, rot, out=out)
-    assert not out.isnan().any()
-    assert rel_err(out, want) < 1e-2
-    assert out[0].abs().max() == 0
-    kernel, why = int2_kernel_choice(torch.device(DEV), geom, 4, widths=(width.bits, v_bits), split=True)
-    assert kernel == "triton" and ("split" in why or not GPU)  # off CUDA: "not a CUDA device"
-    with pytest.raises(ValueError, match="split"):
-        int2_kernel_choice(torch.device(DEV), geom, 4, backend="cuda", widths=(width.bits, v_bits), split=True)
+    for backend in BACKENDS:
+        out = torch.full_like(q, float("nan"))
+        int2_decode(q, pool, 0, batch, rot, out=out, backend=backend)
+        assert not out.isnan().any(), backend
+        assert rel_err(out, want) < 1e-2, backend
+        assert out[0].abs().max() == 0
+    # every split width calibration writes at D = 64 and 128 is the CUDA kernel's (off CUDA: "not a CUDA device")
+    kernel, why = int2_kernel_choice(torch.device(DEV), geom, 4, widths=(width.bits, v_bits), split=width)
+    assert (kernel, why) == ("cuda", None) if GPU else kernel == "triton"
 
 
-def test_decode_reads_split_keys_with_the_position_aware_offset_and_a_window():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_reads_split_keys_with_the_position_aware_offset_and_a_window(backend):
     from oscar_kv.kernels.decode import int2_decode
 
     d, width = 128, SplitWidth(2, 16, 5)
@@ -90,8 +95,32 @@ def test_decode_reads_split_keys_with_the_position_aware_offset_and_a_window():
     q = torch.randn(len(seq_lens), 8, d, generator=gen).to(DEV, torch.bfloat16)
     for window in (None, 200):
         want = ref.decode_reference(pool, 0, q, batch, rot, rope=rope, window=window)
-        out = int2_decode(q, pool, 0, batch, rot, rope=rope, window=window)
+        out = int2_decode(q, pool, 0, batch, rot, rope=rope, window=window, backend=backend)
         assert rel_err(out, want) < 1e-2, window
+
+
+def test_which_split_widths_the_cuda_kernel_reads(monkeypatch):
+    """int2_cuda.split_error: head dim 64 or 128, the narrow part at 2-4 bits, 8 .. D/2 wide channels at <= 8 bits
+    (every width allocation.split_widths offers there); others take Triton, and asking for CUDA names the reason."""
+    from oscar_kv.allocation import split_widths
+    from oscar_kv.kernels import decode, int2_cuda
+
+    for d in (64, 128):
+        for width in split_widths(d):
+            assert int2_cuda.split_error(width, d) is None, width
+    assert int2_cuda.split_error(None, 256) is None
+    assert "head dim 256" in int2_cuda.split_error(SplitWidth(2, 32, 4), 256)
+    assert int2_cuda.split_error(SplitWidth(2, 4, 4), 64) is not None  # fewer than 8 wide channels
+    monkeypatch.setattr(int2_cuda, "unsupported", lambda *args: None)  # as on an H100
+    monkeypatch.setattr(decode, "INTERPRET", False)
+    cuda = torch.device("cuda")
+    geom = split_geometry(128, SplitWidth(2, 32, 5), 2)
+    assert decode.int2_kernel_choice(cuda, geom, 4, widths=(2, 2), split=SplitWidth(2, 32, 5)) == ("cuda", None)
+    wide = split_geometry(256, SplitWidth(2, 32, 4), 2)
+    kernel, why = decode.int2_kernel_choice(cuda, wide, 4, widths=(2, 2), split=SplitWidth(2, 32, 4))
+    assert kernel == "triton" and "head dim 256" in why
+    with pytest.raises(ValueError, match="split 4x32\\+2 at head dim 256"):
+        decode.int2_kernel_choice(cuda, wide, 4, backend="cuda", widths=(2, 2), split=SplitWidth(2, 32, 4))
 
 
 def chunk_case(geom, hist, chunk, gen):
@@ -124,3 +153,32 @@ def test_prefill_paths_read_split_keys(path, case):
     attend = int2_extend if path == "extend" else materialized_extend
     out = attend(q, k_new, v_new, cu, pool, 0, batch, rot)
     assert rel_err(out, want) < 1e-2
+
+
+def test_the_cuda_decode_refuses_split_rows_it_is_not_told_of():
+    """int2_cuda.decode checks a split layer's rows before it compiles or launches anything (so this runs on the CPU):
+    rows read as plain K2 rows, a split width whose narrow part is not the layer's key width, and a split width it
+    does not read each raise ValueError naming the problem."""
+    from oscar_kv.kernels import int2_cuda
+
+    width = SplitWidth(2, 16, 4)
+    geom = split_geometry(128, width, 2)
+    batch, nq, nw = plan_batch(geom, [300])
+    pool = PagedKVPool.allocate(geom, nq, nw)
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    layer = pool.layer(0)
+
+    def decode(**kw):
+        int2_cuda.decode(q, None, layer, geom, batch, out, 1, 128, 0.1, **kw)
+
+    with pytest.raises(ValueError, match="are not K2V2 at head dim 128"):
+        decode(widths=(2, 2))  # the tails make the rows longer than K2's
+    with pytest.raises(ValueError, match="39 / 32 bytes are not K4x16\\+3V2"):
+        decode(widths=(3, 2), split=SplitWidth(3, 16, 4))  # not the pool's rows (4x16+2: 39 bytes)
+    with pytest.raises(ValueError, match="are not K4x16\\+2V2"):
+        decode(widths=(3, 2), split=width)  # the split's narrow width is not the layer's key width
+    with pytest.raises(ValueError, match="keys split 4x16\\+2 at head dim 256"):
+        wide = split_geometry(256, SplitWidth(2, 32, 4), 2)
+        int2_cuda.decode(torch.zeros(1, 8, 256, dtype=torch.bfloat16), None, layer, wide, batch,
+                         torch.empty(1, 8, 256, dtype=torch.bfloat16), 1, 128, 0.1, widths=(2, 2), split=width)

@@ -95,8 +95,8 @@ def calibrate(
         "4 bits, 96 at 2), where that is quieter for the bits. 'auto' walks both the plain and the split widths "
         "through the KL check (--max-kl / --max-answer-kl) and keeps the fewer bits that meet it: split keys met "
         "every accuracy target on Qwen2.5 at 2.77 bits per element at 32K (plain: 3.30) but cost bits on SmolLM2 and "
-        "Gemma 3. `serve` decodes split layers with its Triton kernel, not the CUDA one: on an H200 3.4-4.8x the INT2 "
-        "kernel's time, slower than BF16 attention (run S2)."),
+        "Gemma 3. `serve` decodes split layers in its CUDA kernel at head dim 64 and 128 (4x16+2 on an H200: 1.14-1.41x "
+        "the INT2 layer's time, 1.5-2.5x faster than BF16 attention; run SK3), with Triton at head dim 256."),
     value_bits: str = typer.Option(
         "auto", metavar="auto|2|3|4", help="Bits per stored value. 'auto' measures each layer's value output noise "
         "(the values' squared error relative to their spread at 2, 3 and 4 bits, value clips fitted per width: a "

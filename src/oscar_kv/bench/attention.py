@@ -138,7 +138,7 @@ def time_widths(art, layer: int, row: dict, q, device, gen, inv_freq, bw: float)
         rope = _layer_rope(art, i, inv_freq, ctx, device)
         ref_ms = row.get("int2_rope_ms") if rope is not None and row.get("int2_rope_ms") else row["int2_ms"]
         geom = layer_geometry(*pair)
-        kernel = int2_kernel_choice(device, geom, gqa, rope, q.dtype, None, geom.layer_widths(0), geom.has_split_keys)
+        kernel = int2_kernel_choice(device, geom, gqa, rope, q.dtype, None, geom.layer_widths(0), geom.k_split[0])
         extra = dict(layer=i, centering="rope" if rope is not None else art.key_centering)
         if pair == (2, 2):  # the INT2 columns' call
             entries.append(width_entry(pair, layers, ref_ms, row.get("int2_rope_kernel_ms" if rope is not None

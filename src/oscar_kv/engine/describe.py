@@ -82,13 +82,14 @@ class EngineDescription:
         """The decode kernel(s) for the start-up line: one for every layer, or where some layers are stored at widths
         the CUDA kernel does not read (kernels/int2_cuda.WIDTHS) and the others take the CUDA kernel, which layers take
         which."""
-        from ..kernels.int2_cuda import KEY_BITS, VALUE_BITS, WIDTHS
+        from ..kernels.int2_cuda import KEY_BITS, VALUE_BITS, WIDTHS, split_error
 
         spec = self.pool.geometry
         kernel, why = self.int2_decode_kernel()
         if kernel != "cuda":
             return f"the Triton kernel ({why})"
-        on_cuda = [i for i in range(spec.num_layers) if spec.layer_widths(i) in WIDTHS and spec.k_split[i] is None]
+        on_cuda = [i for i in range(spec.num_layers)
+                   if spec.layer_widths(i) in WIDTHS and split_error(spec.k_split[i], spec.head_dim) is None]
         wider = [i for i in range(spec.num_layers) if i not in on_cuda]
         if not wider:
             return "the one-launch CUDA kernel"
@@ -100,7 +101,7 @@ class EngineDescription:
         def reads(bits):
             return f"{', '.join(map(str, bits[:-1]))} or {bits[-1]}"
         wide = (f"the {layers(len(wider))} stored at {widths(wider)} (the CUDA kernel reads keys at {reads(KEY_BITS)} "
-                f"bits, values at {reads(VALUE_BITS)}, one width a row)")
+                f"bits, values at {reads(VALUE_BITS)}, split keys at D = 64 or 128 with the rest at 2, 3 or 4 bits)")
         if not on_cuda:
             return f"the Triton kernel on every layer: {wide}"
         return f"the one-launch CUDA kernel on {layers(len(on_cuda))} ({widths(on_cuda)}), the Triton kernel on {wide}"

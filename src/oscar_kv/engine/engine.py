@@ -23,6 +23,7 @@ from ..codec import layer_codecs, shared_ropes, validated_artifact
 from ..config import EngineConfig
 from ..errors import ConfigError, RequestError
 from ..folding import fold_values
+from ..kernels.int2_cuda import split_error
 from ..kernels.layout import PoolGeometry
 from ..models import layer_windows
 from ..models.executor import executor_support, make_executor
@@ -127,13 +128,13 @@ class LLMEngine(EngineDescription):
                                             rope_centered=any(codec.k_rope_mean is not None for codec in self.codecs))
         if config.attention_backend == "triton" and self.kernel_status is not None:
             raise ConfigError(f"attention_backend triton: {self.kernel_status}", "attention_backend")
-        if pool_geometry.has_split_keys and self.kernel_status is None and self.device.type == "cuda":
-            # never a silent slow path: the CUDA decode kernel reads one width a row
-            split = sum(s is not None for s in pool_geometry.k_split)
-            log.warning("%d of %d layers store split keys (%s): their decode attention runs the Triton kernel, "
-                        "3.4-4.8x the CUDA INT2 kernel's time and slower than BF16's on an H200 (benchmarks/NOTES.md, "
-                        "run S2); calibrate with --key-formats plain for the CUDA kernel's speed", split,
-                        pool_geometry.num_layers, pool_geometry.width_summary())
+        slow = [s for s in pool_geometry.k_split if split_error(s, pool_geometry.head_dim)]
+        if slow and self.kernel_status is None and self.device.type == "cuda":
+            # never a silent slow path: these split widths are outside the CUDA decode kernel
+            log.warning("%d of %d layers store split keys the CUDA decode kernel does not read (%s): their decode "
+                        "attention runs the Triton kernel, 3.4-4.8x the CUDA INT2 kernel's time and slower than BF16's "
+                        "on an H200 (benchmarks/NOTES.md, run S2)", len(slow), pool_geometry.num_layers,
+                        split_error(slow[0], pool_geometry.head_dim))
         if self.kernel_status is not None and self.device.type == "cuda" and config.attention_backend != "torch":
             # the torch reference materializes [heads, tokens] logits in float32: slow, and out of memory at
             # long context; say so once, at start-up, never silently

@@ -396,14 +396,15 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
     if split_target is None:
         split_target = TUNING.decode_split_target_small if bsz * h <= 8 else TUNING.decode_split_target
     window = window or None
-    if _use_cuda(backend, q.device, g, gqa, rope, q.dtype, widths, split=hi_dims > 0):
+    split = g.k_split[layer] if g.quantizes else None
+    if _use_cuda(backend, q.device, g, gqa, rope, q.dtype, widths, split):
         from . import int2_cuda
 
         # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
         # rescale, window on a side stream, split targets"), with fewer, longer splits where the merge would cost
         # more than they save (int2_cuda.MERGE_BALANCE_TOKENS)
         per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1], d, widths[0],
-                                                           vbits=widths[1])
+                                                           vbits=widths[1], split=split is not None)
         # with a window, from the page of its first token on (the kernel's start)
         history = window_tokens(max_int2_pages * g.page_size, window, g.page_size)
         ns, chunk = int2_cuda.split_plan(history, bsz * h * int2_cuda.query_groups(gqa), g.page_size,
@@ -412,7 +413,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         if rope is not None:
             rope.check(max_seq_len)
         return int2_cuda.decode(q, k_rotation, pool.layer(layer), g, batch, out, ns, chunk, sm_scale * LOG2E,
-                                rope=rope, widths=widths, window=window)
+                                rope=rope, widths=widths, window=window, split=split)
     # with a window, from the tile of its first token on (the kernel's base)
     history = window_tokens(max_int2_pages * g.page_size, window, block_n)
     ns, chunk = split_plan(history, bsz * h, q.device, block_n, num_splits=num_splits, per_sm=split_target)
@@ -453,23 +454,25 @@ INT2_KERNEL_ENV = "OSCAR_KV_INT2_KERNEL"  # "auto" (default) | "cuda" | "triton"
 
 def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: torch.dtype = torch.bfloat16,
                        backend: str | None = None, widths: tuple[int, int] = (2, 2),
-                       split: bool = False) -> tuple[str, str | None]:
+                       split=None) -> tuple[str, str | None]:
     """Which kernel decode attention runs for a layer of this pool: ("cuda", None), the one-launch CUDA kernel, or
     ("triton", why not CUDA).  ``backend``: "auto" (CUDA where it runs), "cuda" (raises where it cannot) or
     "triton"; default: $OSCAR_KV_INT2_KERNEL, else "auto".  ``rope``: the per-position centering (its pairs), or
     None.  ``widths``: the layer's (key, value) code widths (both kernels take sliding windows).  A layer stored at
     widths the CUDA kernel does not read (not in int2_cuda.WIDTHS: values at 8 bits) takes Triton where the model's other layers take CUDA, $OSCAR_KV_INT2_KERNEL=cuda
-    included; only a call that itself asks for "cuda" raises (int2_cuda.width_error says why).  The engine reports the choice at start-up;
-    ``int2_decode`` makes it per call."""
+    included; only a call that itself asks for "cuda" raises (int2_cuda.width_error says why).  ``split``: the
+    layer's quant.SplitWidth when its keys are split (int2_cuda.split_error says which the CUDA kernel reads).  The
+    engine reports the choice at start-up; ``int2_decode`` makes it per call."""
     from . import int2_cuda
 
-    readable = tuple(widths) in int2_cuda.WIDTHS and not split
-    own = (SPLIT_KEYS_REASON if split else stored_width_reason(*widths)) if not readable else None
+    own = int2_cuda.width_error(*widths) or int2_cuda.split_error(split, geom.head_dim)
     if own is not None and backend == "cuda":
         raise ValueError(f"the CUDA INT2 kernel cannot run this call: {own}")
 
     def why_not() -> str | None:  # (a layer at widths the kernel cannot read asks about its INT2 variant)
-        return int2_cuda.unsupported(device, geom, gqa, rope, dtype, tuple(widths) if readable else (2, 2)) or (
+        readable = own is None
+        return int2_cuda.unsupported(device, geom, gqa, rope, dtype, tuple(widths) if readable else (2, 2),
+                                     split if readable else None) or (
             "the Triton interpreter is on" if INTERPRET else None)
 
     kernel, why = kernel_choice(INT2_KERNEL_ENV, backend, "cuda", "triton", why_not, "the CUDA INT2 kernel")
@@ -478,16 +481,6 @@ def int2_kernel_choice(device: torch.device, geom, gqa: int, rope=None, dtype: t
     return kernel, why
 
 
-SPLIT_KEYS_REASON = "keys at two widths (split keys) are read by the Triton kernel only"
-
-
-def stored_width_reason(k_bits: int, v_bits: int) -> str:
-    """Why a layer stored at widths the CUDA kernel does not read (int2_cuda.WIDTHS) decodes with the Triton kernel."""
-    from . import int2_cuda
-
-    return int2_cuda.width_error(k_bits, v_bits) or f"K{k_bits}V{v_bits} is read by the CUDA kernel"
-
-
 def _use_cuda(backend: str, device: torch.device, geom, gqa: int, rope, dtype: torch.dtype = torch.bfloat16,
-              widths: tuple[int, int] = (2, 2), split: bool = False) -> bool:
+              widths: tuple[int, int] = (2, 2), split=None) -> bool:
     return int2_kernel_choice(device, geom, gqa, rope, dtype, backend, widths, split)[0] == "cuda"

@@ -34,7 +34,14 @@ quantization group per head (G = D) or, at D = 256, two (G = 128), up to MAX_GQA
 sliding-window layers, float32 / bfloat16 / float16 queries, constant key
 centering or per-position centering over at most MAX_ROPE_PAIRS pairs, full or partial rotary (the term
 q . RoPE_p(mu_pre) as one more small MMA per 16 keys; int2_decode.cu, rope_terms; the layout places each pair's
-two channels, pair_lo / pair_hi).  Anything else runs the Triton kernels.
+two channels, pair_lo / pair_hi), and split key rows (split_keys.py) at D = 64 or 128 (``split_error``).  Anything else
+runs the Triton kernels.
+
+Split keys compile with SPLIT_M / SPLIT_HB / KTAIL (``split_defines``): the page's plain rows are streamed as a plain
+page's, the wide part's low bits are scored by the same A operands against the query masked to it, its upper bits by
+one more MMA per 16 of its channels, and each sub-tile's tails (scale, zero point, upper-bit planes) go to shared
+memory by cp.async one step ahead (int2_decode.cu, the SPLIT_M paragraph).  H200, one layer of Qwen3-8B's attention:
+``4x16+2`` in 1.14-1.41x K2V2's time for 1.10x its bytes (benchmarks/NOTES.md, run SK3).
 
 A token's metadata is a float16 scale and a uint8 zero point per group (quant.py); a thread loads the scales of its
 two tokens (g, g + 8: side by side in the pool, layout.metadata_slot) as one word and their zero points as another,
@@ -63,6 +70,7 @@ from pathlib import Path
 import torch
 
 from .layout import PagedBatch, PoolGeometry
+from .split_keys import row_bytes, tail_bytes
 
 SOURCE = Path(__file__).with_name("int2_decode.cu")
 NUM_WARPS = 4
@@ -101,7 +109,7 @@ WIDE_VALUES_MIN_BLOCKS_D128 = 2
 MIN_BLOCKS_D256 = 2
 
 
-def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2, vbits: int = 2) -> int:
+def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2, vbits: int = 2, split: bool = False) -> int:
     """CTAs per SM the kernel is compiled and planned for, given the head dim, the position-aware pairs it
     visits (0: none) and the key and value widths.  The 3- and 4-bit key variants use the INT2 variant's budgets: at
     128K on the H100, 2 CTAs per SM instead of 3 are within 4% of them at batch 1 and 8 (constant centering; their
@@ -109,9 +117,12 @@ def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2, vbits: 
     "3- and 4-bit keys in the CUDA kernel").  The 8-bit variant at head dim 128 holds four times INT2's key bytes in
     flight: at 3 CTAs per SM it spills 188 bytes a thread, at 2 none (216 registers); the 5-bit one 2.5 times: 124
     bytes at 3 (NVRTC 13, sm_90), none at 2 (205 registers).  Values at 3 or 4 bits: 3 CTAs
-    at head dim 64, 2 at head dim 128 (WIDE_VALUES_MIN_BLOCKS_D64's comment)."""
+    at head dim 64, 2 at head dim 128 (WIDE_VALUES_MIN_BLOCKS_D64's comment).  Split keys (``split``) hold the first
+    part's query fragments and logits beside the INT2 ones: the wide values' budgets (SPLIT_MIN_BLOCKS)."""
     if head_dim == 256:
         return MIN_BLOCKS_D256
+    if split:
+        return SPLIT_MIN_BLOCKS[head_dim]
     if kbits in (5, 8) and head_dim == 128:
         return 2
     if head_dim == 64:
@@ -131,6 +142,34 @@ def step16(head_dim: int, kbits: int = 2, rope_pairs: int = 0, sliding: bool = F
     72.7).  The chunks stay multiples of TOKENS_PER_ROUND (then two rounds of 16-token steps).  ``kbits``,
     ``rope_pairs``, ``sliding``: the variant (every one takes them at D = 256, whatever the value width too)."""
     return head_dim == 256
+
+
+# Split key rows (split_keys.py): narrow widths with a variant, and CTAs per SM.  They hold the first part's query
+# fragments (qh, qu: 8-16 registers at D = 128), its logits and its offsets beside the INT2 variant's, so they take the
+# budgets of the variants with wider values rather than the INT2 one's
+SPLIT_KEY_BITS = (2, 3, 4)
+SPLIT_MIN_BLOCKS = {64: WIDE_VALUES_MIN_BLOCKS_D64, 128: WIDE_VALUES_MIN_BLOCKS_D128}
+
+
+def split_error(split, head_dim: int) -> str | None:
+    """Why the kernel cannot read key rows split at ``split`` (a quant.SplitWidth; None: plain rows) at this head dim
+    (None: it can): head dim 64 or 128, the narrow part at 2, 3 or 4 bits, the first part 8 .. D/2 channels (a power
+    of two) at most 8 bits wide."""
+    if split is None:
+        return None
+    m = split.hi_dims
+    if head_dim not in SPLIT_MIN_BLOCKS or split.bits not in SPLIT_KEY_BITS or not 8 <= m <= head_dim // 2 or \
+            m & (m - 1) or split.hi_bits > 8:
+        return (f"keys split {split} at head dim {head_dim} (the CUDA kernel reads split keys at head dim 64 or 128, "
+                f"the rest at {', '.join(map(str, SPLIT_KEY_BITS))} bits, 8 .. D/2 channels at up to 8 bits)")
+    return None
+
+
+def split_defines(split) -> tuple[int, int, int]:
+    """(SPLIT_M, SPLIT_HB, KTAIL) of a split key width, (0, 0, 0) for plain rows: the compiled variant's macros."""
+    if split is None:
+        return 0, 0, 0
+    return split.hi_dims, split.hi_bits, tail_bytes(split)
 
 
 # Above this head dim the query arrives rotated (decode.rotate_query, one small launch before the kernel): in the
@@ -182,9 +221,10 @@ def group_error(head_dim: int, group_size: int) -> str | None:
 
 
 def shape_error(geom: PoolGeometry, gqa: int, rope, dtype: torch.dtype = torch.bfloat16,
-                widths: tuple[int, int] = (2, 2)) -> str | None:
-    """The checks of ``unsupported`` that need no GPU: widths, head dim and group, query heads, RoPE pairs, dtype."""
-    why = width_error(*widths)
+                widths: tuple[int, int] = (2, 2), split=None) -> str | None:
+    """The checks of ``unsupported`` that need no GPU: widths, split keys, head dim and group, query heads, RoPE pairs,
+    dtype."""
+    why = width_error(*widths) or split_error(split, geom.head_dim)
     if why is not None:
         return why
     why = group_error(geom.head_dim, geom.group_size)
@@ -200,22 +240,23 @@ def shape_error(geom: PoolGeometry, gqa: int, rope, dtype: torch.dtype = torch.b
 
 
 def unsupported(device: torch.device, geom: PoolGeometry, gqa: int, rope,
-                dtype: torch.dtype = torch.bfloat16, widths: tuple[int, int] = (2, 2)) -> str | None:
+                dtype: torch.dtype = torch.bfloat16, widths: tuple[int, int] = (2, 2), split=None) -> str | None:
     """Why the CUDA kernel cannot run this call (None: it can).  Called on every decode call: the shape checks
     are plain comparisons (``shape_error``), the device and compiler checks are cached per device, geometry and
-    widths.  ``widths``: the layer's (key, value) code widths."""
+    widths.  ``widths``: the layer's (key, value) code widths; ``split``: its quant.SplitWidth if its keys are split."""
     if device.type != "cuda":
         return "not a CUDA device"
-    why = shape_error(geom, gqa, rope, dtype, widths)
+    why = shape_error(geom, gqa, rope, dtype, widths, split)
     if why is not None:
         return why
     return _device_error(_index(device), geom.head_dim, geom.page_size, gqa // query_groups(gqa), geom.sink_pages,
-                         widths[0], geom.num_groups, widths[1])
+                         widths[0], geom.num_groups, widths[1], split_defines(split))
 
 
 @functools.lru_cache(maxsize=None)
 def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int,
-                  kbits: int = 2, groups: int = 1, vbits: int = 2) -> str | None:
+                  kbits: int = 2, groups: int = 1, vbits: int = 2,
+                  split: tuple[int, int, int] = (0, 0, 0)) -> str | None:
     """The torch build, the GPU and one compile, once per device and geometry (``gqa``: query heads per CTA): a
     machine whose NVRTC fails gets the reason (and the Triton kernel), not a crash."""
     if not hasattr(torch.cuda, "_compile_kernel"):
@@ -225,11 +266,12 @@ def _device_error(device_index: int, head_dim: int, page_size: int, gqa: int, si
     if torch.cuda.get_device_capability(device_index) < (8, 0):
         return "needs compute capability >= 8.0 (mma.sync m16n8k16, movmatrix)"
     try:
-        _kernel(device_index, head_dim, page_size, gqa, sink_pages, min_blocks(0, head_dim, kbits, vbits=vbits), 1,
-                1, kbits=kbits, groups=groups, vbits=vbits)
+        _kernel(device_index, head_dim, page_size, gqa, sink_pages,
+                min_blocks(0, head_dim, kbits, vbits=vbits, split=bool(split[0])), 1, 1, kbits=kbits, groups=groups,
+                vbits=vbits, split=split)
     except Exception as e:  # NVRTC missing or refusing the source: reported, never fatal under "auto"
-        warnings.warn(f"oscar-kv: the CUDA decode kernel for {kbits}-bit keys and {vbits}-bit values did not compile "
-                      f"({e!r:.300}); using the Triton kernel")
+        warnings.warn(f"oscar-kv: the CUDA decode kernel for {kbits}-bit keys and {vbits}-bit values"
+                      f"{' (split keys)' if split[0] else ''} did not compile ({e!r:.300}); using the Triton kernel")
         return f"NVRTC compilation failed: {e!r:.300}"
     return None
 
@@ -255,11 +297,12 @@ def _index(device: torch.device) -> int:
 def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int, min_blocks: int,
             q_kind: int, o_kind: int, stamps: bool = False, rope_pairs: int = 0, rope_rot: int = 0,
             rope_interleaved: bool = False, kbits: int = 2, qgroups: int = 1, sliding: bool = False,
-            groups: int = 1, vbits: int = 2):
+            groups: int = 1, vbits: int = 2, split: tuple[int, int, int] = (0, 0, 0)):
     """``gqa``: query heads per CTA; ``qgroups``: CTAs per KV head.  ``rope_rot`` / ``rope_interleaved``: the RoPE
     layout's rotary dim (0: the head dim) and pairing (rope.RotaryLayout), which place the channels of each visited
     pair.  ``kbits`` / ``vbits``: the key / value code widths.  ``sliding``: the variant for sliding-window layers.
-    ``groups``: metadata groups per head (NG = D / G: 1, or 2 at D = 256)."""
+    ``groups``: metadata groups per head (NG = D / G: 1, or 2 at D = 256).  ``split``: split_defines of the layer's
+    split key width."""
     defines = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=NUM_WARPS,
                    MAX_PAGES=MAX_PAGES, MIN_BLOCKS=min_blocks, Q_KIND=q_kind, O_KIND=o_kind,
                    STAMPS=int(stamps), ROPE_R=rope_pairs, ROPE_ROT=rope_rot or head_dim,
@@ -268,6 +311,8 @@ def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pag
         defines.update(NG=groups, STEP16=int(step16(head_dim, kbits, rope_pairs, sliding)))
     if vbits != 2:  # (as do the sources of the INT2-value variants)
         defines.update(VBITS=vbits)
+    if split[0]:  # (and of the plain-key ones)
+        defines.update(SPLIT_M=split[0], SPLIT_HB=split[1], KTAIL=split[2])
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE.read_text()
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(source, "oscar_int2_decode")
@@ -348,7 +393,7 @@ def _counters(device: torch.device, pairs: int) -> torch.Tensor:
 def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, torch.Tensor], geom: PoolGeometry,
            batch: PagedBatch, out: torch.Tensor, splits: int, chunk: int, qk_scale: float,
            stamps: torch.Tensor | None = None, rope=None, widths: tuple[int, int] | None = None,
-           window: int | None = None) -> torch.Tensor:
+           window: int | None = None, split=None) -> torch.Tensor:
     """Decode attention over the mixed pool as one launch (``unsupported`` says which calls it takes).
 
     Args:
@@ -367,6 +412,8 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
         widths: the layer's (key, value) code widths (``geom.layer_widths``), one of WIDTHS; None: read off the
             code tensors' rows.
         window: the layer's sliding window (the query sees the last ``window`` tokens); None or 0: none.
+        split: the layer's quant.SplitWidth when its keys are split (``widths[0]`` is then its narrow width): key pages
+            of split_keys.row_bytes a row.
     Shapes:
         q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D]; stamps: int64 [B, Hkv x query_groups, splits, 16].
     Returns:
@@ -386,11 +433,13 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     if widths is None:
         widths = (kc.shape[-1] * 8 // d, vc.shape[-1] * 8 // d)
     kbits, vbits = widths
-    why = width_error(kbits, vbits)
+    why = width_error(kbits, vbits) or split_error(split, d)
     if why is not None:
         raise ValueError(why)
-    if kc.shape[-1] != d * kbits // 8 or vc.shape[-1] != d * vbits // 8:
-        raise ValueError(f"code rows of {kc.shape[-1]} / {vc.shape[-1]} bytes are not K{kbits}V{vbits} at head dim {d}")
+    key_row = d * kbits // 8 if split is None else row_bytes(split, d)
+    if kc.shape[-1] != key_row or vc.shape[-1] != d * vbits // 8 or (split is not None and split.bits != kbits):
+        raise ValueError(f"code rows of {kc.shape[-1]} / {vc.shape[-1]} bytes are not K{split or kbits}V{vbits} at "
+                         f"head dim {d}")
     why = group_error(d, geom.group_size)
     ng = geom.num_groups
     if why is not None or any(t.shape[-1] != ng for t in (ks, kz, vs, vz)):
@@ -402,8 +451,12 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
             (ks.data_ptr() | vs.data_ptr()) % (4 * ng) or (kz.data_ptr() | vz.data_ptr()) % (2 * ng):
         raise ValueError("the CUDA decode kernel reads two tokens' scales and zero points as one word each, from "
                          "tensors of one layout")
-    # K2V2 addresses both code pools with the same strides; other widths pass the keys' page and head strides
-    int2 = (kbits, vbits) == (2, 2)
+    if split is not None and (kc.data_ptr() % 16 or kc.stride(0) % 16 or kc.stride(1) % 16):
+        raise ValueError("the CUDA decode kernel copies split key tails 16 bytes at a time: key pages must start at "
+                         "multiples of 16 bytes")
+    # K2V2 addresses both code pools with the same strides; other widths (and split keys) pass the keys' page and head
+    # strides
+    int2 = (kbits, vbits) == (2, 2) and split is None
     rows = kc.stride() == vc.stride() if int2 else (kc.stride(-2) == kc.shape[-1] and vc.stride(-2) == vc.shape[-1])
     if not rows or kw.stride() != vw.stride() or \
             kc.stride(-1) != 1 or vc.stride(-1) != 1 or ks.stride(-1) != 1 or kw.stride(-1) != 1 or kw.stride(-2) != d:
@@ -445,9 +498,9 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     token_bytes = kc.shape[-1] + vc.shape[-1] + 2 * ng * (ks.element_size() + kz.element_size())  # codes, metadata
     history_bytes = bsz * h * splits * chunk * token_bytes  # an upper bound (the last chunk), read once from DRAM
     kernel = _kernel(_index(q.device), d, geom.page_size, hq // h // qgroups, geom.sink_pages,
-                     min_blocks(rope_r, d, kbits, vbits=vbits), _DTYPES[q.dtype], _DTYPES[target.dtype],
-                     stamps is not None, rope_r, rope_rot, rope_interleaved, kbits, qgroups, bool(window),
-                     geom.num_groups, vbits)
+                     min_blocks(rope_r, d, kbits, vbits=vbits, split=split is not None), _DTYPES[q.dtype],
+                     _DTYPES[target.dtype], stamps is not None, rope_r, rope_rot, rope_interleaved, kbits, qgroups,
+                     bool(window), geom.num_groups, vbits, split_defines(split))
     kernel(grid=(splits, h * qgroups, bsz), block=(NUM_WARPS * 32, 1, 1),
            args=[q, r, rotate, kc, ks, kz, vc, vs, vz, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
                  target, _counters(q.device, bsz * h * qgroups), float(qk_scale), q.stride(0), q.stride(1), stride_rh,

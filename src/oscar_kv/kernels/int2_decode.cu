@@ -85,6 +85,21 @@
 // bits like the float32 reference) and add into the same accumulator rows, their values times 4^s.
 // ROPE_R > 0 (keys centered per position, rope.py): every logit also gets q . RoPE_p(mu_pre) =
 // sum_j a_j cos(p t_j) + b_j sin(p t_j) over the R kept pairs j; see rope_terms.
+// SPLIT_M > 0 (split keys, kernels/split_keys.py; D <= 128, keys at KBITS = 2, 3 or 4): the first SPLIT_M channels
+// (all in slice 0, or slices 0 and 1 at m = D/2) are stored at SPLIT_HB bits with their own scale and zero point.  A
+// key page is a plain KBITS page (the loads above stay as they are) followed by the P rows' tails of KTAIL bytes
+// (the first part's float16 scale, uint8 zero point, then E = SPLIT_HB - KBITS planes of m/8 bytes: plane p, byte j,
+// bit k is bit p of channel j + k m/8's upper code).  A logit is then s_lo (c_lo + z_lo qz_lo) + s_hi (c_hi + z_hi
+// qz_hi):
+//   c_lo  the usual key MMAs with the query masked to channels >= m (Query.qb);
+//   c_hi  the s = 0 MMAs' A operands times the query masked to channels < m (Query.qh: the low KBITS bits; one more
+//         MMA each; pairing two MMAs' slice 0 halves in one at m <= D/4 timed the same), plus one MMA per 16 first-part
+//         channels whose A operand is the upper code << KBITS, as float16 1024 + u 2^KBITS (<= 1024 + 255, exact),
+//         and whose k order follows the planes: thread t of MMA hh takes plane byte b = 2 hh + t / 2, bits 4 (t % 2)
+//         .. + 3, i.e. channels b + (4 (t % 2) + i) m/8 (Query.qu lists the same channels).
+// The tails of a 16-token sub-tile are 16 KTAIL contiguous bytes, 16-byte aligned; a warp copies them into shared
+// memory with cp.async one step ahead (load_tails; no registers held in flight) and each thread reads its tokens'
+// bytes there.  The buffers overlay the warp's own s_acc rows, which it writes only after its last step.
 #define NT (NWARPS * 32)
 #ifndef KBITS
 #define KBITS 2
@@ -104,9 +119,13 @@
 #ifndef STEP16
 #define STEP16 0
 #endif
-#define KROW (D * KBITS / 8)  // key code bytes of a token row
+#ifndef SPLIT_M
+#define SPLIT_M 0
+#endif
+#define KROW (D * KBITS / 8)  // key code bytes of a token row (split keys: its plain part)
 #define VROW (D * VBITS / 8)  // value code bytes of a token row
-#define KV_STRIDES (KBITS != 2 || VBITS != 2)  // keys addressed with their own strides (stride_kcp, stride_kch)
+// keys addressed with their own strides (stride_kcp, stride_kch)
+#define KV_STRIDES (KBITS != 2 || VBITS != 2 || SPLIT_M)
 #define D4 (D / 4)
 #define KSTEPS (D / 16)
 // A thread's share of a 16-token sub-tile: KB key code bytes of a token row (4 threads per row), VB value code
@@ -191,6 +210,21 @@ static_assert(KBITS == 2 || KBITS == 3 || KBITS == 4 || KBITS == 5 || KBITS == 8
 static_assert(VBITS == 2 || VBITS == 3 || VBITS == 4, "values at 2, 3 or 4 bits");
 static_assert(GQA >= 1 && GQA <= 8, "one n8 MMA column block holds at most 8 query heads");
 static_assert(P % 16 == 0, "pages hold whole 16-token sub-tiles");
+#if SPLIT_M
+#define SPLIT_E (SPLIT_HB - KBITS)                    // upper bits of a first-part code
+#define SPLIT_PB (SPLIT_M / 8)                         // bytes of one plane of them
+#define SPLIT_NH (SPLIT_M >= 16 ? SPLIT_M / 16 : 1)   // upper-bit MMAs per sub-tile
+#define SPLIT_S1 (SPLIT_M > D4)                        // the first part reaches slice 1 (m = D/2)
+#define HFRAC (SPLIT_HB == 8 ? 1.f : 1.f / (float)(1 << (8 - SPLIT_HB)))  // the first part's 2^-F
+static_assert(D <= 128 && NG == 1 && (KBITS == 2 || KBITS == 3 || KBITS == 4), "split keys: D <= 128, KBITS 2-4");
+static_assert(SPLIT_M >= 8 && SPLIT_M <= D / 2 && (SPLIT_M & (SPLIT_M - 1)) == 0, "split keys: m = 8 .. D/2, 2^k");
+static_assert(SPLIT_E >= 1 && SPLIT_HB <= 8, "split keys: the first part 1 .. 8 - KBITS bits wider, at most 8");
+static_assert(KTAIL == 3 + SPLIT_E * SPLIT_PB, "split keys: a tail is the scale, the zero point and E planes");
+static_assert(4 * 16 * KTAIL <= 8 * D * 4, "split keys: a warp's four tail buffers fit its s_acc rows");
+#define HZFRAC HFRAC
+#else
+#define HZFRAC KFRAC
+#endif
 
 // (x & (3 << 2s)) | magic in both halves, magic = 0x64006400 held in a register: the mask is LOP3's one
 // immediate.  (With both constants as literals ptxas re-creates the mask in a register before every LOP3.)
@@ -429,6 +463,9 @@ struct Source {
 #if KV_STRIDES
   unsigned long long kcp;   // key page stride (code bytes)
 #endif
+#if SPLIT_M
+  const unsigned char* kt;  // the KV head's first page's tails (its P plain rows on): no lane offset
+#endif
   const unsigned char* v;  // + 2t*VROW + VB g
 #if VBITS != 2
   const unsigned char* vx;  // + 2t*VROW + the thread's second value bytes (SubTile.vx)
@@ -551,6 +588,31 @@ __device__ __forceinline__ void load_sub_tile(SubTile& st, const Source& src, in
   load_meta(st.km, src.ks + om, src.kz + om);
   load_meta(st.vm, src.vs + om, src.vz + om);
 }
+
+#if SPLIT_M
+__device__ __forceinline__ u32 shared_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+// The warp copies the 16 tails of the sub-tile at pos (16 KTAIL bytes, 16-byte aligned) to dst, 16 bytes a lane.
+__device__ __forceinline__ void load_tails(unsigned char* dst, const Source& src, int pos) {
+  const unsigned rel = (unsigned)(pos - src.first);
+  const unsigned phys = (unsigned)src.pages[rel / P], off = rel % P;
+  const unsigned char* from = src.kt + (unsigned long long)phys * src.kcp + off * KTAIL;
+#pragma unroll
+  for (int c = threadIdx.x & 31; c < KTAIL; c += 32)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_addr(dst + 16 * c)), "l"(from + 16 * c)
+                 : "memory");
+}
+__device__ __forceinline__ void tails_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Wait until at most N of the warp's copies are in flight, then let every lane see the others' bytes.
+template <int N>
+__device__ __forceinline__ void tails_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+  __syncwarp();
+}
+#endif
 
 // One warp's running state: O^T fragments (block i: rows = channel combos 2i, 2i+1; cols = heads 2t, 2t+1),
 // running max m, and this thread's partial sums of p (l) and of p * scale_v * zero_v (n: -2^-F n is the minimum's
@@ -774,18 +836,42 @@ struct Query {
 #endif
   float koff0, koff1;  // 1024 * sum of the float16 B entries, heads 2t and 2t+1
   float qz0, qz1;      // -2^-F * sum of the query, heads 2t and 2t+1: a logit is s c + s z qz
-#if NG == 2
-  float koffh0, koffh1, qzh0, qzh1;  // the same over group 1 (slices 2, 3); koff / qz: group 0 (slices 0, 1)
+#if NG == 2 || SPLIT_M
+  // the same over group 1 (slices 2, 3; koff / qz: group 0, slices 0, 1), or over a split row's first part (koff /
+  // qz: the second's)
+  float koffh0, koffh1, qzh0, qzh1;
+#endif
+#if SPLIT_M
+  u32 qh[KSTEPS / 2];  // B fragments of the first part's MMAs over the s = 0 MMAs' codes: qb[4 k] masked to it
+#if SPLIT_S1
+  u32 qh1[KSTEPS / 2];  // and qb[4 k + 1] (slice 1), at m = D/2
+#endif
+  u32 qu[2 * SPLIT_NH];  // B fragments of the upper-bit MMAs (their channels: the header's SPLIT_M paragraph)
 #endif
   u32 magic;           // 0x64006400, opaque to ptxas (see code_half2)
 };
 
 // One 32-token step: two sub-tiles, one softmax update.  HALF: only the first sub-tile holds tokens.  skip
 // (SLIDING): how many of the step's first tokens lie below the window.
+// tl (split keys): the two sub-tiles' tails in shared memory (load_tails), 16 KTAIL bytes apart.
 template <bool HALF>
-__device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur, float2 rph, int skip = 0) {
+__device__ __forceinline__ void step(State& st, const Query& q, const SubTile* cur, float2 rph, int skip,
+                                     const unsigned char* tl) {
   const float kinit[4] = {-q.koff0, -q.koff1, -q.koff0, -q.koff1};
-#if D > 128 && NG == 2
+#if SPLIT_M
+#if SPLIT_S1
+#define QH1(k) q.qh1[k]
+#else
+#define QH1(k) 0u
+#endif
+  // c: the second part's logits; ch: the first part's, from the codes' low bits (the MMAs of s = 0, i = 4 k, again)
+  // and the upper bits (after the loop)
+  const float kinit_h[4] = {-q.koffh0, -q.koffh1, -q.koffh0, -q.koffh1};
+#define KMMA(s, i, a0, a1, a2, a3) { \
+  const u32 A0 = (a0), A1 = (a1), A2 = (a2), A3 = (a3); \
+  mma(c, A0, A1, A2, A3, q.qb[i], q.qb[(i) + 1], (i) == 0 ? kinit : c); \
+  if ((s) == 0) mma(ch, A0, A1, A2, A3, q.qh[(i) / 4], QH1((i) / 4), (i) == 0 ? kinit_h : ch); }
+#elif D > 128 && NG == 2
   // two logit accumulators: c sums slices 0, 1 (group 0: the MMAs of s = 0), ch slices 2, 3 (group 1: s = 2)
   const float kinit_h[4] = {-q.koffh0, -q.koffh1, -q.koffh0, -q.koffh1};
 #define KMMA(s, i, a0, a1, a2, a3) { \
@@ -810,7 +896,7 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
       continue;
     }
     float c[4];
-#if NG == 2
+#if NG == 2 || SPLIT_M
     float ch[4];
 #endif
 #pragma unroll
@@ -876,17 +962,51 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
     sc[u][2] = ks1.x * c[2] + ks1.y * ch[2] + (sz1.x * q.qz0 + sz1.y * q.qzh0);
     sc[u][3] = ks1.x * c[3] + ks1.y * ch[3] + (sz1.x * q.qz1 + sz1.y * q.qzh1);
 #else
+#if SPLIT_M
+    // the first part's upper bits (one MMA per 16 of its channels), then its scale and zero point, from the tails
+    const int lg = (threadIdx.x & 31) >> 2, lt = threadIdx.x & 3;
+    const unsigned char* r0 = tl + 16 * KTAIL * u + KTAIL * lg;  // token g's tail
+    const unsigned char* r1 = r0 + 8 * KTAIL;                    // token g + 8's
+#pragma unroll
+    for (int hh = 0; hh < SPLIT_NH; ++hh) {
+      const int b = 2 * hh + (lt >> 1), sh = 4 * (lt & 1);  // plane byte, bit: channels b + (sh + i) m/8, i < 4
+      u32 u0 = 0u, u1 = 0u;  // byte i: channel i's upper code
+      if (SPLIT_M >= 16 || b < SPLIT_PB) {  // (m = 8: threads 2, 3 feed zeros to zero query entries)
+#pragma unroll
+        for (int p = 0; p < SPLIT_E; ++p) {
+          const u32 n0 = ((u32)r0[3 + SPLIT_PB * p + b] >> sh) & 15u, n1 = ((u32)r1[3 + SPLIT_PB * p + b] >> sh) & 15u;
+          u0 |= ((n0 * 0x00204081u) & 0x01010101u) << p;  // bit i of the nibble to bit 0 of byte i
+          u1 |= ((n1 * 0x00204081u) & 0x01010101u) << p;
+        }
+      }
+      u0 <<= KBITS;  // u 2^KBITS < 2^SPLIT_HB <= 256: a byte still
+      u1 <<= KBITS;
+      mma(ch, __byte_perm(u0, 0u, 0x4140) | q.magic, __byte_perm(u1, 0u, 0x4140) | q.magic,
+          __byte_perm(u0, 0u, 0x4342) | q.magic, __byte_perm(u1, 0u, 0x4342) | q.magic, q.qu[2 * hh],
+          q.qu[2 * hh + 1], ch);
+    }
+    const float hs0 = f16_to_f32((u16)(r0[0] | (r0[1] << 8))), hs1 = f16_to_f32((u16)(r1[0] | (r1[1] << 8)));
+    const float hz0 = hs0 * (float)r0[2], hz1 = hs1 * (float)r1[2];
+#endif
     float2 ks, kz;  // (token g, token g+8)
     scale_zero(cur[u].km, ks, kz);
     // s z qz does not wait for the MMAs: after them one FFMA a logit, as with a stored minimum
     const float sz0 = ks.x * kz.x, sz1 = ks.y * kz.y;
+#if SPLIT_M
+    sc[u][0] = fmaf(ks.x, c[0], sz0 * q.qz0) + fmaf(hs0, ch[0], hz0 * q.qzh0);
+    sc[u][1] = fmaf(ks.x, c[1], sz0 * q.qz1) + fmaf(hs0, ch[1], hz0 * q.qzh1);
+    sc[u][2] = fmaf(ks.y, c[2], sz1 * q.qz0) + fmaf(hs1, ch[2], hz1 * q.qzh0);
+    sc[u][3] = fmaf(ks.y, c[3], sz1 * q.qz1) + fmaf(hs1, ch[3], hz1 * q.qzh1);
+#else
     sc[u][0] = fmaf(ks.x, c[0], sz0 * q.qz0);
     sc[u][1] = fmaf(ks.x, c[1], sz0 * q.qz1);
     sc[u][2] = fmaf(ks.y, c[2], sz1 * q.qz0);
     sc[u][3] = fmaf(ks.y, c[3], sz1 * q.qz1);
 #endif
+#endif
   }
 #undef KMMA
+#undef QH1
 #if ROPE_R
   rope_terms<HALF ? 1 : 2>(sc, rph);
 #endif
@@ -1363,6 +1483,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 #endif
   src.kcp = (unsigned long long)stride_kcp;
 #endif
+#if SPLIT_M
+  src.kt = Kc + (long long)h * stride_kch + P * KROW;
+#endif
   src.v = Vc + (long long)h * stride_ch + 2 * t * VROW + VB * g;
 #if VBITS != 2
   src.vx = src.v + D4 + (VBITS == 3 ? VB * (g & 3) - VB * g : 0);
@@ -1384,10 +1507,30 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   SubTile buf0[2], buf1[2];
   int pos = start + 32 * warp;
   const int full_end = end - 31;  // pos < full_end <=> pos + 32 <= end
+#if SPLIT_M
+  // split keys: buffer bf's two sub-tiles' tails (the warp's s_acc rows: the header's SPLIT_M paragraph).  A copy
+  // group is committed at every load point, issued or not, so waiting for all but the newest group finds the tails
+  // of the step about to run in place; a buffer is refilled only after every lane has read it (__syncwarp).
+  unsigned char* const tails = reinterpret_cast<unsigned char*>(&s_acc[warp][0][0]);
+#define TAILS(bf) (tails + 32 * KTAIL * (bf))
+#define LOAD_TAILS(bf, p) { \
+  __syncwarp(); \
+  load_tails(TAILS(bf), src, p); \
+  load_tails(TAILS(bf) + 16 * KTAIL, src, (p) + 16); }
+#define COMMIT_TAILS() tails_commit()
+#define WAIT_TAILS(n) tails_wait<n>()
+#else
+#define TAILS(bf) nullptr
+#define LOAD_TAILS(bf, p)
+#define COMMIT_TAILS()
+#define WAIT_TAILS(n)
+#endif
   if (pos < full_end) {
     load_sub_tile(buf0[0], src, pos);
     load_sub_tile(buf0[1], src, pos + 16);
+    LOAD_TAILS(0, pos);
   }
+  COMMIT_TAILS();
 #endif
 #if ROPE_R
   const int rpair = PR[(long long)h * ROPE_R + min(lane, ROPE_R - 1)];  // the pair whose phases this lane stages
@@ -1429,8 +1572,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 
   {
     float off_part = 0.f, sum_part = 0.f;
-#if NG == 2
-    float offh_part = 0.f, sumh_part = 0.f;  // group 1 (slices 2, 3)
+#if NG == 2 || SPLIT_M
+    float offh_part = 0.f, sumh_part = 0.f;  // group 1 (slices 2, 3), or a split row's first part
 #endif
     const float* qrow = s_q[g < GQA ? g : 0];
 #pragma unroll
@@ -1440,9 +1583,24 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           const int j = KB * t + 4 * w + hp;
-          const float x0 = g < GQA ? qrow[j + D4 * s] : 0.f;
-          const float x1 = g < GQA ? qrow[j + 2 + D4 * s] : 0.f;
+          float x0 = g < GQA ? qrow[j + D4 * s] : 0.f;
+          float x1 = g < GQA ? qrow[j + 2 + D4 * s] : 0.f;
           const float f = 1.f / (float)(1 << key_shift(s));  // the codes' factor 2^key_shift(s)
+#if SPLIT_M
+          if (s < 2) {  // channels < m sit in slices 0 and 1: their entries go to qh / qh1, and out of qb
+            const float h0 = j + D4 * s < SPLIT_M ? x0 : 0.f, h1 = j + 2 + D4 * s < SPLIT_M ? x1 : 0.f;
+            const u32 h2 = pack_half2(h0 * f, h1 * f);
+            if (s == 0) q.qh[2 * w + hp] = h2;
+#if SPLIT_S1
+            else q.qh1[2 * w + hp] = h2;
+#endif
+            const float2 hf = halves(h2);
+            offh_part += hf.x + hf.y;
+            sumh_part += h0 + h1;
+            x0 -= h0;
+            x1 -= h1;
+          }
+#endif
           const u32 q2 = pack_half2(x0 * f, x1 * f);
 #if D > 128
           q.qb = &s_qb[0][lane];  // the same numbers (s_qb, filled after the query scaling)
@@ -1460,16 +1618,32 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
           off_part += qh.x + qh.y;
           sum_part += x0 + x1;
         }
+#if SPLIT_M
+    // the upper-bit MMAs' B fragments: channels b + (4 (t % 2) + i) m/8 of plane byte b = 2 hh + t / 2 (none at m = 8
+    // for t >= 2)
+#pragma unroll
+    for (int hh = 0; hh < SPLIT_NH; ++hh) {
+      const int b = 2 * hh + (t >> 1), c0 = b + 4 * (t & 1) * SPLIT_PB;
+      const bool live = g < GQA && b < SPLIT_PB;
+      float y[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) y[i] = live ? qrow[c0 + i * SPLIT_PB] : 0.f;
+      q.qu[2 * hh] = pack_half2(y[0], y[1]);
+      q.qu[2 * hh + 1] = pack_half2(y[2], y[3]);
+      const float2 h01 = halves(q.qu[2 * hh]), h23 = halves(q.qu[2 * hh + 1]);
+      offh_part += (h01.x + h01.y) + (h23.x + h23.y);  // (sum(q) has them already: the low bits' sumh_part)
+    }
+#endif
     off_part = quad_sum(off_part);
     sum_part = quad_sum(sum_part);
     // this thread's output columns are heads 2t and 2t + 1: their sums sit in rows 2t, 2t + 1
     head_pair(off_part, t, 1024.f, q.koff0, q.koff1);
     head_pair(sum_part, t, -KFRAC, q.qz0, q.qz1);
-#if NG == 2
+#if NG == 2 || SPLIT_M
     offh_part = quad_sum(offh_part);
     sumh_part = quad_sum(sumh_part);
     head_pair(offh_part, t, 1024.f, q.koffh0, q.koffh1);
-    head_pair(sumh_part, t, -KFRAC, q.qzh0, q.qzh1);
+    head_pair(sumh_part, t, -HZFRAC, q.qzh0, q.qzh1);
 #endif
   }
 
@@ -1489,7 +1663,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     int npos = pos + 16 * NWARPS;
     if (npos < end) load_sub_tile(buf1[0], src, npos);
     float2 rnext = ROPE_PHASE(npos);
-    step<true>(st, q, buf0, rph, STEP_SKIP(pos));
+    step<true>(st, q, buf0, rph, STEP_SKIP(pos), nullptr);
     rph = rnext;
     STEP_STAMP(nsteps);
     pos = npos;
@@ -1497,7 +1671,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     npos = pos + 16 * NWARPS;
     if (npos < end) load_sub_tile(buf0[0], src, npos);
     rnext = ROPE_PHASE(npos);
-    step<true>(st, q, buf1, rph, STEP_SKIP(pos));
+    step<true>(st, q, buf1, rph, STEP_SKIP(pos), nullptr);
     rph = rnext;
     STEP_STAMP(nsteps);
     pos = npos;
@@ -1508,9 +1682,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     if (npos < full_end) {
       load_sub_tile(buf1[0], src, npos);
       load_sub_tile(buf1[1], src, npos + 16);
+      LOAD_TAILS(1, npos);
     }
+    COMMIT_TAILS();
     float2 rnext = ROPE_PHASE(npos);
-    step<false>(st, q, buf0, rph, STEP_SKIP(pos));
+    WAIT_TAILS(1);
+    step<false>(st, q, buf0, rph, STEP_SKIP(pos), TAILS(0));
     rph = rnext;
     STEP_STAMP(nsteps);
     pos = npos;
@@ -1519,17 +1696,31 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     if (npos < full_end) {
       load_sub_tile(buf0[0], src, npos);
       load_sub_tile(buf0[1], src, npos + 16);
+      LOAD_TAILS(0, npos);
     }
+    COMMIT_TAILS();
     rnext = ROPE_PHASE(npos);
-    step<false>(st, q, buf1, rph, STEP_SKIP(pos));
+    WAIT_TAILS(1);
+    step<false>(st, q, buf1, rph, STEP_SKIP(pos), TAILS(1));
     rph = rnext;
     STEP_STAMP(nsteps);
     pos = npos;
   }
   if (pos < end) {  // 16 tokens left for this warp
     load_sub_tile(buf0[0], src, pos);
-    step<true>(st, q, buf0, rph, STEP_SKIP(pos));
+#if SPLIT_M
+    __syncwarp();
+    load_tails(TAILS(0), src, pos);
+#endif
+    COMMIT_TAILS();
+    WAIT_TAILS(0);
+    step<true>(st, q, buf0, rph, STEP_SKIP(pos), TAILS(0));
   }
+  WAIT_TAILS(0);  // (every copy has landed before the warp writes its s_acc rows)
+#undef TAILS
+#undef LOAD_TAILS
+#undef COMMIT_TAILS
+#undef WAIT_TAILS
 #endif
 
   STAMP(4);
