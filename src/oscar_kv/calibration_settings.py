@@ -85,9 +85,10 @@ class CalibrationSettings:
     key_bits: int | str = "auto"
     # "split" adds split key widths to "auto"'s candidates (allocation.py, "Split keys"): a layer's keys may store
     # the queries' top eigen-directions wider than the rest; "plain": one width a row; "auto": both paths through the
-    # KL check, the fewer bits that meet it (the key noise ranks widths within a family, not plain against split:
-    # benchmarks/NOTES.md, runs D36-D38).  The serving engine reads both (split layers in the CUDA decode kernel at
-    # head dim 64 and 128, 1.14-1.41x an INT2 layer's time for 1.10x its bytes at 4x16+2: run SK3)
+    # KL check, the fewer bits that meet it, plain within one layer's widening (the key noise ranks widths within a
+    # family, not plain against split: benchmarks/NOTES.md, runs D36-D38).  The serving engine reads both (split
+    # layers in the CUDA decode kernel at head dim 64 and 128, 1.14-1.41x an INT2 layer's time for 1.10x its bytes at
+    # 4x16+2: run SK3)
     key_formats: str = "plain"
     # values' widths: "auto" allocates them with the keys (allocation.py: the value output noise, in the keys' units)
     value_bits: int | str = "auto"

@@ -93,7 +93,8 @@ def calibrate(
         KeyFormats.plain, help="With --key-bits auto: 'split' also lets a layer store its keys at two widths, the "
         "queries' top 1/8, 1/4 or 1/2 of the rotated key directions wider than the rest (e.g. 4x32+2: 32 channels at "
         "4 bits, 96 at 2), where that is quieter for the bits. 'auto' walks both the plain and the split widths "
-        "through the KL check (--max-kl / --max-answer-kl) and keeps the fewer bits that meet it: split keys met "
+        "through the KL check (--max-kl / --max-answer-kl) and keeps the fewer bits that meet it (plain where split "
+        "saves less than one layer's widening: plain decodes faster): split keys met "
         "every accuracy target on Qwen2.5 at 2.77 bits per element at 32K (plain: 3.30) but cost bits on SmolLM2 and "
         "Gemma 3. `serve` decodes split layers in its CUDA kernel at head dim 64 and 128 (4x16+2 on an H200: 1.14-1.41x "
         "the INT2 layer's time, 1.5-2.5x faster than BF16 attention; run SK3), with Triton at head dim 256."),

@@ -188,7 +188,13 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
         if progress and len(formats) > 1:
             print(f"  key formats {name}:", flush=True)
         paths[name] = choose(table)
-    chosen = cheapest_meeting(paths, kl_targets(settings))
+    # below the search's own resolution the two families cost the same: keep plain widths, which decode faster (a
+    # split layer takes 1.14-1.41x an INT2 layer's time for 1.10x its bytes: benchmarks/NOTES.md, run SK3)
+    one_widening = (bits_per_element(seq_len, g.head_dim, rot.group_size, 2, k_bits=[3] + [2] * (g.num_layers - 1),
+                                     v_bits=[2] * g.num_layers)
+                    - bits_per_element(seq_len, g.head_dim, rot.group_size, 2, k_bits=[2] * g.num_layers,
+                                       v_bits=[2] * g.num_layers))
+    chosen = cheapest_meeting(paths, kl_targets(settings), tie_bits=one_widening)
     choice, measured = paths[chosen]
     use(choice.k_bits, choice.v_bits)
     allocated = len(candidates) > 1 or len(v_candidates) > 1
@@ -206,8 +212,9 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
                                       for n in (32768, 131072)}}
     if settings.key_formats == "auto":
         record["key_formats"] = {"chosen": chosen, "reason": say_auto or (
-            f"of the widths meeting the KL check, the fewest bits per element at {seq_len} tokens" if len(paths) > 1
-            else ""), "paths": {name: {"bits_per_element": c.bits_per_element, "reason": c.reason,
+            f"of the widths meeting the KL check, the fewest bits per element at {seq_len} tokens; plain widths "
+            f"where they cost at most one layer's widening more ({one_widening:.4f} bits)" if len(paths) > 1
+            else ""), "tie_bits": round(one_widening, 5), "paths": {name: {"bits_per_element": c.bits_per_element, "reason": c.reason,
                                         **{k: v for k, v in (m or {}).get(c.steps, {}).items()
                                            if k in ("kl", "answer_kl")}}
                                  for name, (c, m) in paths.items()}}
@@ -223,16 +230,23 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
     return record
 
 
-def cheapest_meeting(paths: dict[str, tuple[WidthChoice, dict | None]], targets: dict[str, float]) -> str:
+def cheapest_meeting(paths: dict[str, tuple[WidthChoice, dict | None]], targets: dict[str, float],
+                     tie_bits: float = 0.0) -> str:
     """The name of the path whose widths meet every KL target (as measured at its chosen step) with the fewest bits
-    per element; with none meeting them, the first path's ("plain")."""
+    per element; the first path's ("plain") where it meets them within ``tie_bits`` of those, or none meets them."""
     def meets(choice: WidthChoice, measured: dict | None) -> bool:
         if measured is None or choice.steps not in measured:
             return measured is None
         return all(measured[choice.steps][name] <= target for name, target in targets.items())
 
     meeting = [name for name, (c, m) in paths.items() if meets(c, m)]
-    return min(meeting, key=lambda name: paths[name][0].bits_per_element) if meeting else next(iter(paths))
+    first = next(iter(paths))
+    if not meeting:
+        return first
+    best = min(meeting, key=lambda name: paths[name][0].bits_per_element)
+    if first in meeting and paths[first][0].bits_per_element - paths[best][0].bits_per_element <= tie_bits:
+        return first
+    return best
 
 
 def kl_targets(settings: CalibrationSettings) -> dict[str, float]:
