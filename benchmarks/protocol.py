@@ -105,6 +105,11 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     default = calibrate(model, tokenizer, settings, progress=False) if set(candidates) - set(calibrated) else None
     derived = set(candidates) - set(calibrated) - {"default"}
     max_len = default.manifest["calibration"]["widths"]["seq_len"] if default else None
+    # derived widths are plain ones: a split layer's keys are stored in its split rotation, so they come from the
+    # default's plain path (the default's checks over plain widths alone) where the default chose split keys
+    base = default
+    if derived and default.has_split_keys:
+        base = calibrate(model, tokenizer, replace(settings, key_formats="plain"), progress=False)
     probe = held_back_probe(model, tokenizer, settings) if derived else None
     artifacts = {}
     for name in candidates:
@@ -123,8 +128,8 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
             tolerance = {"key_noise": float(name[5:]) or None} if name[5:] else {}
             rot = calibrate(model, tokenizer, replace(settings, key_formats="split", **tolerance), progress=False)
         else:
-            widths = candidate_widths(name, default, max_len)
-            rot = default if widths is None else with_widths(default, *widths, probe)
+            widths = candidate_widths(name, base, max_len)
+            rot = default if widths is None else with_widths(base, *widths, probe)
         rot.save(directory / f"artifact_{name}")
         artifacts[name] = rot
         max_len = max_len or rot.manifest["calibration"]["widths"]["seq_len"]

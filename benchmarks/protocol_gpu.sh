@@ -185,6 +185,10 @@ PY
           step d41 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates auto ;;
         d42) wait_for gemma
           step d42 --model gemma3-270m:8192,16384,32768 --tasks kl --baselines bf16 --candidates auto ;;
+        # run D43 (next): the default with YaRN at 64K over 12 + 12 prompts (D40 lost 1 of 6 single needles there)
+        d43) wait_for qwen
+          step d43 --model qwen2.5-coder-1.5b@yarn4:65536 --niah-samples 12 --text stdlib: --baselines bf16 \
+            --candidates default ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;

@@ -31,7 +31,7 @@ def smol():
 
 @pytest.fixture
 def model(smol):
-    """The session model, restored to its original weights and SDPA attention after each test."""
+    """The session model, restored to its original weights and exact attention after each test."""
     from oscar_kv.cache import unprepare_model
 
     lm, _ = smol

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .errors import NonFiniteActivations
+from .exact_attention import exact_attention
 from .models import AttentionGeometry
 from .rotation import rotate
 
@@ -25,8 +25,8 @@ _active: list = []  # the observer of the forward in flight (a stack, so capture
 
 
 def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                          dropout=dropout, **kwargs)
+    out, weights = exact_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                   **kwargs)
     if _active:
         for name, t in (("queries", query), ("keys", key), ("values", value), ("attention outputs", out)):
             if not torch.isfinite(t).all():

@@ -21,12 +21,12 @@ from typing import Literal
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .artifacts import Rotations
 from .codec import LayerCodec, layer_codecs, stored_attention, validated_artifact
 from .config import CacheConfig
+from .exact_attention import exact_attention, use_exact_attention
 from .folding import fold_values, restore_model
 from .memory import KVFootprint
 from .models import layer_windows
@@ -210,9 +210,9 @@ def prepare_model(model, rotations: Rotations) -> None:
 
 
 def unprepare_model(model) -> None:
-    """Restore the original weights and SDPA attention."""
+    """Restore the original weights and exact attention."""
     restore_model(model)
-    model.set_attn_implementation("sdpa")
+    use_exact_attention(model)
 
 
 def _mask_for_cache(*args, **kwargs):
@@ -231,8 +231,8 @@ def oscar_attention(module, query, key, value, attention_mask, scaling=None, dro
 
     A query at position p sees the keys at positions (p - window, p] of a sliding-window layer, [0, p] otherwise;
     transformers' mask (sliding for such layers) holds the same band, and padding."""
-    if not isinstance(key, OscarCacheLayer):  # a forward without our cache: plain tensors, exact SDPA
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if not isinstance(key, OscarCacheLayer):  # a forward without our cache: plain tensors, exact attention
+        return exact_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit softcapping (Gemma 2) is not supported by the oscar_kv cache")
     layer = key

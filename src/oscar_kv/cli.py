@@ -90,14 +90,15 @@ def calibrate(
         "spent. Long-context retrieval fails on key noise first (a noisy far key outbids the needle). The manifest's "
         "calibration.widths records every layer's noise per width and the reason for the choice."),
     key_formats: KeyFormats = typer.Option(
-        KeyFormats.plain, help="With --key-bits auto: 'split' also lets a layer store its keys at two widths, the "
-        "queries' top 1/8, 1/4 or 1/2 of the rotated key directions wider than the rest (e.g. 4x32+2: 32 channels at "
-        "4 bits, 96 at 2), where that is quieter for the bits. 'auto' walks both the plain and the split widths "
-        "through the KL check (--max-kl / --max-answer-kl) and keeps the fewer bits that meet it (plain where split "
-        "saves less than one layer's widening: plain decodes faster): split keys met "
-        "every accuracy target on Qwen2.5 at 2.77 bits per element at 32K (plain: 3.30) but cost bits on SmolLM2 and "
-        "Gemma 3. `serve` decodes split layers in its CUDA kernel at head dim 64 and 128 (4x16+2 on an H200: 1.14-1.41x "
-        "the INT2 layer's time, 1.5-2.5x faster than BF16 attention; run SK3), with Triton at head dim 256."),
+        KeyFormats.auto, help="With --key-bits auto: 'plain' stores each layer's keys at one width; 'split' also lets a "
+        "layer store them at two, the queries' top 1/8, 1/4 or 1/2 of the rotated key directions wider than the rest "
+        "(e.g. 4x32+2: 32 channels at 4 bits, 96 at 2), where that is quieter for the bits. 'auto' (the default) walks "
+        "both through the KL check (--max-kl / --max-answer-kl) and keeps the fewer bits that meet it (plain where "
+        "split saves less than one layer's widening, and without a KL check: plain decodes faster). It chose split "
+        "keys on Qwen2.5 (every accuracy target met at 2.77 bits per element at 32K; plain: 3.30) and plain on "
+        "SmolLM2, Gemma 3 and Qwen2.5 with YaRN at 128K. A split path doubles the check's time. `serve` decodes split "
+        "layers in its CUDA kernel at head dim 64 and 128 (4x16+2 on an H200: 1.14-1.41x the INT2 layer's time, "
+        "1.5-2.5x faster than BF16 attention; run SK3), with Triton at head dim 256."),
     value_bits: str = typer.Option(
         "auto", metavar="auto|2|3|4", help="Bits per stored value. 'auto' measures each layer's value output noise "
         "(the values' squared error relative to their spread at 2, 3 and 4 bits, value clips fitted per width: a "

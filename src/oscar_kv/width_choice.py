@@ -133,7 +133,8 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
         noise[width] = [float(key_noise(rot, c_q[i], probe[i], i).max()) for i in layers]
     plain_rotation = rot.k_rotation.clone()
     split_rotation: dict[int, torch.Tensor] = {}
-    if settings.key_formats in ("split", "auto"):
+    # "auto" without a KL check keeps plain widths (below): the split ones are not measured for nothing
+    if settings.key_formats == "split" or (settings.key_formats == "auto" and kl_targets(settings)):
         split_rotation = split_rotations(rot, c_q)
         split_noise, split_clips = measure_split_widths(rot, c_q, probe, split_rotation)
         noise.update(split_noise)
@@ -178,11 +179,9 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
     plain = {w: noise[w] for w in candidates}
     formats = {"plain": plain} if not split_rotation else {"split": noise} if settings.key_formats == "split" else {
         "plain": plain, "split": noise}
-    if len(formats) > 1 and not kl_targets(settings):  # the key noise does not rank the two families: keep plain
-        formats = {"plain": plain}
+    say_auto = None
+    if settings.key_formats == "auto" and not kl_targets(settings):  # the key noise does not rank the two families
         say_auto = "no KL check ran (the key noise alone does not rank plain against split widths): plain widths"
-    else:
-        say_auto = None
     paths = {}
     for name, table in formats.items():
         if progress and len(formats) > 1:

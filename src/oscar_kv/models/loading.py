@@ -200,6 +200,8 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dtyp
     extends the context with YaRN (``with_yarn``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from ..exact_attention import use_exact_attention
+
     source = resolve_model(spec)
     dtype = dtype or default_dtype(device)
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -208,5 +210,6 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dtyp
         with_yarn(config, yarn_factor)
     model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, attn_implementation="sdpa")
     model.to(device).eval()
+    use_exact_attention(model)  # SDPA, but float32 on CUDA in a kernel that does not form [T, T] scores
     model.oscar_model_name = str(spec)
     return model, tokenizer
