@@ -125,7 +125,7 @@ class CalibrationSettings:
             raise ConfigError(f"key bits must be 'auto' or one of {KEY_WIDTHS}, got {self.key_bits!r}")
         if self.key_formats not in KEY_FORMATS:
             raise ConfigError(f"key formats must be one of {KEY_FORMATS}, got {self.key_formats!r}")
-        if self.key_formats != "plain" and self.key_bits != "auto":
+        if self.key_formats == "split" and self.key_bits != "auto":  # "auto" with one key width: plain
             raise ConfigError("split key widths are chosen by the allocation: they need key bits 'auto'")
         if self.value_bits != "auto" and self.value_bits not in VALUE_WIDTHS:
             raise ConfigError(f"value bits must be 'auto' or one of {VALUE_WIDTHS}, got {self.value_bits!r}")

@@ -133,8 +133,10 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
         noise[width] = [float(key_noise(rot, c_q[i], probe[i], i).max()) for i in layers]
     plain_rotation = rot.k_rotation.clone()
     split_rotation: dict[int, torch.Tensor] = {}
-    # "auto" without a KL check keeps plain widths (below): the split ones are not measured for nothing
-    if settings.key_formats == "split" or (settings.key_formats == "auto" and kl_targets(settings)):
+    # "auto" with one requested key width or without a KL check keeps plain widths (below): the split ones are not
+    # measured for nothing
+    if settings.key_formats == "split" or (settings.key_formats == "auto" and settings.key_bits == "auto"
+                                           and kl_targets(settings)):
         split_rotation = split_rotations(rot, c_q)
         split_noise, split_clips = measure_split_widths(rot, c_q, probe, split_rotation)
         noise.update(split_noise)
@@ -209,7 +211,7 @@ def choose_widths(rot: Rotations, c_q: torch.Tensor, settings: CalibrationSettin
               "bits_per_element_at": {str(n): round(bits_per_element(n, g.head_dim, rot.group_size, 2,
                                                                      k_bits=choice.k_bits, v_bits=choice.v_bits), 4)
                                       for n in (32768, 131072)}}
-    if settings.key_formats == "auto":
+    if settings.key_formats == "auto" and settings.key_bits == "auto":
         record["key_formats"] = {"chosen": chosen, "reason": say_auto or (
             f"of the widths meeting the KL check, the fewest bits per element at {seq_len} tokens; plain widths "
             f"where they cost at most one layer's widening more ({one_widening:.4f} bits)" if len(paths) > 1
