@@ -25,8 +25,11 @@ X``: keys and values allocated at tolerance X, then the default's checks; ``t0``
 answer KL check: no tolerance, the fewest widenings from the narrowest widths whose KL is at most X), ``split`` (the
 default with ``--key-formats split``: split key widths among the candidates; ``splitX``: at tolerance X, ``split0``:
 none), ``auto`` (the default with ``--key-formats auto``: the plain and the split widths each through the checks, the
-fewer bits kept).  The first
-candidate is the `oscar` row.
+fewer bits kept), ``kvX`` (``calibrate --kv-bits X --key-noise 0 --max-kl 0 --max-answer-kl 0``: keys and values
+allocated by their noise within X bits per element at the model's context, plain widths, no check: a point of the
+Pareto curve at a given budget, such as KIVI-2's own bits), ``kvsX`` (the same with split key widths among the
+candidates) and ``probeX`` (the default with ``--needle-probe-tokens X``: the answer KL check's prompts X tokens
+long instead of min(context, 16K)).  The first candidate is the `oscar` row.
 """
 
 from __future__ import annotations
@@ -100,8 +103,8 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     settings = CalibrationSettings()
     print(f"{spec}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     t0 = time.perf_counter()
-    calibrated = [n for n in candidates if n[0] in "mfta" or n.startswith("split")]  # each calibrates on its own
-    # ("auto" starts with "a", so it calibrates on its own too)
+    calibrated = [n for n in candidates if n[0] in "mfta" or n.startswith(("split", "kv", "probe"))]  # each calibrates on
+    # its own ("auto" starts with "a", so it calibrates on its own too)
     default = calibrate(model, tokenizer, settings, progress=False) if set(candidates) - set(calibrated) else None
     derived = set(candidates) - set(calibrated) - {"default"}
     max_len = default.manifest["calibration"]["widths"]["seq_len"] if default else None
@@ -124,6 +127,13 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
             rot = calibrate(model, tokenizer, replace(settings, key_formats="auto"), progress=False)
         elif name[0] == "a":  # the default with another answer KL target
             rot = calibrate(model, tokenizer, replace(settings, max_answer_kl=float(name[1:])), progress=False)
+        elif name.startswith("kv"):  # the noise's allocation within a budget, no tolerance and no check
+            budget = replace(settings, kv_bits=float(name[3:] if name.startswith("kvs") else name[2:]),
+                             key_noise=None, max_kl=None, max_answer_kl=None,
+                             key_formats="split" if name.startswith("kvs") else "plain")
+            rot = calibrate(model, tokenizer, budget, progress=False)
+        elif name.startswith("probe"):  # the default with longer (or shorter) needle probe prompts
+            rot = calibrate(model, tokenizer, replace(settings, needle_probe_tokens=int(name[5:])), progress=False)
         elif name.startswith("split"):  # the default's checks over plain and split key widths
             tolerance = {"key_noise": float(name[5:]) or None} if name[5:] else {}
             rot = calibrate(model, tokenizer, replace(settings, key_formats="split", **tolerance), progress=False)

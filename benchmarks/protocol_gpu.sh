@@ -33,10 +33,11 @@ case "${1:-}" in
     python3 scripts/model_parts.py join "/tmp/parts_$2" --manifest "/tmp/parts_$2/manifest.json" --output "$dir/$file"
     rm -rf "/tmp/parts_$2" && touch "$OSCAR_KV_HOME/gguf/$2.joined"
     ;;
-  start)
+  start)  # from a copy of the tree: every device call re-syncs the checkout, which a long run must not import from
     shift
-    setsid nohup bash "$0" steps "$@" > "$runs/driver.log" 2>&1 < /dev/null &
-    echo started
+    tree=$(mktemp -d /tmp/tree_XXXX) && cp -r src benchmarks scripts "$tree"
+    (cd "$tree" && setsid nohup bash benchmarks/protocol_gpu.sh steps "$@" > "$runs/driver_$1.log" 2>&1 < /dev/null &)
+    echo "started $* (GPU ${CUDA_VISIBLE_DEVICES:-any}) from $tree"
     ;;
   steps)  # the runs of PR3-PR6, in the order named
     shift
@@ -185,10 +186,30 @@ PY
           step d41 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates auto ;;
         d42) wait_for gemma
           step d42 --model gemma3-270m:8192,16384,32768 --tasks kl --baselines bf16 --candidates auto ;;
-        # run D43 (next): the default with YaRN at 64K over 12 + 12 prompts (D40 lost 1 of 6 single needles there)
+        # run D43: the default with YaRN at 64K over 12 + 12 prompts (D40 lost 1 of 6 single needles there)
         d43) wait_for qwen
           step d43 --model qwen2.5-coder-1.5b@yarn4:65536 --niah-samples 12 --text stdlib: --baselines bf16 \
             --candidates default ;;
+        # runs P5-P7: the Pareto curve at KIVI-2's own bits (2.957 at 8K on SmolLM2, 2.68 at 32K on Gemma 3 and
+        # Qwen2.5): keys and values allocated by their noise within that budget, plain and split keys
+        p5) wait_for smol
+          step p5 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16,kivi-2 --candidates kv2.957,kvs2.957 ;;
+        p6) wait_for gemma
+          step p6 --model gemma3-270m:8192,16384,32768 --tasks kl --baselines bf16,kivi-2 --candidates kv2.68,kvs2.68 ;;
+        p7) wait_for qwen
+          step p7 --model qwen2.5-coder-1.5b:32768 --niah-samples 10 --baselines bf16,kivi-2 --candidates kv2.68,kvs2.68 ;;
+        # run P7b: P7 with KIVI-2 in its own format (float16 minimum: its per-channel keys of a model with key biases
+        # lost every level to a zero point that must reach 0, from run Z3 on)
+        p7b) wait_for qwen
+          step p7b --model qwen2.5-coder-1.5b:16384,32768 --niah-samples 10 --baselines bf16,kivi-2 --candidates kv2.68 ;;
+        # run D44: the default (auto) on Qwen2.5 at 32K on the GPU, KL only (its split path's NIAH: D38)
+        d44) wait_for qwen
+          step d44 --model qwen2.5-coder-1.5b:32768 --tasks kl --baselines bf16 --candidates default ;;
+        # run D45 (next): D43 with the answer KL check's needle prompts at 64K (the default's are 16K long; D43 lost
+        # one single needle and one multi-key answer of 12 at 64K with YaRN)
+        d45) wait_for qwen
+          step d45 --model qwen2.5-coder-1.5b@yarn4:65536 --niah-samples 12 --text stdlib: --baselines bf16 \
+            --candidates probe65536 ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
@@ -201,7 +222,8 @@ PY
     for f in "$runs"/*.log; do [ -f "$f" ] && { echo "== $f"; tr '\r' '\n' < "$f" | grep -v "it/s\]\|s/it\]" | tail -4 || true; }; done
     if [ -n "${OUT:-}" ]; then
       (cd "$runs" && find . -name "*.md" -o -name "*.json" -o -name "*.log" -o -name status \
-        | grep -v "artifact_" | xargs -r cp --parents -t "$OUT")
+        | grep -v "artifact_" | xargs -r cp --parents -t "$OUT"
+       for f in $(find . -path "*artifact_*" -name manifest.json); do f=${f#./}; cp "$f" "$OUT/${f//\//_}"; done)
     fi
     ;;
   *)

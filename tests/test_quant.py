@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from oscar_kv.errors import ConfigError
 from oscar_kv.quant import (clip_rows, dequantize_rows, fake_quantize, fraction_bits, grid_metadata, pack_codes,
                             quantize_rows, unpack_codes)
 
@@ -178,3 +179,20 @@ def test_minimum_is_exact_in_float32(bits):
     q = quantize_rows(torch.randn(32, 64) * 100, bits, 32)
     exact = -(q.scale.double() * q.zero.double()) * 2.0 ** -fraction_bits(bits)
     assert torch.equal(q.minimum.double(), exact)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_float_minimum_spans_the_group_not_zero(bits):
+    # KIVI's own format: a group far from 0 (a biased key channel) keeps all its levels, where the zero point's grid
+    # must reach 0 and spends them on the empty [0, 100)
+    x = 100 + torch.rand(16, 32, generator=torch.Generator().manual_seed(0))
+    step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / (2**bits - 1)
+    q = quantize_rows(x, bits, 32, float_minimum=True)
+    assert q.zero.dtype == torch.float16 and q.scale.dtype == torch.float16
+    err = (dequantize_rows(q) - x).abs()
+    assert (err <= step / 2 + 0.05).all()  # + the float16 minimum's rounding at 100 (0.03)
+    assert (fake_quantize(x, bits, 32) - x).abs().max() > 4 * err.max()
+    # a float16 minimum and scale: 4 metadata bytes a group
+    assert q.nbytes() == q.codes.numel() + 4 * 16
+    with pytest.raises(ConfigError):
+        quantize_rows(x, bits, 32, rescale=0.5, float_minimum=True)

@@ -417,16 +417,19 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
             tqdm.write(f"calibrate: answer KL check on {len(needles)} keyed needle prompts of {length} tokens: the "
                        "unquantized model's answers first, then one forward per answered prompt and point of the "
                        "widening path measured (--needle-probe-tokens shortens them)")
-        answered = answered_needles(model, needles)
+        answered, tried = answered_needles(model, needles, NEEDLE_PROBE_MIN_ANSWERED, progress)
         enough = len(answered) >= NEEDLE_PROBE_MIN_ANSWERED
-        say(f"the unquantized model answers {len(answered)} of {len(needles)} needle prompts"
+        # "2 of 8", or where the rest could not bring the check's minimum: "1 of the first 6 of 8"
+        of = f"{len(answered)} of {len(needles)}" if tried == len(needles) else \
+            f"{len(answered)} of the first {tried} of {len(needles)}"
+        say(f"the unquantized model answers {of} needle prompts"
             + ("" if enough else f": no answer KL check (it needs {NEEDLE_PROBE_MIN_ANSWERED}: over fewer, one "
                                  "barely given answer carries the mean)"))
         if enough:
             measures.append(needle_measure(model, answered))
         elif settings.max_kl is None and settings.key_noise is None and settings.kv_bits is None:
-            raise ConfigError(f"the answer KL target is the only width rule, and the model answers {len(answered)} of "
-                              f"its {len(needles)} needle prompts of {length} tokens (the check needs "
+            raise ConfigError(f"the answer KL target is the only width rule, and the model answers {of} "
+                              f"needle prompts of {length} tokens (the check needs "
                               f"{NEEDLE_PROBE_MIN_ANSWERED}): add --key-noise, --kv-bits or --max-kl, or a shorter "
                               f"--needle-probe-tokens")
         else:
@@ -438,7 +441,7 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
         widths["kl_probe_tokens"] = int(kl_ids.shape[1])
     if needles:
         widths["needle_probe_tokens"] = length
-        widths["needle_prompts_answered"] = f"{len(answered)} of {len(needles)}"
+        widths["needle_prompts_answered"] = of
     return widths
 
 

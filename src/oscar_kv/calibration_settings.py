@@ -88,9 +88,9 @@ class CalibrationSettings:
     # KL check, the fewer bits that meet it, plain within one layer's widening (the key noise ranks widths within a
     # family, not plain against split: benchmarks/NOTES.md, runs D36-D38); without a KL check, plain.  The default:
     # it chose split on Qwen2.5 at 32K (2.77 bits against plain's 3.30, every accuracy target met) and plain on
-    # SmolLM2, Gemma 3 and Qwen2.5 with YaRN at 128K (runs D38-D42).  The serving engine reads both (split layers in
-    # the CUDA decode kernel at head dim 64 and 128, 1.14-1.41x an INT2 layer's time for 1.10x its bytes at 4x16+2:
-    # run SK3)
+    # SmolLM2, Gemma 3 and Qwen2.5 with YaRN at 128K (runs D38-D44; on a CPU SmolLM2 gets the GPU's widths).  The
+    # serving engine reads both (split layers in the CUDA decode kernel at head dim 64 and 128, 1.14-1.41x an INT2
+    # layer's time for 1.10x its bytes at 4x16+2: run SK3)
     key_formats: str = "auto"
     # values' widths: "auto" allocates them with the keys (allocation.py: the value output noise, in the keys' units)
     value_bits: int | str = "auto"

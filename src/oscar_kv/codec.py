@@ -50,7 +50,9 @@ class LayerCodec:
     k_rope_mean: torch.Tensor | None = None  # mu_pre of position-aware centering, None: constant centering only
     rope: RopeTable | None = None  # this layer's cos / sin (with k_rope_mean), shared by the layers of its RoPE
     rope_pairs: torch.Tensor | None = None  # rope.kernel_pairs(k_rope_mean), found once: finding them syncs the device
-    key_page: int | None = None  # KIVI: keys quantized per channel over pages of this many tokens, unclipped
+    # KIVI: keys quantized per channel over pages of this many tokens, unclipped; keys and values in KIVI's own format
+    # (a float16 scale and minimum a group, quant.quantize_rows(float_minimum=True))
+    key_page: int | None = None
     # keys are stored as they come (identity rotation, no centering: a BF16 cache without an artifact), so the
     # kernels skip the rotation (computed once here: testing it on the device syncs)
     keys_as_is: bool = dataclasses.field(init=False, default=False)
@@ -136,10 +138,11 @@ class LayerCodec:
         b, h, n, d = rows.shape
         p = self.key_page
         pages = rows.reshape(b, h, n // p, p, d).transpose(-1, -2)  # [B, H, pages, D, P]: a row is one channel
-        return quantize_rows(pages, self.k_bits, p)
+        return quantize_rows(pages, self.k_bits, p, float_minimum=True)
 
     def quantize_values(self, rows: torch.Tensor) -> QuantizedRows:
-        return quantize_rows(rows, self.v_bits, self.group_size, _clip_per_row(self.v_clip, rows), self.v_rescale)
+        return quantize_rows(rows, self.v_bits, self.group_size, _clip_per_row(self.v_clip, rows), self.v_rescale,
+                             float_minimum=self.key_page is not None)
 
     def dequantize_keys(self, q: QuantizedRows | SplitRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if isinstance(q, SplitRows):

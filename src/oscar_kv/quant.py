@@ -72,7 +72,9 @@ class QuantizedRows:
 
     codes: torch.Tensor  # uint8 [..., D * bits / 8]
     scale: torch.Tensor  # float16 [..., D // G]
-    zero: torch.Tensor  # uint8 [..., D // G]: the zero point, in units of 2^-fraction_bits(bits) of the scale
+    # uint8 [..., D // G]: the zero point, in units of 2^-fraction_bits(bits) of the scale; float16: the group's
+    # minimum itself (KIVI's own format, quantize_rows(float_minimum=True))
+    zero: torch.Tensor
     bits: int
     group_size: int
 
@@ -82,7 +84,9 @@ class QuantizedRows:
 
     @property
     def minimum(self) -> torch.Tensor:
-        """Each group's minimum -s z 2^-F, float32 (exact)."""
+        """Each group's minimum -s z 2^-F (or the stored float16 minimum), float32 (exact)."""
+        if self.zero.dtype == METADATA_DTYPE:
+            return self.zero.float()
         return stored_minimum(self.scale, self.zero, self.bits)
 
     def nbytes(self) -> int:
@@ -206,7 +210,7 @@ def grid_metadata(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.
 
 def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
                   clip_ratio: float | torch.Tensor = 1.0, rescale: float = 0.0,
-                  exact: torch.Tensor | None = None) -> QuantizedRows:
+                  exact: torch.Tensor | None = None, float_minimum: bool = False) -> QuantizedRows:
     """Clip then asymmetrically quantize each row of ``x`` per group of channels (module docstring).
 
     Args:
@@ -217,6 +221,9 @@ def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
         rescale: the strength g of the scale rescale (module docstring); 0: none.
         exact: the unclipped rows the rescale aims at when ``x`` arrives clipped already (calibration clips
             once for many candidate ratios); default ``x``.
+        float_minimum: KIVI's own format instead of the zero point: the grid spans the group's [min, max] (not
+            widened to hold 0) and ``zero`` holds the float16 minimum.  A group far from 0 (KIVI's per-channel keys
+            of a model with key biases, such as Qwen2.5's) loses most of its levels to a grid that must reach 0.
     Shapes:
         x, exact: [..., D] (exact broadcastable to x).
     Returns:
@@ -232,6 +239,15 @@ def quantize_rows(x: torch.Tensor, bits: int = 2, group_size: int | None = None,
     lo = groups.amin(dim=-1).clamp(-_F16_MAX, _F16_MAX)
     hi = groups.amax(dim=-1).clamp(-_F16_MAX, _F16_MAX)
     levels = (1 << bits) - 1
+    if float_minimum:
+        if rescale:
+            raise ConfigError("the scale rescale is defined for the zero point format only")
+        minimum = lo.to(METADATA_DTYPE)
+        scale = ((hi - minimum.float()) / levels).clamp(max=_F16_MAX).to(METADATA_DTYPE)
+        safe = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
+        codes = ((groups - minimum.float().unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, levels)
+        return QuantizedRows(pack_codes(codes.reshape(xf.shape).to(torch.uint8), bits), scale, minimum, bits,
+                             group_size)
     step, zero = grid_metadata(lo, hi, bits)
     scale = step.clamp(max=_F16_MAX).to(METADATA_DTYPE)
     # A zero group has scale 0: every code is z 2^-F rounded, x_hat = 0.

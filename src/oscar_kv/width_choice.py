@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from .activations import LayerSample, per_head
 from .allocation import (KEY_WIDTHS, VALUE_WIDTHS, WidthChoice, allocate_key_widths, key_logit_noise,
@@ -315,20 +316,31 @@ def _with_reason(choice: WidthChoice, reason: str) -> WidthChoice:
     return dataclasses.replace(choice, reason=reason)
 
 
-def answered_needles(model, prompts: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+def answered_needles(model, prompts: list[tuple[torch.Tensor, int]], needed: int = 0, progress: bool = False
+                     ) -> tuple[list[tuple[torch.Tensor, int, torch.Tensor]], int]:
     """The needle prompts (calibrate.needle_probe) whose expected answer the unquantized model itself gives (its most
     likely token, teacher-forced, at every answer position), each with those positions' exact log-probabilities
-    (tasks.answer_reference): [(ids, where the answer starts, reference)].  Retrieval the model does not do is none a
-    cache can lose, and bits spent on the answer KL of a prompt it fails buy nothing (SmolLM2-135M finds a few
-    multi-key needles of ten at 8K, Qwen2.5-Coder-1.5B nine: benchmarks/NOTES.md)."""
+    (tasks.answer_reference).  Retrieval the model does not do is none a cache can lose, and bits spent on the answer
+    KL of a prompt it fails buy nothing (SmolLM2-135M finds a few multi-key needles of ten at 8K, Qwen2.5-Coder-1.5B
+    nine: benchmarks/NOTES.md).
+
+    Args:
+        needed: stop as soon as fewer than this many could still be answered (the check would be skipped: on a CPU
+            each 8K prompt of SmolLM2-135M is a minute's forward).
+    Returns:
+        ([(ids, where the answer starts, reference)] of the prompts answered, how many prompts were run).
+    """
     from .evaluate.tasks import answer_reference
 
-    answered = []
-    for ids, start in prompts:
+    answered, tried = [], 0
+    for ids, start in tqdm(prompts, desc="the model's own answers", unit="prompt", disable=not progress):
+        if len(answered) + len(prompts) - tried < needed:
+            break
+        tried += 1
         reference = answer_reference(model, ids, start)
         if torch.equal(reference.argmax(-1).cpu(), ids[0, start:].cpu()):
             answered.append((ids, start, reference))
-    return answered
+    return answered, tried
 
 
 def needle_measure(model, answered: list[tuple[torch.Tensor, int, torch.Tensor]]) -> Callable[[Rotations], dict]:
