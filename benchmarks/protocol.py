@@ -29,7 +29,7 @@ fewer bits kept), ``kvX`` (``calibrate --kv-bits X --key-noise 0 --max-kl 0 --ma
 allocated by their noise within X bits per element at the model's context, plain widths, no check: a point of the
 Pareto curve at a given budget, such as KIVI-2's own bits), ``kvsX`` (the same with split key widths among the
 candidates) and ``probeX`` (the default with ``--needle-probe-tokens X``: the answer KL check's prompts X tokens
-long instead of min(context, 16K)).  The first candidate is the `oscar` row.
+long instead of min(context, 16K); ``probeX-plain``: plain key widths only, half the measurements).  The first candidate is the `oscar` row.
 """
 
 from __future__ import annotations
@@ -133,7 +133,9 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
                              key_formats="split" if name.startswith("kvs") else "plain")
             rot = calibrate(model, tokenizer, budget, progress=False)
         elif name.startswith("probe"):  # the default with longer (or shorter) needle probe prompts
-            rot = calibrate(model, tokenizer, replace(settings, needle_probe_tokens=int(name[5:])), progress=False)
+            length, _, formats = name[5:].partition("-")
+            rot = calibrate(model, tokenizer, replace(settings, needle_probe_tokens=int(length),
+                                                      key_formats=formats or settings.key_formats), progress=False)
         elif name.startswith("split"):  # the default's checks over plain and split key widths
             tolerance = {"key_noise": float(name[5:]) or None} if name[5:] else {}
             rot = calibrate(model, tokenizer, replace(settings, key_formats="split", **tolerance), progress=False)

@@ -205,11 +205,24 @@ PY
         # run D44: the default (auto) on Qwen2.5 at 32K on the GPU, KL only (its split path's NIAH: D38)
         d44) wait_for qwen
           step d44 --model qwen2.5-coder-1.5b:32768 --tasks kl --baselines bf16 --candidates default ;;
-        # run D45 (next): D43 with the answer KL check's needle prompts at 64K (the default's are 16K long; D43 lost
-        # one single needle and one multi-key answer of 12 at 64K with YaRN)
+        # run D45 (did not finish: the 64K probe's measurements take ~95 s each): D43 with the answer KL check's needle prompts at 64K (the default's are 16K long; D43 lost one single
+        # needle and one multi-key answer of 12 at 64K with YaRN); plain widths only (D40 and D43 chose them, the split
+        # path needed 3.49 bits), so half the 64K measurements; BF16's rows are D43's (the same prompts)
         d45) wait_for qwen
-          step d45 --model qwen2.5-coder-1.5b@yarn4:65536 --niah-samples 12 --text stdlib: --baselines bf16 \
-            --candidates probe65536 ;;
+          step d45 --model qwen2.5-coder-1.5b@yarn4:65536 --niah-samples 12 --text stdlib: --baselines "" \
+            --candidates probe65536-plain ;;
+        # run D46: the default at 32K with the needle probe at the context (32K, not 16K): how many bits the longer
+        # probe costs where the 16K one already meets every target (D38 / D44: BF16's rows)
+        d46) wait_for qwen
+          step d46 --model qwen2.5-coder-1.5b:32768 --niah-samples 10 --baselines "" --candidates probe32768 ;;
+        # runs D47-D48 (next): YaRN at 64K with the needle probe at 32K (the middle ground), and D45's widths (the 64K
+        # probe's 89 widenings, 3.8423 bits at 128K: the noise's allocation at that budget, no 25-minute search)
+        d47) wait_for qwen
+          step d47 --model qwen2.5-coder-1.5b@yarn4:65536 --niah-samples 12 --text stdlib: --baselines "" \
+            --candidates probe32768-plain ;;
+        d48) wait_for qwen
+          step d48 --model qwen2.5-coder-1.5b@yarn4:65536 --niah-samples 12 --text stdlib: --baselines "" \
+            --candidates kv3.8423 ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;

@@ -135,7 +135,9 @@ def calibrate(
         "small model on a CPU (--needle-probe-tokens shortens them)."),
     needle_probe_tokens: Optional[int] = typer.Option(
         None, min=1024, help="The answer KL check's needle prompts: each one's length (default: the "
-        "model's context, at most 16384)."),
+        "model's context, at most 16384). Longer prompts measure more answer KL and so choose more bits: with YaRN at "
+        "64K, 65536 chose 3.8 bits per element where 16384 chose 3.3, at ~95 s of H200 time per measurement "
+        "(benchmarks/NOTES.md, runs D45-D46)."),
     key_rescale: float = typer.Option(
         0.5, min=0.0, max=1.0, help="Share of the clip's shrink of each INT2 key row along itself that its float16 scale "
         "undoes (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "
