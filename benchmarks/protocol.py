@@ -29,7 +29,10 @@ fewer bits kept), ``kvX`` (``calibrate --kv-bits X --key-noise 0 --max-kl 0 --ma
 allocated by their noise within X bits per element at the model's context, plain widths, no check: a point of the
 Pareto curve at a given budget, such as KIVI-2's own bits), ``kvsX`` (the same with split key widths among the
 candidates) and ``probeX`` (the default with ``--needle-probe-tokens X``: the answer KL check's prompts X tokens
-long instead of min(context, 16K); ``probeX-plain``: plain key widths only, half the measurements).  The first candidate is the `oscar` row.
+long instead of min(context, 16K); ``probeX-plain``: plain key widths only, half the measurements), ``stored`` /
+``storedX`` (the default with ``needle_probe_haystack="stored"``: the needle probe's haystacks prefilled exactly and
+stored, only question and answer through the cache, as `eval` scores needles; X: the prompts' length; ``-plain`` as
+for probeX).  The first candidate is the `oscar` row.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     settings = CalibrationSettings()
     print(f"{spec}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     t0 = time.perf_counter()
-    calibrated = [n for n in candidates if n[0] in "mfta" or n.startswith(("split", "kv", "probe"))]  # each calibrates on
+    calibrated = [n for n in candidates if n[0] in "mfta" or n.startswith(("split", "kv", "probe", "stored"))]  # each calibrates on
     # its own ("auto" starts with "a", so it calibrates on its own too)
     default = calibrate(model, tokenizer, settings, progress=False) if set(candidates) - set(calibrated) else None
     derived = set(candidates) - set(calibrated) - {"default"}
@@ -135,6 +138,11 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
         elif name.startswith("probe"):  # the default with longer (or shorter) needle probe prompts
             length, _, formats = name[5:].partition("-")
             rot = calibrate(model, tokenizer, replace(settings, needle_probe_tokens=int(length),
+                                                      key_formats=formats or settings.key_formats), progress=False)
+        elif name.startswith("stored"):  # the default with the needle probe's haystacks stored exactly
+            length, _, formats = name[6:].partition("-")
+            rot = calibrate(model, tokenizer, replace(settings, needle_probe_haystack="stored",
+                                                      needle_probe_tokens=int(length) if length else None,
                                                       key_formats=formats or settings.key_formats), progress=False)
         elif name.startswith("split"):  # the default's checks over plain and split key widths
             tolerance = {"key_noise": float(name[5:]) or None} if name[5:] else {}

@@ -223,6 +223,15 @@ PY
         d48) wait_for qwen
           step d48 --model qwen2.5-coder-1.5b@yarn4:65536 --niah-samples 12 --text stdlib: --baselines "" \
             --candidates kv3.8423 ;;
+        # runs D49-D50 (next): the needle probe's haystacks stored exactly (as eval scores needles; a few dozen tokens
+        # per measurement instead of a whole float32 forward): at 8K-32K beside the default, and with YaRN at 64K with
+        # the probe at 64K
+        d49) wait_for qwen
+          step d49 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --baselines "" \
+            --candidates stored,stored32768 ;;
+        d50) wait_for qwen
+          step d50 --model qwen2.5-coder-1.5b@yarn4:65536 --niah-samples 12 --text stdlib: --baselines "" \
+            --candidates stored65536 ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;

@@ -326,17 +326,62 @@ def test_the_answer_kl_counts_only_the_needles_the_model_finds(model, tokenizer)
     prompts = needle_probe(tokenizer, texts, CalibrationSettings(**SMALL, needle_probe_tokens=1024), 8192)
     answered, tried = answered_needles(model, prompts)
     assert 4 <= len(answered) < len(prompts) and tried == len(prompts)  # SmolLM2 finds 6 of these 8 at 1K (1 of 8 at 4K)
-    for ids, start, reference in answered:
-        assert reference.shape[0] == ids.shape[1] - start
-    ids, start, _ = answered[0]
-    (other, other_start), = [(i, s) for i, s in prompts if not torch.equal(i[0, s:], ids[0, start:])][:1]
-    elsewhere = torch.cat([ids[:, :start], other[:, other_start:]], 1)  # a number the haystack does not hold
-    assert answered_needles(model, [(elsewhere, start)]) == ([], 1)
+    for prompt, reference in answered:
+        assert reference.shape[0] == prompt.ids.shape[1] - prompt.answer_start
+    found = answered[0][0]
+    ids, start = found.ids, found.answer_start
+    other = next(p for p in prompts if not torch.equal(p.ids[0, p.answer_start:], ids[0, start:]))
+    elsewhere = found._replace(ids=torch.cat([ids[:, :start], other.ids[:, other.answer_start:]], 1))  # a number the
+    assert answered_needles(model, [elsewhere]) == ([], 1)  # haystack does not hold
     # once too few could still be answered for the check, the rest are not run: the first two prompts missed, two
     # prompts left cannot make the three needed
-    missed = [(elsewhere, start)] * 2 + [(i, s) for i, s, _ in answered[:2]]
+    missed = [elsewhere] * 2 + [p for p, _ in answered[:2]]
     assert answered_needles(model, missed, needed=3) == ([], 2)
     assert len(answered_needles(model, missed, needed=2)[0]) == 2
+
+
+def test_the_stored_haystack_answer_kl_reads_the_needle_from_the_cache(model, tokenizer, rotations):
+    """needle_probe_haystack "stored": each haystack is prefilled exactly once and only the question and answer run
+    through the artifact's cache.  Through the unquantized cache the model still gives the answers it gives over the
+    whole prompt (the question starts where the probe says); an artifact quantizing nothing scores ~0; INT2 scores
+    more than keys at 8 bits and values at 4; calibrate records the choice and measures with it."""
+    import copy
+
+    from oscar_kv.calibrate import needle_probe
+    from oscar_kv.cache import CacheSettings
+    from oscar_kv.corpus import load_calibration_text
+    from oscar_kv.evaluate.schemes import standard_scheme
+    from oscar_kv.evaluate.tasks import answer_log_probs, haystack_kv
+    from oscar_kv.models import AttentionGeometry
+    from oscar_kv.width_choice import answered_needles, needle_measure
+
+    texts, _ = load_calibration_text()
+    prompts = needle_probe(tokenizer, texts, CalibrationSettings(**SMALL, needle_probe_tokens=1024), 8192)
+    answered, _ = answered_needles(model, prompts[:4])
+    assert len(answered) >= 2
+    exact = standard_scheme("bf16", AttentionGeometry.of(model.config), rotations, CacheSettings())
+    for prompt, _ in answered:
+        ids = prompt.ids[0].tolist()
+        kv = haystack_kv(model, ids[:prompt.question_start])
+        log_probs = answer_log_probs(model, exact, kv, ids[prompt.question_start:prompt.answer_start],
+                                     ids[prompt.answer_start:])
+        assert log_probs.argmax(-1).tolist() == ids[prompt.answer_start:]
+    int2 = needle_measure(model, answered, "stored")(rotations)["answer_kl"]
+    wide = copy.deepcopy(rotations)
+    wide.set_bits([8] * len(wide.k_bits), [4] * len(wide.v_bits))
+    assert 0 < needle_measure(model, answered, "stored")(wide)["answer_kl"] < int2
+    # a haystack within the exact windows (sink 64 + recent 256): nothing is quantized
+    short = [(p._replace(ids=p.ids[:, p.question_start - 200:], answer_start=p.answer_start - p.question_start + 200,
+                         question_start=200), r) for p, r in answered]
+    assert needle_measure(model, short, "stored")(rotations)["answer_kl"] < 1e-3
+
+    rot = calibrate(model, tokenizer, CalibrationSettings(**{**SMALL, "max_answer_kl": 100.0}, needle_probe_tokens=1024,
+                                                          needle_probe_haystack="stored"), progress=False)
+    calibration = rot.manifest["calibration"]
+    (measured,) = calibration["widths"]["kl_by_step"].values()
+    assert calibration["needle_probe_haystack"] == "stored" and measured["answer_kl"] > 0
+    with pytest.raises(ConfigError, match="haystack"):
+        CalibrationSettings(needle_probe_haystack="prefilled")
 
 
 def test_a_model_that_finds_no_needle_skips_the_answer_kl_check(tokenizer):
@@ -408,12 +453,13 @@ def test_the_needle_probe_asks_for_a_number_it_holds(tokenizer):
     texts, _ = load_calibration_text()
     prompts = needle_probe(tokenizer, texts, CalibrationSettings(needle_probe_tokens=2048), 8192)
     assert len(prompts) == NEEDLE_PROBE_PROMPTS
-    for ids, start in prompts:
+    for ids, start, question in prompts:
         assert 1500 < ids.shape[1] <= 2048
         number = tokenizer.decode(ids[0, start:]).strip()
         assert len(number) == 7 and number.isdigit()
-        assert number in tokenizer.decode(ids[0, :start - 40])  # the needle is in the haystack, before the question
-    assert len({tokenizer.decode(ids[0, start:]) for ids, start in prompts}) == NEEDLE_PROBE_PROMPTS
+        assert number in tokenizer.decode(ids[0, :question])  # the needle is in the haystack, before the question
+        assert "special magic number for" in tokenizer.decode(ids[0, question:start])  # the question, then the answer
+    assert len({tokenizer.decode(ids[0, start:]) for ids, start, _ in prompts}) == NEEDLE_PROBE_PROMPTS
 
 
 def test_the_kl_probe_is_the_models_context_up_to_32k(tokenizer):

@@ -45,7 +45,7 @@ from .probe import layer_error
 from .rope import (RopeTable, RopeUnsupported, keep_pairs, layer_rope_tables, mean_phase, pair_counts,
                    remove_rope, rotate_half, rotated_only)
 from .rotation import compose
-from .width_choice import answered_needles, choose_widths, kl_measure, needle_measure
+from .width_choice import NeedleProbePrompt, answered_needles, choose_widths, kl_measure, needle_measure
 
 log = logging.getLogger(__name__)
 
@@ -251,12 +251,12 @@ def kl_probe(tokenizer, texts: list[str], settings: CalibrationSettings, max_len
 
 
 def needle_probe(tokenizer, texts: list[str], settings: CalibrationSettings, max_len: int
-                 ) -> list[tuple[torch.Tensor, int]]:
+                 ) -> list[NeedleProbePrompt]:
     """The prompts ``--max-answer-kl`` measures on (width_choice.needle_measure): NEEDLE_PROBE_PROMPTS keyed needle
     prompts (four keyed numbers in a haystack, a question for one: evaluate.tasks.multikey_prompt, as `eval`'s
     multi-key task builds them, with other seeds) of about min(context, ``settings.needle_probe_tokens``) tokens,
     their haystacks cut from the text after the fitting sequences and the probe, each followed by its expected
-    answer: [(ids int64 [1, T], the index where the answer starts)]."""
+    answer (width_choice.NeedleProbePrompt: the ids, where the answer and where the question start)."""
     from .evaluate.tasks import multikey_prompt
 
     length = min(settings.needle_probe_tokens or NEEDLE_PROBE_MAX_TOKENS, max_len)
@@ -273,8 +273,8 @@ def needle_probe(tokenizer, texts: list[str], settings: CalibrationSettings, max
         start = i * (len(held) - need) // max(NEEDLE_PROBE_PROMPTS - 1, 1)
         prompt = multikey_prompt(tokenizer, held[start:start + need], length - 16, seed=NEEDLE_PROBE_SEED + i)
         answer = tokenizer(" " + prompt.answer, add_special_tokens=False).input_ids  # after "... is"
-        prompts.append((torch.tensor([prompt.haystack + prompt.question + answer]),
-                        len(prompt.haystack) + len(prompt.question)))
+        prompts.append(NeedleProbePrompt(torch.tensor([prompt.haystack + prompt.question + answer]),
+                                         len(prompt.haystack) + len(prompt.question), len(prompt.haystack)))
     return prompts
 
 
@@ -412,11 +412,13 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
         else None
     answered, width_settings = [], settings
     if needles:
-        length = max(int(ids.shape[1]) for ids, _ in needles)
+        length = max(int(prompt.ids.shape[1]) for prompt in needles)
         if progress:
+            per_point = "one forward per answered prompt and point of the widening path measured" \
+                if settings.needle_probe_haystack == "decoded" else \
+                "one exact prefill of each answered prompt's haystack, its question and answer per point measured"
             tqdm.write(f"calibrate: answer KL check on {len(needles)} keyed needle prompts of {length} tokens: the "
-                       "unquantized model's answers first, then one forward per answered prompt and point of the "
-                       "widening path measured (--needle-probe-tokens shortens them)")
+                       f"unquantized model's answers first, then {per_point} (--needle-probe-tokens shortens them)")
         answered, tried = answered_needles(model, needles, NEEDLE_PROBE_MIN_ANSWERED, progress)
         enough = len(answered) >= NEEDLE_PROBE_MIN_ANSWERED
         # "2 of 8", or where the rest could not bring the check's minimum: "1 of the first 6 of 8"
@@ -426,7 +428,7 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
             + ("" if enough else f": no answer KL check (it needs {NEEDLE_PROBE_MIN_ANSWERED}: over fewer, one "
                                  "barely given answer carries the mean)"))
         if enough:
-            measures.append(needle_measure(model, answered))
+            measures.append(needle_measure(model, answered, settings.needle_probe_haystack))
         elif settings.max_kl is None and settings.key_noise is None and settings.kv_bits is None:
             raise ConfigError(f"the answer KL target is the only width rule, and the model answers {of} "
                               f"needle prompts of {length} tokens (the check needs "

@@ -54,6 +54,14 @@ NEEDLE_PROBE_MAX_TOKENS = 16384
 # measured the same widening step's answer KL at 0.028-0.18 and chose 3.72-4.37 bits; Qwen2.5-Coder-1.5B answers 8 of
 # 8 at 16K and moved one widening of 55; benchmarks/NOTES.md, runs D28-D32).
 NEEDLE_PROBE_MIN_ANSWERED = NEEDLE_PROBE_PROMPTS // 2
+# How the needle probe's haystack reaches the cache.  "decoded": every haystack token is decoded through the simulated
+# cache (one teacher-forced float32 forward of the whole prompt per measurement, as the KL check and as chunked prefill
+# sees earlier chunks); "stored": the haystack is prefilled exactly once and its K/V stored in the artifact's cache,
+# then only the question and the answer run through it (as `eval`'s needle tasks, generate()'s one-forward prefill and
+# a prefix-cache hit): one exact forward per prompt for the whole calibration, a few dozen tokens per measurement, the
+# prompts' K/V held meanwhile.  "decoded" stays the default until the protocol shows which predicts retrieval better
+# (benchmarks/NOTES.md, runs D45-D46).
+NEEDLE_HAYSTACKS = ("decoded", "stored")
 
 
 @dataclass
@@ -110,6 +118,7 @@ class CalibrationSettings:
     # needle probe (None: not measured); the same widening path and bisection
     max_answer_kl: float | None = DEFAULT_MAX_ANSWER_KL
     needle_probe_tokens: int | None = None  # None: min(context, NEEDLE_PROBE_MAX_TOKENS)
+    needle_probe_haystack: str = "decoded"  # one of NEEDLE_HAYSTACKS
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:
@@ -145,6 +154,9 @@ class CalibrationSettings:
         if self.needle_probe_tokens is not None and not (type(self.needle_probe_tokens) is int
                                                          and self.needle_probe_tokens >= 1024):
             raise ConfigError(f"the needle probe needs at least 1024 tokens, got {self.needle_probe_tokens!r}")
+        if self.needle_probe_haystack not in NEEDLE_HAYSTACKS:
+            raise ConfigError(f"the needle probe's haystack must be one of {NEEDLE_HAYSTACKS}, "
+                              f"got {self.needle_probe_haystack!r}")
         if (self.key_bits == "auto" and self.key_noise is None and self.kv_bits is None and self.max_kl is None
                 and self.max_answer_kl is None):
             raise ConfigError("key bits 'auto' needs a key noise tolerance, a bit budget or a KL target")

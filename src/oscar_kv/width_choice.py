@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -316,8 +317,17 @@ def _with_reason(choice: WidthChoice, reason: str) -> WidthChoice:
     return dataclasses.replace(choice, reason=reason)
 
 
-def answered_needles(model, prompts: list[tuple[torch.Tensor, int]], needed: int = 0, progress: bool = False
-                     ) -> tuple[list[tuple[torch.Tensor, int, torch.Tensor]], int]:
+class NeedleProbePrompt(NamedTuple):
+    """One prompt of the needle probe (calibrate.needle_probe): int64 [1, T] ids (haystack, question, expected answer),
+    where the answer starts and where the question starts (the haystack ends)."""
+
+    ids: torch.Tensor
+    answer_start: int
+    question_start: int
+
+
+def answered_needles(model, prompts: list[NeedleProbePrompt], needed: int = 0, progress: bool = False
+                     ) -> tuple[list[tuple[NeedleProbePrompt, torch.Tensor]], int]:
     """The needle prompts (calibrate.needle_probe) whose expected answer the unquantized model itself gives (its most
     likely token, teacher-forced, at every answer position), each with those positions' exact log-probabilities
     (tasks.answer_reference).  Retrieval the model does not do is none a cache can lose, and bits spent on the answer
@@ -328,36 +338,56 @@ def answered_needles(model, prompts: list[tuple[torch.Tensor, int]], needed: int
         needed: stop as soon as fewer than this many could still be answered (the check would be skipped: on a CPU
             each 8K prompt of SmolLM2-135M is a minute's forward).
     Returns:
-        ([(ids, where the answer starts, reference)] of the prompts answered, how many prompts were run).
+        ([(prompt, reference)] of the prompts answered, how many prompts were run).
     """
     from .evaluate.tasks import answer_reference
 
     answered, tried = [], 0
-    for ids, start in tqdm(prompts, desc="the model's own answers", unit="prompt", disable=not progress):
+    for prompt in tqdm(prompts, desc="the model's own answers", unit="prompt", disable=not progress):
         if len(answered) + len(prompts) - tried < needed:
             break
         tried += 1
+        ids, start = prompt.ids, prompt.answer_start
         reference = answer_reference(model, ids, start)
         if torch.equal(reference.argmax(-1).cpu(), ids[0, start:].cpu()):
-            answered.append((ids, start, reference))
+            answered.append((prompt, reference))
     return answered, tried
 
 
-def needle_measure(model, answered: list[tuple[torch.Tensor, int, torch.Tensor]]) -> Callable[[Rotations], dict]:
+def needle_measure(model, answered: list[tuple[NeedleProbePrompt, torch.Tensor]], haystack: str = "decoded"
+                   ) -> Callable[[Rotations], dict]:
     """The measure of ``--max-answer-kl``: an artifact's mean KL(unquantized || artifact's cache) over the answer
-    tokens of the keyed needle prompts the model answers (answered_needles), each simulated in one teacher-forced
-    forward: {"answer_kl": mean over prompts}.  Retrieval through many similar needles fails where this grows, while
-    the KL over ordinary text stays small; across widths it orders multi-key accuracy (benchmarks/NOTES.md, runs
-    D22-D25)."""
+    tokens of the keyed needle prompts the model answers (answered_needles): {"answer_kl": mean over prompts}.
+    Retrieval through many similar needles fails where this grows, while the KL over ordinary text stays small; across
+    widths it orders multi-key accuracy (benchmarks/NOTES.md, runs D22-D25).
+
+    ``haystack`` (calibration_settings.NEEDLE_HAYSTACKS): "decoded" simulates the cache over one teacher-forced forward
+    of each whole prompt (tasks.simulated_answer_kl, against answered_needles' reference); "stored" prefills each
+    haystack exactly once here, keeps its K/V, and per artifact sends only the question and the answer through the
+    cache holding them, against the unquantized cache's answer on the same path (as `eval`'s needle tasks score it).
+    """
     from .cache import CacheSettings, unprepare_model
     from .evaluate.schemes import standard_scheme
-    from .evaluate.tasks import simulated_answer_kl
+    from .evaluate.tasks import answer_log_probs, haystack_kv, kl_divergence, simulated_answer_kl
 
     geometry = AttentionGeometry.of(model.config)
+    if haystack == "stored":
+        exact = standard_scheme("bf16", geometry, Rotations.data_free(geometry, "identity"), CacheSettings())
+        stored = []
+        for prompt, _ in answered:
+            ids = prompt.ids[0].tolist()
+            question, answer = ids[prompt.question_start:prompt.answer_start], ids[prompt.answer_start:]
+            kv = haystack_kv(model, ids[:prompt.question_start])
+            stored.append((kv, question, answer, answer_log_probs(model, exact, kv, question, answer)))
 
     def measure(rot: Rotations) -> dict:
         scheme = standard_scheme("oscar", geometry, rot, CacheSettings())
-        values = [simulated_answer_kl(model, scheme, ids, start, ref) for ids, start, ref in answered]
+        if haystack == "stored":
+            values = [float(kl_divergence(reference, answer_log_probs(model, scheme, kv, question, answer)).mean())
+                      for kv, question, answer, reference in stored]
+        else:
+            values = [simulated_answer_kl(model, scheme, prompt.ids, prompt.answer_start, reference)
+                      for prompt, reference in answered]
         unprepare_model(model)
         return {"answer_kl": sum(values) / len(values)}
 
