@@ -46,8 +46,9 @@ DEFAULT_MAX_ANSWER_KL = 0.01
 # on a 2-core CPU ~30 s per 8K prompt of SmolLM2-135M).
 NEEDLE_PROBE_PROMPTS = 8
 # Why not the model's context: on Qwen2.5-Coder-1.5B a 32K probe chose the 16K probe's widths within 0.015 bits at 32K
-# (NIAH the same, multi-key one prompt of ten apart, at BF16's); with YaRN a 64K probe asked 0.5 more bits per element than the 16K one (3.8 against 3.3 at
-# 128K) and ~95 s of H200 time per measurement (benchmarks/NOTES.md, runs D45-D46). --needle-probe-tokens pays for it.
+# (NIAH the same, multi-key one prompt of ten apart, at BF16's); with YaRN a 64K probe asked 0.5 more bits per element
+# than the 16K one (3.8 against 3.3 at 128K) and ~95 s of H200 time per measurement (benchmarks/NOTES.md, runs
+# D45-D46).  --needle-probe-tokens pays for it.
 NEEDLE_PROBE_MAX_TOKENS = 16384
 # The check needs the model to answer at least half of them: over fewer, the mean is carried by one or two answers the
 # model barely gives (SmolLM2-135M answers 2 of 8 at 8K: four calibrations that differed only in float rounding
