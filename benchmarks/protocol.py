@@ -135,14 +135,11 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
                              key_noise=None, max_kl=None, max_answer_kl=None,
                              key_formats="split" if name.startswith("kvs") else "plain")
             rot = calibrate(model, tokenizer, budget, progress=False)
-        elif name.startswith("probe"):  # the default with longer (or shorter) needle probe prompts
-            length, _, formats = name[5:].partition("-")
-            rot = calibrate(model, tokenizer, replace(settings, needle_probe_tokens=int(length),
-                                                      key_formats=formats or settings.key_formats), progress=False)
-        elif name.startswith("stored"):  # the default with the needle probe's haystacks stored exactly
-            length, _, formats = name[6:].partition("-")
-            rot = calibrate(model, tokenizer, replace(settings, needle_probe_haystack="stored",
-                                                      needle_probe_tokens=int(length) if length else None,
+        elif name.startswith(("probe", "stored")):  # the default's needle probe: another length, haystacks stored
+            stored = name.startswith("stored")
+            length, _, formats = name[6 if stored else 5:].partition("-")
+            rot = calibrate(model, tokenizer, replace(settings, needle_probe_tokens=int(length) if length else None,
+                                                      needle_probe_haystack="stored" if stored else "decoded",
                                                       key_formats=formats or settings.key_formats), progress=False)
         elif name.startswith("split"):  # the default's checks over plain and split key widths
             tolerance = {"key_noise": float(name[5:]) or None} if name[5:] else {}
