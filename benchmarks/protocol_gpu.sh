@@ -232,6 +232,9 @@ PY
         d50) wait_for qwen
           step d50 --model qwen2.5-coder-1.5b@yarn4:65536 --niah-samples 12 --text stdlib: --baselines "" \
             --candidates stored65536 ;;
+        # run D51: D49 at 32K only (the stored probe at the context, beside D46's decoded one: 124 widenings, NIAH 1.00)
+        d51) wait_for qwen
+          step d51 --model qwen2.5-coder-1.5b:32768 --niah-samples 10 --baselines "" --candidates stored32768 ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
