@@ -235,6 +235,11 @@ PY
         # run D51: D49 at 32K only (the stored probe at the context, beside D46's decoded one: 124 widenings, NIAH 1.00)
         d51) wait_for qwen
           step d51 --model qwen2.5-coder-1.5b:32768 --niah-samples 10 --baselines "" --candidates stored32768 ;;
+        # runs D52-D53: the stored probe at the context on the other protocol models (D41 / D42: the default's rows)
+        d52) wait_for smol
+          step d52 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates stored ;;
+        d53) wait_for gemma
+          step d53 --model gemma3-270m:8192,16384,32768 --tasks kl --baselines bf16 --candidates stored32768 ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
