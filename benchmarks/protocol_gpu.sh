@@ -240,6 +240,9 @@ PY
           step d52 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates stored ;;
         d53) wait_for gemma
           step d53 --model gemma3-270m:8192,16384,32768 --tasks kl --baselines bf16 --candidates stored32768 ;;
+        # run D54: D51's calibration (the stored probe at the context) evaluated at 8K and 16K (BF16's rows: D39's prompts)
+        d54) wait_for qwen
+          step d54 --model qwen2.5-coder-1.5b:8192,16384 --niah-samples 10 --baselines "" --candidates stored32768 ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
