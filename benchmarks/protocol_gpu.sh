@@ -239,7 +239,7 @@ PY
         d52) wait_for smol
           step d52 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates stored ;;
         d53) wait_for gemma
-          step d53 --model gemma3-270m:8192,16384,32768 --tasks kl --baselines bf16 --candidates stored32768 ;;
+          step d53 --model gemma3-270m:32768 --tasks kl --baselines bf16 --candidates stored32768 ;;
         # run D54: D51's calibration (the stored probe at the context) evaluated at 8K and 16K (BF16's rows: D39's prompts)
         d54) wait_for qwen
           step d54 --model qwen2.5-coder-1.5b:8192,16384 --niah-samples 10 --baselines "" --candidates stored32768 ;;
