@@ -1,6 +1,6 @@
 """How far one text's KL is from another's, for one artifact: the spread behind `--max-kl`'s probe-vs-evaluation gap.
 
-`calibrate --max-kl X` stops at the fewest widenings whose KL on *one* held-back text (calibrate.kl_probe) is at most
+`calibrate --max-kl X` stops at the fewest widenings whose KL on *one* held-back text (calibration_text.kl_probe) is at most
 X; `oscar-kv eval`'s kl task scores *one* other text per length (EvalConfig.kl_docs = 1).  Gemma 3 270M at
 `--max-kl 0.05` scored 0.0545 on the evaluation text at 32K (run D15).  This script scores the same artifact on the
 probe text and on several evaluation documents of the same length, so the text-to-text spread is seen directly:
@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from oscar_kv.artifacts import Rotations, load_shipped
-from oscar_kv.calibrate import calibrate, kl_probe
+from oscar_kv.calibrate import calibrate
+from oscar_kv.calibration_text import kl_probe
 from oscar_kv.calibration_settings import CalibrationSettings
 from oscar_kv.corpus import load_calibration_text
 from oscar_kv.evaluate.harness import _documents, evaluation_text

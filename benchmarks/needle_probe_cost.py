@@ -16,7 +16,7 @@ import time
 import torch
 
 from oscar_kv.artifacts import Rotations
-from oscar_kv.calibrate import needle_probe
+from oscar_kv.calibration_text import needle_probe
 from oscar_kv.calibration_settings import NEEDLE_HAYSTACKS, CalibrationSettings
 from oscar_kv.corpus import load_calibration_text
 from oscar_kv.models import AttentionGeometry, load_model

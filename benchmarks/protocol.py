@@ -28,11 +28,11 @@ none), ``auto`` (the default with ``--key-formats auto``: the plain and the spli
 fewer bits kept), ``kvX`` (``calibrate --kv-bits X --key-noise 0 --max-kl 0 --max-answer-kl 0``: keys and values
 allocated by their noise within X bits per element at the model's context, plain widths, no check: a point of the
 Pareto curve at a given budget, such as KIVI-2's own bits), ``kvsX`` (the same with split key widths among the
-candidates) and ``probeX`` (the default with ``--needle-probe-tokens X``: the answer KL check's prompts X tokens
-long instead of min(context, 16K); ``probeX-plain``: plain key widths only, half the measurements), ``stored`` /
-``storedX`` (the default with ``needle_probe_haystack="stored"``: the needle probe's haystacks prefilled exactly and
-stored, only question and answer through the cache, as `eval` scores needles; X: the prompts' length; ``-plain`` as
-for probeX).  The first candidate is the `oscar` row.
+candidates), ``probe`` / ``probeX`` (the default with ``--needle-probe-haystack decoded``: every haystack token of
+the answer KL check's prompts through the cache, prompts of min(context, 16K) or X tokens; ``probeX-plain``: plain key
+widths only, half the measurements) and ``stored`` / ``storedX`` (``--needle-probe-haystack stored``, today's default:
+haystacks prefilled exactly and stored, only question and answer through the cache, as `eval` scores needles;
+prompts of the context or X tokens; ``-plain`` as for probeX).  The first candidate is the `oscar` row.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ import torch
 from oscar_kv.activations import capture_samples
 from oscar_kv.allocation import allocate_key_widths
 from oscar_kv.artifacts import Rotations
-from oscar_kv.calibrate import calibrate, calibration_sequences
+from oscar_kv.calibrate import calibrate
+from oscar_kv.calibration_text import calibration_sequences
 from oscar_kv.calibration_settings import CalibrationSettings
 from oscar_kv.corpus import load_calibration_text
 from oscar_kv.evaluate.harness import EvalConfig, run_eval

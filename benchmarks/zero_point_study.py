@@ -38,7 +38,8 @@ import torch
 
 from oscar_kv.activations import capture_samples, per_head
 from oscar_kv.allocation import KEY_WIDTHS, VALUE_WIDTHS, key_logit_noise, value_output_noise
-from oscar_kv.calibrate import calibrate, calibration_sequences
+from oscar_kv.calibrate import calibrate
+from oscar_kv.calibration_text import calibration_sequences
 from oscar_kv.calibration_settings import CalibrationSettings
 from oscar_kv.corpus import load_calibration_text
 from oscar_kv.memory import bits_per_element

@@ -318,7 +318,7 @@ def test_an_answer_kl_target_measures_the_needle_probe(model, tokenizer):
 def test_the_answer_kl_counts_only_the_needles_the_model_finds(model, tokenizer):
     """A prompt counts when the unquantized model's most likely answer tokens are the expected ones: not when the
     expected number is not in the haystack."""
-    from oscar_kv.calibrate import needle_probe
+    from oscar_kv.calibration_text import needle_probe
     from oscar_kv.corpus import load_calibration_text
     from oscar_kv.width_choice import answered_needles
 
@@ -347,7 +347,7 @@ def test_the_stored_haystack_answer_kl_reads_the_needle_from_the_cache(model, to
     more than keys at 8 bits and values at 4; calibrate records the choice and measures with it."""
     import copy
 
-    from oscar_kv.calibrate import needle_probe
+    from oscar_kv.calibration_text import needle_probe
     from oscar_kv.cache import CacheSettings
     from oscar_kv.corpus import load_calibration_text
     from oscar_kv.evaluate.schemes import standard_scheme
@@ -446,7 +446,7 @@ def test_the_checks_run_on_float32_weights_and_leave_the_model_as_it_was():
 
 
 def test_the_needle_probe_asks_for_a_number_it_holds(tokenizer):
-    from oscar_kv.calibrate import needle_probe
+    from oscar_kv.calibration_text import needle_probe
     from oscar_kv.calibration_settings import NEEDLE_PROBE_PROMPTS
     from oscar_kv.corpus import load_calibration_text
 
@@ -462,8 +462,35 @@ def test_the_needle_probe_asks_for_a_number_it_holds(tokenizer):
     assert len({tokenizer.decode(ids[0, start:]) for ids, start, _ in prompts}) == NEEDLE_PROBE_PROMPTS
 
 
+def test_the_needle_probe_is_the_context_where_its_stored_haystacks_fit(model, tokenizer, monkeypatch):
+    """Stored haystacks (the default): prompts of the context; where the 8 prompts' float32 K/V would take more than
+    half the free memory, the longest multiple of 1024 that fits, never below 1024; --needle-probe-tokens and decoded
+    haystacks (at most 16K) keep their own length."""
+    import oscar_kv.calibration_text as calibration_text
+    from oscar_kv.calibration_text import needle_probe, stored_needle_probe_tokens
+    from oscar_kv.corpus import load_calibration_text
+
+    per_prompt_token = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads of 64, K and V in float32
+    default = CalibrationSettings()
+    assert default.needle_probe_haystack == "stored"
+    monkeypatch.setattr(calibration_text, "free_bytes", lambda device: 2 * 8 * per_prompt_token * 8192)
+    assert stored_needle_probe_tokens(model, default, 8192) is None  # exactly half the free memory: the context
+    monkeypatch.setattr(calibration_text, "free_bytes", lambda device: 2 * 8 * per_prompt_token * 5000)
+    assert stored_needle_probe_tokens(model, default, 8192) == 4096
+    monkeypatch.setattr(calibration_text, "free_bytes", lambda device: 1000)
+    assert stored_needle_probe_tokens(model, default, 8192) == 1024
+    assert stored_needle_probe_tokens(model, CalibrationSettings(needle_probe_tokens=2048), 8192) is None
+    assert stored_needle_probe_tokens(model, CalibrationSettings(needle_probe_haystack="decoded"), 8192) is None
+
+    texts, _ = load_calibration_text()
+    longest = lambda settings, context: max(p.ids.shape[1] for p in needle_probe(tokenizer, texts, settings, context))
+    assert 1900 < longest(default, 2048) <= 2048 + 32  # about the context (question and answer after the haystack)
+    decoded = CalibrationSettings(needle_probe_haystack="decoded")
+    assert 15000 < longest(decoded, 131072) <= 16384 + 32
+
+
 def test_the_kl_probe_is_the_models_context_up_to_32k(tokenizer):
-    from oscar_kv.calibrate import kl_probe
+    from oscar_kv.calibration_text import kl_probe
     from oscar_kv.corpus import load_calibration_text
 
     texts, _ = load_calibration_text()

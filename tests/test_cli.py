@@ -34,6 +34,7 @@ def test_calibrate_writes_an_artifact(artifact_dir):
     widths = json.loads((artifact_dir / "manifest.json").read_text())["calibration"]["widths"]
     assert widths["max_kl"] == 0.01 and widths["kl_by_step"] and widths["kl_probe_tokens"] == 1024
     assert widths["max_answer_kl"] == 0.01 and 900 < widths["needle_probe_tokens"] <= 1024
+    assert widths["needle_probe_haystack"] == "stored"  # the default: as eval asks its needles
     assert re.fullmatch(r"[4-8] of 8", widths["needle_prompts_answered"])  # the check runs on half or more
     assert all(v["kl"] > 0 and v["answer_kl"] >= 0 for v in widths["kl_by_step"].values())
 
@@ -47,7 +48,7 @@ def test_inspect_prints_geometry_and_validation(artifact_dir):
     assert "key centering chosen" in result.output and '"probe_error"' in result.output
     # the KL check's measurements, with the probe's length
     assert re.search(r"KL check \(target 0.01, on 1024 held-back tokens; answer KL 0.01, on needle prompts of \d+ "
-                     r"tokens, [4-8] of 8 answered\): \d\.\d{3} bits -> KL 0\.\d{4}, answer KL \d\.\d{4}", result.output)
+                     r"tokens, [4-8] of 8 answered, haystacks stored\): \d\.\d{3} bits -> KL 0\.\d{4}, answer KL \d\.\d{4}", result.output)
     assert re.search(r"KL by position \(positions up to\): 1024 0\.\d{4}", result.output)
 
 
@@ -243,7 +244,7 @@ def test_calibrate_help_defaults_are_the_library_defaults():
     for name in ("calib_tokens", "seq_len", "k_clip", "v_clip", "center_values"):
         assert params[name].default.default == getattr(lib, name), name
     assert params["rope_pairs"].default.default == str(lib.rope_pairs)  # "auto" or a number: parsed as text
-    for name in ("clip", "key_centering", "rotation_scope"):
+    for name in ("clip", "key_centering", "rotation_scope", "key_formats", "needle_probe_haystack"):
         assert params[name].default.default.value == getattr(lib, name), name
     for name in ("key_noise", "kv_bits", "value_bits"):
         assert params[name].default.default == getattr(lib, name), name

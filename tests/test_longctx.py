@@ -9,7 +9,7 @@ import torch
 
 from oscar_kv.activations import LayerSample, clip_candidate_errors, quantized_attention_error
 from oscar_kv.cache import CacheSettings, unprepare_model
-from oscar_kv.calibrate import split_probe
+from oscar_kv.calibration_text import split_probe
 from oscar_kv.corpus import DEFAULT_CORPUS
 from oscar_kv.evaluate import needle, tasks
 from oscar_kv.evaluate.schemes import standard_scheme

@@ -73,8 +73,9 @@ def width_map(widths: dict) -> str:
         targets = [f"{widths['max_kl']:g}, on {on}"] if widths.get("max_kl") is not None else []
         if widths.get("max_answer_kl") is not None:
             answered = f", {widths['needle_prompts_answered']} answered" if "needle_prompts_answered" in widths else ""
+            stored = ", haystacks stored" if widths.get("needle_probe_haystack") == "stored" else ""
             targets.append(f"answer KL {widths['max_answer_kl']:g}, on needle prompts of "
-                           f"{widths.get('needle_probe_tokens', '?')} tokens{answered}")
+                           f"{widths.get('needle_probe_tokens', '?')} tokens{answered}{stored}")
         shown = [(name, label) for name, label in (("kl", "KL"), ("answer_kl", "answer KL")) if name in points[0]]
         lines.insert(1, f"KL check (target {'; '.join(targets)}): " + ", ".join(
             f"{p['bits_per_element']:.3f} bits -> " + ", ".join(f"{label} {p[name]:.4f}" for name, label in shown)

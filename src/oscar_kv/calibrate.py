@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,9 +33,9 @@ from tqdm.auto import tqdm
 from .activations import LayerSample, capture_samples, observing, run_layers
 from .allocation import KEY_WIDTHS, VALUE_WIDTHS
 from .artifacts import DEFAULT_K_CLIP, DEFAULT_V_CLIP, Rotations, model_fingerprint
-from .calibration_settings import (KL_PROBE_MAX_TOKENS, NEEDLE_PROBE_MAX_TOKENS, NEEDLE_PROBE_MIN_ANSWERED,
-                                   NEEDLE_PROBE_PROMPTS, CalibrationSettings)
-from .corpus import CorpusError, load_calibration_text
+from .calibration_settings import NEEDLE_PROBE_MEMORY_SHARE, NEEDLE_PROBE_MIN_ANSWERED, CalibrationSettings
+from .calibration_text import calibration_sequences, kl_probe, needle_probe, stored_needle_probe_tokens
+from .corpus import load_calibration_text
 from .errors import ConfigError
 from .models import AttentionGeometry
 from .parallel import SINGLE, TensorParallel, shard_model
@@ -45,7 +44,7 @@ from .probe import layer_error
 from .rope import (RopeTable, RopeUnsupported, keep_pairs, layer_rope_tables, mean_phase, pair_counts,
                    remove_rope, rotate_half, rotated_only)
 from .rotation import compose
-from .width_choice import NeedleProbePrompt, answered_needles, choose_widths, kl_measure, needle_measure
+from .width_choice import answered_needles, choose_widths, kl_measure, needle_measure
 
 log = logging.getLogger(__name__)
 
@@ -186,24 +185,6 @@ class Statistics:
         return c_q, c_s, mu_k, mu_v, mu_pre
 
 
-def token_sequences(tokenizer, texts: list[str], seq_len: int, count: int) -> list[torch.Tensor]:
-    """Concatenate documents (EOS-separated) and cut ``count`` sequences of ``seq_len`` tokens, int64 [1, seq_len]
-    each; fewer (with a warning) when the text runs out, CorpusError when it holds less than one."""
-    sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False).input_ids + sep)
-        if len(ids) >= seq_len * count:
-            break
-    available = len(ids) // seq_len
-    if available == 0:
-        raise CorpusError(f"the calibration text has only {len(ids)} tokens; need at least {seq_len}")
-    if available < count:
-        log.warning("calibration text yields %d sequences of %d tokens, fewer than the %d asked for",
-                    available, seq_len, count)
-    return [torch.tensor(ids[i * seq_len:(i + 1) * seq_len]).unsqueeze(0) for i in range(min(count, available))]
-
-
 class _PhaseReport:
     """One line per finished calibration phase with its time (the long phases also have progress bars)."""
 
@@ -215,70 +196,6 @@ class _PhaseReport:
         if self.enabled:
             tqdm.write(f"calibrate: {what} ({now - self.last:.1f} s)")
         self.last = now
-
-
-def split_probe(tokenizer, texts: list[str], seq_len: int, count: int, probe_tokens: int):
-    """(``count`` fitting sequences, the probe [1, <= probe_tokens]): the text after the fitting sequences is
-    held back, so clip fitting and validation never see the fitting data."""
-    held = math.ceil(probe_tokens / seq_len)
-    sequences = token_sequences(tokenizer, texts, seq_len, count + held)
-    if len(sequences) < 2:
-        raise CorpusError("the calibration text is too short to hold back a validation sequence")
-    held = min(held, len(sequences) - 1)
-    return sequences[:-held], torch.cat(sequences[-held:], 1)[:, :probe_tokens]
-
-
-def calibration_sequences(model, tokenizer, settings: CalibrationSettings, texts: list[str]):
-    """(fitting sequences, held-back probe ids, sequence length) as ``calibrate`` cuts them from ``texts``: sequences
-    capped by the model's context, the probe after them (split_probe)."""
-    max_len = getattr(model.config, "max_position_embeddings", None) or settings.seq_len
-    seq_len = min(settings.seq_len, max_len, settings.calib_tokens)
-    count = math.ceil(settings.calib_tokens / seq_len)
-    sequences, probe_ids = split_probe(tokenizer, texts, seq_len, count, min(settings.probe_tokens, max_len))
-    return sequences, probe_ids, seq_len
-
-
-def kl_probe(tokenizer, texts: list[str], settings: CalibrationSettings, max_len: int) -> torch.Tensor:
-    """The held-back text ``--max-kl`` measures on (width_choice.kl_measure), int64 [1, length]: one sequence of
-    ``settings.kl_probe_tokens`` (default min(context, KL_PROBE_MAX_TOKENS)) cut after the fitting text and the
-    probe."""
-    length = min(settings.kl_probe_tokens or KL_PROBE_MAX_TOKENS, max_len)
-    after = math.ceil((settings.calib_tokens + settings.probe_tokens) / length)
-    sequences = token_sequences(tokenizer, texts, length, after + 1)
-    if len(sequences) <= after:
-        log.warning("the calibration text is too short for a KL probe after the fitting text: it overlaps it")
-    return sequences[-1]
-
-
-def needle_probe(tokenizer, texts: list[str], settings: CalibrationSettings, max_len: int
-                 ) -> list[NeedleProbePrompt]:
-    """The prompts ``--max-answer-kl`` measures on (width_choice.needle_measure): NEEDLE_PROBE_PROMPTS keyed needle
-    prompts (four keyed numbers in a haystack, a question for one: evaluate.tasks.multikey_prompt, as `eval`'s
-    multi-key task builds them, with other seeds) of about min(context, ``settings.needle_probe_tokens``) tokens,
-    their haystacks cut from the text after the fitting sequences and the probe, each followed by its expected
-    answer (width_choice.NeedleProbePrompt: the ids, where the answer and where the question start)."""
-    from .evaluate.tasks import multikey_prompt
-
-    length = min(settings.needle_probe_tokens or NEEDLE_PROBE_MAX_TOKENS, max_len)
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False).input_ids)
-    held = tokenizer.decode(ids[settings.calib_tokens + settings.probe_tokens:], skip_special_tokens=True)
-    need = 8 * length  # characters: a haystack of `length` tokens with room to spare
-    if len(held) < 2 * need:
-        log.warning("the text after the fitting sequences is short for the needle probe: its haystacks repeat it")
-        held = "\n\n".join([held] * math.ceil(2 * need / max(len(held), 1)))
-    prompts = []
-    for i in range(NEEDLE_PROBE_PROMPTS):
-        start = i * (len(held) - need) // max(NEEDLE_PROBE_PROMPTS - 1, 1)
-        prompt = multikey_prompt(tokenizer, held[start:start + need], length - 16, seed=NEEDLE_PROBE_SEED + i)
-        answer = tokenizer(" " + prompt.answer, add_special_tokens=False).input_ids  # after "... is"
-        prompts.append(NeedleProbePrompt(torch.tensor([prompt.haystack + prompt.question + answer]),
-                                         len(prompt.haystack) + len(prompt.question), len(prompt.haystack)))
-    return prompts
-
-
-NEEDLE_PROBE_SEED = 7_000_000  # not eval's needle seeds (0 + context + i): the probe's needles are other numbers
 
 
 def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, calib_data: list[str] | None = None,
@@ -408,8 +325,15 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
         tqdm.write(f"calibrate: KL check on {kl_ids.shape[1]} held-back tokens: one unquantized forward, then one per "
                    f"point of the widening path measured (--kl-probe-tokens shortens them)")
     measures = [kl_measure(model, kl_ids)] if kl_ids is not None else []
-    needles = needle_probe(tokenizer, texts, settings, max_len) if settings.max_answer_kl is not None and allocated \
-        else None
+    needles = None
+    if settings.max_answer_kl is not None and allocated:
+        shorter = stored_needle_probe_tokens(model, settings, max_len)
+        if shorter is not None:
+            log.warning(f"the needle probe's stored haystacks at the context ({max_len} tokens) would take more than "
+                        f"{NEEDLE_PROBE_MEMORY_SHARE:.0%} of the free memory: prompts of {shorter} tokens "
+                        f"(--needle-probe-tokens sets their length)")
+            settings = dataclasses.replace(settings, needle_probe_tokens=shorter)
+        needles = needle_probe(tokenizer, texts, settings, max_len)
     answered, width_settings = [], settings
     if needles:
         length = max(int(prompt.ids.shape[1]) for prompt in needles)
@@ -443,6 +367,7 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
         widths["kl_probe_tokens"] = int(kl_ids.shape[1])
     if needles:
         widths["needle_probe_tokens"] = length
+        widths["needle_probe_haystack"] = settings.needle_probe_haystack
         widths["needle_prompts_answered"] = of
     return widths
 

@@ -40,28 +40,30 @@ DEFAULT_KV_BITS: float | None = None
 # multi-key accuracy with Spearman -0.96, and a 0.01 target (the text KL's own) chose 3.30 bits at 32K that keep
 # multi-key within 0.10 of BF16 (0.83), where the text KL alone chose 2.98 (benchmarks/NOTES.md, runs D24-D25).
 DEFAULT_MAX_ANSWER_KL = 0.01
-# The needle probe: NEEDLE_PROBE_PROMPTS keyed needle prompts (four keyed numbers, a question for one) of
-# min(context, NEEDLE_PROBE_MAX_TOKENS) tokens cut from held-back text; one teacher-forced forward per prompt the
-# model answers and measurement, after one unquantized forward each for the model's own answers (seconds on a GPU;
-# on a 2-core CPU ~30 s per 8K prompt of SmolLM2-135M).
+# The needle probe: NEEDLE_PROBE_PROMPTS keyed needle prompts (four keyed numbers, a question for one) of the model's
+# context (needle_probe_tokens) cut from held-back text; one unquantized forward each for the model's own answers.
 NEEDLE_PROBE_PROMPTS = 8
-# Why not the model's context: on Qwen2.5-Coder-1.5B a 32K probe chose the 16K probe's widths within 0.015 bits at 32K
-# (NIAH the same, multi-key one prompt of ten apart, at BF16's); with YaRN a 64K probe asked 0.5 more bits per element
-# than the 16K one (3.8 against 3.3 at 128K) and ~95 s of H200 time per measurement (benchmarks/NOTES.md, runs
-# D45-D46).  --needle-probe-tokens pays for it.
+# The decoded haystack's prompts are at most this long: it costs one float32 forward of every prompt per measurement
+# (~95 s of H200 time per measurement at 64K on Qwen2.5-Coder-1.5B), where a stored haystack costs a few dozen tokens.
 NEEDLE_PROBE_MAX_TOKENS = 16384
+# The stored haystacks' K/V (float32, every layer, each prompt's) take at most this share of the memory free where the
+# model runs; a longer context gets prompts that fit (calibrate says so; --needle-probe-tokens overrides).
+NEEDLE_PROBE_MEMORY_SHARE = 0.5
 # The check needs the model to answer at least half of them: over fewer, the mean is carried by one or two answers the
 # model barely gives (SmolLM2-135M answers 2 of 8 at 8K: four calibrations that differed only in float rounding
 # measured the same widening step's answer KL at 0.028-0.18 and chose 3.72-4.37 bits; Qwen2.5-Coder-1.5B answers 8 of
 # 8 at 16K and moved one widening of 55; benchmarks/NOTES.md, runs D28-D32).
 NEEDLE_PROBE_MIN_ANSWERED = NEEDLE_PROBE_PROMPTS // 2
-# How the needle probe's haystack reaches the cache.  "decoded": every haystack token is decoded through the simulated
-# cache (one teacher-forced float32 forward of the whole prompt per measurement, as the KL check and as chunked prefill
-# sees earlier chunks); "stored": the haystack is prefilled exactly once and its K/V stored in the artifact's cache,
-# then only the question and the answer run through it (as `eval`'s needle tasks, generate()'s one-forward prefill and
-# a prefix-cache hit): one exact forward per prompt for the whole calibration, a few dozen tokens per measurement, the
-# prompts' K/V held meanwhile.  "decoded" stays the default until the protocol shows which predicts retrieval better
-# (benchmarks/NOTES.md, runs D45-D46).
+# How the needle probe's haystack reaches the cache.  "stored" (the default): the haystack is prefilled exactly once
+# and its K/V stored in the artifact's cache, then only the question and the answer run through it (as `eval`'s needle
+# tasks, generate()'s one-forward prefill and a prefix-cache hit): one exact forward per prompt for the whole
+# calibration, a few dozen tokens per measurement, the prompts' K/V held meanwhile.  "decoded": every haystack token
+# is decoded through the simulated cache (one teacher-forced float32 forward of the whole prompt per measurement, as
+# the KL check, and as chunked prefill sees earlier chunks).  Why "stored" at the context: on Qwen2.5-Coder-1.5B with
+# YaRN at 64K the 16K decoded probe lost one single needle and two multi-key answers of twelve (NIAH 0.92, multi-key
+# 0.50 against BF16's 1.00 / 0.67), the 64K stored probe none (1.00 / 0.83) for 0.04 more bits per element; at 32K it
+# chose 2.68 bits where the decoded probe at 32K chose 2.76 (NIAH and multi-key the same, BF16's), calibrating in 251 s
+# instead of 1,037; SmolLM2-135M's widths stay the same (benchmarks/NOTES.md, runs D43, D46, D50-D53).
 NEEDLE_HAYSTACKS = ("decoded", "stored")
 
 
@@ -118,8 +120,10 @@ class CalibrationSettings:
     # beside (or instead of) max_kl: the most mean KL against the unquantized model over the answer tokens of the
     # needle probe (None: not measured); the same widening path and bisection
     max_answer_kl: float | None = DEFAULT_MAX_ANSWER_KL
-    needle_probe_tokens: int | None = None  # None: min(context, NEEDLE_PROBE_MAX_TOKENS)
-    needle_probe_haystack: str = "decoded"  # one of NEEDLE_HAYSTACKS
+    # None: the context (decoded haystacks: at most NEEDLE_PROBE_MAX_TOKENS; stored: as long as NEEDLE_PROBE_MEMORY_SHARE
+    # of free memory holds them)
+    needle_probe_tokens: int | None = None
+    needle_probe_haystack: str = "stored"  # one of NEEDLE_HAYSTACKS
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:

@@ -49,6 +49,11 @@ class KeyFormats(str, Enum):
     auto = "auto"
 
 
+class NeedleHaystack(str, Enum):
+    stored = "stored"
+    decoded = "decoded"
+
+
 KVDtype = Enum("KVDtype", {name: name for name in KV_CACHE_DTYPES}, type=str)  # what the generate() cache stores
 
 
@@ -131,13 +136,19 @@ def calibrate(
         "answers fewer than half); the same widening path and bisection, every target met. "
         "Multi-key retrieval fails where the KL over ordinary text is small; this score orders multi-key accuracy "
         "(benchmarks/NOTES.md, runs D24-D25). 0 turns it off (the text KL alone: fewer bits, keyed retrieval may "
-        "suffer). One forward per prompt and measurement: seconds on a GPU, a few minutes per measurement for a "
-        "small model on a CPU (--needle-probe-tokens shortens them)."),
+        "suffer). One exact forward per prompt, then a few dozen tokens per prompt and measurement (with "
+        "--needle-probe-haystack stored, the default); --needle-probe-tokens shortens them."),
     needle_probe_tokens: Optional[int] = typer.Option(
-        None, min=1024, help="The answer KL check's needle prompts: each one's length (default: the "
-        "model's context, at most 16384). Longer prompts measure more answer KL and so choose more bits: with YaRN at "
-        "64K, 65536 chose 3.8 bits per element where 16384 chose 3.3, at ~95 s of H200 time per measurement "
-        "(benchmarks/NOTES.md, runs D45-D46)."),
+        None, min=1024, help="The answer KL check's needle prompts: each one's length (default: the model's context; "
+        "with stored haystacks as long as their K/V fit in half the free memory, with decoded ones at most 16384). "
+        "A probe shorter than the context the model serves under-measures: with YaRN at 64K, 16K decoded prompts lost "
+        "one needle of twelve that 64K stored prompts kept (benchmarks/NOTES.md, runs D43, D50)."),
+    needle_probe_haystack: NeedleHaystack = typer.Option(
+        NeedleHaystack.stored, help="How the needle prompts' haystacks reach the cache: 'stored' (the default) "
+        "prefills each exactly once and stores its K/V, then sends only the question and the answer through the "
+        "cache (as a one-forward prefill or a prefix-cache hit; a few dozen tokens per measurement, the prompts' K/V "
+        "held meanwhile); 'decoded' decodes every haystack token through the cache (as chunked prefill's later "
+        "chunks; one whole forward per prompt and measurement, ~95 s of H200 time at 64K)."),
     key_rescale: float = typer.Option(
         0.5, min=0.0, max=1.0, help="Share of the clip's shrink of each INT2 key row along itself that its float16 scale "
         "undoes (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "
@@ -172,6 +183,7 @@ def calibrate(
                                        key_noise=key_noise or None, kv_bits=kv_bits,
                                        kl_probe_tokens=kl_probe_tokens, key_rescale=key_rescale,
                                        needle_probe_tokens=needle_probe_tokens,
+                                       needle_probe_haystack=needle_probe_haystack.value,
                                        value_rescale=value_rescale,
                                        # not given: the library's default; 0: no KL check
                                        **({} if max_kl is None else {"max_kl": max_kl or None}),

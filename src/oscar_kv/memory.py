@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .quant import SplitWidth
 
 # Metadata bits per group of G channels: a float16 scale and a uint8 zero point (quant.py).
@@ -93,3 +95,18 @@ def kv_bytes(seq_len: int, num_layers: int, num_kv_heads: int, head_dim: int, ba
     """Bytes of K and V for ``batch`` sequences of ``seq_len`` tokens at the given scheme."""
     elements = 2 * num_layers * num_kv_heads * head_dim * seq_len * batch
     return elements * bits_per_element(seq_len, head_dim, **kwargs) / 8
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes free where ``device`` keeps tensors: the GPU's free memory, or on the CPU the RAM Linux reports
+    available (MemAvailable; all of it where /proc/meminfo cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable", info["MemTotal"])
+    except (OSError, KeyError, ValueError):
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -318,7 +318,7 @@ def _with_reason(choice: WidthChoice, reason: str) -> WidthChoice:
 
 
 class NeedleProbePrompt(NamedTuple):
-    """One prompt of the needle probe (calibrate.needle_probe): int64 [1, T] ids (haystack, question, expected answer),
+    """One prompt of the needle probe (calibration_text.needle_probe): int64 [1, T] ids (haystack, question, expected answer),
     where the answer starts and where the question starts (the haystack ends)."""
 
     ids: torch.Tensor
@@ -328,7 +328,7 @@ class NeedleProbePrompt(NamedTuple):
 
 def answered_needles(model, prompts: list[NeedleProbePrompt], needed: int = 0, progress: bool = False
                      ) -> tuple[list[tuple[NeedleProbePrompt, torch.Tensor]], int]:
-    """The needle prompts (calibrate.needle_probe) whose expected answer the unquantized model itself gives (its most
+    """The needle prompts (calibration_text.needle_probe) whose expected answer the unquantized model itself gives (its most
     likely token, teacher-forced, at every answer position), each with those positions' exact log-probabilities
     (tasks.answer_reference).  Retrieval the model does not do is none a cache can lose, and bits spent on the answer
     KL of a prompt it fails buy nothing (SmolLM2-135M finds a few multi-key needles of ten at 8K, Qwen2.5-Coder-1.5B
@@ -396,7 +396,7 @@ def needle_measure(model, answered: list[tuple[NeedleProbePrompt, torch.Tensor]]
 
 def kl_measure(model, ids: torch.Tensor) -> Callable[[Rotations], dict]:
     """The KL measure of ``--max-kl``: an artifact's mean KL(unquantized || artifact's cache) over ``ids`` (int64
-    [1, T]: calibrate.kl_probe's held-back sequence), as ``oscar-kv eval``'s kl task scores it (the cache simulated
+    [1, T]: calibration_text.kl_probe's held-back sequence), as ``oscar-kv eval``'s kl task scores it (the cache simulated
     in one teacher-forced forward): {"kl": mean, "kl_by_position": the mean per power-of-two position bin, rounded}.
     The bins show whether KL still grows at the probe's end (a context past the probe then has more)."""
     from .cache import CacheSettings, unprepare_model

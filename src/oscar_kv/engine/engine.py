@@ -25,6 +25,7 @@ from ..errors import ConfigError, RequestError
 from ..folding import fold_values
 from ..kernels.int2_cuda import split_error
 from ..kernels.layout import PoolGeometry
+from ..memory import free_bytes
 from ..models import layer_windows
 from ..models.executor import executor_support, make_executor
 from ..parallel import SINGLE, TensorParallel, is_sharded, shard_model
@@ -48,18 +49,7 @@ RATE_WINDOW_S = 10.0  # tokens/s is measured over this many seconds
 
 def default_kv_cache_memory(device: torch.device) -> float:
     """GB: 80% of free device memory (after the model is loaded), or 10% of available RAM on CPU."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return 0.8 * free / GB
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        available = info.get("MemAvailable", info["MemTotal"])
-    except (OSError, KeyError, ValueError):
-        import os
-
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 0.1 * available / GB
+    return (0.8 if device.type == "cuda" else 0.1) * free_bytes(device) / GB
 
 
 class LLMEngine(EngineDescription):

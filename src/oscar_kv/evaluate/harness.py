@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 from ..activations import capture_samples, observing, run_layers
 from ..artifacts import Rotations
 from ..cache import CacheSettings, unprepare_model
-from ..calibrate import Statistics, split_probe
+from ..calibrate import Statistics
+from ..calibration_text import split_probe
 from ..calibration_settings import CalibrationSettings
 from ..corpus import DEFAULT_CORPUS, STDLIB_SOURCE, CorpusError, load_calibration_text, read_text_file
 from ..errors import ConfigError

@@ -228,7 +228,8 @@ def haystack_kv(model, ids: list[int]):
 
     unprepare_model(model)
     cache = DynamicCache()  # no config: a model's sliding-window layers would keep only their last window tokens
-    model(torch.tensor([ids], device=model.device), **cache_kwargs(model, cache), use_cache=True)
+    # one position's logits: all of them would be [T, vocab] float32 (40 GB at 64K for a 150K vocabulary)
+    model(torch.tensor([ids], device=model.device), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
