@@ -243,6 +243,10 @@ PY
         # run D54: D51's calibration (the stored probe at the context) evaluated at 8K and 16K (BF16's rows: D39's prompts)
         d54) wait_for qwen
           step d54 --model qwen2.5-coder-1.5b:8192,16384 --niah-samples 10 --baselines "" --candidates stored32768 ;;
+        # run D55 (next): today's default with YaRN x4 (the needle probe stored at its 128K context), at 64K and 128K
+        d55) wait_for qwen
+          step d55 --model qwen2.5-coder-1.5b@yarn4:65536,131072 --niah-samples 12 --text stdlib: --baselines bf16 \
+            --candidates default ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
