@@ -247,6 +247,9 @@ PY
         d55) wait_for qwen
           step d55 --model qwen2.5-coder-1.5b@yarn4:65536,131072 --niah-samples 12 --text stdlib: --baselines bf16 \
             --candidates default ;;
+        # run D56: the long-generation regime with today's default on SmolLM2 (6K prompt + 2,048 greedy tokens = its 8K)
+        d56) wait_for smol
+          step d56 --model smollm2-135m:6144 --tasks kl,longgen --gen-tokens 2048 --baselines bf16 --candidates default ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
