@@ -250,6 +250,23 @@ PY
         # run D56: the long-generation regime with today's default on SmolLM2 (6K prompt + 2,048 greedy tokens = its 8K)
         d56) wait_for smol
           step d56 --model smollm2-135m:6144 --tasks kl,longgen --gen-tokens 2048 --baselines bf16 --candidates default ;;
+        # runs D57-D58: the long-generation regime with today's default on Qwen2.5 and Gemma 3 (30K prompt + 2,048
+        # greedy tokens = their 32K context)
+        d57) wait_for qwen
+          step d57 --model qwen2.5-coder-1.5b:30720 --tasks kl,longgen --gen-tokens 2048 --baselines bf16 --candidates default ;;
+        d58) wait_for gemma
+          step d58 --model gemma3-270m:30720 --tasks kl,longgen --gen-tokens 2048 --baselines bf16 --candidates default ;;
+        # run D59: D54's 16K multi-key over D22's 30 prompts (BF16 0.93 there), one prompt of ten being 0.10
+        d59) wait_for qwen
+          step d59 --model qwen2.5-coder-1.5b:16384 --tasks niah_multikey --niah-samples 30 --baselines "" \
+            --candidates stored32768 ;;
+        # run D60: multi-key at 32K over 30 prompts, KIVI-2 beside the default (D51: 0.30 against 0.40 over ten)
+        d60) wait_for qwen
+          step d60 --model qwen2.5-coder-1.5b:32768 --tasks niah_multikey --niah-samples 30 --candidates stored32768 ;;
+        # run D61: the needle probe at 16K (where Qwen2.5 answers most prompts), scored on D59's / D60's 30 prompts
+        d61) wait_for qwen
+          step d61 --model qwen2.5-coder-1.5b:16384,32768 --tasks niah_multikey --niah-samples 30 --baselines "" \
+            --candidates stored16384 ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;
