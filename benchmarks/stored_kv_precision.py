@@ -47,7 +47,7 @@ def main(argv=None) -> None:
         answered, _ = answered_needles(model, prompts)
         rows = {name: ([], []) for name in artifacts}
         floors = []
-        for prompt, _ in answered:
+        for prompt in (needle.prompt for needle in answered):
             ids = prompt.ids[0].tolist()
             question, answer = ids[prompt.question_start:prompt.answer_start], ids[prompt.answer_start:]
             kv32 = haystack_kv(model, ids[:prompt.question_start])

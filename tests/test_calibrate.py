@@ -326,54 +326,58 @@ def test_the_answer_kl_counts_only_the_needles_the_model_finds(model, tokenizer)
     prompts = needle_probe(tokenizer, texts, CalibrationSettings(**SMALL, needle_probe_tokens=1024), 8192)
     answered, tried = answered_needles(model, prompts)
     assert 4 <= len(answered) < len(prompts) and tried == len(prompts)  # SmolLM2 finds 6 of these 8 at 1K (1 of 8 at 4K)
-    for prompt, reference in answered:
-        assert reference.shape[0] == prompt.ids.shape[1] - prompt.answer_start
-    found = answered[0][0]
+    for prompt, reference, kv in answered:
+        assert reference.shape[0] == prompt.ids.shape[1] - prompt.answer_start and kv is None
+    found = answered[0].prompt
     ids, start = found.ids, found.answer_start
     other = next(p for p in prompts if not torch.equal(p.ids[0, p.answer_start:], ids[0, start:]))
     elsewhere = found._replace(ids=torch.cat([ids[:, :start], other.ids[:, other.answer_start:]], 1))  # a number the
     assert answered_needles(model, [elsewhere]) == ([], 1)  # haystack does not hold
     # once too few could still be answered for the check, the rest are not run: the first two prompts missed, two
     # prompts left cannot make the three needed
-    missed = [elsewhere] * 2 + [p for p, _ in answered[:2]]
+    missed = [elsewhere] * 2 + [needle.prompt for needle in answered[:2]]
     assert answered_needles(model, missed, needed=3) == ([], 2)
     assert len(answered_needles(model, missed, needed=2)[0]) == 2
 
 
 def test_the_stored_haystack_answer_kl_reads_the_needle_from_the_cache(model, tokenizer, rotations):
-    """needle_probe_haystack "stored": each haystack is prefilled exactly once and only the question and answer run
-    through the artifact's cache.  Through the unquantized cache the model still gives the answers it gives over the
-    whole prompt (the question starts where the probe says); an artifact quantizing nothing scores ~0; INT2 scores
-    more than keys at 8 bits and values at 4; calibrate records the choice and measures with it."""
+    """needle_probe_haystack "stored": each haystack is prefilled exactly once, where the model's own answer is read
+    (through the unquantized cache, the question and answer after it: the same prompts answered as over the whole
+    prompt), and kept for the prompts answered; per artifact only the question and answer run through its cache.  An
+    artifact quantizing nothing scores ~0; INT2 scores more than keys at 8 bits and values at 4; calibrate records the
+    choice and measures with it."""
     import copy
 
     from oscar_kv.calibration_text import needle_probe
     from oscar_kv.cache import CacheSettings
     from oscar_kv.corpus import load_calibration_text
     from oscar_kv.evaluate.schemes import standard_scheme
-    from oscar_kv.evaluate.tasks import answer_log_probs, haystack_kv
+    from oscar_kv.evaluate.tasks import answer_log_probs, kl_divergence
     from oscar_kv.models import AttentionGeometry
     from oscar_kv.width_choice import answered_needles, needle_measure
 
     texts, _ = load_calibration_text()
-    prompts = needle_probe(tokenizer, texts, CalibrationSettings(**SMALL, needle_probe_tokens=1024), 8192)
-    answered, _ = answered_needles(model, prompts[:4])
-    assert len(answered) >= 2
+    prompts = needle_probe(tokenizer, texts, CalibrationSettings(**SMALL, needle_probe_tokens=1024), 8192)[:4]
+    answered, tried = answered_needles(model, prompts, haystack="stored")
+    decoded, _ = answered_needles(model, prompts)
+    assert tried == 4 and len(answered) >= 2
+    assert [needle.prompt for needle in answered] == [needle.prompt for needle in decoded]
     exact = standard_scheme("bf16", AttentionGeometry.of(model.config), rotations, CacheSettings())
-    for prompt, _ in answered:
+    for (prompt, reference, kv), (_, whole, _) in zip(answered, decoded):
         ids = prompt.ids[0].tolist()
-        kv = haystack_kv(model, ids[:prompt.question_start])
+        assert len(kv) == model.config.num_hidden_layers and kv[0][0].shape[2] == prompt.question_start
         log_probs = answer_log_probs(model, exact, kv, ids[prompt.question_start:prompt.answer_start],
                                      ids[prompt.answer_start:])
-        assert log_probs.argmax(-1).tolist() == ids[prompt.answer_start:]
-    int2 = needle_measure(model, answered, "stored")(rotations)["answer_kl"]
+        assert torch.equal(log_probs, reference)  # the reference is the unquantized cache's answer
+        assert float(kl_divergence(whole, reference).mean()) < 1e-3  # and about the whole prompt's
+    int2 = needle_measure(model, answered)(rotations)["answer_kl"]
     wide = copy.deepcopy(rotations)
     wide.set_bits([8] * len(wide.k_bits), [4] * len(wide.v_bits))
-    assert 0 < needle_measure(model, answered, "stored")(wide)["answer_kl"] < int2
+    assert 0 < needle_measure(model, answered)(wide)["answer_kl"] < int2
     # a haystack within the exact windows (sink 64 + recent 256): nothing is quantized
-    short = [(p._replace(ids=p.ids[:, p.question_start - 200:], answer_start=p.answer_start - p.question_start + 200,
-                         question_start=200), r) for p, r in answered]
-    assert needle_measure(model, short, "stored")(rotations)["answer_kl"] < 1e-3
+    short = [p._replace(ids=p.ids[:, p.question_start - 200:], answer_start=p.answer_start - p.question_start + 200,
+                        question_start=200) for p, *_ in answered]
+    assert needle_measure(model, answered_needles(model, short, haystack="stored")[0])(rotations)["answer_kl"] < 1e-3
 
     rot = calibrate(model, tokenizer, CalibrationSettings(**{**SMALL, "max_answer_kl": 100.0}, needle_probe_tokens=1024,
                                                           needle_probe_haystack="stored"), progress=False)

@@ -338,12 +338,14 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
     if needles:
         length = max(int(prompt.ids.shape[1]) for prompt in needles)
         if progress:
-            per_point = "one forward per answered prompt and point of the widening path measured" \
+            first, per_point = ("a forward of each prompt", "one forward per answered prompt") \
                 if settings.needle_probe_haystack == "decoded" else \
-                "one exact prefill of each answered prompt's haystack, its question and answer per point measured"
+                ("an exact prefill of each prompt's haystack, kept where answered", "its question and answer")
             tqdm.write(f"calibrate: answer KL check on {len(needles)} keyed needle prompts of {length} tokens: the "
-                       f"unquantized model's answers first, then {per_point} (--needle-probe-tokens shortens them)")
-        answered, tried = answered_needles(model, needles, NEEDLE_PROBE_MIN_ANSWERED, progress)
+                       f"unquantized model's answers first ({first}), then {per_point} per point of the widening "
+                       f"path measured (--needle-probe-tokens shortens them)")
+        answered, tried = answered_needles(model, needles, NEEDLE_PROBE_MIN_ANSWERED, progress,
+                                           settings.needle_probe_haystack)
         enough = len(answered) >= NEEDLE_PROBE_MIN_ANSWERED
         # "2 of 8", or where the rest could not bring the check's minimum: "1 of the first 6 of 8"
         of = f"{len(answered)} of {len(needles)}" if tried == len(needles) else \
@@ -352,7 +354,7 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
             + ("" if enough else f": no answer KL check (it needs {NEEDLE_PROBE_MIN_ANSWERED}: over fewer, one "
                                  "barely given answer carries the mean)"))
         if enough:
-            measures.append(needle_measure(model, answered, settings.needle_probe_haystack))
+            measures.append(needle_measure(model, answered))
         elif settings.max_kl is None and settings.key_noise is None and settings.kv_bits is None:
             raise ConfigError(f"the answer KL target is the only width rule, and the model answers {of} "
                               f"needle prompts of {length} tokens (the check needs "

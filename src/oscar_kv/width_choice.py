@@ -326,68 +326,84 @@ class NeedleProbePrompt(NamedTuple):
     question_start: int
 
 
-def answered_needles(model, prompts: list[NeedleProbePrompt], needed: int = 0, progress: bool = False
-                     ) -> tuple[list[tuple[NeedleProbePrompt, torch.Tensor]], int]:
+class AnsweredNeedle(NamedTuple):
+    """A needle probe prompt the unquantized model answers (answered_needles), with the exact log-probabilities
+    (float32 [A, vocab]) of its A answer positions and, for stored haystacks, the haystack's exact K/V (haystack_kv)
+    that every artifact's cache is given (None for decoded haystacks)."""
+
+    prompt: NeedleProbePrompt
+    reference: torch.Tensor
+    kv: list | None = None
+
+
+def answered_needles(model, prompts: list[NeedleProbePrompt], needed: int = 0, progress: bool = False,
+                     haystack: str = "decoded") -> tuple[list[AnsweredNeedle], int]:
     """The needle prompts (calibration_text.needle_probe) whose expected answer the unquantized model itself gives (its most
-    likely token, teacher-forced, at every answer position), each with those positions' exact log-probabilities
-    (tasks.answer_reference).  Retrieval the model does not do is none a cache can lose, and bits spent on the answer
-    KL of a prompt it fails buy nothing (SmolLM2-135M finds a few multi-key needles of ten at 8K, Qwen2.5-Coder-1.5B
-    nine: benchmarks/NOTES.md).
+    likely token, teacher-forced, at every answer position), each with those positions' exact log-probabilities.
+    Retrieval the model does not do is none a cache can lose, and bits spent on the answer KL of a prompt it fails buy
+    nothing (SmolLM2-135M finds a few multi-key needles of ten at 8K, Qwen2.5-Coder-1.5B nine: benchmarks/NOTES.md).
+
+    ``haystack`` (calibration_settings.NEEDLE_HAYSTACKS) says on which path the answer is read, the one needle_measure
+    then scores: "decoded", one forward of the whole prompt (tasks.answer_reference); "stored", the haystack prefilled
+    once (kept for the prompts answered) and the question and answer through the unquantized cache holding it, as
+    `eval` asks its needles (one long forward per prompt instead of two).
 
     Args:
         needed: stop as soon as fewer than this many could still be answered (the check would be skipped: on a CPU
             each 8K prompt of SmolLM2-135M is a minute's forward).
     Returns:
-        ([(prompt, reference)] of the prompts answered, how many prompts were run).
+        (the prompts answered, how many prompts were run).
     """
-    from .evaluate.tasks import answer_reference
+    from .cache import CacheSettings
+    from .evaluate.schemes import standard_scheme
+    from .evaluate.tasks import answer_log_probs, answer_reference, haystack_kv
 
+    geometry = AttentionGeometry.of(model.config)
+    exact = standard_scheme("bf16", geometry, Rotations.data_free(geometry, "identity"), CacheSettings())
     answered, tried = [], 0
     for prompt in tqdm(prompts, desc="the model's own answers", unit="prompt", disable=not progress):
         if len(answered) + len(prompts) - tried < needed:
             break
         tried += 1
         ids, start = prompt.ids, prompt.answer_start
-        reference = answer_reference(model, ids, start)
+        if haystack == "stored":
+            tokens = ids[0].tolist()
+            kv = haystack_kv(model, tokens[:prompt.question_start])
+            reference = answer_log_probs(model, exact, kv, tokens[prompt.question_start:start], tokens[start:])
+        else:
+            kv, reference = None, answer_reference(model, ids, start)
         if torch.equal(reference.argmax(-1).cpu(), ids[0, start:].cpu()):
-            answered.append((prompt, reference))
+            answered.append(AnsweredNeedle(prompt, reference, kv))
     return answered, tried
 
 
-def needle_measure(model, answered: list[tuple[NeedleProbePrompt, torch.Tensor]], haystack: str = "decoded"
-                   ) -> Callable[[Rotations], dict]:
+def needle_measure(model, answered: list[AnsweredNeedle]) -> Callable[[Rotations], dict]:
     """The measure of ``--max-answer-kl``: an artifact's mean KL(unquantized || artifact's cache) over the answer
     tokens of the keyed needle prompts the model answers (answered_needles): {"answer_kl": mean over prompts}.
     Retrieval through many similar needles fails where this grows, while the KL over ordinary text stays small; across
     widths it orders multi-key accuracy (benchmarks/NOTES.md, runs D22-D25).
 
-    ``haystack`` (calibration_settings.NEEDLE_HAYSTACKS): "decoded" simulates the cache over one teacher-forced forward
-    of each whole prompt (tasks.simulated_answer_kl, against answered_needles' reference); "stored" prefills each
-    haystack exactly once here, keeps its K/V, and per artifact sends only the question and the answer through the
-    cache holding them, against the unquantized cache's answer on the same path (as `eval`'s needle tasks score it).
+    On the path answered_needles read each answer: with the stored haystack's K/V (``kv``), only the question and the
+    answer go through the artifact's cache holding them (as `eval`'s needle tasks score it); without, the cache is
+    simulated over one teacher-forced forward of the whole prompt (tasks.simulated_answer_kl).
     """
     from .cache import CacheSettings, unprepare_model
     from .evaluate.schemes import standard_scheme
-    from .evaluate.tasks import answer_log_probs, haystack_kv, kl_divergence, simulated_answer_kl
+    from .evaluate.tasks import answer_log_probs, kl_divergence, simulated_answer_kl
 
     geometry = AttentionGeometry.of(model.config)
-    if haystack == "stored":
-        exact = standard_scheme("bf16", geometry, Rotations.data_free(geometry, "identity"), CacheSettings())
-        stored = []
-        for prompt, _ in answered:
-            ids = prompt.ids[0].tolist()
-            question, answer = ids[prompt.question_start:prompt.answer_start], ids[prompt.answer_start:]
-            kv = haystack_kv(model, ids[:prompt.question_start])
-            stored.append((kv, question, answer, answer_log_probs(model, exact, kv, question, answer)))
+
+    def answer_kl(scheme, needle: AnsweredNeedle) -> float:
+        prompt, reference = needle.prompt, needle.reference
+        if needle.kv is None:
+            return simulated_answer_kl(model, scheme, prompt.ids, prompt.answer_start, reference)
+        ids = prompt.ids[0].tolist()
+        question, answer = ids[prompt.question_start:prompt.answer_start], ids[prompt.answer_start:]
+        return float(kl_divergence(reference, answer_log_probs(model, scheme, needle.kv, question, answer)).mean())
 
     def measure(rot: Rotations) -> dict:
         scheme = standard_scheme("oscar", geometry, rot, CacheSettings())
-        if haystack == "stored":
-            values = [float(kl_divergence(reference, answer_log_probs(model, scheme, kv, question, answer)).mean())
-                      for kv, question, answer, reference in stored]
-        else:
-            values = [simulated_answer_kl(model, scheme, prompt.ids, prompt.answer_start, reference)
-                      for prompt, reference in answered]
+        values = [answer_kl(scheme, needle) for needle in answered]
         unprepare_model(model)
         return {"answer_kl": sum(values) / len(values)}
 
