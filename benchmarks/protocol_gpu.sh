@@ -243,9 +243,17 @@ PY
         # run D54: D51's calibration (the stored probe at the context) evaluated at 8K and 16K (BF16's rows: D39's prompts)
         d54) wait_for qwen
           step d54 --model qwen2.5-coder-1.5b:8192,16384 --niah-samples 10 --baselines "" --candidates stored32768 ;;
-        # run D55 (next): today's default with YaRN x4 (the needle probe stored at its 128K context), at 64K and 128K
+        # run D55 (next): today's default with YaRN x4 (the needle probe stored at its 128K context), at 64K and 128K.
+        # Calibrating takes ~15-20 minutes there, so the two lengths run side by side, one GPU each (CUDA_VISIBLE_DEVICES),
+        # each calibrating the same default (deterministic: D54-D60's four calibrations wrote one artifact)
         d55) wait_for qwen
           step d55 --model qwen2.5-coder-1.5b@yarn4:65536,131072 --niah-samples 12 --text stdlib: --baselines bf16 \
+            --candidates default ;;
+        d55a) wait_for qwen
+          step d55a --model qwen2.5-coder-1.5b@yarn4:65536 --niah-samples 12 --text stdlib: --baselines bf16 \
+            --candidates default ;;
+        d55b) wait_for qwen
+          step d55b --model qwen2.5-coder-1.5b@yarn4:131072 --niah-samples 6 --text stdlib: --baselines bf16 \
             --candidates default ;;
         # run D56: the long-generation regime with today's default on SmolLM2 (6K prompt + 2,048 greedy tokens = its 8K)
         d56) wait_for smol
