@@ -32,7 +32,9 @@ candidates), ``probe`` / ``probeX`` (the default with ``--needle-probe-haystack 
 the answer KL check's prompts through the cache, prompts of min(context, 16K) or X tokens; ``probeX-plain``: plain key
 widths only, half the measurements) and ``stored`` / ``storedX`` (``--needle-probe-haystack stored``, today's default:
 haystacks prefilled exactly and stored, only question and answer through the cache, as `eval` scores needles;
-prompts of the context or X tokens; ``-plain`` as for probeX).  The first candidate is the `oscar` row.
+prompts of the context or X tokens; ``-plain`` as for probeX) and ``every`` / ``everyX`` (as ``stored`` / ``storedX``
+with ``--needle-probe-scored all``: the answer KL over every probe prompt, answered or not, as `eval` scores it).  The
+first candidate is the `oscar` row.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
     settings = CalibrationSettings()
     print(f"{spec}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     t0 = time.perf_counter()
-    calibrated = [n for n in candidates if n[0] in "mfta" or n.startswith(("split", "kv", "probe", "stored"))]  # each calibrates on
+    calibrated = [n for n in candidates if n[0] in "mfta" or n.startswith(("split", "kv", "probe", "stored", "every"))]  # each calibrates on
     # its own ("auto" starts with "a", so it calibrates on its own too)
     default = calibrate(model, tokenizer, settings, progress=False) if set(candidates) - set(calibrated) else None
     derived = set(candidates) - set(calibrated) - {"default"}
@@ -136,11 +138,13 @@ def run_model(spec: str, contexts: list[int], candidates: list[str], args, out: 
                              key_noise=None, max_kl=None, max_answer_kl=None,
                              key_formats="split" if name.startswith("kvs") else "plain")
             rot = calibrate(model, tokenizer, budget, progress=False)
-        elif name.startswith(("probe", "stored")):  # the default's needle probe: another length, haystacks stored
-            stored = name.startswith("stored")
-            length, _, formats = name[6 if stored else 5:].partition("-")
+        elif name.startswith(("probe", "stored", "every")):  # the default's needle probe: another length, haystacks
+            # stored, every prompt scored
+            kind = re.match("probe|stored|every", name).group()
+            length, _, formats = name[len(kind):].partition("-")
             rot = calibrate(model, tokenizer, replace(settings, needle_probe_tokens=int(length) if length else None,
-                                                      needle_probe_haystack="stored" if stored else "decoded",
+                                                      needle_probe_haystack="decoded" if kind == "probe" else "stored",
+                                                      needle_probe_scored="all" if kind == "every" else "answered",
                                                       key_formats=formats or settings.key_formats), progress=False)
         elif name.startswith("split"):  # the default's checks over plain and split key widths
             tolerance = {"key_noise": float(name[5:]) or None} if name[5:] else {}

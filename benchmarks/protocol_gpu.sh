@@ -275,6 +275,17 @@ PY
         d61) wait_for qwen
           step d61 --model qwen2.5-coder-1.5b:16384,32768 --tasks niah_multikey --niah-samples 30 --baselines "" \
             --candidates stored16384 ;;
+        # run D62: the default's probe scoring every prompt's answer KL (answered or not, as eval does), on D59 / D60's 30
+        # multi-key prompts at 16K and 32K
+        d62) wait_for qwen
+          step d62 --model qwen2.5-coder-1.5b:16384,32768 --tasks niah_multikey --niah-samples 30 --baselines "" \
+            --candidates every ;;
+        # runs D63-D64: the probe scoring every prompt on the two models that answer too few for the answered-only
+        # check (SmolLM2 2 of 8 at 8K, Gemma 3 0 of 8 at 32K): how far it widens them, and what that buys
+        d63) wait_for smol
+          step d63 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates every,default ;;
+        d64) wait_for gemma
+          step d64 --model gemma3-270m:8192,32768 --tasks kl --baselines bf16 --candidates every,default ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;

@@ -326,8 +326,8 @@ def test_the_answer_kl_counts_only_the_needles_the_model_finds(model, tokenizer)
     prompts = needle_probe(tokenizer, texts, CalibrationSettings(**SMALL, needle_probe_tokens=1024), 8192)
     answered, tried = answered_needles(model, prompts)
     assert 4 <= len(answered) < len(prompts) and tried == len(prompts)  # SmolLM2 finds 6 of these 8 at 1K (1 of 8 at 4K)
-    for prompt, reference, kv in answered:
-        assert reference.shape[0] == prompt.ids.shape[1] - prompt.answer_start and kv is None
+    for prompt, reference, kv, found in answered:
+        assert reference.shape[0] == prompt.ids.shape[1] - prompt.answer_start and kv is None and found
     found = answered[0].prompt
     ids, start = found.ids, found.answer_start
     other = next(p for p in prompts if not torch.equal(p.ids[0, p.answer_start:], ids[0, start:]))
@@ -338,6 +338,11 @@ def test_the_answer_kl_counts_only_the_needles_the_model_finds(model, tokenizer)
     missed = [elsewhere] * 2 + [needle.prompt for needle in answered[:2]]
     assert answered_needles(model, missed, needed=3) == ([], 2)
     assert len(answered_needles(model, missed, needed=2)[0]) == 2
+    # --needle-probe-scored all: every prompt kept, each marked, the unanswered one with the exact model's own
+    # distribution over the expected answer as its reference
+    kept, tried = answered_needles(model, missed, keep_all=True)
+    assert tried == 4 and [needle.answered for needle in kept] == [False, False, True, True]
+    assert kept[0].reference.shape[0] == elsewhere.ids.shape[1] - elsewhere.answer_start
 
 
 def test_the_stored_haystack_answer_kl_reads_the_needle_from_the_cache(model, tokenizer, rotations):
@@ -363,7 +368,7 @@ def test_the_stored_haystack_answer_kl_reads_the_needle_from_the_cache(model, to
     assert tried == 4 and len(answered) >= 2
     assert [needle.prompt for needle in answered] == [needle.prompt for needle in decoded]
     exact = standard_scheme("bf16", AttentionGeometry.of(model.config), rotations, CacheSettings())
-    for (prompt, reference, kv), (_, whole, _) in zip(answered, decoded):
+    for (prompt, reference, kv, _), (_, whole, _, _) in zip(answered, decoded):
         ids = prompt.ids[0].tolist()
         assert len(kv) == model.config.num_hidden_layers and kv[0][0].shape[2] == prompt.question_start
         log_probs = answer_log_probs(model, exact, kv, ids[prompt.question_start:prompt.answer_start],
@@ -409,6 +414,16 @@ def test_a_model_that_finds_no_needle_skips_the_answer_kl_check(tokenizer):
     assert "answer KL check skipped: the model answers 0 of the first 5 of 8 needle prompts of" in width_map(widths)
     with pytest.raises(ConfigError, match="answers 0 of the first 5 of 8 needle prompts"):
         calibrate(random_model, tokenizer, dataclasses.replace(settings, key_noise=None), progress=False)
+    # --needle-probe-scored all: every prompt's answer KL counts, answered or not, so the check runs (and at head dim
+    # 32 the split widths measured are only those whose parts pack: 4 wide channels take no 3 bits)
+    every = calibrate(random_model, tokenizer, dataclasses.replace(settings, needle_probe_scored="all",
+                                                                   max_answer_kl=100.0), progress=False)
+    widths = every.manifest["calibration"]["widths"]
+    assert widths["needle_prompts_answered"] == "0 of 8" and widths["needle_probe_scored"] == "all"
+    assert widths["kl_by_step"] and all(step["answer_kl"] > 0 for step in widths["kl_by_step"].values())
+    assert "0 of 8 answered, all scored" in width_map(widths)
+    with pytest.raises(ConfigError, match="scored prompts"):
+        CalibrationSettings(needle_probe_scored="some")
 
 
 def test_the_answer_kl_check_needs_half_of_the_needles_answered(model, tokenizer):

@@ -35,6 +35,7 @@ def test_calibrate_writes_an_artifact(artifact_dir):
     assert widths["max_kl"] == 0.01 and widths["kl_by_step"] and widths["kl_probe_tokens"] == 1024
     assert widths["max_answer_kl"] == 0.01 and 900 < widths["needle_probe_tokens"] <= 1024
     assert widths["needle_probe_haystack"] == "stored"  # the default: as eval asks its needles
+    assert widths["needle_probe_scored"] == "answered"
     assert re.fullmatch(r"[4-8] of 8", widths["needle_prompts_answered"])  # the check runs on half or more
     assert all(v["kl"] > 0 and v["answer_kl"] >= 0 for v in widths["kl_by_step"].values())
 
@@ -244,7 +245,7 @@ def test_calibrate_help_defaults_are_the_library_defaults():
     for name in ("calib_tokens", "seq_len", "k_clip", "v_clip", "center_values"):
         assert params[name].default.default == getattr(lib, name), name
     assert params["rope_pairs"].default.default == str(lib.rope_pairs)  # "auto" or a number: parsed as text
-    for name in ("clip", "key_centering", "rotation_scope", "key_formats", "needle_probe_haystack"):
+    for name in ("clip", "key_centering", "rotation_scope", "key_formats", "needle_probe_haystack", "needle_probe_scored"):
         assert params[name].default.default.value == getattr(lib, name), name
     for name in ("key_noise", "kv_bits", "value_bits"):
         assert params[name].default.default == getattr(lib, name), name

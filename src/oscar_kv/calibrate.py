@@ -344,17 +344,20 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
             tqdm.write(f"calibrate: answer KL check on {len(needles)} keyed needle prompts of {length} tokens: the "
                        f"unquantized model's answers first ({first}), then {per_point} per point of the widening "
                        f"path measured (--needle-probe-tokens shortens them)")
-        answered, tried = answered_needles(model, needles, NEEDLE_PROBE_MIN_ANSWERED, progress,
-                                           settings.needle_probe_haystack)
-        enough = len(answered) >= NEEDLE_PROBE_MIN_ANSWERED
+        every = settings.needle_probe_scored == "all"
+        scored, tried = answered_needles(model, needles, 0 if every else NEEDLE_PROBE_MIN_ANSWERED, progress,
+                                         settings.needle_probe_haystack, keep_all=every)
+        answered = [needle for needle in scored if needle.answered]
+        enough = every or len(answered) >= NEEDLE_PROBE_MIN_ANSWERED
         # "2 of 8", or where the rest could not bring the check's minimum: "1 of the first 6 of 8"
         of = f"{len(answered)} of {len(needles)}" if tried == len(needles) else \
             f"{len(answered)} of the first {tried} of {len(needles)}"
         say(f"the unquantized model answers {of} needle prompts"
-            + ("" if enough else f": no answer KL check (it needs {NEEDLE_PROBE_MIN_ANSWERED}: over fewer, one "
+            + ("; the answer KL is the mean over all of them" if every else
+               "" if enough else f": no answer KL check (it needs {NEEDLE_PROBE_MIN_ANSWERED}: over fewer, one "
                                  "barely given answer carries the mean)"))
         if enough:
-            measures.append(needle_measure(model, answered))
+            measures.append(needle_measure(model, scored))
         elif settings.max_kl is None and settings.key_noise is None and settings.kv_bits is None:
             raise ConfigError(f"the answer KL target is the only width rule, and the model answers {of} "
                               f"needle prompts of {length} tokens (the check needs "
@@ -370,6 +373,7 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
     if needles:
         widths["needle_probe_tokens"] = length
         widths["needle_probe_haystack"] = settings.needle_probe_haystack
+        widths["needle_probe_scored"] = settings.needle_probe_scored
         widths["needle_prompts_answered"] = of
     return widths
 

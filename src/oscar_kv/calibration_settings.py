@@ -65,6 +65,11 @@ NEEDLE_PROBE_MIN_ANSWERED = NEEDLE_PROBE_PROMPTS // 2
 # chose 2.68 bits where the decoded probe at 32K chose 2.76 (NIAH and multi-key the same, BF16's), calibrating in 251 s
 # instead of 1,037; SmolLM2-135M's widths stay the same (benchmarks/NOTES.md, runs D43, D46, D50-D53).
 NEEDLE_HAYSTACKS = ("decoded", "stored")
+# Which needle prompts the answer KL is the mean over.  "answered": those whose expected answer the unquantized model
+# gives (at least NEEDLE_PROBE_MIN_ANSWERED of them); "all": every prompt, as `eval` scores its needles' answer KL
+# (the reference is the unquantized model's distribution whether or not its top token is the answer: a cache moves
+# most probability where the model is least sure).
+NEEDLE_SCORED = ("answered", "all")
 
 
 @dataclass
@@ -124,6 +129,7 @@ class CalibrationSettings:
     # of free memory holds them)
     needle_probe_tokens: int | None = None
     needle_probe_haystack: str = "stored"  # one of NEEDLE_HAYSTACKS
+    needle_probe_scored: str = "answered"  # one of NEEDLE_SCORED
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:
@@ -162,6 +168,9 @@ class CalibrationSettings:
         if self.needle_probe_haystack not in NEEDLE_HAYSTACKS:
             raise ConfigError(f"the needle probe's haystack must be one of {NEEDLE_HAYSTACKS}, "
                               f"got {self.needle_probe_haystack!r}")
+        if self.needle_probe_scored not in NEEDLE_SCORED:
+            raise ConfigError(f"the needle probe's scored prompts must be one of {NEEDLE_SCORED}, "
+                              f"got {self.needle_probe_scored!r}")
         if (self.key_bits == "auto" and self.key_noise is None and self.kv_bits is None and self.max_kl is None
                 and self.max_answer_kl is None):
             raise ConfigError("key bits 'auto' needs a key noise tolerance, a bit budget or a KL target")

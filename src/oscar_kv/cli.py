@@ -54,6 +54,11 @@ class NeedleHaystack(str, Enum):
     decoded = "decoded"
 
 
+class NeedleScored(str, Enum):
+    answered = "answered"
+    all = "all"
+
+
 KVDtype = Enum("KVDtype", {name: name for name in KV_CACHE_DTYPES}, type=str)  # what the generate() cache stores
 
 
@@ -149,6 +154,11 @@ def calibrate(
         "cache (as a one-forward prefill or a prefix-cache hit; a few dozen tokens per measurement, the prompts' K/V "
         "held meanwhile); 'decoded' decodes every haystack token through the cache (as chunked prefill's later "
         "chunks; one whole forward per prompt and measurement, ~95 s of H200 time at 64K)."),
+    needle_probe_scored: NeedleScored = typer.Option(
+        NeedleScored.answered, help="Which needle prompts the answer KL is the mean over: 'answered' (the default) "
+        "those whose expected answer the unquantized model gives, at least half of them; 'all' every prompt, as "
+        "`eval` scores its needles (the unquantized model's distribution is the reference whether or not it "
+        "answers; usable where the model answers few prompts)."),
     key_rescale: float = typer.Option(
         0.5, min=0.0, max=1.0, help="Share of the clip's shrink of each INT2 key row along itself that its float16 scale "
         "undoes (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "
@@ -184,6 +194,7 @@ def calibrate(
                                        kl_probe_tokens=kl_probe_tokens, key_rescale=key_rescale,
                                        needle_probe_tokens=needle_probe_tokens,
                                        needle_probe_haystack=needle_probe_haystack.value,
+                                       needle_probe_scored=needle_probe_scored.value,
                                        value_rescale=value_rescale,
                                        # not given: the library's default; 0: no KL check
                                        **({} if max_kl is None else {"max_kl": max_kl or None}),

@@ -86,12 +86,14 @@ def measure_split_widths(rot: Rotations, c_q: torch.Tensor, probe: list[LayerSam
             keys = rotate(centered, r)[:, PROBE_SINK:]
             c_rot = r.double().transpose(-1, -2) @ c_q[layer].to(sample.device, torch.float64) @ r.double()
             errors = {}  # (part, bits, clip) -> the part's stored error
-            parts = [("hi", b) for b in {w.hi_bits for w in widths}] + [("lo", b) for b in {w.bits for w in widths}]
+            at_m = [w for w in widths if w.hi_dims == m]  # the part widths that pack at this split (head dim 32: 4
+            # wide channels cannot take 3 bits)
+            parts = [("hi", b) for b in {w.hi_bits for w in at_m}] + [("lo", b) for b in {w.bits for w in at_m}]
             for part, bits in parts:
                 x = keys[..., :m] if part == "hi" else keys[..., m:]
                 for c in SPLIT_CLIPS:
                     errors[part, bits, c] = x - fake_quantize(x, bits, x.shape[-1], c, rot.k_rescale)
-            for w in (w for w in widths if w.hi_dims == m):
+            for w in at_m:
                 per_clip = torch.stack([  # [clips, Hkv]
                     key_logit_noise(torch.cat([errors["hi", w.hi_bits, c], errors["lo", w.bits, c]], -1),
                                     torch.zeros_like(keys), c_rot, sample.scale) for c in SPLIT_CLIPS])
@@ -329,15 +331,17 @@ class NeedleProbePrompt(NamedTuple):
 class AnsweredNeedle(NamedTuple):
     """A needle probe prompt the unquantized model answers (answered_needles), with the exact log-probabilities
     (float32 [A, vocab]) of its A answer positions and, for stored haystacks, the haystack's exact K/V (haystack_kv)
-    that every artifact's cache is given (None for decoded haystacks)."""
+    that every artifact's cache is given (None for decoded haystacks); ``answered``: whether the model's most likely
+    token is the expected one at every answer position (False only where answered_needles keeps every prompt)."""
 
     prompt: NeedleProbePrompt
     reference: torch.Tensor
     kv: list | None = None
+    answered: bool = True
 
 
 def answered_needles(model, prompts: list[NeedleProbePrompt], needed: int = 0, progress: bool = False,
-                     haystack: str = "decoded") -> tuple[list[AnsweredNeedle], int]:
+                     haystack: str = "decoded", keep_all: bool = False) -> tuple[list[AnsweredNeedle], int]:
     """The needle prompts (calibration_text.needle_probe) whose expected answer the unquantized model itself gives (its most
     likely token, teacher-forced, at every answer position), each with those positions' exact log-probabilities.
     Retrieval the model does not do is none a cache can lose, and bits spent on the answer KL of a prompt it fails buy
@@ -351,8 +355,9 @@ def answered_needles(model, prompts: list[NeedleProbePrompt], needed: int = 0, p
     Args:
         needed: stop as soon as fewer than this many could still be answered (the check would be skipped: on a CPU
             each 8K prompt of SmolLM2-135M is a minute's forward).
+        keep_all: keep every prompt, each marked whether answered (``--needle-probe-scored all``).
     Returns:
-        (the prompts answered, how many prompts were run).
+        (the prompts answered (with keep_all, every prompt), how many prompts were run).
     """
     from .cache import CacheSettings
     from .evaluate.schemes import standard_scheme
@@ -372,8 +377,9 @@ def answered_needles(model, prompts: list[NeedleProbePrompt], needed: int = 0, p
             reference = answer_log_probs(model, exact, kv, tokens[prompt.question_start:start], tokens[start:])
         else:
             kv, reference = None, answer_reference(model, ids, start)
-        if torch.equal(reference.argmax(-1).cpu(), ids[0, start:].cpu()):
-            answered.append(AnsweredNeedle(prompt, reference, kv))
+        found = torch.equal(reference.argmax(-1).cpu(), ids[0, start:].cpu())
+        if found or keep_all:
+            answered.append(AnsweredNeedle(prompt, reference, kv, found))
     return answered, tried
 
 
