@@ -286,6 +286,14 @@ PY
           step d63 --model smollm2-135m:4096,8192 --niah-samples 10 --baselines bf16 --candidates every,default ;;
         d64) wait_for gemma
           step d64 --model gemma3-270m:8192,32768 --tasks kl --baselines bf16 --candidates every,default ;;
+        # runs D65-D66: the default scoring every probe prompt where the model answers half of them
+        # (--needle-probe-scored auto) on Qwen2.5 at 8K-32K (BF16 on the same prompts: D54, D38) and with YaRN x4 at
+        # 64K / 128K, its probe at 128K (BF16 on the same prompts: D18)
+        d65) wait_for qwen
+          step d65 --model qwen2.5-coder-1.5b:8192,16384,32768 --niah-samples 10 --baselines "" --candidates default ;;
+        d66) wait_for qwen
+          step d66 --model qwen2.5-coder-1.5b@yarn4:65536,131072 --niah-samples 6 --text stdlib: --baselines "" \
+            --candidates default ;;
         smol) wait_for smol
           step smol --model smollm2-135m:8192 --niah-samples 10 \
             --candidates default,k2,b2.8,b3.0,k3,b3.4,b3.7,k4 ;;

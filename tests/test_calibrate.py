@@ -343,6 +343,9 @@ def test_the_answer_kl_counts_only_the_needles_the_model_finds(model, tokenizer)
     kept, tried = answered_needles(model, missed, keep_all=True)
     assert tried == 4 and [needle.answered for needle in kept] == [False, False, True, True]
     assert kept[0].reference.shape[0] == elsewhere.ids.shape[1] - elsewhere.answer_start
+    # "auto" keeps every prompt but stops as "answered" does: the kept misses do not count towards the three needed
+    kept, tried = answered_needles(model, missed, needed=3, keep_all=True)
+    assert tried == 2 and [needle.answered for needle in kept] == [False, False]
 
 
 def test_the_stored_haystack_answer_kl_reads_the_needle_from_the_cache(model, tokenizer, rotations):

@@ -35,7 +35,7 @@ def test_calibrate_writes_an_artifact(artifact_dir):
     assert widths["max_kl"] == 0.01 and widths["kl_by_step"] and widths["kl_probe_tokens"] == 1024
     assert widths["max_answer_kl"] == 0.01 and 900 < widths["needle_probe_tokens"] <= 1024
     assert widths["needle_probe_haystack"] == "stored"  # the default: as eval asks its needles
-    assert widths["needle_probe_scored"] == "answered"
+    assert widths["needle_probe_scored"] == "auto"  # every prompt scored where half are answered, as here
     assert re.fullmatch(r"[4-8] of 8", widths["needle_prompts_answered"])  # the check runs on half or more
     assert all(v["kl"] > 0 and v["answer_kl"] >= 0 for v in widths["kl_by_step"].values())
 
@@ -49,7 +49,7 @@ def test_inspect_prints_geometry_and_validation(artifact_dir):
     assert "key centering chosen" in result.output and '"probe_error"' in result.output
     # the KL check's measurements, with the probe's length
     assert re.search(r"KL check \(target 0.01, on 1024 held-back tokens; answer KL 0.01, on needle prompts of \d+ "
-                     r"tokens, [4-8] of 8 answered, haystacks stored\): \d\.\d{3} bits -> KL 0\.\d{4}, answer KL \d\.\d{4}", result.output)
+                     r"tokens, [4-8] of 8 answered, all scored, haystacks stored\): \d\.\d{3} bits -> KL 0\.\d{4}, answer KL \d\.\d{4}", result.output)
     assert re.search(r"KL by position \(positions up to\): 1024 0\.\d{4}", result.output)
 
 

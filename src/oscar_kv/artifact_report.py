@@ -73,7 +73,8 @@ def width_map(widths: dict) -> str:
         targets = [f"{widths['max_kl']:g}, on {on}"] if widths.get("max_kl") is not None else []
         if widths.get("max_answer_kl") is not None:
             answered = f", {widths['needle_prompts_answered']} answered" if "needle_prompts_answered" in widths else ""
-            answered += ", all scored" if widths.get("needle_probe_scored") == "all" else ""
+            # "auto" scores every prompt wherever the check runs (it is skipped below half answered)
+            answered += ", all scored" if widths.get("needle_probe_scored") in ("all", "auto") else ""
             stored = ", haystacks stored" if widths.get("needle_probe_haystack") == "stored" else ""
             targets.append(f"answer KL {widths['max_answer_kl']:g}, on needle prompts of "
                            f"{widths.get('needle_probe_tokens', '?')} tokens{answered}{stored}")

@@ -345,15 +345,16 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
                        f"unquantized model's answers first ({first}), then {per_point} per point of the widening "
                        f"path measured (--needle-probe-tokens shortens them)")
         every = settings.needle_probe_scored == "all"
+        keep_all = settings.needle_probe_scored != "answered"
         scored, tried = answered_needles(model, needles, 0 if every else NEEDLE_PROBE_MIN_ANSWERED, progress,
-                                         settings.needle_probe_haystack, keep_all=every)
+                                         settings.needle_probe_haystack, keep_all=keep_all)
         answered = [needle for needle in scored if needle.answered]
         enough = every or len(answered) >= NEEDLE_PROBE_MIN_ANSWERED
         # "2 of 8", or where the rest could not bring the check's minimum: "1 of the first 6 of 8"
         of = f"{len(answered)} of {len(needles)}" if tried == len(needles) else \
             f"{len(answered)} of the first {tried} of {len(needles)}"
         say(f"the unquantized model answers {of} needle prompts"
-            + ("; the answer KL is the mean over all of them" if every else
+            + ("; the answer KL is the mean over all of them" if keep_all and enough else
                "" if enough else f": no answer KL check (it needs {NEEDLE_PROBE_MIN_ANSWERED}: over fewer, one "
                                  "barely given answer carries the mean)"))
         if enough:

@@ -68,8 +68,14 @@ NEEDLE_HAYSTACKS = ("decoded", "stored")
 # Which needle prompts the answer KL is the mean over.  "answered": those whose expected answer the unquantized model
 # gives (at least NEEDLE_PROBE_MIN_ANSWERED of them); "all": every prompt, as `eval` scores its needles' answer KL
 # (the reference is the unquantized model's distribution whether or not its top token is the answer: a cache moves
-# most probability where the model is least sure).
-NEEDLE_SCORED = ("answered", "all")
+# most probability where the model is least sure); "auto" (the default): every prompt where the model answers at
+# least NEEDLE_PROBE_MIN_ANSWERED of them, no check where it answers fewer.  Why: on Qwen2.5-Coder-1.5B at 32K (5 of 8
+# answered) the answered-only mean read a third of the evaluation's answer KL and its widths (2.68 bits) kept multi-key
+# 0.77 at 16K against BF16's 0.93; every prompt scored kept 0.87 / 0.47 (BF16 0.93 / 0.43) at 3.29 bits, and NIAH and
+# multi-key at BF16's from 8K to 128K with YaRN.  Over a model that answers few (SmolLM2-135M 2 of 8 at 8K) the mean
+# is carried by answers it barely gives and would widen it by 0.6-0.85 bits where it already keeps BF16's retrieval
+# (benchmarks/NOTES.md, runs D41, D59-D62, D65-D66).
+NEEDLE_SCORED = ("auto", "answered", "all")
 
 
 @dataclass
@@ -129,7 +135,7 @@ class CalibrationSettings:
     # of free memory holds them)
     needle_probe_tokens: int | None = None
     needle_probe_haystack: str = "stored"  # one of NEEDLE_HAYSTACKS
-    needle_probe_scored: str = "answered"  # one of NEEDLE_SCORED
+    needle_probe_scored: str = "auto"  # one of NEEDLE_SCORED
 
     def __post_init__(self):
         if self.key_centering not in KEY_CENTERINGS:

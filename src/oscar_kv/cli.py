@@ -55,6 +55,7 @@ class NeedleHaystack(str, Enum):
 
 
 class NeedleScored(str, Enum):
+    auto = "auto"
     answered = "answered"
     all = "all"
 
@@ -155,12 +156,13 @@ def calibrate(
         "held meanwhile); 'decoded' decodes every haystack token through the cache (as chunked prefill's later "
         "chunks; one whole forward per prompt and measurement, ~95 s of H200 time at 64K)."),
     needle_probe_scored: NeedleScored = typer.Option(
-        NeedleScored.answered, help="Which needle prompts the answer KL is the mean over: 'answered' (the default) "
-        "those whose expected answer the unquantized model gives, at least half of them; 'all' every prompt, as "
-        "`eval` scores its needles (the unquantized model's distribution is the reference whether or not it "
-        "answers). On Qwen2.5-Coder-1.5B it kept multi-key within 0.10 of BF16 at 16K and 32K for 3.29 bits against "
-        "2.68; on SmolLM2-135M, which answers 2 of 8, it widens to ~4.0-4.3 bits against 3.47 (benchmarks/NOTES.md, "
-        "runs D61-D62)."),
+        NeedleScored.auto, help="Which needle prompts the answer KL is the mean over: 'auto' (the default) every "
+        "prompt where the unquantized model answers at least half of them, no answer KL check where it answers fewer; "
+        "'answered' only those it answers (at least half); 'all' every prompt however many it answers, as `eval` "
+        "scores its needles. On Qwen2.5-Coder-1.5B (5 of 8 answered at 32K) every prompt scored kept multi-key within "
+        "0.10 of BF16 at 16K and 32K for 3.29 bits, where the answered ones alone chose 2.68 bits and lost it at 16K; "
+        "on SmolLM2-135M (2 of 8) 'all' widens to ~4.0-4.3 bits against 3.47 where BF16's retrieval already holds "
+        "(benchmarks/NOTES.md, runs D59-D62)."),
     key_rescale: float = typer.Option(
         0.5, min=0.0, max=1.0, help="Share of the clip's shrink of each INT2 key row along itself that its float16 scale "
         "undoes (0: none, 1: all). Clipping shrinks the logit of the query aligned with a key (the needle at "

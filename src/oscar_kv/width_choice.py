@@ -355,7 +355,7 @@ def answered_needles(model, prompts: list[NeedleProbePrompt], needed: int = 0, p
     Args:
         needed: stop as soon as fewer than this many could still be answered (the check would be skipped: on a CPU
             each 8K prompt of SmolLM2-135M is a minute's forward).
-        keep_all: keep every prompt, each marked whether answered (``--needle-probe-scored all``).
+        keep_all: keep every prompt, each marked whether answered (``--needle-probe-scored all`` / ``auto``).
     Returns:
         (the prompts answered (with keep_all, every prompt), how many prompts were run).
     """
@@ -367,7 +367,7 @@ def answered_needles(model, prompts: list[NeedleProbePrompt], needed: int = 0, p
     exact = standard_scheme("bf16", geometry, Rotations.data_free(geometry, "identity"), CacheSettings())
     answered, tried = [], 0
     for prompt in tqdm(prompts, desc="the model's own answers", unit="prompt", disable=not progress):
-        if len(answered) + len(prompts) - tried < needed:
+        if sum(needle.answered for needle in answered) + len(prompts) - tried < needed:
             break
         tried += 1
         ids, start = prompt.ids, prompt.answer_start
