@@ -32,9 +32,10 @@ candidates), ``probe`` / ``probeX`` (the default with ``--needle-probe-haystack 
 the answer KL check's prompts through the cache, prompts of min(context, 16K) or X tokens; ``probeX-plain``: plain key
 widths only, half the measurements) and ``stored`` / ``storedX`` (``--needle-probe-haystack stored``, today's default:
 haystacks prefilled exactly and stored, only question and answer through the cache, as `eval` scores needles;
-prompts of the context or X tokens; ``-plain`` as for probeX) and ``every`` / ``everyX`` (as ``stored`` / ``storedX``
-with ``--needle-probe-scored all``: the answer KL over every probe prompt, answered or not, as `eval` scores it).  The
-first candidate is the `oscar` row.
+prompts of the context or X tokens; ``-plain`` as for probeX; scored with ``--needle-probe-scored answered``, the
+default before run D65) and ``every`` / ``everyX`` (as ``stored`` / ``storedX`` with ``--needle-probe-scored all``:
+the answer KL over every probe prompt, answered or not, however few are answered; today's default, ``auto``, scores
+so only where half are).  The first candidate is the `oscar` row.
 """
 
 from __future__ import annotations
