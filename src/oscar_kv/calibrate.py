@@ -366,6 +366,7 @@ def _checked_widths(model, tokenizer, texts, settings: CalibrationSettings, rota
                               f"--needle-probe-tokens")
         else:
             width_settings = dataclasses.replace(settings, max_answer_kl=None)
+            scored = answered = None  # no check: the kept haystacks' K/V are not held through the widening path
     kl = (lambda rot: {name: value for measure in measures for name, value in measure(rot).items()}) \
         if measures else None
     widths = choose_widths(rotations, stats.query_moments(), width_settings, probe, max_len, progress, kl)

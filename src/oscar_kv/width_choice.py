@@ -365,9 +365,9 @@ def answered_needles(model, prompts: list[NeedleProbePrompt], needed: int = 0, p
 
     geometry = AttentionGeometry.of(model.config)
     exact = standard_scheme("bf16", geometry, Rotations.data_free(geometry, "identity"), CacheSettings())
-    answered, tried = [], 0
+    kept, tried = [], 0
     for prompt in tqdm(prompts, desc="the model's own answers", unit="prompt", disable=not progress):
-        if sum(needle.answered for needle in answered) + len(prompts) - tried < needed:
+        if sum(needle.answered for needle in kept) + len(prompts) - tried < needed:
             break
         tried += 1
         ids, start = prompt.ids, prompt.answer_start
@@ -379,8 +379,8 @@ def answered_needles(model, prompts: list[NeedleProbePrompt], needed: int = 0, p
             kv, reference = None, answer_reference(model, ids, start)
         found = torch.equal(reference.argmax(-1).cpu(), ids[0, start:].cpu())
         if found or keep_all:
-            answered.append(AnsweredNeedle(prompt, reference, kv, found))
-    return answered, tried
+            kept.append(AnsweredNeedle(prompt, reference, kv, found))
+    return kept, tried
 
 
 def needle_measure(model, answered: list[AnsweredNeedle]) -> Callable[[Rotations], dict]:
