@@ -172,11 +172,15 @@ def run(contexts: list[int], batch_sizes: list[int], output: str | None = None, 
         raise SystemExit("the attention benchmark needs a CUDA GPU")
     import triton  # noqa: F401  (GPU only)
 
+    from ..kernels import pdl
     from ..kernels.bf16_decode import bf16_decode
     from ..kernels.decode import int2_decode, int2_kernel_choice
     from ..kernels.layout import PagedKVPool
 
     device = torch.device("cuda")
+    # every kernel timed alone, after the flush: launched with PDL the CUDA kernel's prologue would overlap the flush
+    # kernel, which no contender's does (in a decode step PDL overlaps it with the cache write: bench decode)
+    pdl.set_enabled(False)
     warnings.filterwarnings("ignore", message="For dense input, both fused kernels")
     torch.backends.cuda.matmul.allow_tf32 = False
     geom = layer_geometry()

@@ -9,6 +9,7 @@ pool holds against a BF16 cache of the same memory.
 
 from __future__ import annotations
 
+from ..kernels import pdl
 from ..kernels.tuning import TUNING
 from ..memory import width_summary
 
@@ -36,6 +37,8 @@ class EngineDescription:
             backend += f"; {'INT2' if int2 else 'quantized'} decode: {self.int2_decode_description()}"
         if self.runner.graphs is not None:
             backend += "; CUDA graphs for decode steps (--enforce-eager: off)"
+        if self.kernel_status is None and pdl.enabled(self.device):
+            backend += f"; programmatic dependent launch between the step's kernels (${pdl.ENV}=off: off)"
         per_rank = (f" per rank (tensor parallel: {spec.num_kv_heads} of {spec.num_kv_heads * self.tp.size} KV heads "
                     f"on each of {self.tp.size} ranks)" if self.tp.size > 1 else "")
         if self.executor_status is None:

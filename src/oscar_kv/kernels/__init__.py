@@ -11,6 +11,7 @@ and only the GPU paths import them, after ``triton_available()`` or ``require_tr
   materialized_extend.py  the same for long chunks: history copied to float16 once, then flash attention
   elementwise.py, gemv.py, gumbel.py  the executor's fused steps, its small-batch GEMV, sampling (the fused
               steps' torch references, which the CPU runs: elementwise_reference.py)
+  pdl.py      programmatic dependent launch of the decode step's kernels (sm_90+; no Triton import)
 """
 
 import functools

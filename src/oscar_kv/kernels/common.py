@@ -19,6 +19,16 @@ from .tuning import TUNING
 
 install_interpreter_shim()
 
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """With PDL (pdl.py): wait until the kernel before this one has finished and its writes are visible, then let
+    the next kernel launch.  A no-op without."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 LOG2E = 1.4426950408889634  # log2(e): logits are scaled by sm_scale * LOG2E and the softmax runs in base 2
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # True under Triton's CPU interpreter (the tests)
 

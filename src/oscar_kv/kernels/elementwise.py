@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from ._compat import install_interpreter_shim
+from .common import wait_for_inputs
 from .elementwise_reference import GLU_ACTIVATIONS, glu_reference, rms_norm_reference, rope_qkv_reference  # noqa: F401
 
 install_interpreter_shim()
@@ -65,7 +67,9 @@ def gate_activation(g, GELU: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, x_stride, res_stride,
-                     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -92,7 +96,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     block = triton.next_power_of_2(c)
     _rms_norm_kernel[(n,)](x, res, weight, out, res_out, c, eps, x.stride(0), res.stride(0),
                            HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
-                           num_warps=min(16, max(1, block // 256)))
+                           num_warps=min(16, max(1, block // 256)), **pdl.launch_options(x.device))
     return out, res_out
 
 
@@ -125,7 +129,9 @@ def glu(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
 @triton.jit
 def _rope_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, k_ptr, v_ptr, qkv_stride, eps,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
-                     INTERLEAVED: tl.constexpr, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+                     INTERLEAVED: tl.constexpr, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): query heads, then HKV key heads, then HKV value heads
     offs = tl.arange(0, HALF)  # pair j of the head's D/2: channels (lo_j, hi_j)
@@ -196,5 +202,5 @@ def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
             qkv, positions, cos, sin, qk_norm if qk_norm is not None else cos, q, k, v, qkv.stride(0), eps,
             HQ=hq, HKV=hkv, D=head_dim, HALF=triton.next_power_of_2(head_dim // 2), ROT=cos.shape[-1],
             INTERLEAVED=interleaved, NORM=qk_norm is not None, UNIT_OFFSET=unit_offset,
-            num_warps=1 if head_dim <= 128 else 2)
+            num_warps=1 if head_dim <= 128 else 2, **pdl.launch_options(qkv.device))
     return q, k, v

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import elementwise
+from . import elementwise, pdl
 from ._compat import install_interpreter_shim
 from .elementwise import GLU_ACTIVATIONS, gate_activation
+from .common import wait_for_inputs
 from .tuning import TUNING, kernel_choice
 
 install_interpreter_shim()
@@ -27,7 +28,7 @@ ENV = "OSCAR_KV_SMALL_GEMM"  # auto | triton | cublas
 @triton.jit
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT: tl.constexpr, GLU: tl.constexpr, GELU: tl.constexpr):
+                 DOT: tl.constexpr, GLU: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr = False):
     """Y[:, n] = X W[n]^T (+ B[n]) for the program's BLOCK_N rows n < N; with GLU, W holds gate rows [0, N) then
     up rows [N, 2N) and Y[:, n] = act(gate) * up (SiLU, or with GELU GELU's tanh approximation), each rounded to Y's
     dtype where transformers' MLP rounds."""
@@ -45,6 +46,7 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     else:
         products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         products_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    wait_for_inputs(PDL)  # X is the output of the kernel before (pdl.py)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + rk) < K
         w_mask = n_ok[:, None] & k_ok[None, :]
@@ -104,7 +106,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         HAS_BIAS=bias is not None, BLOCK_M=1 if one else 16, BLOCK_N=block_n, BLOCK_K=block_k, DOT=not one,
         GLU=glu is not None, GELU=glu == "gelu_pytorch_tanh",
         num_warps=num_warps or (t.gemv_one_num_warps if one else t.gemv_num_warps),
-        num_stages=num_stages or (t.gemv_one_num_stages if one else t.gemv_num_stages))
+        num_stages=num_stages or (t.gemv_one_num_stages if one else t.gemv_num_stages),
+        **pdl.launch_options(x.device))
     return y
 
 

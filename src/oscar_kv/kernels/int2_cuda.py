@@ -70,6 +70,7 @@ from pathlib import Path
 import torch
 
 from .layout import PagedBatch, PoolGeometry
+from .pdl import launch_cuda
 from .split_keys import row_bytes, tail_bytes
 
 SOURCE = Path(__file__).with_name("int2_decode.cu")
@@ -501,14 +502,16 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
                      min_blocks(rope_r, d, kbits, vbits=vbits, split=split is not None), _DTYPES[q.dtype],
                      _DTYPES[target.dtype], stamps is not None, rope_r, rope_rot, rope_interleaved, kbits, qgroups,
                      bool(window), geom.num_groups, vbits, split_defines(split))
-    kernel(grid=(splits, h * qgroups, bsz), block=(NUM_WARPS * 32, 1, 1),
-           args=[q, r, rotate, kc, ks, kz, vc, vs, vz, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
-                 target, _counters(q.device, bsz * h * qgroups), float(qk_scale), q.stride(0), q.stride(1), stride_rh,
-                 vc.stride(0), vc.stride(1), ks.stride(0), ks.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
-                 po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), target.stride(0),
-                 target.stride(1), chunk, _MAGIC, stamps if stamps is not None else po,
-                 int(stream_evict_first(history_bytes, _index(q.device))), mu, pairs, phases, tile, int(window or 0)]
-           + ([] if int2 else [kc.stride(0), kc.stride(1)]))
+    launch_cuda(kernel, (splits, h * qgroups, bsz), (NUM_WARPS * 32, 1, 1), device=q.device,
+                args=[q, r, rotate, kc, ks, kz, vc, vs, vz, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
+                      target, _counters(q.device, bsz * h * qgroups), float(qk_scale), q.stride(0), q.stride(1),
+                      stride_rh,
+                      vc.stride(0), vc.stride(1), ks.stride(0), ks.stride(1), kw.stride(0), kw.stride(1), bt.stride(0),
+                      po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), target.stride(0),
+                      target.stride(1), chunk, _MAGIC, stamps if stamps is not None else po,
+                      int(stream_evict_first(history_bytes, _index(q.device))), mu, pairs, phases, tile,
+                      int(window or 0)]
+                + ([] if int2 else [kc.stride(0), kc.stride(1)]))
     if target is not out:
         out.copy_(target)
     return out

@@ -1357,6 +1357,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   // ---- prologue: page ids and query rows to shared memory, this warp's first window sub-tile to registers
   const int* bt_row = BT + (long long)b * stride_bt;
   for (int i = threadIdx.x; i < (end - start + P - 1) / P; i += NT) s_pages[i] = bt_row[SINK_PAGES + start / P + i];
+#if __CUDA_ARCH__ >= 900
+  // Launched with PDL (kernels/pdl.py) this CTA may have started before the kernel that writes this step's query and
+  // window rows finished: everything above read only the step's plan and R^T.  Wait for it, then let the next launch.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   for (int i = threadIdx.x; i < 8 * D; i += NT) {
     const int hh = i / D;
     s_q[hh][i % D] = hh < GQA ? q_float(Q[(long long)b * stride_qb + (long long)(hq0 + hh) * stride_qh + i % D])

@@ -39,9 +39,10 @@ import triton.language as tl
 
 from ..quant import check_rescale
 from ..rope import RotaryLayout
+from . import pdl
 from ._compat import install_interpreter_shim
 from .tuning import TUNING
-from .common import INTERPRET, kernel_widths, key_split, meta_slot, own_value_rows
+from .common import INTERPRET, kernel_widths, key_split, meta_slot, own_value_rows, wait_for_inputs
 from .layout import PagedKVPool
 
 install_interpreter_shim()
@@ -324,7 +325,8 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Ks, Kz, Vc, Vs
                   ROPE_CENTER: tl.constexpr, SORT: tl.constexpr, RESCALE_K: tl.constexpr,
                   RESCALE_V: tl.constexpr, ROT_HALF: tl.constexpr = 0, INTERLEAVED: tl.constexpr = False,
                   K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, V_ROWS: tl.constexpr = False,
-                  K_HI_DIMS: tl.constexpr = 0, K_HI_BITS: tl.constexpr = 2, K_TAIL: tl.constexpr = 0):
+                  K_HI_DIMS: tl.constexpr = 0, K_HI_BITS: tl.constexpr = 2, K_TAIL: tl.constexpr = 0,
+                  PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // G
@@ -345,6 +347,9 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Ks, Kz, Vc, Vs
     else:
         vrow = crow
     mrow = (qs // P) * stride_mp + h * stride_mh + meta_slot(qs % P) * NG  # scales and zero points alike
+    if ROTATE and not ROTATE_SLICED:  # R before the wait for the keys (pdl.py: no kernel of the step writes it)
+        r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
+    wait_for_inputs(PDL)
     # ---- keys: center, rotate (float32), store
     if ROTATE_SLICED:
         # k @ R as four [BLOCK_T, D/4] x [D/4, D] products over R's row slices: the MMA's float32 R operand is a
@@ -361,7 +366,6 @@ def _write_kernel(K, V, R, MU, MUP, COS, SIN, WS, QS, CK, CV, Kc, Ks, Kz, Vc, Vs
         k = _centered_keys(K, MU, MUP, COS, SIN, offs_t, tmask, h, stride_kt, stride_kh, offs_d, D, CENTER,
                            ROPE_CENTER, ROT_HALF, INTERLEAVED)
         if ROTATE:
-            r = tl.load(R + h * stride_rh + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
             k = tl.dot(k, r, input_precision="ieee")
     tl.store(Kw + wrow[:, None] + offs_d[None, :], k.to(tl.bfloat16), mask=wmask[:, None])
     # ---- values: already rotated
@@ -514,7 +518,8 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
         ROT_HALF=(rope_layout.rotary_dim if rope_layout is not None else d) // 2,
         INTERLEAVED=rope_layout is not None and rope_layout.interleaved,
         K_BITS=widths[0], V_BITS=widths[1], V_ROWS=own_value_rows(kc, vc, widths) or hi_dims > 0,
-        K_HI_DIMS=hi_dims, K_HI_BITS=hi_bits, K_TAIL=k_tail, num_warps=num_warps or warps)
+        K_HI_DIMS=hi_dims, K_HI_BITS=hi_bits, K_TAIL=k_tail, num_warps=num_warps or warps,
+        **pdl.launch_options(k.device))
 
 
 def migrate_pages(pool: PagedKVPool, src_win_pages: torch.Tensor, dst_int2_pages: torch.Tensor,
