@@ -9,6 +9,9 @@ options the ones torch.cuda._compile_kernel passes (its CUDA include paths aside
     python benchmarks/cuda_int2_sass.py --nvrtc /tmp/nvrtc/pkg/nvidia/cu13/lib/libnvrtc.so.13 [--source FILE]
         [--sass DIR]      # also write each variant's SASS to DIR/<variant>.sass
         [--kbits 2 3 4] [--dims 64 128] [--pairs 0 8 16 32] [--gqa 4]
+        [--split 4x16+2]  # split key rows (quant.SplitWidth) instead of plain --kbits
+        [--loop]          # the history loop's instruction count and opcode histogram (two 32-token steps)
+    (--nvcc PATH compiles with a local nvcc instead of NVRTC)
 
 To check that a change leaves a variant's machine code alone: --sass before/ on the old source (--kbits 0 for a
 source that predates the KBITS define), --sass after/ on the new one, then cmp the files.  About 3 s a variant on two
@@ -63,6 +66,33 @@ def compile_cubin(lib, source: str, arch: str = "sm_90") -> bytes:
     return buf.raw
 
 
+def compile_nvcc(nvcc: str, source: str, arch: str = "sm_90") -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        cu, cubin = Path(tmp, "k.cu"), Path(tmp, "k.cubin")
+        cu.write_text(source)
+        subprocess.run([nvcc, f"-arch={arch}", "-cubin", "-o", str(cubin), *FLAGS, str(cu)], check=True)
+        return cubin.read_bytes()
+
+
+def history_loop(sass: str) -> tuple[int, dict[str, int]]:
+    """(instructions, opcode counts) of the kernel's history loop: the largest backward branch's body with tensor-core
+    MMAs in it under 2,500 instructions (the `while (pos < full_end)` loop, two 32-token steps a turn)."""
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    best: list[str] = []
+    for a, t in ins:
+        m = re.search(r"BRA\s.*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a:
+            body = [tt for x, tt in ins if int(m.group(1), 16) <= x <= a]
+            mmas = sum("HMMA" in tt for tt in body)
+            if mmas and len(body) < 2500 and mmas > sum("HMMA" in tt for tt in best):
+                best = body
+    ops: dict[str, int] = {}
+    for t in best:
+        op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+        ops[op] = ops.get(op, 0) + 1
+    return len(best), dict(sorted(ops.items(), key=lambda kv: -kv[1]))
+
+
 def tool(name: str) -> str:
     import triton
 
@@ -86,7 +116,10 @@ def inspect(cubin: bytes) -> tuple[str, str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nvrtc", required=True, help="path of libnvrtc.so (from the nvidia-cuda-nvrtc wheel)")
+    ap.add_argument("--nvrtc", help="path of libnvrtc.so (from the nvidia-cuda-nvrtc wheel)")
+    ap.add_argument("--nvcc", help="compile with this nvcc instead of NVRTC")
+    ap.add_argument("--split", help="split key rows at this width (e.g. 4x16+2) instead of plain --kbits")
+    ap.add_argument("--loop", action="store_true", help="print the history loop's opcode histogram")
     ap.add_argument("--source", default=str(ROOT / "src/oscar_kv/kernels/int2_decode.cu"))
     ap.add_argument("--sass", help="a folder for each variant's SASS")
     ap.add_argument("--kbits", type=int, nargs="*", default=[2, 3, 4],
@@ -96,21 +129,31 @@ def main(argv=None) -> int:
     ap.add_argument("--gqa", type=int, nargs="*", default=[4])
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
-    from oscar_kv.kernels.int2_cuda import min_blocks
+    from oscar_kv.kernels.int2_cuda import min_blocks, split_defines
+    from oscar_kv.quant import parse_key_width
 
-    for f in sorted(Path(args.nvrtc).parent.glob("libnvrtc-builtins.so.*")):  # NVRTC dlopens it by name
-        if ".alt." not in f.name:
-            ctypes.CDLL(str(f), mode=ctypes.RTLD_GLOBAL)
-    lib = ctypes.CDLL(args.nvrtc)
+    if bool(args.nvrtc) == bool(args.nvcc):
+        ap.error("give one of --nvrtc and --nvcc")
+    if args.nvrtc:
+        for f in sorted(Path(args.nvrtc).parent.glob("libnvrtc-builtins.so.*")):  # NVRTC dlopens it by name
+            if ".alt." not in f.name:
+                ctypes.CDLL(str(f), mode=ctypes.RTLD_GLOBAL)
+        lib = ctypes.CDLL(args.nvrtc)
+    split = parse_key_width(args.split) if args.split else None
     text = Path(args.source).read_text()
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     for d, kb, r, gqa in itertools.product(args.dims, args.kbits, args.pairs, args.gqa):
-        mb = min_blocks(r, d)
-        src = "".join(f"#define {k} {v}\n" for k, v in defines(d, kb or None, r, mb, gqa).items()) + text
-        usage, sass = inspect(compile_cubin(lib, src))
-        tag = f"D{d}_K{kb or 'x'}_R{r}_G{gqa}"
+        mb = min_blocks(r, d, kb or 2, split=split is not None)
+        extra = dict(zip(("SPLIT_M", "SPLIT_HB", "KTAIL"), split_defines(split))) if split else {}
+        src = "".join(f"#define {k} {v}\n" for k, v in {**defines(d, kb or None, r, mb, gqa), **extra}.items()) + text
+        usage, sass = inspect(compile_nvcc(args.nvcc, src) if args.nvcc else compile_cubin(lib, src))
+        tag = f"D{d}_K{split or kb or 'x'}_R{r}_G{gqa}"
         print(f"{tag:18s} MIN_BLOCKS {mb}: {usage}", flush=True)
+        if args.loop:
+            count, ops = history_loop(sass)
+            print(f"  history loop: {count} instructions per two 32-token steps: "
+                  + ", ".join(f"{op} {n}" for op, n in list(ops.items())[:16]), flush=True)
         if args.sass:
             Path(args.sass, tag + ".sass").write_text(sass)
     return 0
