@@ -44,7 +44,8 @@ def set_enabled(enabled: bool | None) -> None:
 
 @functools.cache
 def _device_has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    # an NVIDIA GPU of compute capability 9 or more (ROCm reports its own architectures as capabilities too)
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def enabled(device: torch.device) -> bool:
