@@ -89,7 +89,7 @@ def _kernel_arguments(args: list) -> tuple[ctypes.Array, list]:
     for arg in args:
         if isinstance(arg, torch.Tensor):
             values.append(ctypes.c_void_p(arg.data_ptr()))
-        elif isinstance(arg, bool) or isinstance(arg, int):
+        elif isinstance(arg, int):  # bool included
             values.append(ctypes.c_int(int(arg)))
         elif isinstance(arg, float):
             values.append(ctypes.c_double(arg))
