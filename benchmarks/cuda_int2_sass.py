@@ -11,6 +11,7 @@ options the ones torch.cuda._compile_kernel passes (its CUDA include paths aside
         [--kbits 2 3 4] [--dims 64 128] [--pairs 0 8 16 32] [--gqa 4]
         [--split 4x16+2]  # split key rows (quant.SplitWidth) instead of plain --kbits
         [--loop]          # the history loop's instruction count and opcode histogram (two 32-token steps)
+        [--warps 2 --min-blocks 5] [--define NAME=VALUE]   # another CTA shape or budget, another define
     (--nvcc PATH compiles with a local nvcc instead of NVRTC)
 
 To check that a change leaves a variant's machine code alone: --sass before/ on the old source (--kbits 0 for a
@@ -36,9 +37,9 @@ FLAGS = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__
 
 
 def defines(head_dim: int, kbits: int, rope_pairs: int, min_blocks: int, gqa: int = 4, page_size: int = 16,
-            sink_pages: int = 4) -> dict:
+            sink_pages: int = 4, warps: int = 4) -> dict:
     """As int2_cuda._kernel (bfloat16 queries and outputs, no stamps, rotate-half RoPE over the whole head)."""
-    d = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=4, MAX_PAGES=2048,
+    d = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=warps, MAX_PAGES=2048,
              MIN_BLOCKS=min_blocks, Q_KIND=1, O_KIND=1, STAMPS=0, ROPE_R=rope_pairs, ROPE_ROT=head_dim,
              ROPE_INTERLEAVED=0)
     if kbits is not None:
@@ -127,9 +128,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--pairs", type=int, nargs="*", default=[0, 8, 16, 32])
     ap.add_argument("--gqa", type=int, nargs="*", default=[4])
+    ap.add_argument("--warps", type=int, default=None, help="warps per CTA (default: int2_cuda.NUM_WARPS)")
+    ap.add_argument("--min-blocks", type=int, default=None, help="CTAs per SM (default: int2_cuda.min_blocks)")
+    ap.add_argument("--define", action="append", default=[], help="NAME=VALUE, another define (repeatable)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
-    from oscar_kv.kernels.int2_cuda import min_blocks, split_defines
+    from oscar_kv.kernels.int2_cuda import NUM_WARPS, min_blocks, split_defines
     from oscar_kv.quant import parse_key_width
 
     if bool(args.nvrtc) == bool(args.nvcc):
@@ -144,12 +148,14 @@ def main(argv=None) -> int:
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     for d, kb, r, gqa in itertools.product(args.dims, args.kbits, args.pairs, args.gqa):
-        mb = min_blocks(r, d, kb or 2, split=split is not None)
+        mb = args.min_blocks or min_blocks(r, d, kb or 2, split=split is not None)
+        nw = args.warps or NUM_WARPS
         extra = dict(zip(("SPLIT_M", "SPLIT_HB", "KTAIL"), split_defines(split))) if split else {}
-        src = "".join(f"#define {k} {v}\n" for k, v in {**defines(d, kb or None, r, mb, gqa), **extra}.items()) + text
+        src = "".join(f"#define {k} {v}\n" for k, v in {**defines(d, kb or None, r, mb, gqa, warps=nw), **extra,
+                                                            **dict(x.split("=", 1) for x in args.define)}.items()) + text
         usage, sass = inspect(compile_nvcc(args.nvcc, src) if args.nvcc else compile_cubin(lib, src))
         tag = f"D{d}_K{split or kb or 'x'}_R{r}_G{gqa}"
-        print(f"{tag:18s} MIN_BLOCKS {mb}: {usage}", flush=True)
+        print(f"{tag:18s} NWARPS {nw} MIN_BLOCKS {mb}: {usage}", flush=True)
         if args.loop:
             count, ops = history_loop(sass)
             print(f"  history loop: {count} instructions per two 32-token steps: "

@@ -89,10 +89,10 @@ def _source(src: str):
 def _kernel_from(src: str):
     """int2_cuda._kernel for another source file, compiled once per argument set."""
     @functools.lru_cache(maxsize=None)
-    def kernel(*args):
+    def kernel(*args, **kwargs):
         int2_cuda.SOURCE = Path(src)
         try:
-            return _COMPILE(*args)
+            return _COMPILE(*args, **kwargs)
         finally:
             int2_cuda.SOURCE = Path(SHIPPED)
     return kernel

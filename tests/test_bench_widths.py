@@ -125,6 +125,24 @@ def test_synthetic_artifact_takes_the_widths_asked_for():
         attention.prepare_artifact("synthetic", 8, widths(kv_bits=6.0), 131072)
 
 
+def test_synthetic_split_pool_has_finite_tail_scales():
+    """Random bytes in a split row's tail would make one first-part scale in 32 NaN or infinite (NaN logits)."""
+    from oscar_kv.bench.synthetic import _fill_pool, _mixed_batch
+    from oscar_kv.kernels.layout import PagedKVPool
+    from oscar_kv.kernels.split_keys import tile_views
+    from oscar_kv.quant import parse_key_width
+
+    geom = layer_geometry(parse_key_width("4x16+2"), 2)
+    _, nq, nw = _mixed_batch(geom, 2, 4096, "cpu", torch.Generator().manual_seed(0))
+    pool = PagedKVPool.allocate(geom, nq, nw, device="cpu")
+    _fill_pool(pool)
+    tail = tile_views(pool.layer(0)["k_codes"], geom.k_split[0], geom.head_dim)[1]
+    scales = tail[..., :2].contiguous().view(torch.float16).float()
+    assert scales.numel() == nq * geom.num_kv_heads * geom.page_size
+    assert scales.min() >= 0.01 and scales.max() <= 0.1
+    assert len(tail[..., 3:].unique()) > 200  # the upper bits stay random
+
+
 def test_widths_label_and_pairs():
     assert widths_label([2] * 4, [2] * 4) == "K2 / V2"
     assert widths_label([3, 4, 3, 3], [2] * 4) == "K3x3 K4x1 / V2"

@@ -290,7 +290,11 @@ def _mixed_batch(geom, bs: int, ctx: int, device, gen: torch.Generator):
 
 
 def _fill_pool(pool, gen_device_seed: int = 0):
-    """Random codes and zero points (any width: every byte pattern is one), scales and window rows."""
+    """Random codes and zero points (any width: every byte pattern is one), scales and window rows.  A split key
+    row's tail (split_keys.py) holds its first part's float16 scale: random bytes there would be NaN or infinite
+    one time in 32, so those scales are drawn like the others."""
+    from ..kernels.split_keys import tile_views
+
     torch.manual_seed(gen_device_seed)
     for c in (pool.k_codes, pool.v_codes, pool.k_zero, pool.v_zero):
         c.random_(0, 256)
@@ -298,6 +302,11 @@ def _fill_pool(pool, gen_device_seed: int = 0):
         m.uniform_(0.01, 0.1)
     for w in (pool.k_win, pool.v_win):
         w.normal_()
+    for i, width in enumerate(pool.geometry.k_split):
+        if width is not None:
+            tail = tile_views(pool.layer(i)["k_codes"], width, pool.geometry.head_dim)[1]
+            scale = torch.empty(tail.shape[:-1] + (1,), dtype=torch.float16, device=tail.device).uniform_(0.01, 0.1)
+            tail[..., :2] = scale.view(torch.uint8)
 
 
 def int2_case(geom, ctx: int, bs: int, device, gen):

@@ -665,10 +665,15 @@ __device__ __forceinline__ float safe_max(float m) {
 }
 
 // Online softmax, lazy: the reference max m of a column moves (and acc, l, n are rescaled, the pending offset
-// leaving acc on the way) only when a logit exceeds it somewhere in the warp.  mx0 / mx1: the step's column
-// maxima (heads 2t, 2t + 1).  Returns whether it rescaled.
+// leaving acc on the way) only when a logit exceeds it somewhere in the warp.  mx0 / mx1: the maxima of this
+// thread's own logits of the step (its rows; heads 2t, 2t + 1).  The vote needs no reduction over the column's
+// lanes; that reduction (three dependent shuffle rounds) runs only when the max moves, rarely after the first steps:
+// 2-3.5% off the history loop at batch 8 and 32 (benchmarks/NOTES.md, "the warp-wide max only when it moves").
+// Returns whether it rescaled.
 __device__ __forceinline__ bool raise_max(State& st, float mx0, float mx1) {
   if (!__any_sync(0xffffffffu, mx0 > st.m0 || mx1 > st.m1)) return false;
+  mx0 = warp_max_rows(mx0);
+  mx1 = warp_max_rows(mx1);
   const float mn0 = fmaxf(st.m0, mx0), mn1 = fmaxf(st.m1, mx1);
   const float al0 = ex2(st.m0 - mn0), al1 = ex2(st.m1 - mn1);
   st.m0 = mn0;
@@ -1021,8 +1026,8 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
   }
 #endif
   // ---- online softmax over the step (columns 2t, 2t+1 of this thread)
-  const float mx0 = warp_max_rows(fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])));
-  const float mx1 = warp_max_rows(fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3])));
+  const float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2]));
+  const float mx1 = fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3]));
   if (!raise_max(st, mx0, mx1) && ++st.since_flush == FLUSH_STEPS) flush_offset(st);
   u32 bv[2][2];  // value MMA B operand per sub-tile: PP of tokens (2t, 2t+1) and (2t+8, 2t+9), head g
 #if NG == 2
@@ -1212,7 +1217,7 @@ __device__ __forceinline__ void window_tile(State& st, const WinTile& w, const u
   const bool ok1 = w.base + g + 8 < w.limit && (!SLIDING || w.base + g + 8 >= w.lo);
   const float s0 = ok0 ? c[0] : NEG_INF, s1 = ok0 ? c[1] : NEG_INF;
   const float s2 = ok1 ? c[2] : NEG_INF, s3 = ok1 ? c[3] : NEG_INF;
-  raise_max(st, warp_max_rows(fmaxf(s0, s2)), warp_max_rows(fmaxf(s1, s3)));
+  raise_max(st, fmaxf(s0, s2), fmaxf(s1, s3));
   const float m0 = safe_max(st.m0), m1 = safe_max(st.m1);
   const float p0 = ex2(s0 - m0), p1 = ex2(s1 - m1), p2 = ex2(s2 - m0), p3 = ex2(s3 - m1);
   st.l0 += p0 + p2;
