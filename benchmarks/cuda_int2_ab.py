@@ -8,6 +8,13 @@ source's.  GPU only.
         [--contexts 32768,131072] [--batch-sizes 1,8,32] [--rounds 3] [--min-blocks N] [--output FILE.json]
     python3 benchmarks/cuda_int2_ab.py --profile-calls 5 --contexts 131072 --batch-sizes 8   # for ncu: the shipped
         # kernel's R8 call, 5 times, nothing else (ncu -k regex:oscar_int2_decode --launch-skip 3 --launch-count 1 ...)
+    python3 benchmarks/cuda_int2_ab.py --stamps [--no-flush] ...   # instead of times: each source's phases
+
+``--stamps`` prints, per call and source, when the CTAs reach each phase of the kernel (cuda_int2_sweep.PHASES: us
+from the first CTA's start, median / max over CTAs; best of 3 flushed calls by the merged time) from a separately
+compiled variant with %globaltimer stamps.  The stamps themselves slow the kernel (a stamped call took 23.8 us where
+the plain one took ~15), so read them as where the time goes, not as times; ``--no-flush`` leaves L2 warm (code and
+data), which shows what the flush's DRAM misses cost each phase.
 
 ``--min-blocks`` compiles and plans the R8 and split-key variants for that many CTAs per SM (int2_cuda.min_blocks'
 budgets otherwise).  ``git show REV:src/oscar_kv/kernels/int2_decode.cu > OLD.cu`` gives an older source.
@@ -21,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_int2_sweep import _source  # noqa: E402
+from cuda_int2_sweep import PHASES, _source  # noqa: E402
 
 from oscar_kv.bench.attention import prepare_artifact  # noqa: E402
 from oscar_kv.bench.synthetic import (GEOMETRY, _fill_pool, _ints, _mixed_batch, add_width_arguments,  # noqa: E402
@@ -42,6 +49,8 @@ def main() -> None:
     ap.add_argument("--min-blocks", type=int, default=None)
     ap.add_argument("--profile-calls", type=int, default=0, help="only run the shipped R8 call this many times")
     ap.add_argument("--output", default=None)
+    ap.add_argument("--stamps", action="store_true", help="print each source's kernel phases instead of its time")
+    ap.add_argument("--no-flush", action="store_true", help="--stamps without the L2 flush before each call")
     add_width_arguments(ap)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -78,6 +87,15 @@ def main() -> None:
                         call()
                     torch.cuda.synchronize()
                     break
+                if a.stamps:
+                    for s in sources:
+                        with _source(s):
+                            ph = stamped_phases(call, not a.no_flush)
+                        rows.append(dict(context=ctx, batch=bs, centering=kind, widths=record["label"], source=s,
+                                         stamps_us=ph))
+                        print(f"{kind} ctx {ctx} bs {bs} {Path(s).name}: "
+                              + ", ".join(f"{n} {m:.1f}/{x:.1f}" for n, (m, x) in ph.items()), flush=True)
+                    continue
                 outs, best = {}, {}
                 for s in sources:
                     with _source(s):
@@ -100,6 +118,42 @@ def main() -> None:
     if a.output:
         with open(a.output, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), min_blocks=a.min_blocks, rows=rows), f, indent=1)
+
+
+def stamped_phases(call, flush: bool) -> dict:
+    """{phase: (median, max) us from the first CTA's start} of ``call`` run with int2_cuda.decode's stamps, the best
+    of three calls (after a compile) by when the merge ends."""
+    decode = int2_cuda.decode
+    box = {}
+
+    def stamped(q, k_rotation, layer, geom, batch, out, splits, chunk, qk_scale, **kw):
+        pairs = geom.num_kv_heads * int2_cuda.query_groups(q.shape[1] // geom.num_kv_heads)
+        box["ts"] = torch.zeros(q.shape[0], pairs, splits, 16, dtype=torch.int64, device=q.device)
+        return decode(q, k_rotation, layer, geom, batch, out, splits, chunk, qk_scale, stamps=box["ts"], **kw)
+
+    scratch = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    best = None
+    int2_cuda.decode = stamped
+    try:
+        for i in range(4):
+            if flush:
+                scratch.zero_()
+            call()
+            torch.cuda.synchronize()
+            if i == 0:
+                continue
+            t = box["ts"].view(-1, 16).double()
+            t0 = t[:, 0].min()
+            ph = {}
+            for k, name in PHASES:
+                col = t[:, k][t[:, k] > 0] - t0
+                if col.numel():
+                    ph[name] = (col.median().item() / 1e3, col.max().item() / 1e3)
+            if best is None or ph["merged"][1] < best["merged"][1]:
+                best = ph
+    finally:
+        int2_cuda.decode = decode
+    return best
 
 
 if __name__ == "__main__":

@@ -76,17 +76,25 @@ def compile_nvcc(nvcc: str, source: str, arch: str = "sm_90") -> bytes:
 
 
 def history_loop(sass: str) -> tuple[int, dict[str, int]]:
-    """(instructions, opcode counts) of the kernel's history loop: the largest backward branch's body with tensor-core
-    MMAs in it under 2,500 instructions (the `while (pos < full_end)` loop, two 32-token steps a turn)."""
+    """(instructions, opcode counts) of the kernel's history loop (the `while (pos < full_end)` loop, two 32-token
+    steps a turn): of the backward branches whose bodies hold tensor-core MMAs, the one with the most MMAs, leaving
+    out those past the kernel's last unconditional EXIT (ptxas places the warp-divergent fallbacks of the shuffles
+    there, and their branches back into the code span the loop) and a branch whose body holds another such loop
+    with half its MMAs or more."""
     ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    best: list[str] = []
+    end = max((a for a, t in ins if t == "EXIT"), default=max((a for a, _ in ins), default=0))
+    loops = []  # (first address, last address, MMAs, body)
     for a, t in ins:
         m = re.search(r"BRA\s.*?0x([0-9a-f]+)", t)
-        if m and int(m.group(1), 16) < a:
-            body = [tt for x, tt in ins if int(m.group(1), 16) <= x <= a]
+        if m and int(m.group(1), 16) < a <= end:
+            lo = int(m.group(1), 16)
+            body = [tt for x, tt in ins if lo <= x <= a]
             mmas = sum("HMMA" in tt for tt in body)
-            if mmas and len(body) < 2500 and mmas > sum("HMMA" in tt for tt in best):
-                best = body
+            if mmas:
+                loops.append((lo, a, mmas, body))
+    inner = [lp for lp in loops if not any(o is not lp and lp[0] <= o[0] and o[1] <= lp[1] and 2 * o[2] >= lp[2]
+                                           for o in loops)]
+    best = max(inner, key=lambda lp: lp[2])[3] if inner else []
     ops: dict[str, int] = {}
     for t in best:
         op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
@@ -147,7 +155,8 @@ def main(argv=None) -> int:
     text = Path(args.source).read_text()
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
-    for d, kb, r, gqa in itertools.product(args.dims, args.kbits, args.pairs, args.gqa):
+    kbits = [split.bits] if split else args.kbits  # split rows: KBITS is the narrow part's width
+    for d, kb, r, gqa in itertools.product(args.dims, kbits, args.pairs, args.gqa):
         mb = args.min_blocks or min_blocks(r, d, kb or 2, split=split is not None)
         nw = args.warps or NUM_WARPS
         extra = dict(zip(("SPLIT_M", "SPLIT_HB", "KTAIL"), split_defines(split))) if split else {}

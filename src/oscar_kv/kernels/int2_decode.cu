@@ -75,8 +75,7 @@
 //   - the query arrives rotated (RT: a float32 [B, Hq, D] query from decode.rotate_query when rotate = 1): rotating
 //     it here costs each CTA a read of the whole 128 KB R^T.
 //   - registers: 2 CTAs per SM (255 registers); the key MMAs' query fragments live in shared memory (s_qb, loaded
-//     beside each MMA); a window tile's values are loaded in window_tile, half the slices at a time; the merge's
-//     lanes hold 8 channels each.  STEP16: warps take 16-token steps (one sub-tile, loads one sub-tile ahead; the
+//     beside each MMA); a window tile's values are loaded in window_tile, half the slices at a time.  STEP16: warps take 16-token steps (one sub-tile, loads one sub-tile ahead; the
 //     host sets it at D = 256: 32-token steps spill and were not faster, int2_cuda.step16).
 //   - shared memory: the prologue's arrays (query fragments, query, its bfloat16 parts, page ids) overlay the warps'
 //     outputs s_acc, written after a barrier once every warp is done with them (60 KB would pass the 48 KB limit).
@@ -122,6 +121,7 @@
 #ifndef SPLIT_M
 #define SPLIT_M 0
 #endif
+#define EARLY_LOADS (!SPLIT_M && (D != 128 || MIN_BLOCKS < 3))  // the first history loads before the rotation
 #define KROW (D * KBITS / 8)  // key code bytes of a token row (split keys: its plain part)
 #define VROW (D * VBITS / 8)  // value code bytes of a token row
 // keys addressed with their own strides (stride_kcp, stride_kch)
@@ -1284,6 +1284,86 @@ __device__ __forceinline__ void combine_warps(const float (*acc)[8][D], const fl
   }
 }
 
+// ---------------------------------------------------------------------------------------------- the merge
+// The last CTA of a (sequence, KV head) merges its splits' partials (po: [GQA heads][splits][D] float16 at strides
+// stride_poh, stride_pos; pl: their log2-sum-exps at [hh * stride_plh + split]) into o ([GQA heads][D] at stride_oh);
+// m, l: shared scratch for a max and a weight sum per head.
+// Short, rolled loops: the merge runs once per (sequence, KV head), after the history's bytes have pushed the
+// kernel's code out of L2, so every instruction it runs the first time comes from DRAM (fully unrolled it was 27 KB
+// of machine code; benchmarks/NOTES.md, run M1).  Inlined or not changes how ptxas compiles the history loop, and
+// the two were timed: not inlined the plain kernels' loop ran 1-2.5% faster, inlined the split keys' 3-4%.
+#if SPLIT_M
+#define MERGE_INLINE __forceinline__
+#else
+#define MERGE_INLINE __noinline__
+#endif
+__device__ MERGE_INLINE void merge_partials(const u16* __restrict__ po, const float* __restrict__ pl, int stride_poh,
+                                            int stride_pos, int stride_plh, int splits, o_t* __restrict__ o,
+                                            int stride_oh, float* m, float* l) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // 1. Warp w takes heads w, w + NWARPS, ...: lanes go over the splits with a running max and weight sum of their
+  //    log-sum-exps, then a butterfly combines the lanes (m[hh], l[hh]).
+  for (int hh = warp; hh < GQA; hh += NWARPS) {
+    float m_run = NEG_INF, tot = 0.f;
+#pragma unroll 1
+    for (int s = lane; s < splits; s += 32) {
+      const float x = __ldcg(pl + (long long)hh * stride_plh + s);
+      const float mn = fmaxf(m_run, x);
+      if (mn != NEG_INF) {
+        tot = tot * ex2(m_run - mn) + ex2(x - mn);  // ex2(-inf) = 0: an empty split or nothing before
+        m_run = mn;
+      }
+    }
+#pragma unroll
+    for (int o2 = 16; o2 > 0; o2 >>= 1) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m_run, o2), to = __shfl_xor_sync(0xffffffffu, tot, o2);
+      const float mn = fmaxf(m_run, mo);
+      tot = mn == NEG_INF ? 0.f : tot * ex2(m_run - mn) + to * ex2(mo - mn);
+      m_run = mn;
+    }
+    if (lane == 0) {
+      m[hh] = m_run;
+      l[hh] = tot;
+    }
+  }
+  __syncthreads();
+  // 2. A thread per 4 channels of a head sums the splits' partials with their weights, MU splits' loads at a time.
+  constexpr int MU = 8;
+  for (int idx = threadIdx.x; idx < GQA * (D / 4); idx += NT) {
+    const int hh = idx / (D / 4), c4 = idx % (D / 4);
+    const float m_h = m[hh], tot = l[hh];
+    const float* plh = pl + (long long)hh * stride_plh;
+    const uint2* poh = reinterpret_cast<const uint2*>(po + (long long)hh * stride_poh) + c4;  // stride_pos % 4 == 0
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+    for (int s0 = 0; s0 < splits; s0 += MU) {
+      float lse[MU];
+      uint2 p[MU];
+#pragma unroll
+      for (int u = 0; u < MU; ++u) {
+        const bool ok = s0 + u < splits;
+        lse[u] = ok ? __ldcg(plh + s0 + u) : NEG_INF;
+        p[u] = ok ? __ldcg(poh + (long long)(s0 + u) * (stride_pos / 4)) : make_uint2(0u, 0u);
+      }
+#pragma unroll
+      for (int u = 0; u < MU; ++u) {
+        const float w = lse[u] == NEG_INF ? 0.f : ex2(lse[u] - m_h);
+        const float2 p01 = halves(p[u].x), p23 = halves(p[u].y);
+        acc.x += w * p01.x;
+        acc.y += w * p01.y;
+        acc.z += w * p23.x;
+        acc.w += w * p23.y;
+      }
+    }
+    const float inv = tot > 0.f ? 1.f / tot : 0.f;
+    o_t* out = o + (long long)hh * stride_oh + 4 * c4;
+    out[0] = o_from(acc.x * inv);
+    out[1] = o_from(acc.y * inv);
+    out[2] = o_from(acc.z * inv);
+    out[3] = o_from(acc.w * inv);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------- the kernel
 extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     const q_t* __restrict__ Q, const u16* __restrict__ RT, int rotate, const unsigned char* __restrict__ Kc,
@@ -1393,6 +1473,83 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   if (wj < win.n) load_win_tile(wt, win, wj, g, t);
   __syncthreads();
   STAMP(1);
+  // ---- the first INT2 loads go out as soon as the page ids are in shared memory: their DRAM latency overlaps the
+  // position-aware term's tables, the query rotation and the window sub-tile (split keys' tails: below, once the
+  // rotation is done with s_acc, which they overlay).  Not at head dim 128 with 3 CTAs per SM (held beside the
+  // rotation's R^T fragments they spill at its 168 registers) nor with split keys (their loop ran 4-6% slower):
+  // there they go out after the rotation (EARLY_LOADS).
+  Source src;
+#if !KV_STRIDES
+  src.k = Kc + (long long)h * stride_ch + g * D4 + KB * t;
+#else
+  src.k = Kc + (long long)h * stride_kch + g * KROW + KB * t;
+#if KBITS != 2
+  src.kx = src.k + D4 + (KBITS == 3 ? KB * (t & 1) - KB * t : 0);
+#endif
+#if KBITS == 5
+  src.kh = src.k + D / 2 + KB * (t & 1) - KB * t;
+#endif
+  src.kcp = (unsigned long long)stride_kcp;
+#endif
+#if SPLIT_M
+  src.kt = Kc + (long long)h * stride_kch + P * KROW;
+#endif
+  src.v = Vc + (long long)h * stride_ch + 2 * t * VROW + VB * g;
+#if VBITS != 2
+  src.vx = src.v + D4 + (VBITS == 3 ? VB * (g & 3) - VB * g : 0);
+#endif
+  src.ks = Ks + (long long)h * stride_mh + 2 * g * NG;  // tokens g and g + 8 sit at slots 2g, 2g + 1
+  src.kz = Kz + (long long)h * stride_mh + 2 * g * NG;
+  src.vs = Vs + (long long)h * stride_mh + 2 * g * NG;
+  src.vz = Vz + (long long)h * stride_mh + 2 * g * NG;
+  src.pages = s_pages;
+  src.cp = (unsigned long long)stride_cp;
+  src.mp = (unsigned long long)stride_mp;
+  src.first = start;
+  src.policy = stream_policy(evict_first);
+#if STEP16
+  SubTile buf0[1], buf1[1];
+  int pos = start + 16 * warp;
+#if EARLY_LOADS
+  if (pos < end) load_sub_tile(buf0[0], src, pos);
+#endif
+#else
+  SubTile buf0[2], buf1[2];
+  int pos = start + 32 * warp;
+  const int full_end = end - 31;  // pos < full_end <=> pos + 32 <= end
+#if SPLIT_M
+  // split keys: buffer bf's two sub-tiles' tails (the warp's s_acc rows: the header's SPLIT_M paragraph).  A copy
+  // group is committed at every load point, issued or not, so waiting for all but the newest group finds the tails
+  // of the step about to run in place; a buffer is refilled only after every lane has read it (__syncwarp).
+  unsigned char* const tails = reinterpret_cast<unsigned char*>(&s_acc[warp][0][0]);
+#define TAILS(bf) (tails + 32 * KTAIL * (bf))
+#define LOAD_TAILS(bf, p) { \
+  __syncwarp(); \
+  load_tails(TAILS(bf), src, p); \
+  load_tails(TAILS(bf) + 16 * KTAIL, src, (p) + 16); }
+#define COMMIT_TAILS() tails_commit()
+#define WAIT_TAILS(n) tails_wait<n>()
+#else
+#define TAILS(bf) nullptr
+#define LOAD_TAILS(bf, p)
+#define COMMIT_TAILS()
+#define WAIT_TAILS(n)
+#endif
+#if EARLY_LOADS
+  if (pos < full_end) {
+    load_sub_tile(buf0[0], src, pos);
+    load_sub_tile(buf0[1], src, pos + 16);
+  }
+#endif
+#endif
+#if ROPE_R
+  const int rpair = PR[(long long)h * ROPE_R + min(lane, ROPE_R - 1)];  // the pair whose phases this lane stages
+#define ROPE_PHASE(p) rope_phase(PH, SINK_PAGES * P + (p), rpair, (p) < end)
+#else
+  const int rpair = 0;
+#define ROPE_PHASE(p) make_float2(0.f, 0.f)
+#endif
+  float2 rph = ROPE_PHASE(pos);  // the phase of this warp's current step, the next one's read a step ahead
 #if ROPE_R
   rope_prologue(s_q, RMU + (long long)h * D, PR + (long long)h * ROPE_R, TL, qk_scale);  // before s_q is rotated
 #endif
@@ -1480,77 +1637,19 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 #endif
   STAMP(2);
 
-  // ---- the first INT2 loads go out before the window sub-tile is computed
-  Source src;
-#if !KV_STRIDES
-  src.k = Kc + (long long)h * stride_ch + g * D4 + KB * t;
-#else
-  src.k = Kc + (long long)h * stride_kch + g * KROW + KB * t;
-#if KBITS != 2
-  src.kx = src.k + D4 + (KBITS == 3 ? KB * (t & 1) - KB * t : 0);
-#endif
-#if KBITS == 5
-  src.kh = src.k + D / 2 + KB * (t & 1) - KB * t;
-#endif
-  src.kcp = (unsigned long long)stride_kcp;
-#endif
-#if SPLIT_M
-  src.kt = Kc + (long long)h * stride_kch + P * KROW;
-#endif
-  src.v = Vc + (long long)h * stride_ch + 2 * t * VROW + VB * g;
-#if VBITS != 2
-  src.vx = src.v + D4 + (VBITS == 3 ? VB * (g & 3) - VB * g : 0);
-#endif
-  src.ks = Ks + (long long)h * stride_mh + 2 * g * NG;  // tokens g and g + 8 sit at slots 2g, 2g + 1
-  src.kz = Kz + (long long)h * stride_mh + 2 * g * NG;
-  src.vs = Vs + (long long)h * stride_mh + 2 * g * NG;
-  src.vz = Vz + (long long)h * stride_mh + 2 * g * NG;
-  src.pages = s_pages;
-  src.cp = (unsigned long long)stride_cp;
-  src.mp = (unsigned long long)stride_mp;
-  src.first = start;
-  src.policy = stream_policy(evict_first);
-#if STEP16
-  SubTile buf0[1], buf1[1];
-  int pos = start + 16 * warp;
+#if STEP16 && !EARLY_LOADS
   if (pos < end) load_sub_tile(buf0[0], src, pos);
-#else
-  SubTile buf0[2], buf1[2];
-  int pos = start + 32 * warp;
-  const int full_end = end - 31;  // pos < full_end <=> pos + 32 <= end
-#if SPLIT_M
-  // split keys: buffer bf's two sub-tiles' tails (the warp's s_acc rows: the header's SPLIT_M paragraph).  A copy
-  // group is committed at every load point, issued or not, so waiting for all but the newest group finds the tails
-  // of the step about to run in place; a buffer is refilled only after every lane has read it (__syncwarp).
-  unsigned char* const tails = reinterpret_cast<unsigned char*>(&s_acc[warp][0][0]);
-#define TAILS(bf) (tails + 32 * KTAIL * (bf))
-#define LOAD_TAILS(bf, p) { \
-  __syncwarp(); \
-  load_tails(TAILS(bf), src, p); \
-  load_tails(TAILS(bf) + 16 * KTAIL, src, (p) + 16); }
-#define COMMIT_TAILS() tails_commit()
-#define WAIT_TAILS(n) tails_wait<n>()
-#else
-#define TAILS(bf) nullptr
-#define LOAD_TAILS(bf, p)
-#define COMMIT_TAILS()
-#define WAIT_TAILS(n)
-#endif
+#elif !STEP16
+#if !EARLY_LOADS
   if (pos < full_end) {
     load_sub_tile(buf0[0], src, pos);
     load_sub_tile(buf0[1], src, pos + 16);
-    LOAD_TAILS(0, pos);
   }
+#endif
+  // split keys: the first step's tails (the rotation above used s_acc[0], which they overlay)
+  if (pos < full_end) LOAD_TAILS(0, pos);
   COMMIT_TAILS();
 #endif
-#if ROPE_R
-  const int rpair = PR[(long long)h * ROPE_R + min(lane, ROPE_R - 1)];  // the pair whose phases this lane stages
-#define ROPE_PHASE(p) rope_phase(PH, SINK_PAGES * P + (p), rpair, (p) < end)
-#else
-  const int rpair = 0;
-#define ROPE_PHASE(p) make_float2(0.f, 0.f)
-#endif
-  float2 rph = ROPE_PHASE(pos);  // the phase of this warp's current step, the next one's read a step ahead
 
   State st;
 #pragma unroll
@@ -1670,6 +1769,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
 #if STEP16
   // STEP16 (D = 256 variants whose 32-token steps would spill): 16-token steps (one sub-tile, the half step), loads
   // one step ahead in two alternating buffers, half the registers in flight; warps take 16-token steps in turn
+#pragma unroll 1
   while (pos < end) {
     int npos = pos + 16 * NWARPS;
     if (npos < end) load_sub_tile(buf1[0], src, npos);
@@ -1688,6 +1788,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     pos = npos;
   }
 #else
+  // (not unrolled further: each turn is already two steps, and more would only spill)
+#pragma unroll 1
   while (pos < full_end) {
     int npos = pos + NT;
     if (npos < full_end) {
@@ -1802,138 +1904,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
   STAMP(6);
   if (!s_last) return;
   STAMP(8);
-  // Warp w merges splits w, w + NWARPS, ..., MU of them per round: all of a round's loads go out at once (one
-  // round up to NWARPS * MU splits), rounds combine online.  Pair k = u * GQA2 + hh (split u of the round,
-  // head hh; GQA2 = GQA rounded up to a power of two) has its lse in lane k % 32 of register k / 32, so lane
-  // i's lse values all belong to head i % GQA2 and the per-head max and sum are butterflies over the lanes
-  // i, i ^ GQA2, ...  Lane = 4 channels of the partials (lanes >= D/4 hold none).  The warps' results are then merged in order
-  // (deterministic).
-  constexpr int GQA2 = GQA <= 1 ? 1 : GQA <= 2 ? 2 : GQA <= 4 ? 4 : 8;
-#if D > 128
-  // D = 256: a lane holds 8 channels (uint4 loads, lane 8 .. 8 lane + 7); uint4 loads in flight: <= 32 (128 registers)
-  constexpr int MU = (GQA2 <= 4 ? 32 : 24) / GQA2;
-#else
-  // uint2 loads in flight per thread: <= 64 (128 registers); half at D = 64, whose 4 CTAs per SM get 128 in all
-  constexpr int MU = (GQA2 <= 4 ? 64 : 48) * D / 128 / GQA2;
-#endif
-  constexpr int LSE_REGS = (MU * GQA2 + 31) / 32;
-  float4 o[GQA];
-#pragma unroll
-  for (int hh = 0; hh < GQA; ++hh) o[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
-#if D > 128
-  float4 oh[GQA];  // channels 8 lane + 4 .. 8 lane + 7 (o: 8 lane .. 8 lane + 3)
-#pragma unroll
-  for (int hh = 0; hh < GQA; ++hh) oh[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
-#endif
-  float m_run = NEG_INF, tot_run = 0.f;  // head lane % GQA2: running max and weight sum
-  for (int s0 = warp; s0 < splits; s0 += NWARPS * MU) {
-    float lse[LSE_REGS];
-#pragma unroll
-    for (int r = 0; r < LSE_REGS; ++r) {
-      const int kk = 32 * r + lane, u = kk / GQA2, hh = kk % GQA2, s = s0 + NWARPS * u;
-      lse[r] = u < MU && hh < GQA && s < splits ? __ldcg(PL + pl_head + (long long)hh * stride_plh + s) : NEG_INF;
-    }
-#if D > 128
-    uint4 p[MU][GQA];  // 8 float16 channels of split u, head hh
-#pragma unroll
-    for (int u = 0; u < MU; ++u) {
-      const int s = s0 + NWARPS * u;
-#pragma unroll
-      for (int hh = 0; hh < GQA; ++hh)
-        p[u][hh] = s < splits ? __ldcg(reinterpret_cast<const uint4*>(
-                                    PO + po_head + (long long)hh * stride_poh + (long long)s * stride_pos) + lane)
-                              : make_uint4(0u, 0u, 0u, 0u);
-    }
-#else
-    uint2 p[MU][GQA];  // 4 float16 channels of split u, head hh
-#pragma unroll
-    for (int u = 0; u < MU; ++u) {
-      const int s = s0 + NWARPS * u;
-#pragma unroll
-      for (int hh = 0; hh < GQA; ++hh)
-        p[u][hh] = s < splits && lane < D / 4 ? __ldcg(reinterpret_cast<const uint2*>(
-                                    PO + po_head + (long long)hh * stride_poh + (long long)s * stride_pos) + lane)
-                              : make_uint2(0u, 0u);
-    }
-#endif
-    float mx = lse[0];
-#pragma unroll
-    for (int r = 1; r < LSE_REGS; ++r) mx = fmaxf(mx, lse[r]);
-#pragma unroll
-    for (int o2 = GQA2; o2 < 32; o2 <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
-    const float mn = fmaxf(m_run, mx);
-    const float alpha = mn == NEG_INF ? 1.f : ex2(m_run - mn);  // ex2(-inf) = 0: nothing before this round
-    float w[LSE_REGS], wsum = 0.f;
-#pragma unroll
-    for (int r = 0; r < LSE_REGS; ++r) {
-      w[r] = lse[r] == NEG_INF ? 0.f : ex2(lse[r] - mn);
-      wsum += w[r];
-    }
-#pragma unroll
-    for (int o2 = GQA2; o2 < 32; o2 <<= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o2);
-    m_run = mn;
-    tot_run = tot_run * alpha + wsum;
-#pragma unroll
-    for (int hh = 0; hh < GQA; ++hh) {
-      const float a = __shfl_sync(0xffffffffu, alpha, hh);
-      o[hh].x *= a;
-      o[hh].y *= a;
-      o[hh].z *= a;
-      o[hh].w *= a;
-#if D > 128
-      oh[hh].x *= a;
-      oh[hh].y *= a;
-      oh[hh].z *= a;
-      oh[hh].w *= a;
-#endif
-#pragma unroll
-      for (int u = 0; u < MU; ++u) {
-        const int kk = u * GQA2 + hh;
-        const float wu = __shfl_sync(0xffffffffu, w[kk / 32], kk % 32);
-        const float2 p01 = halves(p[u][hh].x), p23 = halves(p[u][hh].y);
-        o[hh].x += wu * p01.x;
-        o[hh].y += wu * p01.y;
-        o[hh].z += wu * p23.x;
-        o[hh].w += wu * p23.y;
-#if D > 128
-        const float2 p45 = halves(p[u][hh].z), p67 = halves(p[u][hh].w);
-        oh[hh].x += wu * p45.x;
-        oh[hh].y += wu * p45.y;
-        oh[hh].z += wu * p67.x;
-        oh[hh].w += wu * p67.y;
-#endif
-      }
-    }
-  }
+  merge_partials(PO + po_head, PL + pl_head, stride_poh, stride_pos, stride_plh, splits,
+                 O + (long long)b * stride_ob + (long long)hq0 * stride_oh, stride_oh, s_m[0], s_l[0]);
   STAMP(9);
-#pragma unroll
-  for (int hh = 0; hh < GQA; ++hh) {
-#if D > 128
-    *reinterpret_cast<float4*>(&s_acc[warp][hh][8 * lane]) = o[hh];
-    *reinterpret_cast<float4*>(&s_acc[warp][hh][8 * lane + 4]) = oh[hh];
-#else
-    if (lane < D / 4) *reinterpret_cast<float4*>(&s_acc[warp][hh][4 * lane]) = o[hh];
-#endif
-  }
-  if (lane < GQA) {  // lane hh holds head hh's running max and sum
-    s_m[warp][lane] = m_run;
-    s_l[warp][lane] = tot_run;
-  }
-  __syncthreads();
-#if D > NT
-#pragma unroll
-  for (int ch = threadIdx.x; ch < D; ch += NT) {
-#else
-  if (threadIdx.x < D) {
-    const int ch = threadIdx.x;
-#endif
-#pragma unroll
-    for (int hh = 0; hh < GQA; ++hh) {
-      float num, den, mx;
-      combine_warps<false>(s_acc, s_m, s_l, s_n, hh, ch, num, den, mx);
-      O[(long long)b * stride_ob + (long long)(hq0 + hh) * stride_oh + ch] = o_from(den > 0.f ? num / den : 0.f);
-    }
-  }
   if (threadIdx.x == 0) *counter = 0;  // every CTA of the pair has counted: ready for the next call
   STAMP(7);
 }
