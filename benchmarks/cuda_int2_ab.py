@@ -12,7 +12,7 @@ source's.  GPU only.
 
 ``--stamps`` prints, per call and source, when the CTAs reach each phase of the kernel (cuda_int2_sweep.PHASES: us
 from the first CTA's start, median / max over CTAs; best of 3 flushed calls by the merged time) from a separately
-compiled variant with %globaltimer stamps.  The stamps themselves slow the kernel (a stamped call took 23.8 us where
+compiled variant with %globaltimer stamps (cuda_int2_sweep.phases).  The stamps themselves slow the kernel (a stamped call took 23.8 us where
 the plain one took ~15), so read them as where the time goes, not as times; ``--no-flush`` leaves L2 warm (code and
 data), which shows what the flush's DRAM misses cost each phase.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_int2_sweep import PHASES, _source  # noqa: E402
+from cuda_int2_sweep import _source, phases  # noqa: E402
 
 from oscar_kv.bench.attention import prepare_artifact  # noqa: E402
 from oscar_kv.bench.synthetic import (GEOMETRY, _fill_pool, _ints, _mixed_batch, add_width_arguments,  # noqa: E402
@@ -142,13 +142,7 @@ def stamped_phases(call, flush: bool) -> dict:
             torch.cuda.synchronize()
             if i == 0:
                 continue
-            t = box["ts"].view(-1, 16).double()
-            t0 = t[:, 0].min()
-            ph = {}
-            for k, name in PHASES:
-                col = t[:, k][t[:, k] > 0] - t0
-                if col.numel():
-                    ph[name] = (col.median().item() / 1e3, col.max().item() / 1e3)
+            ph = phases(box["ts"])
             if best is None or ph["merged"][1] < best["merged"][1]:
                 best = ph
     finally:

@@ -35,6 +35,19 @@ PHASES = ((0, "start"), (1, "prologue"), (2, "query"), (3, "window"), (10, "step
           (8, "merge start"), (9, "merge math"), (7, "merged"))
 
 
+def phases(ts: torch.Tensor) -> dict:
+    """{phase: (median, max) us from the first CTA's start over the CTAs that reached it} of a call's stamps
+    ([..., 16] int64 %globaltimer ns, 0 where a CTA did not reach the slot)."""
+    t = ts.view(-1, 16).double()
+    t0 = t[:, 0].min()
+    res = {}
+    for k, name in PHASES:
+        col = t[:, k][t[:, k] > 0] - t0
+        if col.numel():  # (a phase a call does not reach, e.g. step 64 of a short chunk, is left out)
+            res[name] = (col.median().item() / 1e3, col.max().item() / 1e3)
+    return res
+
+
 def stamp_phases(q, pool, batch, rot, geom, mp, dev, per_sm: int | None = None) -> dict:
     """Microseconds from the first CTA's start to each phase: median and max over CTAs (merge: last CTAs), with the
     split plan for ``per_sm`` CTAs per SM (default: the kernel's min_blocks).  Above 8 query heads per KV head a
@@ -51,14 +64,9 @@ def stamp_phases(q, pool, batch, rot, geom, mp, dev, per_sm: int | None = None) 
         int2_cuda.decode(q, rot, pool.layer(0), geom, batch, out, ns, chunk, LOG2E / geom.head_dim ** 0.5,
                          stamps=ts)
     torch.cuda.synchronize()
+    res = phases(ts)
     t = ts.view(-1, 16).double()
     t0 = t[:, 0].min()
-    res = {}
-    for k, name in PHASES:
-        col = t[:, k][t[:, k] > 0] - t0
-        if col.numel() == 0:  # a phase this call does not reach (e.g. step 64 of a short chunk)
-            continue
-        res[name] = (col.median().item() / 1e3, col.max().item() / 1e3)
     # CTAs with a BF16 window sub-tile (split < the window's sub-tiles) against the others: partial written
     t_len, nq = int(batch.seq_lens[0]), int(batch.int2_pages[0])
     sink_end = min(t_len, geom.sink_pages * geom.page_size)
