@@ -5,7 +5,8 @@ CUDA-graph replays after an L2 flush, PDL off as in bench attention) and checks 
 source's.  GPU only.
 
     python3 benchmarks/cuda_int2_ab.py --sources OLD.cu,src/oscar_kv/kernels/int2_decode.cu [--key-bits 4x16+2]
-        [--contexts 32768,131072] [--batch-sizes 1,8,32] [--rounds 3] [--min-blocks N] [--output FILE.json]
+        [--contexts 32768,131072] [--batch-sizes 1,8,32] [--rounds 3] [--min-blocks N] [--head-dim 64]
+        [--output FILE.json]
     python3 benchmarks/cuda_int2_ab.py --profile-calls 5 --contexts 131072 --batch-sizes 8   # for ncu: the shipped
         # kernel's R8 call, 5 times, nothing else (ncu -k regex:oscar_int2_decode --launch-skip 3 --launch-count 1 ...)
     python3 benchmarks/cuda_int2_ab.py --stamps [--no-flush] ...   # instead of times: each source's phases
@@ -32,7 +33,7 @@ from cuda_int2_sweep import _source, phases  # noqa: E402
 
 from oscar_kv.bench.attention import prepare_artifact  # noqa: E402
 from oscar_kv.bench.synthetic import (GEOMETRY, _fill_pool, _ints, _mixed_batch, add_width_arguments,  # noqa: E402
-                                      layer_geometry)
+                                      layer_geometry, use_head_dim)
 from oscar_kv.bench.timing import _bench_call  # noqa: E402
 from oscar_kv.kernels import int2_cuda, pdl  # noqa: E402
 from oscar_kv.kernels.decode import int2_decode  # noqa: E402
@@ -51,14 +52,18 @@ def main() -> None:
     ap.add_argument("--output", default=None)
     ap.add_argument("--stamps", action="store_true", help="print each source's kernel phases instead of its time")
     ap.add_argument("--no-flush", action="store_true", help="--stamps without the L2 flush before each call")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128),
+                    help="64: Llama-3.2-1B's attention (32 query / 8 KV heads, synthetic.use_head_dim); 128: Qwen3-8B's")
     add_width_arguments(ap)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cuda_int2_ab.py needs a CUDA GPU")
     if a.min_blocks:
-        int2_cuda.ROPE_MIN_BLOCKS = {8: a.min_blocks}
+        int2_cuda.ROPE_MIN_BLOCKS = int2_cuda.ROPE_MIN_BLOCKS_D64 = int2_cuda.WIDE_KEYS_ROPE_MIN_BLOCKS_D64 = {
+            8: a.min_blocks}
         int2_cuda.SPLIT_MIN_BLOCKS = {**int2_cuda.SPLIT_MIN_BLOCKS, 128: a.min_blocks}
     pdl.set_enabled(False)  # as bench attention: each call timed alone
+    use_head_dim(a.head_dim)
     dev = torch.device("cuda")
     contexts, batches = _ints(a.contexts), _ints(a.batch_sizes)
     sources = a.sources.split(",")
@@ -117,7 +122,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     if a.output:
         with open(a.output, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), min_blocks=a.min_blocks, rows=rows), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), min_blocks=a.min_blocks, head_dim=a.head_dim, rows=rows), f,
+                      indent=1)
 
 
 def stamped_phases(call, flush: bool) -> dict:

@@ -604,7 +604,8 @@ def test_cuda_decode_reads_3_and_4_bit_keys(d, widths):
     (*case, w) for w in ((3, 2), (4, 2), (5, 2), (8, 2))
     for case in ((128, 64, 32, 20.0), (128, 48, 3, 900.0), (64, 48, 12, 300.0))
 ] + [(128, 64, 32, 20.0, (2, 4)), (128, 48, 3, 900.0, (8, 3)), (128, 64, 12, 300.0, (4, 3)),
-     (64, 48, 12, 300.0, (3, 3)), (128, 64, 12, 300.0, (5, 3))], ids=width_ids)
+     (64, 48, 12, 300.0, (3, 3)), (128, 64, 12, 300.0, (5, 3)),
+     (64, 48, 8, 300.0, (4, 2)), (64, 48, 8, 300.0, (5, 2))], ids=width_ids)  # head dim 64, 8 pairs: 3 CTAs per SM
 def test_cuda_decode_of_3_and_4_bit_keys_adds_the_position_aware_key_offset(d, sink, live, scale, widths):
     """Per-position key centering (rope_terms) in the 3- and 4-bit key and value variants: 8 .. 32 visited pairs,
     |mu_pre| up to 900, a sink that ends mid-step, window-only and long sequences, GQA 3 / 8, a page bound past the
@@ -730,6 +731,9 @@ def test_cuda_head_dim_256_host_side(monkeypatch):
         assert [int2_cuda.min_blocks(0, 128, k, vbits=vbits) for k in (2, 3, 4, 8)] == [2, 2, 2, 2]
         assert [int2_cuda.min_blocks(r, 128, 3, vbits=vbits) for r in (8, 16, 32)] == [2, 2, 2]
         assert [int2_cuda.min_blocks(r, 64, k, vbits=vbits) for r in (0, 16) for k in (2, 8)] == [3] * 4
+    # head dim 64, the term over 8 pairs: 3 CTAs for keys wider than 2 bits (run H1), 4 for INT2 keys and elsewhere
+    assert [int2_cuda.min_blocks(8, 64, k) for k in (2, 3, 4, 5, 8)] == [4, 3, 3, 3, 3]
+    assert [int2_cuda.min_blocks(r, 64, 4) for r in (0, 16, 32)] == [4, 4, 4]
 
     sources = []
     monkeypatch.setattr(int2_cuda.torch.cuda, "_compile_kernel", lambda src, name: sources.append(src) or name,
