@@ -99,3 +99,33 @@ def test_calibrated_like_artifact_has_the_shipped_shape():
     assert kernel_pairs(every.k_rope_mean[0]).shape == (4, 32)
     assert not torch.equal(rot.k_rotation[0, 0], rot.k_rotation[0, 1])
     assert load_rotations("hadamard", g).key_centering == "off"
+
+
+def test_kernel_source_ab_runs_bench_decode_per_source_and_round(tmp_path):
+    """benchmarks/cuda_int2_e2e_ab.py: one bench decode process per (round, source), every measured step recorded
+    and the best per source; a missing source is refused before anything runs.  (On the CPU no CUDA kernel runs:
+    this checks the plumbing, the GPU run is the measurement.)"""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("cuda_int2_e2e_ab", root / "benchmarks" / "cuda_int2_e2e_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    shipped = root / "src" / "oscar_kv" / "kernels" / "int2_decode.cu"
+    other = shutil.copy(shipped, tmp_path / "other.cu")
+    out = tmp_path / "ab.json"
+    with pytest.raises(SystemExit):
+        ab.main(["--sources", f"{shipped},{tmp_path / 'missing.cu'}", "--rounds", "1"])
+    tiny = ["--arch", "tiny", "--layers", "2", "--batch-sizes", "1", "--decode-steps", "2", "--warmup-steps", "1",
+            "--device", "cpu", "--kv-cache-memory", "0.004", "--contexts", "300", "--kv-cache-dtype", "int2"]
+    args = ["--sources", f"{shipped},{other}", "--rounds", "2", "--output", str(out), "--", *tiny]
+    assert ab.main(args) == 0
+    data = json.loads(out.read_text())
+    assert [(r["round"], Path(r["source"]).name) for r in data["runs"]] == [
+        (0, "int2_decode.cu"), (0, "other.cu"), (1, "int2_decode.cu"), (1, "other.cu")]
+    for run in data["runs"]:
+        assert set(run["steps"]) == {"int2/300/1"} and run["steps"]["int2/300/1"] > 0
+    for s in (str(shipped), str(other)):
+        assert data["best"][s]["int2/300/1"] == min(r["steps"]["int2/300/1"] for r in data["runs"] if r["source"] == s)
