@@ -123,7 +123,8 @@ def min_blocks(rope_pairs: int = 0, head_dim: int = 128, kbits: int = 2, vbits: 
     "3- and 4-bit keys in the CUDA kernel").  The 8-bit variant at head dim 128 holds four times INT2's key bytes in
     flight: at 3 CTAs per SM it spills 188 bytes a thread, at 2 none (216 registers); the 5-bit one 2.5 times: 124
     bytes at 3 (NVRTC 13, sm_90), none at 2 (205 registers).  Values at 3 or 4 bits: 3 CTAs
-    at head dim 64, 2 at head dim 128 (WIDE_VALUES_MIN_BLOCKS_D64's comment).  Split keys (``split``) hold the first
+    at head dim 64, 2 at head dim 128 (WIDE_VALUES_MIN_BLOCKS_D64's comment); at head dim 64 keys wider than 2 bits
+    with the term over 8 pairs 3 (WIDE_KEYS_ROPE_MIN_BLOCKS_D64).  Split keys (``split``) hold the first
     part's query fragments and logits beside the INT2 ones: the wide values' budgets (SPLIT_MIN_BLOCKS)."""
     if head_dim == 256:
         return MIN_BLOCKS_D256
