@@ -18,7 +18,12 @@ the plain one took ~15), so read them as where the time goes, not as times; ``--
 data), which shows what the flush's DRAM misses cost each phase.
 
 ``--min-blocks`` compiles and plans the R8 and split-key variants for that many CTAs per SM (int2_cuda.min_blocks'
-budgets otherwise).  ``git show REV:src/oscar_kv/kernels/int2_decode.cu > OLD.cu`` gives an older source.
+budgets otherwise).  ``--head-dim 64`` times Llama-3.2-1B's attention instead of Qwen3-8B's.
+
+The replays here run one kernel after another, so its code stays in the SMs' instruction caches; in a decode step
+the layer's other kernels run between two attention calls.  Time a change to code that runs once per call (the
+prologue, the combine, the merge) end to end as well, with cuda_int2_e2e_ab.py: the rolled merge was 0.990x here and
+0.946x of the step there at 32K batch 1 (benchmarks/NOTES.md, run H2).  ``git show REV:src/oscar_kv/kernels/int2_decode.cu > OLD.cu`` gives an older source.
 """
 
 import argparse
