@@ -101,6 +101,18 @@ def test_calibrated_like_artifact_has_the_shipped_shape():
     assert load_rotations("hadamard", g).key_centering == "off"
 
 
+def test_breakdown_line_says_when_kernel_times_include_pdl_waits():
+    """With PDL a profiled kernel's time includes its wait for the kernel before it; the breakdown line says so, and
+    says nothing when the kernels were launched plainly."""
+    from oscar_kv.bench.report import fmt_breakdown
+
+    bd = dict(scheme="int2", context=32000, batch=1, step_ms=5.0, regions_ms={"attention": 1.0},
+              gpu_kernels=dict(kernel_ms_per_step=6.7, busy_fraction=0.05, groups_ms={"gemm": 4.6}, pdl=True))
+    assert "PDL on" in fmt_breakdown(bd) and "OSCAR_KV_PDL=off" in fmt_breakdown(bd)
+    bd["gpu_kernels"]["pdl"] = False
+    assert "PDL" not in fmt_breakdown(bd) and "GPU kernels 6.70 ms/step" in fmt_breakdown(bd)
+
+
 def test_kernel_source_ab_runs_bench_decode_per_source_and_round(tmp_path):
     """benchmarks/cuda_int2_e2e_ab.py: one bench decode process per (round, source), every measured step recorded
     and the best per source; a missing source is refused before anything runs.  (On the CPU no CUDA kernel runs:

@@ -254,8 +254,12 @@ def breakdown(engine, seqs, steps: int, clock: Clock, profile_steps: int) -> dic
 
 
 def kernel_summary(engine, seqs, steps: int, clock: Clock, step_ms: float) -> dict:
-    """GPU kernel time per step by kernel (torch.profiler), grouped; busy = kernel time / step time."""
+    """GPU kernel time per step by kernel (torch.profiler), grouped; busy = kernel time / step time.  ``pdl``: whether
+    the step's kernels were launched with PDL, under which a kernel's time includes its wait for the one before
+    (the sums then overlap: read per-kernel times with OSCAR_KV_PDL=off)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from ..kernels import pdl
 
     timer = StepTimer(engine, clock)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -292,6 +296,7 @@ def kernel_summary(engine, seqs, steps: int, clock: Clock, step_ms: float) -> di
     top = sorted(kernels, key=lambda k: -k[1])[:12]
     return dict(kernel_ms_per_step=round(total, 4), step_ms=round(step_ms, 4),
                 busy_fraction=round(total / step_ms, 3) if step_ms else None,
+                pdl=torch.cuda.is_available() and pdl.enabled(torch.device("cuda")),
                 groups_ms={k: round(v, 4) for k, v in groups.items()},
                 top=[dict(name=n[:120], ms_per_step=round(ms, 4), launches_per_step=c) for n, ms, c in top],
                 idle=_idle_between_kernels(prof, steps))

@@ -74,6 +74,9 @@ def fmt_breakdown(bd: dict) -> str:
     g = bd.get("gpu_kernels")
     if g and "kernel_ms_per_step" in g:
         line += f"; GPU kernels {g['kernel_ms_per_step']:.2f} ms/step (busy {g['busy_fraction']}), {g['groups_ms']}"
+        if g.get("pdl"):  # (benchmarks/NOTES.md, run H1: the norm read 8.3 us a launch with PDL, 2.3 without)
+            line += (" [PDL on: each kernel's time includes its wait for the one before; OSCAR_KV_PDL=off for each "
+                     "kernel's own]")
     return line
 
 
