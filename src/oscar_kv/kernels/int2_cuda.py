@@ -94,9 +94,9 @@ ROPE_MIN_BLOCKS = {8: 2}
 MIN_BLOCKS_D64 = 4
 ROPE_MIN_BLOCKS_D64: dict[int, int] = {}
 # ... except keys at 3-8 bits with the position-aware term over 8 pairs, which spill there since the merge became
-# rolled loops (run M1-M6): at 3 CTAs (157-167 registers, no spill) K3 / K5 ran 0.84-0.97x and K4 0.98-1.02x the 4-CTA
-# kernel before that change, where the 4-CTA one ran 1.20-1.28x (K4, K5; one H200, 32K / 128K x batch 1 / 8 / 32;
-# benchmarks/NOTES.md, run H1)
+# rolled loops (run M1-M6): at 3 CTAs (157-167 registers, no spill) K3 ran 0.84-0.99x, K5 0.85-0.94x and K4 0.97-1.02x
+# the 4-CTA kernel before that change, where the 4-CTA one ran 1.19-1.28x (K4, K5), and K8 0.66-0.79x the 4-CTA one
+# (one H200, 32K / 128K x batch 1 / 8 / 32; benchmarks/NOTES.md, run H1)
 WIDE_KEYS_ROPE_MIN_BLOCKS_D64 = {8: 3}
 # Values at 3 or 4 bits hold twice INT2's value bytes in flight (SubTile.vx).  Head dim 64: at 4 CTAs per SM (128
 # registers) they spill 0-56 bytes a thread with keys at 2-4 bits, 120-208 with the RoPE term, 164-340 with 8-bit
