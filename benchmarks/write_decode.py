@@ -2,8 +2,9 @@
 
     python benchmarks/write_decode.py [--out FILE.json]
 
-Variants of the key rotation: inside write_kv (its float32 FMA dot) with 4 or 8 warps ("kernel"), or done by
-torch (float32 einsum, centering included) before a write_kv that only stores ("torch").  Accuracy: the stored BF16 keys against the float64 rotation rounded to BF16: the
+Variants of the key rotation: inside write_kv (its float32 FMA dot) with 4 or 8 warps ("kernel"), done by
+torch (float32 einsum, centering included) before a write_kv that only stores ("torch"), or the decode step's
+window writer (kernels/window_write.py: one program per token, KV head and 32 key columns; "window").  Accuracy: the stored BF16 keys against the float64 rotation rounded to BF16: the
 fraction of elements equal and the largest difference in BF16 ulps.  Timing: 10 replays of a CUDA graph of 20
 launches (as decode steps run), H = 8 and 4 KV heads (one GPU / two-way tensor parallel), D = 128.
 """
@@ -14,6 +15,7 @@ import json
 import torch
 
 from oscar_kv.kernels.layout import PagedKVPool, PoolGeometry, clip_indices
+from oscar_kv.kernels.window_write import write_window
 from oscar_kv.kernels.write import write_kv
 
 D = 128
@@ -43,6 +45,8 @@ def measure(h: int, t: int, variant: str, warps: int) -> dict:
         if variant == "torch":
             keys = torch.einsum("thd,hde->the", k.float() - mu32, r32)
             write_kv(pool, 0, keys, v, win, q2, None, None, ck, cv, num_warps=warps)
+        elif variant == "window":
+            write_window(pool, 0, k, v, win, r32, mu32)
         else:
             write_kv(pool, 0, k, v, win, q2, r32, mu32, ck, cv, num_warps=warps)
 
@@ -77,8 +81,8 @@ def main():
     args = ap.parse_args()
     rows = []
     for h in (8, 4):
-        for t in (1, 8, 32):
-            for variant, warps in (("kernel", 4), ("kernel", 8), ("torch", 4)):
+        for t in (1, 8, 32, 64):
+            for variant, warps in (("kernel", 8), ("window", 4), ("torch", 4)):
                 row = measure(h, t, variant, warps)
                 rows.append(row)
                 print(f"H={h:2d} T={t:3d} {variant:7s} warps={warps}: {row['us']:8.2f} us  "

@@ -369,6 +369,8 @@ class KernelAttention:
     def _write(self, plan: KernelPlan, li: int, codec: LayerCodec, key, value, regions):
         """Store layer li's step tokens (after every layer's migrations, with layer 0).  Returns the keys and
         values the extend kernel reads, [1, H, N, D] in the window dtype (keys None when write_kv rotated)."""
+        from ..kernels.tuning import TUNING
+        from ..kernels.window_write import write_window
         from ..kernels.write import write_kv
 
         wdt = self.pool.geometry.window_dtype
@@ -388,7 +390,12 @@ class KernelAttention:
             k_rows, rope, rotation, mean = keys[0].transpose(0, 1), None, None, None
         with regions.region("kv_write_and_migration"):
             self.run_migrations(plan)  # first layer of the step: every layer's migrations
-            write_kv(self.view, li, k_rows, v_rows, plan.win_slot, plan.int2_slot, rotation, mean, ck, cv,
-                     rescale=(codec.k_rescale, codec.v_rescale), k_rope=rope,
-                     rope_layout=codec.rope.layout if rope is not None else None)
+            layout = codec.rope.layout if rope is not None else None
+            if (plan.fused_rotation and isinstance(plan.step, DecodeStep)
+                    and k_rows.shape[0] * k_rows.shape[1] <= TUNING.window_write_max_rows):  # all to the window
+                write_window(self.view, li, k_rows, v_rows, plan.win_slot, rotation, mean, k_rope=rope,
+                             rope_layout=layout)
+            else:
+                write_kv(self.view, li, k_rows, v_rows, plan.win_slot, plan.int2_slot, rotation, mean, ck, cv,
+                         rescale=(codec.k_rescale, codec.v_rescale), k_rope=rope, rope_layout=layout)
         return keys, values

@@ -95,7 +95,10 @@
 //         MMA each; pairing two MMAs' slice 0 halves in one at m <= D/4 timed the same), plus one MMA per 16 first-part
 //         channels whose A operand is the upper code << KBITS, as float16 1024 + u 2^KBITS (<= 1024 + 255, exact),
 //         and whose k order follows the planes: thread t of MMA hh takes plane byte b = 2 hh + t / 2, bits 4 (t % 2)
-//         .. + 3, i.e. channels b + (4 (t % 2) + i) m/8 (Query.qu lists the same channels).
+//         .. + 3, i.e. channels b + (4 (t % 2) + i) m/8 (Query.qu lists the same channels).  With E <= 2 planes
+//         (SPLIT_SLICED) one MMA per plane instead: the A entries are the plane byte masked in place (1024 + 2^pos
+//         x bit, pos = 4 (t % 2) + i <= 7) and the B entries the query entries times 2^(KBITS + p - pos); fewer
+//         instructions than assembling the codes (run SP1: 1-9% off the call).
 // The tails of a 16-token sub-tile are 16 KTAIL contiguous bytes, 16-byte aligned; a warp copies them into shared
 // memory with cp.async one step ahead (load_tails; no registers held in flight) and each thread reads its tokens'
 // bytes there.  The buffers overlay the warp's own s_acc rows, which it writes only after its last step.
@@ -215,6 +218,8 @@ static_assert(P % 16 == 0, "pages hold whole 16-token sub-tiles");
 #define SPLIT_PB (SPLIT_M / 8)                         // bytes of one plane of them
 #define SPLIT_NH (SPLIT_M >= 16 ? SPLIT_M / 16 : 1)   // upper-bit MMAs per sub-tile
 #define SPLIT_S1 (SPLIT_M > D4)                        // the first part reaches slice 1 (m = D/2)
+#define SPLIT_SLICED (SPLIT_E <= 2)                    // upper bits as one MMA per plane (step)
+#define SPLIT_QU (SPLIT_SLICED ? SPLIT_E : 1)          // B fragment sets of the upper-bit MMAs
 #define HFRAC (SPLIT_HB == 8 ? 1.f : 1.f / (float)(1 << (8 - SPLIT_HB)))  // the first part's 2^-F
 static_assert(D <= 128 && NG == 1 && (KBITS == 2 || KBITS == 3 || KBITS == 4), "split keys: D <= 128, KBITS 2-4");
 static_assert(SPLIT_M >= 8 && SPLIT_M <= D / 2 && (SPLIT_M & (SPLIT_M - 1)) == 0, "split keys: m = 8 .. D/2, 2^k");
@@ -851,7 +856,8 @@ struct Query {
 #if SPLIT_S1
   u32 qh1[KSTEPS / 2];  // and qb[4 k + 1] (slice 1), at m = D/2
 #endif
-  u32 qu[2 * SPLIT_NH];  // B fragments of the upper-bit MMAs (their channels: the header's SPLIT_M paragraph)
+  u32 qu[2 * SPLIT_NH * SPLIT_QU];  // B fragments of the upper-bit MMAs (the header's SPLIT_M paragraph; per plane
+                                   // when SPLIT_SLICED)
 #endif
   u32 magic;           // 0x64006400, opaque to ptxas (see code_half2)
 };
@@ -972,6 +978,29 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
     const int lg = (threadIdx.x & 31) >> 2, lt = threadIdx.x & 3;
     const unsigned char* r0 = tl + 16 * KTAIL * u + KTAIL * lg;  // token g's tail
     const unsigned char* r1 = r0 + 8 * KTAIL;                    // token g + 8's
+#if SPLIT_SLICED
+    // one MMA per plane p: the A entry of channel b + (sh + i) m/8 is 1024 + 2^(sh + i) x its bit p, the plane byte
+    // masked in place (both halves of a register from one copy of the byte in each half), and the B entry its query
+    // entry times 2^(KBITS + p - sh - i): fewer instructions than assembling the codes for E <= 2 planes
+    {
+      const int sh = 4 * (lt & 1);
+      const u32 m01 = 0x00020001u << sh, m23 = 0x00080004u << sh;  // bits sh, sh + 1 / sh + 2, sh + 3 of a half
+#pragma unroll
+      for (int hh = 0; hh < SPLIT_NH; ++hh) {
+        const int b = 2 * hh + (lt >> 1);
+#pragma unroll
+        for (int p = 0; p < SPLIT_E; ++p) {
+          u32 x0 = 0u, x1 = 0u;
+          if (SPLIT_M >= 16 || b < SPLIT_PB) {  // (m = 8: threads 2, 3 feed zeros to zero query entries)
+            x0 = __byte_perm((u32)r0[3 + SPLIT_PB * p + b], 0u, 0x4040);
+            x1 = __byte_perm((u32)r1[3 + SPLIT_PB * p + b], 0u, 0x4040);
+          }
+          mma(ch, (x0 & m01) | q.magic, (x1 & m01) | q.magic, (x0 & m23) | q.magic, (x1 & m23) | q.magic,
+              q.qu[2 * (SPLIT_E * hh + p)], q.qu[2 * (SPLIT_E * hh + p) + 1], ch);
+        }
+      }
+    }
+#else
 #pragma unroll
     for (int hh = 0; hh < SPLIT_NH; ++hh) {
       const int b = 2 * hh + (lt >> 1), sh = 4 * (lt & 1);  // plane byte, bit: channels b + (sh + i) m/8, i < 4
@@ -990,6 +1019,7 @@ __device__ __forceinline__ void step(State& st, const Query& q, const SubTile* c
           __byte_perm(u0, 0u, 0x4342) | q.magic, __byte_perm(u1, 0u, 0x4342) | q.magic, q.qu[2 * hh],
           q.qu[2 * hh + 1], ch);
     }
+#endif
     const float hs0 = f16_to_f32((u16)(r0[0] | (r0[1] << 8))), hs1 = f16_to_f32((u16)(r1[0] | (r1[1] << 8)));
     const float hz0 = hs0 * (float)r0[2], hz1 = hs1 * (float)r1[2];
 #endif
@@ -1735,13 +1765,21 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) oscar_int2_decode(
     for (int hh = 0; hh < SPLIT_NH; ++hh) {
       const int b = 2 * hh + (t >> 1), c0 = b + 4 * (t & 1) * SPLIT_PB;
       const bool live = g < GQA && b < SPLIT_PB;
-      float y[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) y[i] = live ? qrow[c0 + i * SPLIT_PB] : 0.f;
-      q.qu[2 * hh] = pack_half2(y[0], y[1]);
-      q.qu[2 * hh + 1] = pack_half2(y[2], y[3]);
-      const float2 h01 = halves(q.qu[2 * hh]), h23 = halves(q.qu[2 * hh + 1]);
-      offh_part += (h01.x + h01.y) + (h23.x + h23.y);  // (sum(q) has them already: the low bits' sumh_part)
+      for (int p = 0; p < SPLIT_QU; ++p) {
+        float y[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          // SPLIT_SLICED: plane p's entry of channel c0 + i m/8 sits at bit 4 (t % 2) + i of its byte (step)
+          const float f = SPLIT_SLICED ? __int_as_float((127 + KBITS + p - 4 * (t & 1) - i) << 23) : 1.f;
+          y[i] = live ? qrow[c0 + i * SPLIT_PB] * f : 0.f;
+        }
+        const int k = 2 * (SPLIT_QU * hh + p);
+        q.qu[k] = pack_half2(y[0], y[1]);
+        q.qu[k + 1] = pack_half2(y[2], y[3]);
+        const float2 h01 = halves(q.qu[k]), h23 = halves(q.qu[k + 1]);
+        offh_part += (h01.x + h01.y) + (h23.x + h23.y);  // (sum(q) has them already: the low bits' sumh_part)
+      }
     }
 #endif
     off_part = quad_sum(off_part);

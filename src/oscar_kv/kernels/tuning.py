@@ -71,6 +71,10 @@ class KernelTuning:
     # at 16 (benchmarks/kernel_smem.py; not yet timed)
     write_num_warps_rotating_d256: int = 16
     write_num_warps: int = 4
+    # decode steps of at most this many rows (tokens x KV heads) store them with kernels/window_write.py (one
+    # program per token, KV head and 32 key columns); larger ones keep write_kv's 16-token programs.  H200, D = 128
+    # (benchmarks/write_decode.py, NOTES run WW1): 4.1 / 4.6 us against 6.6 / 7.1 at 8 / 64 rows, even at 256
+    window_write_max_rows: int = 128
     migrate_num_warps: int = 4
     # prefill chunks of at least this many tokens take the materialized flash path (one pass over the history,
     # then flash attention), shorter ones the extend kernel; per-position centering makes the extend kernel ~13x
