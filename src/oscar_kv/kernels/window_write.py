@@ -21,7 +21,7 @@ from ..rope import RotaryLayout
 from . import pdl
 from .common import wait_for_inputs
 from .layout import PagedKVPool
-from .write import _centered_keys
+from .write import _centered_keys, key_operands
 
 BLOCK_C = 32  # rotated key columns per program: 4 programs a head at D = 128
 
@@ -71,13 +71,7 @@ def write_window(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor
         return
     L = pool.layer(layer)
     kw, vw = L["k_win"], L["v_win"]
-    if k_rotation is not None:
-        r = k_rotation.float().contiguous()
-        stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
-    else:
-        r, stride_rh = k, 0
-    mu = k_mean.float().contiguous() if k_mean is not None else k
-    mu_pre, cos, sin = (x.float().contiguous() for x in k_rope) if k_rope is not None else (k, k, k)
+    r, stride_rh, mu, mu_pre, cos, sin = key_operands(k, k_rotation, k_mean, k_rope)
     _window_write_kernel[(t, h, d // BLOCK_C)](
         k, v, r, mu, mu_pre, cos, sin, win_slot, kw, vw,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rh, kw.stride(0), kw.stride(1),

@@ -455,6 +455,20 @@ def _key_split_args(g, layer: int, clip_k_idx: torch.Tensor, shape: tuple[int, .
     return hi_dims, hi_bits, tail, clip_k_idx.contiguous()
 
 
+def key_operands(k: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
+                 k_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple:
+    """The centering and rotation operands of a write launch, float32 and contiguous: (R, R's head stride (0: one R
+    for every head), mu, mu_pre, cos, sin); k stands in for each one a launch does not read (its constexpr off)."""
+    if k_rotation is not None:
+        r = k_rotation.float().contiguous()
+        stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
+    else:
+        r, stride_rh = k, 0
+    mu = k_mean.float().contiguous() if k_mean is not None else k
+    mu_pre, cos, sin = (x.float().contiguous() for x in k_rope) if k_rope is not None else (k, k, k)
+    return r, stride_rh, mu, mu_pre, cos, sin
+
+
 def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, win_slot: torch.Tensor,
              int2_slot: torch.Tensor, k_rotation: torch.Tensor | None, k_mean: torch.Tensor | None,
              clip_k_idx: torch.Tensor, clip_v_idx: torch.Tensor, block_t: int = TUNING.write_block_t,
@@ -497,13 +511,7 @@ def write_kv(pool: PagedKVPool, layer: int, k: torch.Tensor, v: torch.Tensor, wi
     ks, kz, vs, vz = L["k_scale"], L["k_zero"], L["v_scale"], L["v_zero"]
     stride_m = _metadata_strides(ks, kz, vs, vz)
     hi_dims, hi_bits, k_tail, clip_k_idx = _key_split_args(g, layer, clip_k_idx, (h,), kc)
-    if k_rotation is not None:
-        r = k_rotation.float().contiguous()
-        stride_rh = 0 if r.shape[0] == 1 else r.stride(0)
-    else:
-        r, stride_rh = k, 0
-    mu = k_mean.float().contiguous() if k_mean is not None else k
-    mu_pre, cos, sin = (x.float().contiguous() for x in k_rope) if k_rope is not None else (k, k, k)
+    r, stride_rh, mu, mu_pre, cos, sin = key_operands(k, k_rotation, k_mean, k_rope)
     sliced = k_rotation is not None and d > ROTATE_WHOLE_MAX_DIM
     warps = (TUNING.write_num_warps_rotating_d256 if sliced else TUNING.write_num_warps_rotating
              if k_rotation is not None else TUNING.write_num_warps)
