@@ -1,6 +1,7 @@
 """The paged engine on the real SmolLM2: equality with generate(), batching, prefix cache, preemption."""
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -355,16 +356,17 @@ def test_kernels_match_the_reference_on_real_activations(model, tokenizer, const
 
 
 @cpu_kernels
-@pytest.mark.parametrize("dtype", ["bf16", "int2"])
+@pytest.mark.parametrize("dtype,decode_writer", [("bf16", "window"), ("int2", "window"), ("int2", "write_kv")])
 def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, constant_rotations, long_prompt, dtype,
-                                                             monkeypatch):
+                                                             decode_writer, monkeypatch):
     """Kernel mode writes the pool with kernels/write.py (write_kv per layer, migrate_pages per step), the torch
     path with rotate_keys + index_put + quant.quantize_rows.  Two engines run the same requests in lockstep; the
     kernel engine's attention outputs are replaced by the torch engine's, so that every layer of both sees the
     same activations (the first two layers still run the kernels on the fused pool, checked against the
     reference).  The pools of those layers must agree bit for bit - INT2 codes and metadata, migrated pages
     (one of them partly filled by the step that migrates it) and BF16 window rows - except the window rows
-    written by decode-only steps, whose keys write_kv centers and rotates itself in float32 (the torch path:
+    written by decode-only steps, whose keys the decode step's window writer (kernels/window_write.py; write_kv
+    for steps past TUNING.window_write_max_rows, ``decode_writer``) centers and rotates in float32 (the torch path:
     float64): one BF16 ulp apart at most (Triton's interpreter also truncates float32 -> BF16 instead of
     rounding).  Scenario (page 16, sink 16, recent 32, 72 tokens per step): a 127-token request prefills in
     two chunks, the first quantizing page 1 directly, the second migrating pages 2-4 (page 4 half written by
@@ -374,6 +376,14 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
     from oscar_kv.engine import runner
     from oscar_kv.engine.attention import KernelPlan
     from oscar_kv.engine.timing import NO_REGIONS
+    from oscar_kv.kernels import tuning, window_write
+
+    window_writes = []
+    real_write_window = window_write.write_window
+    monkeypatch.setattr(window_write, "write_window",
+                        lambda *a, **k: (window_writes.append(1), real_write_window(*a, **k))[1])
+    if decode_writer == "write_kv":  # a decode step past the window writer's bound
+        monkeypatch.setattr(tuning, "TUNING", dataclasses.replace(tuning.TUNING, window_write_max_rows=0))
 
     checked = 2  # layers written by the fused path in the kernel engine (layer 0 also attends with the kernels)
     reference_attend = runner.StepAttention.attend
@@ -418,6 +428,7 @@ def test_fused_write_path_stores_what_the_torch_path_stores(model, tokenizer, co
         assert outs[0] == outs[1]
         steps += 1
     assert not engines[1].has_work() and steps == (5 if dtype == "int2" else 4)
+    assert bool(window_writes) == (decode_writer == "window")
     assert errors and max(errors) < 1e-2, errors
     if dtype == "int2":
         assert kinds == [("ExtendStep", False, False), ("ExtendStep", False, True), ("ExtendStep", False, True),

@@ -3,7 +3,8 @@
 ``write_kv``: one launch per layer for a batch of tokens (decode step: one per sequence; prefill chunk: many):
 center and rotate K by R_K (float32), then per token and KV head either store BF16 into a window page or
 clip + quantize + pack into an INT2 page (values arrive rotated).  ``migrate_pages``: one launch for all
-layers and all migrating requests, quantizing whole BF16 recent pages into INT2 pages.
+layers and all migrating requests, quantizing whole BF16 recent pages into INT2 pages.  The engine's decode steps
+(every token to a window page) take kernels/window_write.py instead, up to ``TUNING.window_write_max_rows``.
 
 The quantizer reproduces quant.quantize_rows bit for bit at 2, 3, 4, 5 or 8 bits (keys and values each at their layer's
 width, ``PoolGeometry.layer_widths``; a constexpr, so the INT2 kernel compiles as it did): clip threshold = the
