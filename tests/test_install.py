@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The modules that run Triton kernels and import Triton at the top (the GPU paths import them only where they run).
 TRITON_MODULES = {f"oscar_kv.kernels.{name}" for name in
                   ("bf16_decode", "common", "decode", "elementwise", "extend", "gemv", "gumbel", "materialized_extend",
-                   "write")}
+                   "window_write", "write")}
 
 NO_TRITON = textwrap.dedent("""\
     import sys
