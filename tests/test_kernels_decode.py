@@ -19,6 +19,17 @@ from oscar_kv.kernels.layout import PagedKVPool, PoolGeometry, clip_indices, pla
 from kernel_utils import DEV, GPU, outlier_rows, random_orthogonal, rel_err, relaid_metadata, rope_case  # noqa: E402
 
 
+def cuda_plans(d: int, rope=None) -> list[dict]:
+    """int2_decode's CUDA plan options for one long split per sequence and many short ones, in CTAs of
+    int2_cuda.NUM_WARPS warps and, where the variant has them (int2_cuda.wide_error), of WIDE_WARPS."""
+    from oscar_kv.kernels import int2_cuda
+
+    plans = [dict(cuda_split_target=t) for t in (1, 16)]
+    if int2_cuda.wide_error(d, 0 if rope is None else rope.pairs.shape[1]) is None:
+        plans += [dict(cuda_split_target=t, cuda_warps=int2_cuda.WIDE_WARPS) for t in (1, 16)]
+    return plans
+
+
 def build_pool(geom, seq_lens, gen, layer=0, int2_pages=None, clip=(0.96, 0.92)):
     """A pool filled through the reference writer with random keys/values (keys rotated by a random R)."""
     batch, nq, nw = plan_batch(geom, seq_lens, int2_pages, generator=gen)
@@ -370,9 +381,9 @@ def test_cuda_decode_sliding_window(d, page_size, widths):
             assert rel_err(out, want) < 1e-2, (gqa, window)
             for b in range(1, len(seq_lens)):
                 assert rel_err(out[b], want[b]) < 1e-2, (gqa, window, b)
-            for target in (1, 16):
-                o2 = int2_decode(q, pool, 0, batch, rot, backend="cuda", window=window, cuda_split_target=target)
-                assert rel_err(o2, want) < 1e-2, (gqa, window, target)
+            for plan in cuda_plans(d):
+                o2 = int2_decode(q, pool, 0, batch, rot, backend="cuda", window=window, **plan)
+                assert rel_err(o2, want) < 1e-2, (gqa, window, plan)
             tri = int2_decode(q, pool, 0, batch, rot, backend="triton", window=window)
             assert rel_err(out, tri) < 5e-3, (gqa, window)  # two approximations of the reference
         assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) < 1e-6  # the long window: full
@@ -500,9 +511,9 @@ def test_cuda_int2_decode_matches_reference_and_triton(d, page_size):
         # two approximations of the reference, each ~2^-9 from it (bfloat16 outputs; at D = 128, P = 32, GQA 1 the
         # CUDA and Triton kernels measured 0.0027 and 0.0024 from the reference and 0.0044 from each other)
         assert rel_err(out, tri) < 5e-3, gqa
-        for target in (1, 16):  # one long split per sequence, and many short ones
-            o2 = int2_decode(q, pool, 0, batch, rot, backend="cuda", cuda_split_target=target)
-            assert rel_err(o2, want) < 1e-2, (gqa, target)
+        for plan in cuda_plans(d):  # one long split per sequence, and many short ones
+            o2 = int2_decode(q, pool, 0, batch, rot, backend="cuda", **plan)
+            assert rel_err(o2, want) < 1e-2, (gqa, plan)
         again = int2_decode(q, pool, 0, batch, rot, backend="cuda")
         assert torch.equal(again, int2_decode(q, pool, 0, batch, rot, backend="cuda")), gqa
         # more CTAs than the history needs: some with no INT2 tokens (window sub-tiles and the merge still run)
@@ -547,9 +558,9 @@ def test_cuda_int2_decode_adds_the_position_aware_key_offset(d, sink, live, scal
         assert rel_err(out, want) < 1e-2, gqa
         tri = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="triton")
         assert rel_err(out, tri) < 5e-3, gqa
-        for target in (1, 16):
-            o2 = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", cuda_split_target=target)
-            assert rel_err(o2, want) < 1e-2, (gqa, target)
+        for plan in cuda_plans(d, rope):
+            o2 = int2_decode(q, pool, 0, batch, rot, rope=rope, backend="cuda", **plan)
+            assert rel_err(o2, want) < 1e-2, (gqa, plan)
     assert rel_err(ref.decode_reference(pool, 0, q, batch, rot, None), want) > 0.1  # the term matters
 
 
@@ -585,9 +596,9 @@ def test_cuda_decode_reads_3_and_4_bit_keys(d, widths):
         assert not out.isnan().any(), gqa
         assert out[0].abs().max() == 0  # empty sequence
         assert rel_err(out, want) < 1e-2, gqa
-        for target in (1, 16):  # one long split per sequence, and many short ones
-            o2 = int2_decode(q, pool, 0, batch, rot, backend="cuda", cuda_split_target=target)
-            assert rel_err(o2, want) < 1e-2, (gqa, target)
+        for plan in cuda_plans(d):  # one long split per sequence, and many short ones
+            o2 = int2_decode(q, pool, 0, batch, rot, backend="cuda", **plan)
+            assert rel_err(o2, want) < 1e-2, (gqa, plan)
     tri = int2_decode(q, pool, 0, batch, rot, backend="triton")
     assert rel_err(out, tri) < 3e-3
     _, chunk = int2_cuda.split_plan(int(batch.int2_pages.max()) * 16, 1, 16, 12, 1)
@@ -826,6 +837,31 @@ def test_cuda_split_plan_covers_the_history_in_whole_steps():
     # against 29.8); head dim 256 keeps one wave
     assert int2_cuda.split_plan(32768 - 320, 4, 16, 132, 3) == (29, 1152)
     assert int2_cuda.split_plan(32768 - 320, 4, 16, 132, 2, head_dim=256) == (64, 512)
+
+
+def test_cuda_cta_plan_takes_8_warps_for_short_chunks():
+    """int2_cuda.cta_plan (host side, runs anywhere): CTAs of WIDE_WARPS warps where the 4-warp plan's chunks are at
+    most WIDE_MAX_CHUNK tokens and the variant has them, chunks of whole 32-token steps for every warp and at most
+    WIDE_MAX_PAGES pages; the 4-warp plan otherwise.  decode.int2_decode refuses 8 warps where none were built."""
+    from oscar_kv.kernels import int2_cuda
+
+    w = int2_cuda.WIDE_WARPS
+    # GLM-4 at 32K batch 1 (2 KV heads x 2 query groups): 4-warp chunks of 1152 tokens -> 8 warps, one CTA per SM
+    warps, splits, chunk = int2_cuda.cta_plan(32768 - 320, 4, 16, 132, 2, 128, wide=True)
+    assert warps == w and chunk % (32 * w) == 0 and splits * 4 <= 132 and (splits - 1) * chunk < 32768 - 320
+    assert int2_cuda.cta_plan(32768 - 320, 4, 16, 132, 2, 128, wide=False) == (4, 29, 1152)
+    # Qwen3-8B at 32K batch 8 (64 pairs): 4-warp chunks of 8192 tokens stay at 4 warps
+    assert int2_cuda.cta_plan(32768 - 320, 64, 16, 132, 2, 128, wide=True)[0] == int2_cuda.NUM_WARPS
+    for tokens in (16, 512, 3840, 32768 - 320, 1 << 20):
+        for pairs in (1, 4, 8, 32, 256):
+            warps, splits, chunk = int2_cuda.cta_plan(tokens, pairs, 16, 132, 2, 128, wide=True)
+            assert chunk % (32 * warps) == 0 and chunk <= int2_cuda.max_pages(warps) * 16
+            assert (splits - 1) * chunk < tokens <= splits * chunk
+            assert (warps == w) == (int2_cuda.split_plan(tokens, pairs, 16, 132, 2)[1] <= int2_cuda.WIDE_MAX_CHUNK)
+    assert int2_cuda.wide_error(128, 8) is None and int2_cuda.wide_error(128, 0) is None
+    for why in (int2_cuda.wide_error(64, 0), int2_cuda.wide_error(256, 0), int2_cuda.wide_error(128, 16),
+                int2_cuda.wide_error(128, 0, split=object())):
+        assert why is not None and "8 warps" in why
 
 
 def test_cuda_code_loads_are_evict_first_only_for_streams_of_about_two_l2s(monkeypatch):

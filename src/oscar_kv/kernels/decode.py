@@ -333,7 +333,7 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
                 block_w: int = TUNING.decode_block_w, num_warps: int | None = None,
                 num_stages: int = TUNING.decode_num_stages, use_asm: bool | None = None,
                 kt: bool = True, split_target: int | None = None, maxnreg: int | str | None = "auto",
-                backend: str | None = None, cuda_split_target: int | None = None,
+                backend: str | None = None, cuda_split_target: int | None = None, cuda_warps: int | None = None,
                 max_seq_len: int | None = None, window: int | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the mixed pool: one query token per sequence.
@@ -365,6 +365,8 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
             without code).
         cuda_split_target: CUDA CTAs per SM (default int2_cuda.min_blocks(pairs, head dim, widths), the CTAs that
             fit on an SM at once).
+        cuda_warps: CUDA warps per CTA, int2_cuda.NUM_WARPS or WIDE_WARPS; default: int2_cuda.cta_plan's choice (the
+            wide CTAs for short chunks, where the variant has them; NUM_WARPS when ``cuda_split_target`` is given).
         window: the layer's sliding window (the query sees the last ``window`` tokens); None or 0: the whole
             sequence.  The history splits then cover only the window's part of the INT2 history.  Layers stored at
             widths the CUDA kernel does not read (``pool.geometry.layer_widths(layer)`` not in int2_cuda.WIDTHS:
@@ -403,17 +405,24 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         # one full wave of the CTAs that fit on an SM: best at 128K, bs 1/8/32 (benchmarks/NOTES.md, "lazy
         # rescale, window on a side stream, split targets"), with fewer, longer splits where the merge would cost
         # more than they save (int2_cuda.MERGE_BALANCE_TOKENS)
-        per_sm = cuda_split_target or int2_cuda.min_blocks(0 if rope is None else rope.pairs.shape[1], d, widths[0],
-                                                           vbits=widths[1], split=split is not None)
+        rope_pairs = 0 if rope is None else rope.pairs.shape[1]
+        per_sm = cuda_split_target or int2_cuda.min_blocks(rope_pairs, d, widths[0], vbits=widths[1],
+                                                           split=split is not None)
         # with a window, from the page of its first token on (the kernel's start)
         history = window_tokens(max_int2_pages * g.page_size, window, g.page_size)
-        ns, chunk = int2_cuda.split_plan(history, bsz * h * int2_cuda.query_groups(gqa), g.page_size,
-                                         num_sms(q.device), per_sm, d)
+        programs = bsz * h * int2_cuda.query_groups(gqa)
+        if cuda_warps in (None, int2_cuda.NUM_WARPS):
+            wide = cuda_warps is cuda_split_target is None and int2_cuda.wide_error(d, rope_pairs, split) is None
+            warps, ns, chunk = int2_cuda.cta_plan(history, programs, g.page_size, num_sms(q.device), per_sm, d, wide)
+        else:
+            warps = cuda_warps
+            ns, chunk = int2_cuda.split_plan(history, programs, g.page_size, num_sms(q.device),
+                                             cuda_split_target or 1, d, warps, int2_cuda.WIDE_MIN_ROUNDS)
         out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype) if out is None else out
         if rope is not None:
             rope.check(max_seq_len)
         return int2_cuda.decode(q, k_rotation, pool.layer(layer), g, batch, out, ns, chunk, sm_scale * LOG2E,
-                                rope=rope, widths=widths, window=window, split=split)
+                                rope=rope, widths=widths, window=window, split=split, warps=warps)
     # with a window, from the tile of its first token on (the kernel's base)
     history = window_tokens(max_int2_pages * g.page_size, window, block_n)
     ns, chunk = split_plan(history, bsz * h, q.device, block_n, num_splits=num_splits, per_sm=split_target)

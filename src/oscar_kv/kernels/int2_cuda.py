@@ -25,7 +25,8 @@ VBITS = 2 compile to the same PTX as before).  Values at 8 bits run the Triton k
 More than 8 query heads per KV head (GLM-4: 16) run as query groups of at most 8: ``query_groups`` CTAs per (split,
 KV head), each with its share of the heads, reading the same codes (the second read mostly from L2).  Sliding-window
 layers (``window``) compile with SLIDING: the history splits cover the window only, the sink and recent sub-tiles
-below it are skipped and the tokens below it masked.
+below it are skipped and the tokens below it masked.  Calls whose splits are short (``cta_plan``: few KV heads at batch
+1, a 4096-token window) run CTAs of 8 warps instead of 4 at head dim 128 (WIDE_WARPS's comment).
 
 The kernel is compiled at first use by NVRTC, through torch (``torch.cuda._compile_kernel``), once per
 device, geometry, key width and dtype.  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
@@ -77,6 +78,21 @@ SOURCE = Path(__file__).with_name("int2_decode.cu")
 NUM_WARPS = 4
 TOKENS_PER_ROUND = NUM_WARPS * 32  # one 32-token step per warp
 MAX_PAGES = 2048  # page ids one CTA keeps in shared memory: its chunk is at most MAX_PAGES pages
+# Calls whose plan fills at most one CTA per SM (few KV heads at batch 1: GLM-4's 2, a 4096-token window) leave each
+# SM 4 warps, and a warp's history loop is a chain of dependent steps (~1 us a 32-token step): CTAs of 8 warps halve
+# each warp's share of a split.  Their warps' outputs (s_acc) take twice the shared memory, so they keep 512 page ids
+# (static shared memory stays under 48 KB); registers hold one such CTA per SM.  Head dim 128 only (at 64 the
+# query rotation's m16 tiles need D / NWARPS >= 16 rows a warp; 256 holds 2 CTAs of 4 warps already), plain keys,
+# constant centering or the term over 8 pairs (its tables for more pass the 48 KB).
+WIDE_WARPS = 8
+WIDE_MAX_PAGES = 512
+# They pay less once per call (the merge over half the splits, the query rotation over twice the warps) and more per
+# step (their loop ran 1.05-1.25x the 4-warp one's time where each warp had 43 or more steps).  H200, one layer, R8 and
+# R0, Qwen3-8B / GLM-4 / Mistral-7B geometries: where the 4-warp plan gave a warp at most 32 steps (chunks of <= 4096
+# tokens) 8 warps took 0.75-0.99x the time (GLM-4 at 32K batch 1: 21.8 against 25.7 us), from 43 steps 1.03-1.25x;
+# chunks of one round (not two) kept short histories even (benchmarks/NOTES.md, run W1)
+WIDE_MAX_CHUNK = 4096
+WIDE_MIN_ROUNDS = 1
 HEAD_DIMS = (64, 128, 256)
 KEY_BITS = (2, 3, 4, 5, 8)  # key code widths with a compiled variant (KBITS)
 VALUE_BITS = (2, 3, 4)  # value code widths with a compiled variant (VBITS)
@@ -195,6 +211,7 @@ MAX_SPLITS = 512  # CTAs per (sequence, KV head), all merged by the last one (on
 # Head dim 256 keeps one wave: its 16-token steps make the loop dearer against the merge, and with the bound one KV head
 # took 35.6 / 47.3 us at 32K / 128K against one wave's 31.3 / 43.6 (E23).
 MERGE_BALANCE_TOKENS = 32
+MIN_ROUNDS = 2  # a chunk is at least this many rounds of 32-token steps, one per warp (WIDE_MIN_ROUNDS: 8 warps)
 STREAM_EVICT_FIRST_L2S = 2.0  # code loads are evict_first while a call's INT2 bytes are <= this many L2s
 MAX_ROPE_PAIRS = 32  # the position-aware term's shared tables for more pairs pass the 48 KB static limit
 _MAGIC = 0x64006400  # float16 1024 in both halves (see int2_decode.cu)
@@ -306,14 +323,14 @@ def _index(device: torch.device) -> int:
 def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pages: int, min_blocks: int,
             q_kind: int, o_kind: int, stamps: bool = False, rope_pairs: int = 0, rope_rot: int = 0,
             rope_interleaved: bool = False, kbits: int = 2, qgroups: int = 1, sliding: bool = False,
-            groups: int = 1, vbits: int = 2, split: tuple[int, int, int] = (0, 0, 0)):
+            groups: int = 1, vbits: int = 2, split: tuple[int, int, int] = (0, 0, 0), warps: int = NUM_WARPS):
     """``gqa``: query heads per CTA; ``qgroups``: CTAs per KV head.  ``rope_rot`` / ``rope_interleaved``: the RoPE
     layout's rotary dim (0: the head dim) and pairing (rope.RotaryLayout), which place the channels of each visited
     pair.  ``kbits`` / ``vbits``: the key / value code widths.  ``sliding``: the variant for sliding-window layers.
     ``groups``: metadata groups per head (NG = D / G: 1, or 2 at D = 256).  ``split``: split_defines of the layer's
-    split key width."""
-    defines = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=NUM_WARPS,
-                   MAX_PAGES=MAX_PAGES, MIN_BLOCKS=min_blocks, Q_KIND=q_kind, O_KIND=o_kind,
+    split key width.  ``warps``: NUM_WARPS, or WIDE_WARPS (with WIDE_MAX_PAGES page ids)."""
+    defines = dict(D=head_dim, P=page_size, GQA=gqa, SINK_PAGES=sink_pages, NWARPS=warps,
+                   MAX_PAGES=max_pages(warps), MIN_BLOCKS=min_blocks, Q_KIND=q_kind, O_KIND=o_kind,
                    STAMPS=int(stamps), ROPE_R=rope_pairs, ROPE_ROT=rope_rot or head_dim,
                    ROPE_INTERLEAVED=int(rope_interleaved), KBITS=kbits, QGROUPS=qgroups, SLIDING=int(sliding))
     if head_dim == 256:  # (the D <= 128 sources stay byte for byte what they were)
@@ -328,12 +345,12 @@ def _kernel(device_index: int, head_dim: int, page_size: int, gqa: int, sink_pag
 
 
 def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: int, per_sm: int,
-               head_dim: int = 128) -> tuple[int, int]:
-    """(splits, chunk) for the history: chunks of whole 32-token steps per warp (multiples of TOKENS_PER_ROUND) of
-    at least two rounds (and, at head dims up to 128, sqrt(MERGE_BALANCE_TOKENS x tokens): the merge) and at most
-    MAX_PAGES pages.  The CTAs
+               head_dim: int = 128, warps: int = NUM_WARPS, min_rounds: int = MIN_ROUNDS) -> tuple[int, int]:
+    """(splits, chunk) for the history: chunks of whole 32-token steps per warp (multiples of 32 x ``warps`` tokens,
+    TOKENS_PER_ROUND for NUM_WARPS) of at least ``min_rounds`` rounds (and, at head dims up to 128,
+    sqrt(MERGE_BALANCE_TOKENS x tokens): the merge) and at most ``max_pages(warps)`` pages.  The CTAs
     (splits x programs_per_split) fill whole waves of per_sm x sms slots: at most one wave (rounded down) when the
-    history allows it; when MAX_PAGES forces more splits, the
+    history allows it; when the page ids force more splits, the
     count in [forced, 2 x forced] whose last wave is fullest (64K x 32 sequences: 3 splits, 1.94 waves, not 2 and
     1.29).
 
@@ -344,14 +361,17 @@ def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: i
         sms: the GPU's SM count.
         per_sm: CTAs per SM (min_blocks).
         head_dim: D (MERGE_BALANCE_TOKENS's comment).
+        warps: warps per CTA (NUM_WARPS or WIDE_WARPS).
+        min_rounds: the shortest chunk, in rounds of 32 x ``warps`` tokens.
     """
+    rnd = 32 * warps
     if int2_tokens <= 0:
-        return 1, TOKENS_PER_ROUND
+        return 1, rnd
     pairs = max(programs_per_split, 1)
     slots = per_sm * sms
-    forced = -(-int2_tokens // (MAX_PAGES * page_size // TOKENS_PER_ROUND * TOKENS_PER_ROUND))
+    forced = -(-int2_tokens // (max_pages(warps) * page_size // rnd * rnd))
     balance = MERGE_BALANCE_TOKENS if head_dim <= 128 else 0
-    longest = int2_tokens // max(2 * TOKENS_PER_ROUND, math.isqrt(balance * int2_tokens))
+    longest = int2_tokens // max(min_rounds * rnd, math.isqrt(balance * int2_tokens))
     splits = min(max(1, slots // pairs), max(1, longest), MAX_SPLITS)
     if splits < forced:
         def fill(s: int) -> float:
@@ -360,8 +380,34 @@ def split_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: i
 
         splits = max(range(forced, 2 * forced + 1), key=lambda s: (fill(s), -s))
     chunk = -(-int2_tokens // splits)
-    chunk = -(-chunk // TOKENS_PER_ROUND) * TOKENS_PER_ROUND
+    chunk = -(-chunk // rnd) * rnd
     return -(-int2_tokens // chunk), chunk
+
+
+def max_pages(warps: int) -> int:
+    """Page ids a CTA of ``warps`` warps keeps in shared memory: the most pages of its chunk."""
+    return WIDE_MAX_PAGES if warps == WIDE_WARPS else MAX_PAGES
+
+
+def wide_error(head_dim: int, rope_pairs: int, split=None) -> str | None:
+    """Why the variant cannot run CTAs of WIDE_WARPS warps (None: it can; WIDE_WARPS's comment)."""
+    if head_dim != 128 or split is not None or rope_pairs not in (0, 8):
+        return (f"CTAs of {WIDE_WARPS} warps are compiled for head dim 128, plain keys and constant centering or the "
+                f"term over 8 pairs (asked: head dim {head_dim}, {'split' if split is not None else 'plain'} keys, "
+                f"{rope_pairs} pairs)")
+    return None
+
+
+def cta_plan(int2_tokens: int, programs_per_split: int, page_size: int, sms: int, per_sm: int,
+             head_dim: int = 128, wide: bool = False) -> tuple[int, int, int]:
+    """(warps, splits, chunk): split_plan's with NUM_WARPS warps a CTA, or, when ``wide`` (the variant has a
+    WIDE_WARPS build: ``wide_error``) and that plan's chunks are at most WIDE_MAX_CHUNK tokens, the plan of
+    WIDE_WARPS-warp CTAs, one per SM, chunks of at least WIDE_MIN_ROUNDS rounds."""
+    splits, chunk = split_plan(int2_tokens, programs_per_split, page_size, sms, per_sm, head_dim)
+    if wide and 0 < int2_tokens and chunk <= WIDE_MAX_CHUNK:
+        return (WIDE_WARPS, *split_plan(int2_tokens, programs_per_split, page_size, sms, 1, head_dim, WIDE_WARPS,
+                                        WIDE_MIN_ROUNDS))
+    return NUM_WARPS, splits, chunk
 
 
 _ROTATIONS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -402,7 +448,7 @@ def _counters(device: torch.device, pairs: int) -> torch.Tensor:
 def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, torch.Tensor], geom: PoolGeometry,
            batch: PagedBatch, out: torch.Tensor, splits: int, chunk: int, qk_scale: float,
            stamps: torch.Tensor | None = None, rope=None, widths: tuple[int, int] | None = None,
-           window: int | None = None, split=None) -> torch.Tensor:
+           window: int | None = None, split=None, warps: int = NUM_WARPS) -> torch.Tensor:
     """Decode attention over the mixed pool as one launch (``unsupported`` says which calls it takes).
 
     Args:
@@ -423,6 +469,7 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
         window: the layer's sliding window (the query sees the last ``window`` tokens); None or 0: none.
         split: the layer's quant.SplitWidth when its keys are split (``widths[0]`` is then its narrow width): key pages
             of split_keys.row_bytes a row.
+        warps: warps per CTA, NUM_WARPS or WIDE_WARPS (``cta_plan``; ``chunk`` a multiple of 32 x warps).
     Shapes:
         q, out: [B, Hq, D]; k_rotation: [Hkv | 1, D, D]; stamps: int64 [B, Hkv x query_groups, splits, 16].
     Returns:
@@ -437,6 +484,9 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
         raise ValueError(f"a sliding window must be >= 1 token, got {window}")
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"the CUDA decode kernel merges 1 .. {MAX_SPLITS} splits, got {splits}")
+    if warps not in (NUM_WARPS, WIDE_WARPS) or chunk % (32 * warps) or chunk > max_pages(warps) * geom.page_size:
+        raise ValueError(f"CTAs of {NUM_WARPS} or {WIDE_WARPS} warps take chunks of whole 32-token steps a warp, at "
+                         f"most {max_pages(warps)} pages (got {warps} warps, {chunk} tokens)")
     kc, ks, kz, vc, vs, vz, kw, vw = (layer[k] for k in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero",
                                                           "k_win", "v_win"))
     if widths is None:
@@ -501,16 +551,19 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
         mu = rope.mu_pre if rope.mu_pre.dtype == torch.float32 else rope.mu_pre.float()
         mu, pairs = mu.contiguous(), rope.pairs.to(torch.int32).contiguous()
         phases, tile = rope.phases, rope.tile
+    why = wide_error(d, rope_r, split) if warps == WIDE_WARPS else None
+    if why is not None:
+        raise ValueError(why)
     po = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float16)
     pl = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     bt = batch.block_table
     token_bytes = kc.shape[-1] + vc.shape[-1] + 2 * ng * (ks.element_size() + kz.element_size())  # codes, metadata
     history_bytes = bsz * h * splits * chunk * token_bytes  # an upper bound (the last chunk), read once from DRAM
     kernel = _kernel(_index(q.device), d, geom.page_size, hq // h // qgroups, geom.sink_pages,
-                     min_blocks(rope_r, d, kbits, vbits=vbits, split=split is not None), _DTYPES[q.dtype],
-                     _DTYPES[target.dtype], stamps is not None, rope_r, rope_rot, rope_interleaved, kbits, qgroups,
-                     bool(window), geom.num_groups, vbits, split_defines(split))
-    launch_cuda(kernel, (splits, h * qgroups, bsz), (NUM_WARPS * 32, 1, 1), device=q.device,
+                     1 if warps == WIDE_WARPS else min_blocks(rope_r, d, kbits, vbits=vbits, split=split is not None),
+                     _DTYPES[q.dtype], _DTYPES[target.dtype], stamps is not None, rope_r, rope_rot, rope_interleaved,
+                     kbits, qgroups, bool(window), geom.num_groups, vbits, split_defines(split), warps)
+    launch_cuda(kernel, (splits, h * qgroups, bsz), (warps * 32, 1, 1), device=q.device,
                 args=[q, r, rotate, kc, ks, kz, vc, vs, vz, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
                       target, _counters(q.device, bsz * h * qgroups), float(qk_scale), q.stride(0), q.stride(1),
                       stride_rh,
