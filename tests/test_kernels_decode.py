@@ -864,6 +864,28 @@ def test_cuda_cta_plan_takes_8_warps_for_short_chunks():
         assert why is not None and "8 warps" in why
 
 
+def test_cuda_decode_compiles_both_cta_shapes_at_first_use(monkeypatch):
+    """int2_cuda.decode (host side, runs anywhere: compiles and launches recorded) asks for the variant's other CTA
+    shape too where it has 8-warp CTAs, so the engine's warm-up, which plans on short histories, leaves no compile
+    for a long or batched request; where it has none, only the 4-warp variant."""
+    from oscar_kv.kernels import int2_cuda
+
+    asked, launched = [], []
+    monkeypatch.setattr(int2_cuda, "_kernel", lambda *args: asked.append(args[-1]) or args[-1])
+    monkeypatch.setattr(int2_cuda, "launch_cuda", lambda kernel, grid, block, **kw: launched.append((kernel, block)))
+    monkeypatch.setattr(int2_cuda, "_index", lambda device: 0)
+    monkeypatch.setattr(int2_cuda, "_counters", lambda device, pairs: torch.zeros(pairs, dtype=torch.int32))
+    monkeypatch.setattr(int2_cuda, "stream_evict_first", lambda *args: False)
+    for d, warps, want in ((128, 8, [8, 4]), (128, 4, [4, 8]), (64, 4, [4])):
+        geom = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=d, group_size=d, page_size=16, sink_size=16,
+                            recent_size=32)
+        pool, batch, rot = build_pool(geom, [700], torch.Generator().manual_seed(5))
+        q = torch.randn(1, 4, d, dtype=torch.bfloat16)
+        asked.clear(), launched.clear()
+        int2_cuda.decode(q, rot, pool.layer(0), geom, batch, torch.empty_like(q), 1, 32 * warps * 4, 0.1, warps=warps)
+        assert asked == want and launched == [(warps, (32 * warps, 1, 1))], (d, warps)
+
+
 def test_cuda_code_loads_are_evict_first_only_for_streams_of_about_two_l2s(monkeypatch):
     """int2_cuda.stream_evict_first (host side): the H100's 50 MB L2 -> 128K tokens at batch 1 (76 MB of INT2
     history) streams as evict_first, batch 8 (600 MB) with the normal priority."""

@@ -559,10 +559,18 @@ def decode(q: torch.Tensor, k_rotation: torch.Tensor | None, layer: dict[str, to
     bt = batch.block_table
     token_bytes = kc.shape[-1] + vc.shape[-1] + 2 * ng * (ks.element_size() + kz.element_size())  # codes, metadata
     history_bytes = bsz * h * splits * chunk * token_bytes  # an upper bound (the last chunk), read once from DRAM
-    kernel = _kernel(_index(q.device), d, geom.page_size, hq // h // qgroups, geom.sink_pages,
-                     1 if warps == WIDE_WARPS else min_blocks(rope_r, d, kbits, vbits=vbits, split=split is not None),
-                     _DTYPES[q.dtype], _DTYPES[target.dtype], stamps is not None, rope_r, rope_rot, rope_interleaved,
-                     kbits, qgroups, bool(window), geom.num_groups, vbits, split_defines(split), warps)
+
+    def variant(w: int):
+        return _kernel(_index(q.device), d, geom.page_size, hq // h // qgroups, geom.sink_pages,
+                       1 if w == WIDE_WARPS else min_blocks(rope_r, d, kbits, vbits=vbits, split=split is not None),
+                       _DTYPES[q.dtype], _DTYPES[target.dtype], stamps is not None, rope_r, rope_rot, rope_interleaved,
+                       kbits, qgroups, bool(window), geom.num_groups, vbits, split_defines(split), w)
+
+    kernel = variant(warps)
+    if wide_error(d, rope_r, split) is None:
+        # the engine warms up on one plan (short histories: mostly 8 warps) and serves both later (long or batched
+        # histories: 4): compile the other CTA shape now, so that no request waits for NVRTC (LLMEngine.warm_up)
+        variant(NUM_WARPS + WIDE_WARPS - warps)
     launch_cuda(kernel, (splits, h * qgroups, bsz), (warps * 32, 1, 1), device=q.device,
                 args=[q, r, rotate, kc, ks, kz, vc, vs, vz, kw, vw, bt, batch.seq_lens, batch.int2_pages, po, pl,
                       target, _counters(q.device, bsz * h * qgroups), float(qk_scale), q.stride(0), q.stride(1),
