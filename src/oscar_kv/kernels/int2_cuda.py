@@ -25,11 +25,11 @@ VBITS = 2 compile to the same PTX as before).  Values at 8 bits run the Triton k
 More than 8 query heads per KV head (GLM-4: 16) run as query groups of at most 8: ``query_groups`` CTAs per (split,
 KV head), each with its share of the heads, reading the same codes (the second read mostly from L2).  Sliding-window
 layers (``window``) compile with SLIDING: the history splits cover the window only, the sink and recent sub-tiles
-below it are skipped and the tokens below it masked.  Calls whose splits are short (``cta_plan``: few KV heads at batch
-1, a 4096-token window) run CTAs of 8 warps instead of 4 at head dim 128 (WIDE_WARPS's comment).
+below it are skipped and the tokens below it masked.  Calls whose splits are short (``cta_plan``: batch 1, few KV heads
+at small batches, a 4096-token window) run CTAs of 8 warps instead of 4 at head dim 128 (WIDE_WARPS's comment).
 
 The kernel is compiled at first use by NVRTC, through torch (``torch.cuda._compile_kernel``), once per
-device, geometry, key width and dtype.  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
+device, geometry, key width and dtype (both CTA shapes at once, where the variant has two).  Math as ``decode._int2_decode_kernel`` (codes as float16 1024 + c*4^s, exact
 offset removal; the window's query as bfloat16 hi + lo parts).  Supported: head dim 64, 128 or 256, one
 quantization group per head (G = D) or, at D = 256, two (G = 128), up to MAX_GQA query heads per KV head, full or
 sliding-window layers, float32 / bfloat16 / float16 queries, constant key
