@@ -412,7 +412,9 @@ def int2_decode(q: torch.Tensor, pool: PagedKVPool, layer: int, batch: PagedBatc
         history = window_tokens(max_int2_pages * g.page_size, window, g.page_size)
         programs = bsz * h * int2_cuda.query_groups(gqa)
         if cuda_warps in (None, int2_cuda.NUM_WARPS):
-            wide = cuda_warps is cuda_split_target is None and int2_cuda.wide_error(d, rope_pairs, split) is None
+            # a given split target or 4 warps asks for the 4-warp plan
+            wide = cuda_warps is None and cuda_split_target is None and \
+                int2_cuda.wide_error(d, rope_pairs, split) is None
             warps, ns, chunk = int2_cuda.cta_plan(history, programs, g.page_size, num_sms(q.device), per_sm, d, wide)
         else:
             warps = cuda_warps
